@@ -1,0 +1,132 @@
+use std::fmt;
+
+/// Why a message could not be imported. Each variant says where.
+///
+/// ```
+/// let err = keel_message::openai::from_json(br#"[{"role":"user","content":"hi"},{"role":"robot"}]"#)
+///     .unwrap_err();
+/// assert_eq!(err.to_string(), "message 1: field `role`: unknown role `robot`");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    /// The input bytes are not UTF-8.
+    #[error("invalid UTF-8 at byte offset {offset}")]
+    InvalidUtf8 {
+        /// Offset of the first invalid byte.
+        offset: usize,
+    },
+    /// The input is not JSON.
+    #[error("malformed JSON at line {line}, column {column}: {message}")]
+    Json {
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// The parser's description.
+        message: String,
+    },
+    /// A list of messages was expected.
+    #[error("expected a JSON array of messages, found {found}")]
+    NotAList {
+        /// The JSON type found instead.
+        found: &'static str,
+    },
+    /// One field of one message is wrong.
+    #[error("{}field `{field}`: {problem}", Index(*index))]
+    Field {
+        /// Index of the message in its list, when reading a list.
+        index: Option<usize>,
+        /// Path of the field inside the message, e.g. `tool_calls[1].function.name`.
+        field: String,
+        /// What is wrong with it.
+        problem: Problem,
+    },
+}
+
+struct Index(Option<usize>);
+
+impl fmt::Display for Index {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(i) => write!(f, "message {i}: "),
+            None => Ok(()),
+        }
+    }
+}
+
+impl FormatError {
+    pub(crate) fn field(field: impl Into<String>, problem: Problem) -> Self {
+        FormatError::Field {
+            index: None,
+            field: field.into(),
+            problem,
+        }
+    }
+
+    /// Attaches the index of the message in its list.
+    #[must_use]
+    pub fn at_index(self, i: usize) -> Self {
+        match self {
+            FormatError::Field { field, problem, .. } => FormatError::Field {
+                index: Some(i),
+                field,
+                problem,
+            },
+            other => other,
+        }
+    }
+
+    /// Converts a JSON parse error.
+    pub fn from_json(e: &serde_json::Error) -> Self {
+        FormatError::Json {
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// What is wrong with a field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    /// A required field is absent.
+    #[error("missing")]
+    Missing,
+    /// The field has the wrong JSON type.
+    #[error("expected {expected}, found {found}")]
+    WrongType {
+        /// The type required.
+        expected: &'static str,
+        /// The type found.
+        found: &'static str,
+    },
+    /// A role name keel does not know.
+    #[error("unknown role `{0}`")]
+    UnknownRole(String),
+    /// A message or part type keel does not know.
+    #[error("unknown message type `{0}`")]
+    UnknownType(String),
+}
+
+/// Parses bytes as UTF-8 JSON, reporting the byte offset of invalid UTF-8.
+pub(crate) fn parse_json(bytes: &[u8]) -> Result<serde_json::Value, FormatError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| FormatError::InvalidUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    serde_json::from_str(text).map_err(|e| FormatError::from_json(&e))
+}
+
+/// Applies `f` to every element of a JSON array, tagging errors with the index.
+pub(crate) fn each<T>(
+    v: &serde_json::Value,
+    f: impl Fn(&serde_json::Value) -> Result<T, FormatError>,
+) -> Result<Vec<T>, FormatError> {
+    let items = v.as_array().ok_or(FormatError::NotAList {
+        found: crate::value::type_name(v),
+    })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| f(m).map_err(|e| e.at_index(i)))
+        .collect()
+}

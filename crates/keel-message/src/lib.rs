@@ -1,0 +1,61 @@
+//! The message model every keel crate speaks.
+//!
+//! An agent's history is a list of [`Message`]s: a system prompt, the user's asks,
+//! assistant turns that may carry [`ToolCall`]s, and tool results that answer them by
+//! `tool_call_id`. Tools an agent may call are described by [`ToolSpec`]s. Reducers
+//! merge messages into state, token counters price them, compaction summarizes and
+//! archives them; all of them use these types and nothing else.
+//!
+//! Three serialized forms are supported:
+//!
+//! * keel's own JSON (plain `serde`), lossless for every field;
+//! * OpenAI chat-completions messages, in [`openai`] (tool-call `arguments` are JSON
+//!   *strings* on the wire);
+//! * LangChain message dicts, in [`langchain`] (`type` human/ai/system/tool, tool-call
+//!   `args` as JSON objects).
+//!
+//! Importers never guess: malformed input is a [`FormatError`] that names the message
+//! index and the field. Tool-call arguments that are not valid JSON are kept verbatim as
+//! [`ToolArguments::Invalid`] rather than dropped.
+//!
+//! # Example
+//!
+//! ```
+//! use keel_message::{openai, Message, Role, ToolCall};
+//! use serde_json::json;
+//!
+//! let history = vec![
+//!     Message::system("You are a careful assistant."),
+//!     Message::user("What is the weather in Paris?"),
+//!     Message::assistant("").with_tool_calls(vec![ToolCall::new(
+//!         "call_1",
+//!         "get_weather",
+//!         json!({"city": "Paris"}),
+//!     )]),
+//!     Message::tool("call_1", "18°C, light rain"),
+//! ];
+//!
+//! // Export to the OpenAI wire format and back: nothing the format can hold is lost.
+//! let wire = openai::to_values(&history);
+//! assert_eq!(wire[2]["tool_calls"][0]["function"]["arguments"], r#"{"city":"Paris"}"#);
+//! let back = openai::from_values(&wire)?;
+//! assert_eq!(back, history);
+//! assert_eq!(back[3].role, Role::Tool);
+//! # Ok::<(), keel_message::FormatError>(())
+//! ```
+
+mod content;
+mod error;
+pub mod langchain;
+mod message;
+pub mod openai;
+mod tool;
+mod value;
+
+pub use content::{Content, ContentPart};
+pub use error::{FormatError, Problem};
+pub use message::{Message, Role};
+pub use tool::{ToolArguments, ToolCall, ToolSpec};
+
+/// Free-form metadata attached to a [`Message`] (a JSON object, insertion-ordered).
+pub type Metadata = serde_json::Map<String, serde_json::Value>;

@@ -1,0 +1,188 @@
+//! OpenAI chat-completions messages: import and export.
+//!
+//! The wire shape is `{"role", "content", "name", "tool_calls", "tool_call_id"}`, with
+//! each tool call `{"id", "type": "function", "function": {"name", "arguments"}}` and
+//! `arguments` a JSON *string*.
+//!
+//! * `developer` imports as [`Role::System`] and exports as `developer` again.
+//! * Fields keel does not model (`refusal`, `audio`, SWE-agent's `thought`, ...) are
+//!   kept in `metadata["openai"]` and written back on export.
+//! * Arguments that are not valid JSON are kept verbatim ([`ToolArguments::Invalid`])
+//!   and exported unchanged. Valid arguments are re-serialized compactly, with key order
+//!   kept.
+//! * An assistant message with tool calls and empty text exports `"content": null`.
+//! * Message ids and keel metadata have no place in this format and are not exported.
+//!
+//! ```
+//! use keel_message::{openai, ToolArguments};
+//!
+//! let wire = br#"[{"role":"assistant","content":null,"tool_calls":[
+//!     {"id":"c1","type":"function","function":{"name":"sh","arguments":"{not json"}}]}]"#;
+//! let msgs = openai::from_json(wire)?;
+//! assert_eq!(msgs[0].tool_calls[0].arguments, ToolArguments::Invalid("{not json".into()));
+//! assert!(msgs[0].has_invalid_tool_arguments());
+//! # Ok::<(), keel_message::FormatError>(())
+//! ```
+
+use serde_json::{Map, Value, json};
+
+use crate::error::{each, parse_json};
+use crate::value::{Obj, metadata_with_extras, restore_extras};
+use crate::{FormatError, Message, Problem, Role, ToolArguments, ToolCall, ToolSpec};
+
+const EXTRAS: &str = "openai";
+const KNOWN: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+
+/// Reads a JSON array of OpenAI messages from bytes.
+pub fn from_json(bytes: &[u8]) -> Result<Vec<Message>, FormatError> {
+    from_values_value(&parse_json(bytes)?)
+}
+
+/// Reads a slice of OpenAI message values.
+pub fn from_values(values: &[Value]) -> Result<Vec<Message>, FormatError> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| from_value(v).map_err(|e| e.at_index(i)))
+        .collect()
+}
+
+fn from_values_value(v: &Value) -> Result<Vec<Message>, FormatError> {
+    each(v, from_value)
+}
+
+/// Reads one OpenAI message.
+pub fn from_value(v: &Value) -> Result<Message, FormatError> {
+    let obj = Obj::root(v)?;
+    let role_name = obj.str("role")?;
+    let (role, keep_role) = match role_name {
+        "system" => (Role::System, false),
+        "developer" => (Role::System, true),
+        "user" => (Role::User, false),
+        "assistant" => (Role::Assistant, false),
+        "tool" => (Role::Tool, false),
+        other => return Err(obj.error("role", Problem::UnknownRole(other.to_owned()))),
+    };
+    let tool_calls = obj
+        .objects("tool_calls")?
+        .iter()
+        .map(tool_call_from)
+        .collect::<Result<Vec<_>, _>>()?;
+    let tool_call_id = obj.opt_str("tool_call_id")?.map(str::to_owned);
+    if role == Role::Tool && tool_call_id.is_none() {
+        return Err(obj.error("tool_call_id", Problem::Missing));
+    }
+    let mut extras = obj.extras(KNOWN);
+    if keep_role {
+        extras.insert("role".into(), Value::String(role_name.to_owned()));
+    }
+    Ok(Message {
+        id: None,
+        role,
+        content: obj.content("content")?,
+        tool_calls,
+        tool_call_id,
+        name: obj.opt_str("name")?.map(str::to_owned),
+        metadata: metadata_with_extras(EXTRAS, extras),
+    })
+}
+
+fn tool_call_from(call: &Obj<'_>) -> Result<ToolCall, FormatError> {
+    if let Some(kind) = call.opt_str("type")?
+        && kind != "function"
+    {
+        return Err(call.error("type", Problem::UnknownType(kind.to_owned())));
+    }
+    let function = call.object("function")?;
+    let arguments = match function.get("arguments") {
+        None => ToolArguments::Json(Value::Object(Map::new())),
+        Some(Value::String(raw)) => ToolArguments::parse(raw.clone()),
+        // Some servers (Ollama's OpenAI shim among them) send an object.
+        Some(v) => ToolArguments::Json(v.clone()),
+    };
+    Ok(ToolCall {
+        id: call.str("id")?.to_owned(),
+        name: function.str("name")?.to_owned(),
+        arguments,
+    })
+}
+
+/// Writes messages as OpenAI message values.
+pub fn to_values(messages: &[Message]) -> Vec<Value> {
+    messages.iter().map(to_value).collect()
+}
+
+/// Writes messages as a JSON array string.
+pub fn to_json(messages: &[Message]) -> String {
+    Value::Array(to_values(messages)).to_string()
+}
+
+/// Writes one message as an OpenAI message value.
+pub fn to_value(m: &Message) -> Value {
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(m.role.as_str().to_owned()));
+    let content = if m.content.is_empty() && !m.tool_calls.is_empty() {
+        Value::Null
+    } else {
+        m.content.to_value()
+    };
+    out.insert("content".into(), content);
+    if let Some(name) = &m.name {
+        out.insert("name".into(), Value::String(name.clone()));
+    }
+    if !m.tool_calls.is_empty() {
+        let calls = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments.to_json_string()},
+                })
+            })
+            .collect();
+        out.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        out.insert("tool_call_id".into(), Value::String(id.clone()));
+    }
+    restore_extras(EXTRAS, &m.metadata, &mut out);
+    Value::Object(out)
+}
+
+/// A tool spec in OpenAI's `tools` shape: `{"type": "function", "function": {...}}`.
+pub fn tool_to_value(spec: &ToolSpec) -> Value {
+    json!({
+        "type": "function",
+        "function": {
+            "name": spec.name,
+            "description": spec.description,
+            "parameters": spec.parameters,
+        },
+    })
+}
+
+/// Reads a tool spec from OpenAI's `tools` shape (or a bare `function` object).
+///
+/// ```
+/// use keel_message::openai;
+/// let v = serde_json::json!({"type":"function","function":{"name":"ls","parameters":{"type":"object"}}});
+/// assert_eq!(openai::tool_from_value(&v)?.name, "ls");
+/// # Ok::<(), keel_message::FormatError>(())
+/// ```
+pub fn tool_from_value(v: &Value) -> Result<ToolSpec, FormatError> {
+    let obj = Obj::root(v)?;
+    let function = match obj.opt_object("function")? {
+        Some(f) => f,
+        None => obj,
+    };
+    Ok(ToolSpec {
+        name: function.str("name")?.to_owned(),
+        description: function.opt_str("description")?.unwrap_or("").to_owned(),
+        parameters: function
+            .get("parameters")
+            .cloned()
+            .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+    })
+}

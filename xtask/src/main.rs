@@ -1,0 +1,41 @@
+//! keel's project automation, run as `cargo xtask <command>`.
+//!
+//! * `ci` — everything CI checks: fmt, clippy (all targets and features, `-D warnings`),
+//!   the tests, and cargo-deny when it is installed.
+//! * `test` — the test suite (the README's test command).
+//! * `bench` — benchmarks, side by side with the Python peers.
+//! * `gen-vectors` — regenerate differential test vectors from LangGraph's Python code.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod ci;
+mod python;
+
+mod util;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "keel project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// fmt --check, clippy -D warnings, tests, cargo-deny (when installed).
+    Ci,
+    /// Run the whole test suite.
+    Test {
+        /// Extra arguments passed to `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Ci => ci::ci(),
+        Command::Test { args } => ci::test(&args),
+    }
+}
