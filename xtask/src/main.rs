@@ -9,8 +9,10 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod ci;
 mod python;
+mod vectors;
 
 mod util;
 
@@ -31,11 +33,21 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Benchmarks with their Python peers side by side: `token`, `reducer`, or `all`.
+    Bench {
+        /// Which benchmark group to run.
+        #[arg(default_value = "all")]
+        target: String,
+    },
+    /// Regenerate the differential test vectors from LangGraph's Python `add_messages`.
+    GenVectors,
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Ci => ci::ci(),
         Command::Test { args } => ci::test(&args),
+        Command::Bench { target } => bench::bench(&target),
+        Command::GenVectors => vectors::gen_vectors(),
     }
 }

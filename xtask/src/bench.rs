@@ -1,0 +1,15 @@
+//! `cargo xtask bench <target>`: each target runs keel's benchmark and its peer in one go
+//! and prints medians side by side with their ratio.
+
+use anyhow::{Result, bail};
+
+mod token;
+
+/// Runs one benchmark group, or all of them.
+pub fn bench(target: &str) -> Result<()> {
+    match target {
+        "token" => token::run(),
+        "all" => token::run(),
+        other => bail!("unknown bench target `{other}` (expected token or all)"),
+    }
+}
