@@ -63,7 +63,9 @@ impl Content {
     pub fn to_value(&self) -> Value {
         match self {
             Content::Text(s) => Value::String(s.clone()),
-            Content::Parts(parts) => Value::Array(parts.iter().map(ContentPart::to_value).collect()),
+            Content::Parts(parts) => {
+                Value::Array(parts.iter().map(ContentPart::to_value).collect())
+            }
         }
     }
 
@@ -190,9 +192,9 @@ impl ContentPart {
                 if let Some(image) = obj.get("image_url").and_then(Value::as_object) {
                     let url = image.get("url").and_then(Value::as_str);
                     let detail = image.get("detail");
-                    let canonical_keys = image
-                        .keys()
-                        .all(|k| k == "url" || (k == "detail" && detail.is_some_and(Value::is_string)));
+                    let canonical_keys = image.keys().all(|k| {
+                        k == "url" || (k == "detail" && detail.is_some_and(Value::is_string))
+                    });
                     if let (Some(url), true) = (url, canonical_keys) {
                         return ContentPart::Image {
                             url: url.to_owned(),

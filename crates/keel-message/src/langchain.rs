@@ -101,7 +101,7 @@ pub fn from_value(v: &Value) -> Result<Message, FormatError> {
 
     let mut tool_calls = Vec::new();
     for call in obj.objects("tool_calls")? {
-        let arguments = match call.get("args") {
+        let arguments = match call.map.get("args") {
             None => ToolArguments::Json(Value::Object(Map::new())),
             Some(v) => ToolArguments::Json(v.clone()),
         };
@@ -167,9 +167,11 @@ pub fn to_value(m: &Message) -> Value {
                 Value::String(c.id.clone())
             };
             match &c.arguments {
-                ToolArguments::Json(args) => valid.push(json!({
-                    "name": c.name, "args": args, "id": id, "type": "tool_call",
-                })),
+                ToolArguments::Json(args) | ToolArguments::JsonText { value: args, .. } => {
+                    valid.push(json!({
+                        "name": c.name, "args": args, "id": id, "type": "tool_call",
+                    }));
+                }
                 ToolArguments::Invalid(raw) => invalid.push(json!({
                     "name": c.name, "args": raw, "id": id, "error": null,
                     "type": "invalid_tool_call",

@@ -54,12 +54,35 @@ impl ToolCall {
 }
 
 /// Tool-call arguments: a JSON value, or the raw text when it was not valid JSON.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Arguments that arrive as text (OpenAI's wire form) keep that text, so exporting them
+/// again is byte-identical: `{"a": 1}` does not become `{"a":1}`, and prompts rebuilt
+/// from imported history count the same tokens.
+///
+/// Equality compares the arguments, not their formatting: `Json(v)` equals
+/// `JsonText { value: v, .. }` whatever the text.
+#[derive(Debug, Clone)]
 pub enum ToolArguments {
-    /// Parsed arguments (usually an object).
+    /// Parsed arguments (usually an object), built in code or imported as JSON.
     Json(Value),
+    /// Valid JSON that arrived as text: the parsed value and the text, verbatim.
+    JsonText {
+        /// The parsed value.
+        value: Value,
+        /// The exact text it was parsed from.
+        raw: String,
+    },
     /// Arguments that failed to parse as JSON, verbatim. Never dropped.
     Invalid(String),
+}
+
+impl PartialEq for ToolArguments {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (ToolArguments::Invalid(a), ToolArguments::Invalid(b)) => a == b,
+            (a, b) => a.as_json().is_some() && a.as_json() == b.as_json(),
+        }
+    }
 }
 
 impl ToolArguments {
@@ -72,30 +95,37 @@ impl ToolArguments {
     /// ```
     pub fn parse(raw: String) -> Self {
         match serde_json::from_str(&raw) {
-            Ok(v) => ToolArguments::Json(v),
+            Ok(value) => ToolArguments::JsonText { value, raw },
             Err(_) => ToolArguments::Invalid(raw),
         }
     }
 
     /// False for arguments that were not valid JSON.
     pub fn is_valid(&self) -> bool {
-        matches!(self, ToolArguments::Json(_))
+        !matches!(self, ToolArguments::Invalid(_))
     }
 
     /// The parsed value, if valid.
     pub fn as_json(&self) -> Option<&Value> {
         match self {
-            ToolArguments::Json(v) => Some(v),
+            ToolArguments::Json(v) | ToolArguments::JsonText { value: v, .. } => Some(v),
             ToolArguments::Invalid(_) => None,
         }
     }
 
-    /// The arguments as a JSON string: compact JSON for valid arguments, the raw text
-    /// for invalid ones.
+    /// The arguments as a JSON string: the original text when there is one (valid or
+    /// not), compact JSON otherwise.
+    ///
+    /// ```
+    /// use keel_message::ToolArguments;
+    /// let spaced = ToolArguments::parse(r#"{"a": 1}"#.into());
+    /// assert_eq!(spaced.to_json_string(), r#"{"a": 1}"#);
+    /// assert_eq!(ToolArguments::Json(serde_json::json!({"a": 1})).to_json_string(), r#"{"a":1}"#);
+    /// ```
     pub fn to_json_string(&self) -> String {
         match self {
             ToolArguments::Json(v) => v.to_string(),
-            ToolArguments::Invalid(raw) => raw.clone(),
+            ToolArguments::JsonText { raw, .. } | ToolArguments::Invalid(raw) => raw.clone(),
         }
     }
 }
@@ -104,22 +134,37 @@ impl ToolArguments {
 struct ToolCallRepr {
     id: String,
     name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // `null` arguments are `Some(Value::Null)`, not absent.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
     arguments: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    raw_arguments: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     invalid_arguments: Option<String>,
 }
 
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
 impl Serialize for ToolCall {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (arguments, invalid_arguments) = match &self.arguments {
-            ToolArguments::Json(v) => (Some(v.clone()), None),
-            ToolArguments::Invalid(raw) => (None, Some(raw.clone())),
+        let (arguments, raw_arguments, invalid_arguments) = match &self.arguments {
+            ToolArguments::Json(v) => (Some(v.clone()), None, None),
+            ToolArguments::JsonText { value, raw } => {
+                (Some(value.clone()), Some(raw.clone()), None)
+            }
+            ToolArguments::Invalid(raw) => (None, None, Some(raw.clone())),
         };
         ToolCallRepr {
             id: self.id.clone(),
             name: self.name.clone(),
             arguments,
+            raw_arguments,
             invalid_arguments,
         }
         .serialize(s)
@@ -129,13 +174,14 @@ impl Serialize for ToolCall {
 impl<'de> Deserialize<'de> for ToolCall {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let r = ToolCallRepr::deserialize(d)?;
-        let arguments = match (r.arguments, r.invalid_arguments) {
-            (Some(v), None) => ToolArguments::Json(v),
-            (None, Some(raw)) => ToolArguments::Invalid(raw),
-            (None, None) => ToolArguments::Json(Value::Object(Default::default())),
-            (Some(_), Some(_)) => {
+        let arguments = match (r.arguments, r.raw_arguments, r.invalid_arguments) {
+            (Some(v), None, None) => ToolArguments::Json(v),
+            (Some(value), Some(raw), None) => ToolArguments::JsonText { value, raw },
+            (None, None, Some(raw)) => ToolArguments::Invalid(raw),
+            (None, None, None) => ToolArguments::Json(Value::Object(Default::default())),
+            _ => {
                 return Err(serde::de::Error::custom(
-                    "a tool call has both `arguments` and `invalid_arguments`",
+                    "a tool call has `invalid_arguments` together with `arguments` or `raw_arguments`",
                 ));
             }
         };

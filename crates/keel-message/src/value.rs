@@ -31,7 +31,11 @@ impl<'a> Obj<'a> {
         match v {
             Value::Object(map) => Ok(Obj { map, path }),
             other => Err(FormatError::field(
-                if path.is_empty() { "(message)".to_owned() } else { path },
+                if path.is_empty() {
+                    "(message)".to_owned()
+                } else {
+                    path
+                },
                 Problem::WrongType {
                     expected: "an object",
                     found: type_name(other),
