@@ -1,0 +1,261 @@
+//! What nodes return and what they can ask of the engine.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::State;
+
+/// A node's result: a state update and where to go next.
+///
+/// Most nodes just return an update (`#[derive(State)]` generates
+/// `From<YourStateUpdate> for Command<YourState>`); a node that routes by itself adds
+/// [`Command::goto`]. A caller resumes an interrupted thread with [`Command::resume`].
+pub struct Command<S: State> {
+    /// The update to fold into the state.
+    pub update: Option<S::Update>,
+    /// Nodes (or [`Send`] packets) to run next, in addition to the node's edges.
+    pub goto: Vec<Goto>,
+    /// For input to `invoke`: the answer to a pending `interrupt`.
+    pub resume: Option<Value>,
+}
+
+impl<S: State> Default for Command<S> {
+    fn default() -> Self {
+        Command {
+            update: None,
+            goto: Vec::new(),
+            resume: None,
+        }
+    }
+}
+
+impl<S: State> fmt::Debug for Command<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Command")
+            .field("update", &self.update.as_ref().map(|_| ".."))
+            .field("goto", &self.goto)
+            .field("resume", &self.resume)
+            .finish()
+    }
+}
+
+impl<S: State> Command<S> {
+    /// A command that only updates the state.
+    pub fn update(update: S::Update) -> Self {
+        Command {
+            update: Some(update),
+            ..Self::default()
+        }
+    }
+
+    /// A command that writes nothing (as a node result) or continues a thread from its
+    /// last checkpoint (as `invoke` input).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Input that answers a pending interrupt with `value`.
+    pub fn resume(value: impl Into<Value>) -> Self {
+        Command {
+            resume: Some(value.into()),
+            ..Self::default()
+        }
+    }
+
+    /// Adds targets to run next.
+    #[must_use]
+    pub fn goto(mut self, to: impl Into<Route>) -> Self {
+        self.goto.extend(to.into().0);
+        self
+    }
+}
+
+/// One target of a route: a node (run once per step however often named) or a
+/// [`Send`] packet (one task per packet).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Goto {
+    /// Run this node (or `END`).
+    Node(String),
+    /// Run a node with its own payload.
+    Send(Send),
+}
+
+/// Fan-out: run `node` as its own task with `payload` (read with
+/// [`NodeContext::payload`]). Several `Send`s to one node run as several tasks.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct Send {
+    /// The node to run.
+    pub node: String,
+    /// The task's own input.
+    pub payload: Value,
+}
+
+impl Send {
+    /// A packet for `node`.
+    pub fn new(node: impl Into<String>, payload: impl Into<Value>) -> Self {
+        Send {
+            node: node.into(),
+            payload: payload.into(),
+        }
+    }
+}
+
+/// Where a router sends the run: any number of nodes and `Send` packets.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Route(pub Vec<Goto>);
+
+impl From<&str> for Route {
+    fn from(s: &str) -> Self {
+        Route(vec![Goto::Node(s.to_owned())])
+    }
+}
+impl From<String> for Route {
+    fn from(s: String) -> Self {
+        Route(vec![Goto::Node(s)])
+    }
+}
+impl From<Vec<&str>> for Route {
+    fn from(v: Vec<&str>) -> Self {
+        Route(v.into_iter().map(|s| Goto::Node(s.to_owned())).collect())
+    }
+}
+impl From<Send> for Route {
+    fn from(s: Send) -> Self {
+        Route(vec![Goto::Send(s)])
+    }
+}
+impl From<Vec<Send>> for Route {
+    fn from(v: Vec<Send>) -> Self {
+        Route(v.into_iter().map(Goto::Send).collect())
+    }
+}
+impl From<Vec<Goto>> for Route {
+    fn from(v: Vec<Goto>) -> Self {
+        Route(v)
+    }
+}
+
+/// Why a node did not produce a result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// The node paused the thread with [`NodeContext::interrupt`]; not a failure.
+    #[error("interrupted: {0}")]
+    Interrupt(Value),
+    /// The node failed.
+    #[error(transparent)]
+    Failed(Box<dyn std::error::Error + std::marker::Send + Sync>),
+}
+
+impl NodeError {
+    /// A failure from any error.
+    pub fn new(e: impl Into<Box<dyn std::error::Error + std::marker::Send + Sync>>) -> Self {
+        NodeError::Failed(e.into())
+    }
+
+    /// A failure with a message.
+    pub fn msg(message: impl fmt::Display) -> Self {
+        NodeError::Failed(message.to_string().into())
+    }
+}
+
+/// What a running node knows about its task, and how it asks for human input.
+#[derive(Debug, Clone)]
+pub struct NodeContext {
+    pub(crate) node: Arc<str>,
+    pub(crate) step: i64,
+    pub(crate) task_id: Arc<str>,
+    pub(crate) payload: Option<Value>,
+    pub(crate) resume: Arc<Vec<Value>>,
+    pub(crate) interrupts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl NodeContext {
+    /// The node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The superstep this task runs in.
+    pub fn step(&self) -> i64 {
+        self.step
+    }
+
+    /// The task's id (stable across a crash and resume).
+    pub fn task_id(&self) -> &str {
+        &self.task_id
+    }
+
+    /// The payload of the [`Send`] that started this task, if any.
+    pub fn payload(&self) -> Option<&Value> {
+        self.payload.as_ref()
+    }
+
+    /// Pauses the thread and asks for a value, or returns the value if the thread was
+    /// resumed with [`Command::resume`].
+    ///
+    /// Propagate the error with `?`: the engine stores the interrupt with the thread's
+    /// checkpoint and `invoke` returns with [`crate::Run::interrupts`] set. On resume the
+    /// node runs again from its start, and this call returns the answer. A node may
+    /// interrupt several times; answers are matched by order.
+    pub fn interrupt(&self, value: impl Into<Value>) -> Result<Value, NodeError> {
+        let i = self
+            .interrupts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        match self.resume.get(i) {
+            Some(answer) => Ok(answer.clone()),
+            None => Err(NodeError::Interrupt(value.into())),
+        }
+    }
+}
+
+/// Retry on node failure, with exponential backoff.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts in all, including the first (1 = no retry).
+    pub max_attempts: u32,
+    /// Wait before the second attempt.
+    pub initial_backoff: Duration,
+    /// Factor applied to the wait after each attempt.
+    pub multiplier: f64,
+    /// Longest wait.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(500),
+            multiplier: 2.0,
+            max_backoff: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+        let factor = self
+            .multiplier
+            .powi(i32::try_from(attempt).unwrap_or(i32::MAX));
+        self.initial_backoff
+            .mul_f64(factor.min(1e6))
+            .min(self.max_backoff)
+    }
+}
+
+/// Per-node execution options.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeOptions {
+    /// Fail the attempt if it takes longer.
+    pub timeout: Option<Duration>,
+    /// Retry failed attempts (not interrupts).
+    pub retry: Option<RetryPolicy>,
+    /// Where a node that routes itself with [`Command::goto`] may go, for the
+    /// reachability check in `compile`.
+    pub destinations: Vec<String>,
+}

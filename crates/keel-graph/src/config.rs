@@ -1,0 +1,148 @@
+//! Per-invocation configuration and results.
+
+use keel_checkpoint::{CheckpointId, CheckpointMetadata, ThreadKey};
+use serde_json::{Map, Value};
+
+/// The default recursion limit: the most supersteps one invocation may run.
+pub const DEFAULT_RECURSION_LIMIT: usize = 10_000;
+
+/// When checkpoints are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Each step's checkpoint (and each task's writes) is stored before the next step
+    /// starts. A crash loses at most the step in flight, and finished tasks of that step
+    /// are not run again.
+    #[default]
+    Sync,
+    /// Checkpoints are stored by a background writer while the next step runs, through
+    /// a bounded queue (the run waits when the queue is full). `invoke` returns only
+    /// after every write is stored.
+    Async,
+    /// Only the final state (or the state at an interrupt) is stored.
+    Exit,
+}
+
+/// How one invocation runs.
+///
+/// ```
+/// use keel_graph::{Durability, RunConfig};
+/// let config = RunConfig::thread("t-1").with_durability(Durability::Async);
+/// assert_eq!(config.thread_id.as_deref(), Some("t-1"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The thread to load and checkpoint (needs a checkpointer).
+    pub thread_id: Option<String>,
+    /// Checkpoint namespace (`""` for a root graph).
+    pub checkpoint_ns: String,
+    /// Start from this past checkpoint instead of the latest (time travel: the run
+    /// forks from it).
+    pub checkpoint_id: Option<CheckpointId>,
+    /// The most supersteps this invocation may run.
+    pub recursion_limit: usize,
+    /// When checkpoints are written.
+    pub durability: Durability,
+    /// Extra metadata stored with every checkpoint of this invocation.
+    pub metadata: Map<String, Value>,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            thread_id: None,
+            checkpoint_ns: String::new(),
+            checkpoint_id: None,
+            recursion_limit: DEFAULT_RECURSION_LIMIT,
+            durability: Durability::Sync,
+            metadata: Map::new(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// A config for one thread.
+    pub fn thread(thread_id: impl Into<String>) -> Self {
+        RunConfig {
+            thread_id: Some(thread_id.into()),
+            ..Self::default()
+        }
+    }
+
+    /// Starts from a past checkpoint.
+    #[must_use]
+    pub fn at(mut self, checkpoint_id: CheckpointId) -> Self {
+        self.checkpoint_id = Some(checkpoint_id);
+        self
+    }
+
+    /// Sets the recursion limit.
+    #[must_use]
+    pub fn with_recursion_limit(mut self, limit: usize) -> Self {
+        self.recursion_limit = limit;
+        self
+    }
+
+    /// Sets the durability mode.
+    #[must_use]
+    pub fn with_durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    pub(crate) fn thread_key(&self) -> Option<ThreadKey> {
+        self.thread_id
+            .as_ref()
+            .map(|t| ThreadKey::new(t.clone()).with_ns(self.checkpoint_ns.clone()))
+    }
+}
+
+/// A pending interrupt: a node asked for input.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Interrupt {
+    /// The node that asked.
+    pub node: String,
+    /// Its task.
+    pub task_id: String,
+    /// What it asked (the value given to `interrupt`).
+    pub value: Value,
+}
+
+/// The result of an invocation.
+#[derive(Debug, Clone)]
+pub struct Run<S> {
+    /// The state when the run stopped.
+    pub state: S,
+    /// Interrupts that paused the run (empty if it finished or stopped at a static
+    /// breakpoint).
+    pub interrupts: Vec<Interrupt>,
+    /// Nodes that would run next; empty when the run reached `END`.
+    pub next: Vec<String>,
+    /// The last checkpoint stored, if any.
+    pub checkpoint_id: Option<CheckpointId>,
+    /// Supersteps run by this invocation.
+    pub steps: usize,
+}
+
+impl<S> Run<S> {
+    /// True if the run stopped before `END` (an interrupt or a breakpoint).
+    pub fn is_paused(&self) -> bool {
+        !self.next.is_empty()
+    }
+}
+
+/// A thread's state at one checkpoint.
+#[derive(Debug, Clone)]
+pub struct StateSnapshot<S> {
+    /// The state.
+    pub values: S,
+    /// Nodes scheduled to run next.
+    pub next: Vec<String>,
+    /// Interrupts pending at this checkpoint.
+    pub interrupts: Vec<Interrupt>,
+    /// The checkpoint.
+    pub checkpoint_id: CheckpointId,
+    /// Its parent.
+    pub parent_id: Option<CheckpointId>,
+    /// Its metadata.
+    pub metadata: CheckpointMetadata,
+}

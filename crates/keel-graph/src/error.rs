@@ -1,0 +1,89 @@
+use std::time::Duration;
+
+use keel_checkpoint::{CheckpointError, CheckpointId};
+
+use crate::StateError;
+
+/// Why an invocation failed. The thread stays at its last stored checkpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GraphError {
+    /// The run needed more supersteps than the recursion limit allows.
+    #[error("recursion limit of {limit} supersteps reached at step {step} without reaching END")]
+    RecursionLimit {
+        /// The limit.
+        limit: usize,
+        /// The step at which it was reached.
+        step: i64,
+    },
+    /// A node returned an error (after its retries).
+    #[error("node `{node}` failed: {source}")]
+    Node {
+        /// The node.
+        node: String,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A node panicked.
+    #[error("node `{node}` panicked: {message}")]
+    NodePanicked {
+        /// The node.
+        node: String,
+        /// The panic message.
+        message: String,
+    },
+    /// A node took longer than its timeout (on its last attempt).
+    #[error("node `{node}` timed out after {after:?}")]
+    NodeTimeout {
+        /// The node.
+        node: String,
+        /// The timeout.
+        after: Duration,
+    },
+    /// A router or `goto` named a node that does not exist.
+    #[error("`{from}` routed to unknown node `{to}`")]
+    UnknownTarget {
+        /// Who routed.
+        from: String,
+        /// Where to.
+        to: String,
+    },
+    /// A channel could not be updated, encoded or decoded.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The checkpointer failed (including a stale-writer conflict).
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// Something needing a checkpointer and a thread id ran without one.
+    #[error("{what} needs a checkpointer and a thread_id")]
+    CheckpointerRequired {
+        /// What was attempted.
+        what: &'static str,
+    },
+    /// `Command::resume` on a thread with no pending interrupt.
+    #[error("thread `{thread_id}` has no pending interrupt to resume")]
+    NoPendingInterrupt {
+        /// The thread.
+        thread_id: String,
+    },
+    /// The requested checkpoint does not exist.
+    #[error("checkpoint {id} not found in thread `{thread_id}`")]
+    CheckpointNotFound {
+        /// The thread.
+        thread_id: String,
+        /// The checkpoint.
+        id: CheckpointId,
+    },
+    /// Stored engine data (scheduled tasks) is unreadable.
+    #[error("checkpoint {id}: corrupt task list: {reason}")]
+    CorruptTasks {
+        /// The checkpoint.
+        id: CheckpointId,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The background checkpoint writer stopped.
+    #[error("the background checkpoint writer stopped")]
+    WriterStopped,
+}

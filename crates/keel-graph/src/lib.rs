@@ -1,0 +1,67 @@
+//! keel's graph runtime: LangGraph's model in Rust.
+//!
+//! A graph runs over a typed [`State`] whose fields are *channels*, each merged by a
+//! [`reducer::Reducer`]. Nodes are async functions that read the state and return a
+//! partial update (or a [`Command`] that also routes). Execution is bulk-synchronous
+//! (Pregel): each superstep runs its scheduled tasks concurrently, then folds their
+//! updates in a fixed order (by task path), so a result never depends on which task
+//! finished first. With a [`keel_checkpoint::Checkpointer`] every superstep is stored as
+//! per-channel deltas, which gives interrupts, resume after a crash, and time travel.
+//!
+//! ```
+//! use keel_graph::reducer::{AddMessages, Messages};
+//! use keel_graph::{END, RunConfig, START, State, StateGraph};
+//! use keel_message::Message;
+//!
+//! #[derive(Clone, State)]
+//! struct Chat {
+//!     #[reducer(AddMessages)]
+//!     messages: Messages,
+//!     turns: u32,
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! let graph = StateGraph::<Chat>::new()
+//!     .add_node("echo", |state, _ctx| async move {
+//!         let last = state.messages.iter().last().map(|m| m.text().into_owned()).unwrap_or_default();
+//!         Ok(ChatUpdate::default()
+//!             .messages(keel_graph::reducer::MessagesUpdate::append(vec![Message::assistant(last)]))
+//!             .turns(state.turns + 1))
+//!     })
+//!     .add_edge(START, "echo")
+//!     .add_edge("echo", END)
+//!     .compile()?;
+//!
+//! let input = ChatUpdate::default()
+//!     .messages(keel_graph::reducer::MessagesUpdate::append(vec![Message::user("hi")]));
+//! let run = graph.invoke(input, &RunConfig::default()).await?;
+//! assert_eq!(run.state.messages.len(), 2);
+//! assert_eq!(run.state.turns, 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod command;
+mod config;
+mod engine;
+mod error;
+mod graph;
+pub mod state;
+mod stream;
+
+pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, RetryPolicy, Route, Send};
+pub use config::{DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot};
+pub use engine::CompiledGraph;
+pub use error::GraphError;
+pub use graph::{BuildError, StateGraph};
+pub use keel_checkpoint as checkpoint;
+pub use keel_graph_macros::State;
+pub use keel_reducer as reducer;
+pub use state::{State, StateError, channel_index};
+pub use stream::{Event, StreamMode};
+
+/// The virtual node a run starts from.
+pub const START: &str = "__start__";
+/// The virtual node a run ends at.
+pub const END: &str = "__end__";

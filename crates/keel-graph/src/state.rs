@@ -1,0 +1,145 @@
+//! Typed state: a struct whose fields are channels, each merged by a reducer.
+
+use serde_json::Value;
+
+use keel_reducer::ReduceError;
+
+/// A graph's state schema.
+///
+/// Each field is a *channel* with a [`keel_reducer::Reducer`]; nodes return a partial
+/// [`State::Update`] and the engine folds all updates of one superstep into the state,
+/// channel by channel, in task-path order. Channels serialize one by one (serde JSON), so
+/// a checkpointer stores each channel's per-step updates (deltas) rather than the whole
+/// state.
+///
+/// Implement it with `#[derive(State)]` (see the crate docs), or by hand.
+pub trait State: Clone + Send + Sync + 'static {
+    /// The partial update a node returns: every channel optional.
+    type Update: Default + Send + 'static;
+
+    /// Channel names, in declaration order.
+    const CHANNELS: &'static [&'static str];
+
+    /// The state before any write: every channel's reducer-empty value.
+    fn empty() -> Self;
+
+    /// Folds one superstep's updates, in the order given, into the state. Returns the
+    /// indexes (into [`State::CHANNELS`]) of the channels written, ascending.
+    ///
+    /// On error the state may have been changed in channels before the failing one; the
+    /// engine discards it and the thread stays at its last checkpoint.
+    fn apply(&mut self, updates: Vec<Self::Update>) -> Result<Vec<usize>, StateError>;
+
+    /// The channels an update writes, each with its update encoded as JSON.
+    fn encode_update(update: &Self::Update) -> Result<Vec<(usize, Value)>, StateError>;
+
+    /// Rebuilds an update from per-channel JSON (the inverse of [`State::encode_update`]).
+    fn decode_update(values: &[(usize, Value)]) -> Result<Self::Update, StateError>;
+
+    /// The full value of one channel, as JSON.
+    fn encode_channel(&self, channel: usize) -> Result<Value, StateError>;
+
+    /// Replaces one channel's value with a decoded snapshot.
+    fn restore_channel(&mut self, channel: usize, snapshot: Value) -> Result<(), StateError>;
+
+    /// Folds one stored delta (the JSON updates of one step) into one channel.
+    fn fold_channel(&mut self, channel: usize, updates: Vec<Value>) -> Result<(), StateError>;
+}
+
+/// Looks up a channel index by name.
+pub fn channel_index<S: State>(name: &str) -> Option<usize> {
+    S::CHANNELS.iter().position(|c| *c == name)
+}
+
+/// An error reading or writing a state channel. Always names the channel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// The channel's reducer refused the step's updates.
+    #[error("channel `{channel}`: {source}")]
+    Reduce {
+        /// The channel.
+        channel: &'static str,
+        /// The reducer's error.
+        #[source]
+        source: ReduceError,
+    },
+    /// A value or update could not be encoded as JSON.
+    #[error("channel `{channel}`: cannot encode: {source}")]
+    Encode {
+        /// The channel.
+        channel: &'static str,
+        /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Stored JSON does not decode into the channel's type (for example, the schema
+    /// changed since it was written). Never replaced by a default.
+    #[error("channel `{channel}`: stored data does not match its type: {source}")]
+    Decode {
+        /// The channel.
+        channel: String,
+        /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A stored channel the schema does not have.
+    #[error("unknown channel `{channel}`")]
+    UnknownChannel {
+        /// The name or index found.
+        channel: String,
+    },
+}
+
+impl StateError {
+    /// `UnknownChannel` for an index.
+    pub fn unknown_index(channel: usize) -> Self {
+        StateError::UnknownChannel {
+            channel: format!("#{channel}"),
+        }
+    }
+}
+
+/// Support code called by `#[derive(State)]`; not part of the stable API.
+#[doc(hidden)]
+pub mod __private {
+    use keel_reducer::Reducer;
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+    use serde_json::Value;
+
+    use super::StateError;
+
+    /// Folds `updates` into `value` with `reducer`, naming `channel` on error.
+    pub fn reduce<R: Reducer>(
+        reducer: &R,
+        channel: &'static str,
+        value: &mut R::Value,
+        updates: Vec<R::Update>,
+    ) -> Result<(), StateError> {
+        reducer
+            .reduce(value, updates)
+            .map_err(|source| StateError::Reduce { channel, source })
+    }
+
+    /// Encodes to JSON, naming `channel` on error.
+    pub fn encode<T: Serialize>(channel: &'static str, v: &T) -> Result<Value, StateError> {
+        serde_json::to_value(v).map_err(|source| StateError::Encode { channel, source })
+    }
+
+    /// Decodes from JSON, naming `channel` on error.
+    pub fn decode<T: DeserializeOwned>(channel: &'static str, v: Value) -> Result<T, StateError> {
+        serde_json::from_value(v).map_err(|source| StateError::Decode {
+            channel: channel.to_owned(),
+            source,
+        })
+    }
+
+    /// Decodes each stored update of one delta.
+    pub fn decode_all<T: DeserializeOwned>(
+        channel: &'static str,
+        vs: Vec<Value>,
+    ) -> Result<Vec<T>, StateError> {
+        vs.into_iter().map(|v| decode(channel, v)).collect()
+    }
+}

@@ -1,0 +1,100 @@
+//! Streaming events of a run.
+
+use keel_checkpoint::CheckpointId;
+use serde_json::Value;
+
+use crate::config::Interrupt;
+
+/// Which events [`crate::CompiledGraph::stream`] yields.
+///
+/// ```
+/// let mode = keel_graph::StreamMode::values().with_updates();
+/// assert!(mode.values && mode.updates && !mode.debug);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamMode {
+    /// The whole state after each step.
+    pub values: bool,
+    /// Each node's update, per step.
+    pub updates: bool,
+    /// Each stored checkpoint.
+    pub debug: bool,
+}
+
+impl StreamMode {
+    /// Only state values.
+    pub fn values() -> Self {
+        StreamMode {
+            values: true,
+            ..Self::default()
+        }
+    }
+
+    /// Only node updates.
+    pub fn updates() -> Self {
+        StreamMode {
+            updates: true,
+            ..Self::default()
+        }
+    }
+
+    /// Everything.
+    pub fn all() -> Self {
+        StreamMode {
+            values: true,
+            updates: true,
+            debug: true,
+        }
+    }
+
+    /// Adds node updates.
+    #[must_use]
+    pub fn with_updates(mut self) -> Self {
+        self.updates = true;
+        self
+    }
+
+    /// Adds checkpoint events.
+    #[must_use]
+    pub fn with_debug(mut self) -> Self {
+        self.debug = true;
+        self
+    }
+}
+
+/// One event of a streamed run.
+#[derive(Debug, Clone)]
+pub enum Event<S> {
+    /// The state after a step.
+    Values {
+        /// The step.
+        step: i64,
+        /// The state.
+        state: S,
+    },
+    /// What one node wrote in a step, per channel (encoded as JSON).
+    Updates {
+        /// The step.
+        step: i64,
+        /// The node.
+        node: String,
+        /// `(channel, update)` pairs.
+        update: Vec<(&'static str, Value)>,
+    },
+    /// A checkpoint was stored (handed to the writer, for async durability).
+    Checkpoint {
+        /// The step.
+        step: i64,
+        /// Its id.
+        id: CheckpointId,
+        /// Nodes scheduled next.
+        next: Vec<String>,
+    },
+    /// The run ended: at `END` (empty `next`), at an interrupt, or at a breakpoint.
+    Done {
+        /// Nodes that would run next.
+        next: Vec<String>,
+        /// Pending interrupts.
+        interrupts: Vec<Interrupt>,
+    },
+}
