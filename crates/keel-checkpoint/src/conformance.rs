@@ -1,0 +1,1316 @@
+//! The conformance suite every [`Checkpointer`] must pass (feature `conformance`).
+//!
+//! Backend crates run it from their tests:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use keel_checkpoint::{MemorySaver, conformance};
+//!
+//! conformance::run_all(|| async { MemorySaver::new() }).await;
+//! # }
+//! ```
+//!
+//! Or one check at a time, each as its own test (every check uses fresh, random thread
+//! ids, so checks may share one saver, and one database):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use keel_checkpoint::{MemorySaver, conformance};
+//!
+//! conformance::stale_writes_refused(&MemorySaver::new()).await;
+//! # }
+//! ```
+//!
+//! A failing check panics with a message that starts with `[conformance::<check>]`.
+//! The suite models channels as "append" channels: a value is a JSON array, each
+//! update one appended item, and a snapshot the whole array.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use futures::TryStreamExt;
+use serde_json::{Value, json};
+
+use crate::{
+    ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId,
+    CheckpointMetadata, CheckpointSource, CheckpointTuple, Checkpointer, ListOptions, PendingWrite,
+    PutRequest, ThreadKey,
+};
+
+/// Runs every check, each on a fresh saver from `make`.
+pub async fn run_all<C, F, Fut>(make: F)
+where
+    C: Checkpointer,
+    F: Fn() -> Fut,
+    Fut: Future<Output = C>,
+{
+    round_trip(&make().await).await;
+    list_order_and_filters(&make().await).await;
+    chains_without_snapshots(&make().await).await;
+    chains_with_snapshots(&make().await).await;
+    chains_across_fork(&make().await).await;
+    pending_writes(&make().await).await;
+    resume_after_crash_mid_step(&make().await).await;
+    delete_thread(&make().await).await;
+    prune(&make().await).await;
+    stale_writes_refused(&make().await).await;
+    racing_writers(&make().await).await;
+    invalid_puts_refused(&make().await).await;
+    namespaces_isolated(&make().await).await;
+}
+
+// ---------------------------------------------------------------------------------
+// A small driver: a model of the expected state per checkpoint, and helpers that put
+// steps and compare what the saver rebuilds with the model.
+
+type State = BTreeMap<String, Vec<Value>>;
+
+/// How one step writes one channel.
+#[derive(Clone)]
+enum Write {
+    /// Append these items.
+    Append(Vec<Value>),
+    /// Append these items and include the full value as a snapshot.
+    AppendSnapshot(Vec<Value>),
+    /// Replace the value with these items (a delta with no base).
+    Reset(Vec<Value>),
+}
+
+fn append(items: &[&str]) -> Write {
+    Write::Append(items.iter().map(|s| json!(s)).collect())
+}
+
+fn append_snapshot(items: &[&str]) -> Write {
+    Write::AppendSnapshot(items.iter().map(|s| json!(s)).collect())
+}
+
+fn reset(items: &[&str]) -> Write {
+    Write::Reset(items.iter().map(|s| json!(s)).collect())
+}
+
+fn fresh_thread(check: &str) -> ThreadKey {
+    ThreadKey::new(format!("conformance-{check}-{}", uuid::Uuid::new_v4()))
+}
+
+struct Driver<'s, C: ?Sized> {
+    check: &'static str,
+    saver: &'s C,
+    thread: ThreadKey,
+    /// Expected checkpoint, metadata and state per id.
+    stored: BTreeMap<CheckpointId, (Checkpoint, CheckpointMetadata, State)>,
+    head: Option<CheckpointId>,
+}
+
+impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
+    fn new(check: &'static str, saver: &'s C) -> Self {
+        Self::on(check, saver, fresh_thread(check))
+    }
+
+    fn on(check: &'static str, saver: &'s C, thread: ThreadKey) -> Self {
+        Self {
+            check,
+            saver,
+            thread,
+            stored: BTreeMap::new(),
+            head: None,
+        }
+    }
+
+    /// Builds the request for one step on top of `parent` (no channels if `None`).
+    fn request(
+        &self,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+        metadata: CheckpointMetadata,
+    ) -> (PutRequest, State) {
+        let (mut checkpoint, mut state) = match parent {
+            Some(parent) => {
+                let (checkpoint, _, state) = &self.stored[parent];
+                let mut next = checkpoint.successor();
+                if let Some(head) = &self.head {
+                    next.id = CheckpointId::new_after(head);
+                }
+                (next, state.clone())
+            }
+            None => (Checkpoint::new(None), State::new()),
+        };
+        let step = metadata.step;
+        checkpoint.versions_seen.insert(
+            "node".into(),
+            BTreeMap::from([("step".into(), step.unsigned_abs())]),
+        );
+        checkpoint.pending_sends = vec![json!({"node": "next", "arg": step})];
+        let mut deltas = Vec::new();
+        for (channel, write) in writes {
+            let base = checkpoint.channel_versions.get(*channel).cloned();
+            let seq = base.as_ref().map_or(1, |v| v.seq + 1);
+            let version = ChannelVersion::new(seq, checkpoint.id.clone());
+            checkpoint
+                .channel_versions
+                .insert((*channel).to_owned(), version.clone());
+            let value = state.entry((*channel).to_owned()).or_default();
+            let (base, updates, snapshot) = match write {
+                Write::Append(items) => {
+                    value.extend(items.iter().cloned());
+                    (base, items.clone(), None)
+                }
+                Write::AppendSnapshot(items) => {
+                    value.extend(items.iter().cloned());
+                    (base, items.clone(), Some(Value::Array(value.clone())))
+                }
+                Write::Reset(items) => {
+                    *value = items.clone();
+                    (None, items.clone(), None)
+                }
+            };
+            deltas.push(ChannelDelta {
+                channel: (*channel).to_owned(),
+                version,
+                base,
+                updates,
+                snapshot,
+            });
+        }
+        let request = PutRequest {
+            thread: self.thread.clone(),
+            checkpoint,
+            metadata,
+            deltas,
+            expected_head: self.head.clone(),
+        };
+        (request, state)
+    }
+
+    /// Puts one step on top of `parent` and records what it should rebuild to.
+    async fn step_with(
+        &mut self,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+        metadata: CheckpointMetadata,
+    ) -> CheckpointId {
+        let (request, state) = self.request(parent, writes, metadata);
+        let id = request.checkpoint.id.clone();
+        let expected = (request.checkpoint.clone(), request.metadata.clone(), state);
+        if let Err(err) = self.saver.put(request).await {
+            panic!(
+                "[conformance::{}] put of a valid checkpoint failed: {err}",
+                self.check
+            );
+        }
+        self.stored.insert(id.clone(), expected);
+        self.head = Some(id.clone());
+        id
+    }
+
+    /// A `loop` step numbered after its parent.
+    async fn step(
+        &mut self,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+    ) -> CheckpointId {
+        let step = parent.map_or(-1, |p| self.stored[p].1.step + 1);
+        let source = if parent.is_none() {
+            CheckpointSource::Input
+        } else {
+            CheckpointSource::Loop
+        };
+        self.step_with(parent, writes, CheckpointMetadata::new(source, step))
+            .await
+    }
+
+    async fn get(&self, id: Option<&CheckpointId>) -> Option<CheckpointTuple> {
+        match self.saver.get(&self.thread, id).await {
+            Ok(found) => found,
+            Err(err) => panic!("[conformance::{}] get({id:?}) failed: {err}", self.check),
+        }
+    }
+
+    async fn list(&self, options: ListOptions) -> Vec<CheckpointId> {
+        match self
+            .saver
+            .list(&self.thread, options)
+            .try_collect::<Vec<_>>()
+            .await
+        {
+            Ok(items) => items.into_iter().map(|s| s.checkpoint.id).collect(),
+            Err(err) => panic!("[conformance::{}] list failed: {err}", self.check),
+        }
+    }
+
+    /// Asserts that checkpoint `id` is stored exactly as put and rebuilds to its state.
+    async fn assert_stored(&self, id: &CheckpointId) -> CheckpointTuple {
+        let check = self.check;
+        let Some(tuple) = self.get(Some(id)).await else {
+            panic!("[conformance::{check}] checkpoint {id} is missing");
+        };
+        let (checkpoint, metadata, state) = &self.stored[id];
+        assert_eq!(
+            tuple.thread, self.thread,
+            "[conformance::{check}] tuple.thread of {id}"
+        );
+        assert_eq!(
+            &tuple.checkpoint, checkpoint,
+            "[conformance::{check}] checkpoint {id} changed in storage"
+        );
+        assert_eq!(
+            &tuple.metadata, metadata,
+            "[conformance::{check}] metadata of {id}"
+        );
+        let channels: Vec<&String> = tuple.channels.keys().collect();
+        let versions: Vec<&String> = checkpoint.channel_versions.keys().collect();
+        assert_eq!(
+            channels, versions,
+            "[conformance::{check}] {id}: one chain per channel version"
+        );
+        for (channel, expected) in state {
+            let rebuilt = fold(&tuple.channels[channel]);
+            assert_eq!(
+                &rebuilt, expected,
+                "[conformance::{check}] {id}: channel {channel:?} rebuilt from {:?}",
+                tuple.channels[channel]
+            );
+        }
+        tuple
+    }
+
+    async fn assert_head(&self, expected: Option<&CheckpointId>) {
+        let head = self.get(None).await.map(|t| t.checkpoint.id);
+        assert_eq!(
+            head.as_ref(),
+            expected,
+            "[conformance::{}] head of {}",
+            self.check,
+            self.thread
+        );
+    }
+
+    async fn put_writes(&self, id: &CheckpointId, writes: Vec<PendingWrite>) {
+        if let Err(err) = self.saver.put_writes(&self.thread, id, writes).await {
+            panic!(
+                "[conformance::{}] put_writes on {id} failed: {err}",
+                self.check
+            );
+        }
+    }
+}
+
+/// The value of an append channel: the snapshot's items, then every update.
+fn fold(chain: &ChannelChain) -> Vec<Value> {
+    let mut items = match &chain.snapshot {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items.clone(),
+        Some(other) => panic!("[conformance] snapshot is not the array that was put: {other}"),
+    };
+    items.extend(chain.updates().cloned());
+    items
+}
+
+fn write(task: &str, channel: &str, value: Value) -> PendingWrite {
+    PendingWrite::new(task, format!("path/{task}"), channel, value)
+}
+
+// ---------------------------------------------------------------------------------
+// The checks.
+
+/// Put and get: the newest checkpoint and one by id come back exactly as put; absent
+/// threads and ids give `None`.
+pub async fn round_trip<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "round_trip";
+    let mut d = Driver::new(CHECK, saver);
+    assert!(
+        d.get(None).await.is_none(),
+        "[conformance::{CHECK}] empty thread has a head"
+    );
+    assert!(
+        d.list(ListOptions::default()).await.is_empty(),
+        "[conformance::{CHECK}] empty thread lists checkpoints"
+    );
+
+    let first = d
+        .step_with(
+            None,
+            &[
+                ("messages", append(&["hi"])),
+                ("goal", append(&["ship it"])),
+            ],
+            CheckpointMetadata::new(CheckpointSource::Input, -1)
+                .with_extra("run", json!("r1"))
+                .with_extra("nested", json!({"a": [1, 2.5, null, true]})),
+        )
+        .await;
+    let tuple = d.assert_stored(&first).await;
+    assert!(
+        tuple.pending_writes.is_empty(),
+        "[conformance::{CHECK}] fresh checkpoint has writes"
+    );
+    d.assert_head(Some(&first)).await;
+
+    let second = d
+        .step(Some(&first), &[("messages", append(&["hello", "there"]))])
+        .await;
+    d.assert_head(Some(&second)).await;
+    let latest = d.get(None).await.unwrap();
+    assert_eq!(
+        latest,
+        d.assert_stored(&second).await,
+        "[conformance::{CHECK}] get(None) differs from get(head)"
+    );
+    d.assert_stored(&first).await;
+
+    let absent = CheckpointId::new();
+    assert!(
+        d.get(Some(&absent)).await.is_none(),
+        "[conformance::{CHECK}] unknown id found"
+    );
+    let other = Driver::new(CHECK, saver);
+    assert!(
+        other.get(None).await.is_none(),
+        "[conformance::{CHECK}] another thread sees this one's head"
+    );
+    assert!(
+        other.get(Some(&first)).await.is_none(),
+        "[conformance::{CHECK}] another thread sees this one's checkpoint"
+    );
+}
+
+/// `list`: newest first; `before`, `limit` and metadata filters, alone and together.
+pub async fn list_order_and_filters<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "list_order_and_filters";
+    let mut d = Driver::new(CHECK, saver);
+    let mut ids = Vec::new();
+    for step in 0..6i64 {
+        let source = if step % 2 == 0 {
+            CheckpointSource::Loop
+        } else {
+            CheckpointSource::Update
+        };
+        let run = if step < 3 { "a" } else { "b" };
+        let metadata = CheckpointMetadata::new(source, step).with_extra("run", json!(run));
+        let parent = ids.last().cloned();
+        ids.push(
+            d.step_with(parent.as_ref(), &[("c", append(&["x"]))], metadata)
+                .await,
+        );
+    }
+    let newest_first: Vec<CheckpointId> = ids.iter().rev().cloned().collect();
+    let pick = |steps: &[usize]| steps.iter().map(|&i| ids[i].clone()).collect::<Vec<_>>();
+
+    let cases: Vec<(&str, ListOptions, Vec<CheckpointId>)> = vec![
+        ("no filter", ListOptions::default(), newest_first.clone()),
+        ("limit 2", ListOptions::default().limit(2), pick(&[5, 4])),
+        ("limit 0", ListOptions::default().limit(0), vec![]),
+        (
+            "limit past the end",
+            ListOptions::default().limit(100),
+            newest_first.clone(),
+        ),
+        (
+            "before #3",
+            ListOptions::default().before(ids[3].clone()),
+            pick(&[2, 1, 0]),
+        ),
+        (
+            "before the oldest",
+            ListOptions::default().before(ids[0].clone()),
+            vec![],
+        ),
+        (
+            "before an unstored newer id",
+            ListOptions::default().before(CheckpointId::new()),
+            newest_first.clone(),
+        ),
+        (
+            "before #4, limit 2",
+            ListOptions::default().before(ids[4].clone()).limit(2),
+            pick(&[3, 2]),
+        ),
+        (
+            "source update",
+            ListOptions::default().metadata("source", json!("update")),
+            pick(&[5, 3, 1]),
+        ),
+        (
+            "step 3",
+            ListOptions::default().metadata("step", json!(3)),
+            pick(&[3]),
+        ),
+        (
+            "extra run b",
+            ListOptions::default().metadata("run", json!("b")),
+            pick(&[5, 4, 3]),
+        ),
+        (
+            "source loop and run a",
+            ListOptions::default()
+                .metadata("source", json!("loop"))
+                .metadata("run", json!("a")),
+            pick(&[2, 0]),
+        ),
+        (
+            "run b, before #5, limit 1",
+            ListOptions::default()
+                .metadata("run", json!("b"))
+                .before(ids[5].clone())
+                .limit(1),
+            pick(&[4]),
+        ),
+        (
+            "no such value",
+            ListOptions::default().metadata("run", json!("z")),
+            vec![],
+        ),
+        (
+            "no such key",
+            ListOptions::default().metadata("missing", json!(null)),
+            vec![],
+        ),
+        (
+            "step as string",
+            ListOptions::default().metadata("step", json!("3")),
+            vec![],
+        ),
+    ];
+    for (name, options, expected) in cases {
+        let got = d.list(options).await;
+        assert_eq!(got, expected, "[conformance::{CHECK}] list with {name}");
+    }
+
+    let summaries: Vec<_> = saver
+        .list(&d.thread, ListOptions::default().limit(1))
+        .try_collect()
+        .await
+        .unwrap();
+    let (checkpoint, metadata, _) = &d.stored[&ids[5]];
+    assert_eq!(summaries.len(), 1);
+    assert_eq!(
+        &summaries[0].checkpoint, checkpoint,
+        "[conformance::{CHECK}] summary checkpoint"
+    );
+    assert_eq!(
+        &summaries[0].metadata, metadata,
+        "[conformance::{CHECK}] summary metadata"
+    );
+    assert_eq!(
+        summaries[0].thread, d.thread,
+        "[conformance::{CHECK}] summary thread"
+    );
+}
+
+/// Chains with no snapshots: every checkpoint rebuilds exactly, including channels
+/// carried over unchanged from many steps back and a channel reset to a new value.
+pub async fn chains_without_snapshots<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "chains_without_snapshots";
+    let mut d = Driver::new(CHECK, saver);
+    let mut ids: Vec<CheckpointId> = Vec::new();
+    for i in 0..20 {
+        let item = format!("m{i}");
+        let mut writes = vec![("every", append(&[item.as_str(), "again"]))];
+        if i == 12 {
+            writes.push(("third", reset(&["fresh start"])));
+        } else if i % 3 == 0 {
+            writes.push(("third", append(&[item.as_str()])));
+        }
+        if i == 0 {
+            writes.push(("once", append(&["set once"])));
+            writes.push(("empty", append(&[])));
+        }
+        let parent = ids.last().cloned();
+        ids.push(d.step(parent.as_ref(), &writes).await);
+    }
+    for id in &ids {
+        d.assert_stored(id).await;
+    }
+    let head = d.assert_stored(&ids[19]).await;
+    let every = &head.channels["every"];
+    assert_eq!(
+        every.snapshot, None,
+        "[conformance::{CHECK}] snapshot out of nowhere"
+    );
+    assert_eq!(
+        every.deltas.len(),
+        20,
+        "[conformance::{CHECK}] one delta per step, got {every:?}"
+    );
+    let third = &head.channels["third"];
+    assert_eq!(
+        third.deltas.len(),
+        3,
+        "[conformance::{CHECK}] a reset (no base) must end the chain: steps 12, 15, 18; got {third:?}"
+    );
+    assert_eq!(
+        head.channels["empty"].deltas,
+        vec![Vec::<Value>::new()],
+        "[conformance::{CHECK}] empty delta"
+    );
+}
+
+/// Chains with snapshots: they start at the newest snapshot on the way back and fold
+/// only the later deltas.
+pub async fn chains_with_snapshots<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "chains_with_snapshots";
+    let mut d = Driver::new(CHECK, saver);
+    let mut ids: Vec<CheckpointId> = Vec::new();
+    for i in 0..15 {
+        let item = format!("m{i}");
+        let write = if i % 5 == 4 {
+            append_snapshot(&[item.as_str()])
+        } else {
+            append(&[item.as_str()])
+        };
+        let parent = ids.last().cloned();
+        ids.push(d.step(parent.as_ref(), &[("log", write)]).await);
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let tuple = d.assert_stored(id).await;
+        let chain = &tuple.channels["log"];
+        let (has_snapshot, expected_deltas) = match i {
+            0..=3 => (false, i + 1),
+            _ if i % 5 == 4 => (true, 0),
+            _ => (true, (i + 1) % 5),
+        };
+        assert_eq!(
+            (chain.snapshot.is_some(), chain.deltas.len()),
+            (has_snapshot, expected_deltas),
+            "[conformance::{CHECK}] checkpoint #{i}: chain must start at the newest snapshot, got {chain:?}"
+        );
+    }
+
+    // A snapshot of an empty update list (a value set whole) is honoured too.
+    let head = ids.last().cloned();
+    let only_snapshot = d
+        .step(head.as_ref(), &[("log", append_snapshot(&[]))])
+        .await;
+    let after = d
+        .step(Some(&only_snapshot), &[("log", append(&["tail"]))])
+        .await;
+    let tuple = d.assert_stored(&after).await;
+    assert_eq!(
+        tuple.channels["log"].deltas,
+        vec![vec![json!("tail")]],
+        "[conformance::{CHECK}] after a bare snapshot"
+    );
+}
+
+/// Two branches forked from one checkpoint each rebuild their own values and never see
+/// the other's deltas, although their versions have the same `seq`.
+pub async fn chains_across_fork<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "chains_across_fork";
+    let mut d = Driver::new(CHECK, saver);
+    let root = d
+        .step(None, &[("log", append(&["a"])), ("side", append(&["s"]))])
+        .await;
+    let mid = d.step(Some(&root), &[("log", append(&["b"]))]).await;
+    let left = d
+        .step(
+            Some(&mid),
+            &[("log", append(&["left"])), ("side", append(&["l"]))],
+        )
+        .await;
+    let left2 = d
+        .step(Some(&left), &[("log", append_snapshot(&["left2"]))])
+        .await;
+    // Fork from `mid` (expected head is still `left2`, the current head).
+    let fork_meta = CheckpointMetadata::new(CheckpointSource::Fork, 2);
+    let right = d
+        .step_with(Some(&mid), &[("log", append(&["right"]))], fork_meta)
+        .await;
+    let right2 = d.step(Some(&right), &[("log", append(&["right2"]))]).await;
+    let left3 = d.step(Some(&left2), &[("log", append(&["left3"]))]).await;
+
+    for id in [&root, &mid, &left, &left2, &right, &right2, &left3] {
+        d.assert_stored(id).await;
+    }
+    let r = d.get(Some(&right2)).await.unwrap();
+    let l = d.get(Some(&left3)).await.unwrap();
+    assert_eq!(
+        fold(&r.channels["log"]),
+        vec![json!("a"), json!("b"), json!("right"), json!("right2")]
+    );
+    assert_eq!(
+        fold(&l.channels["log"]),
+        vec![
+            json!("a"),
+            json!("b"),
+            json!("left"),
+            json!("left2"),
+            json!("left3")
+        ]
+    );
+    assert_eq!(
+        fold(&r.channels["side"]),
+        vec![json!("s")],
+        "[conformance::{CHECK}] right branch sees left's side write"
+    );
+    assert_eq!(
+        d.stored[&right].0.channel_versions["log"].seq,
+        d.stored[&left].0.channel_versions["log"].seq,
+        "[conformance::{CHECK}] test setup: both branches reach the same seq"
+    );
+    assert_eq!(
+        r.checkpoint.parent.as_ref(),
+        Some(&right),
+        "[conformance::{CHECK}] parent link"
+    );
+    assert_eq!(d.stored[&right].0.parent.as_ref(), Some(&mid));
+    d.assert_head(Some(&left3)).await;
+}
+
+/// Pending writes come back with their checkpoint, in stored order; putting them again
+/// changes nothing, except that special channels take the newest value.
+pub async fn pending_writes<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "pending_writes";
+    let mut d = Driver::new(CHECK, saver);
+    let first = d.step(None, &[("log", append(&["a"]))]).await;
+
+    let batch_a = vec![
+        write("task-a", "log", json!("from a")),
+        write("task-a", "log", json!("from a, again")),
+        write("task-a", "count", json!(1)),
+    ];
+    let batch_b = vec![
+        write("task-b", "log", json!({"b": [1, 2]})),
+        write("task-b", PendingWrite::ERROR, json!({"message": "boom"})),
+    ];
+    d.put_writes(&first, batch_a.clone()).await;
+    d.put_writes(&first, batch_b.clone()).await;
+    d.put_writes(&first, vec![]).await;
+    let expected: Vec<PendingWrite> = batch_a.iter().chain(&batch_b).cloned().collect();
+    let tuple = d.assert_stored(&first).await;
+    assert_eq!(
+        tuple.pending_writes, expected,
+        "[conformance::{CHECK}] writes as put"
+    );
+
+    // Repeats are idempotent.
+    d.put_writes(&first, batch_a.clone()).await;
+    d.put_writes(&first, batch_b.clone()).await;
+    let tuple = d.get(Some(&first)).await.unwrap();
+    assert_eq!(
+        tuple.pending_writes, expected,
+        "[conformance::{CHECK}] repeated put_writes duplicated writes"
+    );
+
+    // An ordinary write with a known key keeps the first value; a special one is replaced
+    // in place; a new key is appended.
+    d.put_writes(
+        &first,
+        vec![
+            write("task-a", "log", json!("changed?")),
+            write(
+                "task-b",
+                PendingWrite::ERROR,
+                json!({"message": "boom, retried"}),
+            ),
+            write(
+                "task-c",
+                PendingWrite::INTERRUPT,
+                json!({"ask": "approve?"}),
+            ),
+        ],
+    )
+    .await;
+    let mut expected = expected;
+    expected[4].value = json!({"message": "boom, retried"});
+    expected.push(write(
+        "task-c",
+        PendingWrite::INTERRUPT,
+        json!({"ask": "approve?"}),
+    ));
+    let tuple = d.get(Some(&first)).await.unwrap();
+    assert_eq!(
+        tuple.pending_writes, expected,
+        "[conformance::{CHECK}] key rules on repeat"
+    );
+
+    // Writes belong to their checkpoint only.
+    let second = d.step(Some(&first), &[("log", append(&["b"]))]).await;
+    let head = d.get(None).await.unwrap();
+    assert_eq!(head.checkpoint.id, second);
+    assert!(
+        head.pending_writes.is_empty(),
+        "[conformance::{CHECK}] new checkpoint inherited writes"
+    );
+    let tuple = d.get(Some(&first)).await.unwrap();
+    assert_eq!(
+        tuple.pending_writes, expected,
+        "[conformance::{CHECK}] writes lost when a successor was put"
+    );
+    d.put_writes(
+        &second,
+        vec![write("task-d", PendingWrite::RESUME, json!("yes"))],
+    )
+    .await;
+    let head = d.get(None).await.unwrap();
+    assert_eq!(
+        head.pending_writes,
+        vec![write("task-d", PendingWrite::RESUME, json!("yes"))]
+    );
+
+    // Writes against an unknown checkpoint are refused.
+    let unknown = CheckpointId::new();
+    match saver
+        .put_writes(&d.thread, &unknown, vec![write("t", "log", json!(1))])
+        .await
+    {
+        Err(CheckpointError::NotFound { .. }) => {}
+        other => {
+            panic!("[conformance::{CHECK}] put_writes on an unknown checkpoint gave {other:?}")
+        }
+    }
+    match saver
+        .put_writes(
+            &fresh_thread(CHECK),
+            &first,
+            vec![write("t", "log", json!(1))],
+        )
+        .await
+    {
+        Err(CheckpointError::NotFound { .. }) => {}
+        other => panic!(
+            "[conformance::{CHECK}] put_writes on another thread's checkpoint gave {other:?}"
+        ),
+    }
+}
+
+/// Resuming after a crash mid-step: the writes finished tasks saved against the head
+/// (which has no successor yet) come back with it, and the step can then complete.
+pub async fn resume_after_crash_mid_step<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "resume_after_crash_mid_step";
+    let mut d = Driver::new(CHECK, saver);
+    let first = d.step(None, &[("log", append(&["start"]))]).await;
+    let second = d.step(Some(&first), &[("log", append(&["step 0"]))]).await;
+    // Step 1 runs three tasks; two finish and save their writes, then the process dies.
+    let finished = vec![
+        write("task-1", "log", json!("result 1")),
+        write("task-2", "log", json!("result 2")),
+        write("task-2", "notes", json!("note 2")),
+    ];
+    d.put_writes(&second, finished[..1].to_vec()).await;
+    d.put_writes(&second, finished[1..].to_vec()).await;
+
+    // A new worker picks the thread up.
+    let resumed = d
+        .get(None)
+        .await
+        .unwrap_or_else(|| panic!("[conformance::{CHECK}] head lost"));
+    assert_eq!(
+        resumed.checkpoint.id, second,
+        "[conformance::{CHECK}] resumed from the wrong checkpoint"
+    );
+    assert_eq!(
+        resumed.pending_writes, finished,
+        "[conformance::{CHECK}] finished tasks' writes lost"
+    );
+    d.assert_stored(&second).await;
+
+    // It runs the remaining task, saves its write too, and completes the step.
+    d.put_writes(&second, vec![write("task-3", "log", json!("result 3"))])
+        .await;
+    let third = d
+        .step(
+            Some(&second),
+            &[("log", append(&["result 1", "result 2", "result 3"]))],
+        )
+        .await;
+    d.assert_stored(&third).await;
+    d.assert_head(Some(&third)).await;
+    assert_eq!(d.get(Some(&second)).await.unwrap().pending_writes.len(), 4);
+}
+
+/// `delete_thread` removes every namespace of the thread and nothing else; the thread
+/// can start over afterwards.
+pub async fn delete_thread<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "delete_thread";
+    let doomed = fresh_thread(CHECK);
+    let mut root = Driver::on(CHECK, saver, doomed.clone());
+    let mut sub = Driver::on(CHECK, saver, doomed.clone().with_ns("sub:1"));
+    let mut other = Driver::new(CHECK, saver);
+    let mut other_same_ns = Driver::on(CHECK, saver, other.thread.clone().with_ns("sub:1"));
+
+    let r = root.step(None, &[("log", append(&["r"]))]).await;
+    root.put_writes(&r, vec![write("t", "log", json!(1))]).await;
+    let s = sub.step(None, &[("log", append(&["s"]))]).await;
+    let o = other.step(None, &[("log", append(&["o"]))]).await;
+    other
+        .put_writes(&o, vec![write("t", "log", json!(2))])
+        .await;
+    let os = other_same_ns.step(None, &[("log", append(&["os"]))]).await;
+
+    if let Err(err) = saver.delete_thread(&doomed.thread_id).await {
+        panic!("[conformance::{CHECK}] delete_thread failed: {err}");
+    }
+    for (driver, id) in [(&root, &r), (&sub, &s)] {
+        driver.assert_head(None).await;
+        assert!(
+            driver.get(Some(id)).await.is_none(),
+            "[conformance::{CHECK}] deleted checkpoint found"
+        );
+        assert!(
+            driver.list(ListOptions::default()).await.is_empty(),
+            "[conformance::{CHECK}] deleted thread lists"
+        );
+    }
+    let kept = other.assert_stored(&o).await;
+    assert_eq!(
+        kept.pending_writes.len(),
+        1,
+        "[conformance::{CHECK}] other thread lost writes"
+    );
+    other_same_ns.assert_stored(&os).await;
+
+    // Deleting an unknown thread is fine; a deleted thread starts over from no head.
+    if let Err(err) = saver.delete_thread(&fresh_thread(CHECK).thread_id).await {
+        panic!("[conformance::{CHECK}] delete_thread of an unknown thread failed: {err}");
+    }
+    root.stored.clear();
+    root.head = None;
+    let again = root.step(None, &[("log", append(&["again"]))]).await;
+    root.assert_stored(&again).await;
+}
+
+/// `prune` keeps the newest N checkpoints, which still rebuild exactly (snapshots or
+/// not, across a fork, channels carried from pruned steps), and removes the rest.
+pub async fn prune<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "prune";
+    let mut d = Driver::new(CHECK, saver);
+    let mut ids: Vec<CheckpointId> = Vec::new();
+    for i in 0..12 {
+        let item = format!("m{i}");
+        let mut writes = vec![("plain", append(&[item.as_str()]))];
+        writes.push((
+            "snap",
+            if i % 4 == 1 {
+                append_snapshot(&[item.as_str()])
+            } else {
+                append(&[item.as_str()])
+            },
+        ));
+        if i == 0 {
+            writes.push(("once", append(&["set at step 0"])));
+        }
+        let parent = ids.last().cloned();
+        let id = d.step(parent.as_ref(), &writes).await;
+        d.put_writes(&id, vec![write("t", "plain", json!(i))]).await;
+        ids.push(id);
+    }
+    // A fork from #2, made last, so it is among the newest.
+    let fork = d
+        .step_with(
+            Some(&ids[2]),
+            &[("plain", append(&["fork"]))],
+            CheckpointMetadata::new(CheckpointSource::Fork, 3),
+        )
+        .await;
+    ids.push(fork.clone());
+
+    let removed = match saver.prune(&d.thread, 3).await {
+        Ok(n) => n,
+        Err(err) => panic!("[conformance::{CHECK}] prune failed: {err}"),
+    };
+    assert_eq!(
+        removed, 10,
+        "[conformance::{CHECK}] prune(3) of 13 removed {removed}"
+    );
+    let kept: Vec<CheckpointId> = ids[10..].iter().rev().cloned().collect();
+    assert_eq!(
+        d.list(ListOptions::default()).await,
+        kept,
+        "[conformance::{CHECK}] survivors"
+    );
+    for id in &kept {
+        d.assert_stored(id).await;
+    }
+    for id in &ids[..10] {
+        assert!(
+            d.get(Some(id)).await.is_none(),
+            "[conformance::{CHECK}] pruned {id} still found"
+        );
+    }
+    assert_eq!(
+        d.get(Some(&ids[11])).await.unwrap().pending_writes.len(),
+        1,
+        "[conformance::{CHECK}] kept writes"
+    );
+    d.assert_head(Some(&fork)).await;
+
+    // Nothing more to prune; the thread goes on from its head.
+    assert_eq!(
+        saver.prune(&d.thread, 3).await.ok(),
+        Some(0),
+        "[conformance::{CHECK}] second prune"
+    );
+    assert_eq!(
+        saver.prune(&d.thread, 100).await.ok(),
+        Some(0),
+        "[conformance::{CHECK}] prune above count"
+    );
+    let next = d
+        .step(Some(&fork), &[("snap", append(&["after prune"]))])
+        .await;
+    d.assert_stored(&next).await;
+    let from_old = d
+        .step(Some(&ids[11]), &[("plain", append(&["from #11"]))])
+        .await;
+    d.assert_stored(&from_old).await;
+
+    // prune(0) empties the namespace; the thread can start over.
+    assert_eq!(
+        saver.prune(&d.thread, 0).await.ok(),
+        Some(5),
+        "[conformance::{CHECK}] prune(0)"
+    );
+    d.assert_head(None).await;
+    assert!(d.list(ListOptions::default()).await.is_empty());
+    assert_eq!(
+        saver.prune(&fresh_thread(CHECK), 1).await.ok(),
+        Some(0),
+        "[conformance::{CHECK}] unknown thread"
+    );
+    d.stored.clear();
+    d.head = None;
+    let again = d.step(None, &[("plain", append(&["again"]))]).await;
+    d.assert_stored(&again).await;
+}
+
+/// Fencing (invariant 7): a put whose expected head is not the current head fails with
+/// `Conflict`, writes nothing, and leaves the head alone.
+pub async fn stale_writes_refused<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "stale_writes_refused";
+    let mut d = Driver::new(CHECK, saver);
+
+    // Expecting a head on an empty thread.
+    let (mut request, _) = d.request(
+        None,
+        &[("log", append(&["x"]))],
+        CheckpointMetadata::new(CheckpointSource::Input, -1),
+    );
+    let phantom = CheckpointId::new();
+    request.expected_head = Some(phantom.clone());
+    let refused = request.checkpoint.id.clone();
+    expect_conflict(CHECK, saver.put(request).await, Some(&phantom), None);
+    d.assert_head(None).await;
+    assert!(d.get(Some(&refused)).await.is_none());
+
+    let first = d.step(None, &[("log", append(&["a"]))]).await;
+    let second = d.step(Some(&first), &[("log", append(&["b"]))]).await;
+
+    // A writer that last saw `first`.
+    let stale_head = Some(first.clone());
+    let (mut request, _) = d.request(
+        Some(&first),
+        &[("log", append(&["stale"])), ("new", append(&["n"]))],
+        CheckpointMetadata::new(CheckpointSource::Loop, 1),
+    );
+    request.expected_head = stale_head;
+    let stale = request.checkpoint.clone();
+    expect_conflict(CHECK, saver.put(request).await, Some(&first), Some(&second));
+
+    // A writer that thinks the thread is new.
+    let (mut request, _) = d.request(
+        None,
+        &[("log", append(&["fresh"]))],
+        CheckpointMetadata::new(CheckpointSource::Input, -1),
+    );
+    request.expected_head = None;
+    let fresh = request.checkpoint.id.clone();
+    expect_conflict(CHECK, saver.put(request).await, None, Some(&second));
+
+    d.assert_head(Some(&second)).await;
+    assert!(
+        d.get(Some(&stale.id)).await.is_none(),
+        "[conformance::{CHECK}] refused checkpoint stored"
+    );
+    assert!(
+        d.get(Some(&fresh)).await.is_none(),
+        "[conformance::{CHECK}] refused checkpoint stored"
+    );
+    assert_eq!(
+        d.list(ListOptions::default()).await,
+        vec![second.clone(), first.clone()]
+    );
+    d.assert_stored(&second).await;
+
+    // Nothing of the refused deltas was stored: a checkpoint that refers to them is invalid.
+    let (mut request, _) = d.request(
+        Some(&second),
+        &[],
+        CheckpointMetadata::new(CheckpointSource::Update, 2),
+    );
+    request.checkpoint.channel_versions = stale.channel_versions.clone();
+    match saver.put(request).await {
+        Err(CheckpointError::Invalid { .. }) => {}
+        other => panic!(
+            "[conformance::{CHECK}] deltas of a refused put were stored (or misreported): {other:?}"
+        ),
+    }
+
+    // The current writer carries on.
+    let third = d.step(Some(&second), &[("log", append(&["c"]))]).await;
+    d.assert_stored(&third).await;
+}
+
+/// A v7 id one millisecond older than `id`.
+fn id_before(id: &CheckpointId) -> CheckpointId {
+    let millis = id.timestamp_millis().saturating_sub(1);
+    let uuid = uuid::Builder::from_unix_timestamp_millis(millis, &[0; 10]).into_uuid();
+    uuid.to_string().parse().unwrap()
+}
+
+fn expect_conflict(
+    check: &str,
+    result: Result<(), CheckpointError>,
+    expected: Option<&CheckpointId>,
+    actual: Option<&CheckpointId>,
+) {
+    match result {
+        Err(CheckpointError::Conflict {
+            expected: e,
+            actual: a,
+        }) => {
+            assert_eq!(
+                e.as_ref(),
+                expected,
+                "[conformance::{check}] Conflict.expected"
+            );
+            assert_eq!(a.as_ref(), actual, "[conformance::{check}] Conflict.actual");
+        }
+        other => panic!("[conformance::{check}] stale put: expected Conflict, got {other:?}"),
+    }
+}
+
+/// Two writers racing from the same head: exactly one wins; the other gets `Conflict`
+/// and leaves no trace.
+pub async fn racing_writers<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "racing_writers";
+    let mut d = Driver::new(CHECK, saver);
+    let mut head = d.step(None, &[("log", append(&["start"]))]).await;
+    for round in 0..10 {
+        let meta = CheckpointMetadata::new(CheckpointSource::Loop, round);
+        let (a, state_a) = d.request(Some(&head), &[("log", append(&["a"]))], meta.clone());
+        let (b, state_b) = d.request(Some(&head), &[("log", append(&["b"]))], meta);
+        let (ida, idb) = (a.checkpoint.id.clone(), b.checkpoint.id.clone());
+        let (checkpoint_a, checkpoint_b) = (a.checkpoint.clone(), b.checkpoint.clone());
+        let (metadata_a, metadata_b) = (a.metadata.clone(), b.metadata.clone());
+        let (ra, rb) = futures::join!(saver.put(a), saver.put(b));
+        let (winner, loser) = match (ra, rb) {
+            (Ok(()), Err(e)) if e.is_conflict() => {
+                d.stored
+                    .insert(ida.clone(), (checkpoint_a, metadata_a, state_a));
+                (ida, idb)
+            }
+            (Err(e), Ok(())) if e.is_conflict() => {
+                d.stored
+                    .insert(idb.clone(), (checkpoint_b, metadata_b, state_b));
+                (idb, ida)
+            }
+            other => panic!(
+                "[conformance::{CHECK}] round {round}: expected one winner and one Conflict, got {other:?}"
+            ),
+        };
+        d.head = Some(winner.clone());
+        d.assert_head(Some(&winner)).await;
+        d.assert_stored(&winner).await;
+        assert!(
+            d.get(Some(&loser)).await.is_none(),
+            "[conformance::{CHECK}] loser stored"
+        );
+        head = winner;
+    }
+}
+
+/// Malformed or dangling puts fail with `Invalid` and write nothing.
+pub async fn invalid_puts_refused<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "invalid_puts_refused";
+    let mut d = Driver::new(CHECK, saver);
+    let first = d.step(None, &[("log", append(&["a"]))]).await;
+    let meta = CheckpointMetadata::new(CheckpointSource::Loop, 0);
+
+    type Mangle = fn(&mut PutRequest, &CheckpointId);
+    let cases: Vec<(&str, Mangle)> = vec![
+        ("delta writer is not the checkpoint", |r, _| {
+            let other = CheckpointId::new();
+            r.deltas[0].version.writer = other.clone();
+            r.checkpoint
+                .channel_versions
+                .insert("log".into(), r.deltas[0].version.clone());
+        }),
+        ("delta version differs from the checkpoint's", |r, _| {
+            r.deltas[0].version.seq += 5
+        }),
+        ("delta for a channel without version", |r, _| {
+            r.checkpoint.channel_versions.remove("log");
+        }),
+        ("written channel without delta", |r, _| {
+            r.deltas.clear();
+        }),
+        ("two deltas for one channel", |r, _| {
+            let twin = r.deltas[0].clone();
+            r.deltas.push(twin);
+        }),
+        ("base not below version", |r, _| {
+            let seq = r.deltas[0].version.seq;
+            r.deltas[0].base.as_mut().unwrap().seq = seq;
+        }),
+        ("base never stored", |r, _| {
+            r.deltas[0].base = Some(ChannelVersion::new(1, CheckpointId::new()));
+        }),
+        ("base with the wrong seq", |r, _| {
+            r.deltas[0].version.seq = 9;
+            r.checkpoint
+                .channel_versions
+                .insert("log".into(), r.deltas[0].version.clone());
+            r.deltas[0].base.as_mut().unwrap().seq = 8;
+        }),
+        ("carried version never stored", |r, _| {
+            r.checkpoint
+                .channel_versions
+                .insert("ghost".into(), ChannelVersion::new(3, CheckpointId::new()));
+        }),
+        ("id not after the head", |r, head| {
+            // An id from before the head was made.
+            let older = id_before(head);
+            r.checkpoint.id = older.clone();
+            for delta in &mut r.deltas {
+                delta.version.writer = older.clone();
+            }
+            for version in r.checkpoint.channel_versions.values_mut() {
+                version.writer = older.clone();
+            }
+        }),
+    ];
+    for (name, mangle) in cases {
+        let (mut request, _) = d.request(Some(&first), &[("log", append(&["b"]))], meta.clone());
+        mangle(&mut request, &first);
+        let id = request.checkpoint.id.clone();
+        match saver.put(request).await {
+            Err(CheckpointError::Invalid { .. }) => {}
+            other => panic!("[conformance::{CHECK}] {name}: expected Invalid, got {other:?}"),
+        }
+        d.assert_head(Some(&first)).await;
+        assert!(
+            d.get(Some(&id)).await.is_none(),
+            "[conformance::{CHECK}] {name}: refused checkpoint stored"
+        );
+    }
+    assert_eq!(d.list(ListOptions::default()).await, vec![first.clone()]);
+    let second = d.step(Some(&first), &[("log", append(&["b"]))]).await;
+    d.assert_stored(&second).await;
+}
+
+/// Namespaces of one thread are separate histories: heads, lists, fencing, writes and
+/// pruning do not cross.
+pub async fn namespaces_isolated<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "namespaces_isolated";
+    let thread = fresh_thread(CHECK);
+    let mut root = Driver::on(CHECK, saver, thread.clone());
+    let mut sub = Driver::on(CHECK, saver, thread.clone().with_ns("child:1"));
+
+    let r1 = root.step(None, &[("log", append(&["root 1"]))]).await;
+    // The subgraph starts with no head although the root has one.
+    let s1 = sub.step(None, &[("log", append(&["sub 1"]))]).await;
+    let r2 = root.step(Some(&r1), &[("log", append(&["root 2"]))]).await;
+    let s2 = sub.step(Some(&s1), &[("log", append(&["sub 2"]))]).await;
+    sub.put_writes(&s2, vec![write("t", "log", json!("sub write"))])
+        .await;
+
+    root.assert_head(Some(&r2)).await;
+    sub.assert_head(Some(&s2)).await;
+    assert_eq!(
+        root.list(ListOptions::default()).await,
+        vec![r2.clone(), r1.clone()]
+    );
+    assert_eq!(
+        sub.list(ListOptions::default()).await,
+        vec![s2.clone(), s1.clone()]
+    );
+    assert!(
+        root.get(Some(&s1)).await.is_none(),
+        "[conformance::{CHECK}] root sees a subgraph checkpoint"
+    );
+    assert!(
+        sub.get(Some(&r1)).await.is_none(),
+        "[conformance::{CHECK}] subgraph sees a root checkpoint"
+    );
+    assert!(root.assert_stored(&r2).await.pending_writes.is_empty());
+    assert_eq!(sub.assert_stored(&s2).await.pending_writes.len(), 1);
+    match saver
+        .put_writes(&thread, &s2, vec![write("t", "log", json!(1))])
+        .await
+    {
+        Err(CheckpointError::NotFound { .. }) => {}
+        other => panic!("[conformance::{CHECK}] put_writes across namespaces gave {other:?}"),
+    }
+
+    // Fencing is per namespace: the root's head is no head for the subgraph.
+    let (mut request, _) = sub.request(
+        Some(&s2),
+        &[("log", append(&["x"]))],
+        CheckpointMetadata::new(CheckpointSource::Loop, 2),
+    );
+    request.expected_head = Some(r2.clone());
+    expect_conflict(CHECK, saver.put(request).await, Some(&r2), Some(&s2));
+
+    // A delta of the root is no base for the subgraph.
+    let (mut request, _) = sub.request(
+        Some(&s2),
+        &[("log", append(&["x"]))],
+        CheckpointMetadata::new(CheckpointSource::Loop, 2),
+    );
+    request.deltas[0].base = Some(root.stored[&r2].0.channel_versions["log"].clone());
+    request.deltas[0].version.seq = 3;
+    request
+        .checkpoint
+        .channel_versions
+        .insert("log".into(), request.deltas[0].version.clone());
+    match saver.put(request).await {
+        Err(CheckpointError::Invalid { .. }) => {}
+        other => panic!("[conformance::{CHECK}] root delta used as subgraph base gave {other:?}"),
+    }
+
+    // Pruning one namespace leaves the other alone.
+    assert_eq!(saver.prune(&sub.thread, 1).await.ok(), Some(1));
+    assert_eq!(
+        root.list(ListOptions::default()).await,
+        vec![r2.clone(), r1.clone()]
+    );
+    root.assert_stored(&r1).await;
+    sub.assert_stored(&s2).await;
+
+    // Same channel name, same seq, different namespace: each rebuilds its own.
+    let r3 = root.step(Some(&r2), &[("log", append(&["root 3"]))]).await;
+    let s3 = sub.step(Some(&s2), &[("log", append(&["sub 3"]))]).await;
+    root.assert_stored(&r3).await;
+    sub.assert_stored(&s3).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemorySaver;
+
+    #[test]
+    fn fold_appends_to_snapshot() {
+        let chain = ChannelChain {
+            snapshot: Some(json!(["a"])),
+            deltas: vec![vec![json!("b")], vec![]],
+        };
+        assert_eq!(fold(&chain), vec![json!("a"), json!("b")]);
+    }
+
+    #[test]
+    fn driver_builds_valid_requests() {
+        let saver = MemorySaver::new();
+        let d = Driver::new("t", &saver);
+        let (request, state) = d.request(
+            None,
+            &[("x", append(&["1"]))],
+            CheckpointMetadata::new(CheckpointSource::Input, -1),
+        );
+        crate::support::validate_put(&request).unwrap();
+        assert_eq!(state["x"], vec![json!("1")]);
+    }
+}

@@ -1,0 +1,352 @@
+//! Pieces of the [`Checkpointer`](crate::Checkpointer) contract that every backend
+//! needs, written once so backends agree: request validation, chain rebuilding, and
+//! pending-write keys.
+
+use std::borrow::Borrow;
+use std::collections::BTreeSet;
+
+use crate::error::CheckpointError;
+use crate::id::CheckpointId;
+use crate::types::{ChannelChain, ChannelDelta, ChannelVersion, PendingWrite, PutRequest};
+
+/// Checks what can be checked in a [`PutRequest`] without looking at storage:
+///
+/// * every delta's `version.writer` is the checkpoint's id, and its `version` is the
+///   one `checkpoint.channel_versions` holds for its channel;
+/// * at most one delta per channel;
+/// * every channel version written by this checkpoint has its delta;
+/// * a delta's base, if any, has a smaller `seq` than its version.
+///
+/// ```
+/// use keel_checkpoint::support::validate_put;
+/// use keel_checkpoint::*;
+///
+/// let checkpoint = Checkpoint::new(None);
+/// let version = ChannelVersion::new(1, checkpoint.id.clone());
+/// let mut request = PutRequest {
+///     thread: ThreadKey::new("t"),
+///     checkpoint,
+///     metadata: CheckpointMetadata::new(CheckpointSource::Input, -1),
+///     deltas: vec![],
+///     expected_head: None,
+/// };
+/// request.checkpoint.channel_versions.insert("x".into(), version);
+/// // channel "x" is written by this checkpoint but has no delta
+/// assert!(matches!(validate_put(&request), Err(CheckpointError::Invalid { .. })));
+/// ```
+pub fn validate_put(request: &PutRequest) -> Result<(), CheckpointError> {
+    let checkpoint = &request.checkpoint;
+    let invalid = |reason: String| Err(CheckpointError::Invalid { reason });
+    let mut written = BTreeSet::new();
+    for delta in &request.deltas {
+        if delta.version.writer != checkpoint.id {
+            return invalid(format!(
+                "delta for channel {:?} has writer {}, not the checkpoint being put ({})",
+                delta.channel, delta.version.writer, checkpoint.id
+            ));
+        }
+        match checkpoint.channel_versions.get(&delta.channel) {
+            Some(version) if *version == delta.version => {}
+            Some(version) => {
+                return invalid(format!(
+                    "delta for channel {:?} has version {}, but the checkpoint holds {}",
+                    delta.channel, delta.version.seq, version.seq
+                ));
+            }
+            None => {
+                return invalid(format!(
+                    "delta for channel {:?}, which the checkpoint has no version of",
+                    delta.channel
+                ));
+            }
+        }
+        if let Some(base) = &delta.base
+            && base.seq >= delta.version.seq
+        {
+            return invalid(format!(
+                "delta for channel {:?}: base seq {} is not below version seq {}",
+                delta.channel, base.seq, delta.version.seq
+            ));
+        }
+        if !written.insert(delta.channel.as_str()) {
+            return invalid(format!("two deltas for channel {:?}", delta.channel));
+        }
+    }
+    for (channel, version) in &checkpoint.channel_versions {
+        if version.writer == checkpoint.id && !written.contains(channel.as_str()) {
+            return invalid(format!(
+                "channel {channel:?} is written by this checkpoint but has no delta"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The channel versions a [`PutRequest`] refers to that must already be stored, as
+/// `(channel, version)`: each delta's base, and each channel version the checkpoint
+/// carries over unchanged (written by an earlier checkpoint). A backend refuses the put
+/// with [`CheckpointError::Invalid`] if the delta of any of them is not stored (under
+/// `(thread, ns, channel, version.writer)`, with the same `seq`).
+pub fn referenced_versions(request: &PutRequest) -> Vec<(&str, &ChannelVersion)> {
+    let bases = request
+        .deltas
+        .iter()
+        .filter_map(|d| d.base.as_ref().map(|base| (d.channel.as_str(), base)));
+    let carried = request
+        .checkpoint
+        .channel_versions
+        .iter()
+        .filter(|(_, v)| v.writer != request.checkpoint.id)
+        .map(|(channel, v)| (channel.as_str(), v));
+    bases.chain(carried).collect()
+}
+
+/// Rebuilds the chain of `channel` at version `head`.
+///
+/// `lookup(writer)` returns the stored delta of `channel` written by checkpoint
+/// `writer`, if any. Starting from `head`, follows `base` links back to the newest
+/// delta that has a snapshot (or to a delta with no base); the chain is that snapshot
+/// (or none) plus the updates of every later delta, oldest first.
+///
+/// Fails with [`CheckpointError::Corrupt`] if a delta is missing or its `seq` is not
+/// the one referred to (which also rules out cycles: `seq` strictly decreases).
+///
+/// ```
+/// use keel_checkpoint::support::build_chain;
+/// use keel_checkpoint::{ChannelDelta, ChannelVersion, CheckpointId};
+/// use serde_json::json;
+///
+/// let (a, b) = (CheckpointId::new(), CheckpointId::new());
+/// let first = ChannelDelta {
+///     channel: "log".into(),
+///     version: ChannelVersion::new(1, a.clone()),
+///     base: None,
+///     updates: vec![json!("x")],
+///     snapshot: None,
+/// };
+/// let second = ChannelDelta {
+///     channel: "log".into(),
+///     version: ChannelVersion::new(2, b.clone()),
+///     base: Some(first.version.clone()),
+///     updates: vec![json!("y")],
+///     snapshot: None,
+/// };
+/// let chain = build_chain("log", &second.version, |writer| {
+///     Ok([&first, &second].into_iter().find(|d| d.version.writer == *writer))
+/// })?;
+/// assert_eq!(chain.snapshot, None);
+/// assert_eq!(chain.deltas, vec![vec![json!("x")], vec![json!("y")]]);
+/// # Ok::<(), keel_checkpoint::CheckpointError>(())
+/// ```
+pub fn build_chain<D, F>(
+    channel: &str,
+    head: &ChannelVersion,
+    mut lookup: F,
+) -> Result<ChannelChain, CheckpointError>
+where
+    D: Borrow<ChannelDelta>,
+    F: FnMut(&CheckpointId) -> Result<Option<D>, CheckpointError>,
+{
+    let mut newest_first: Vec<Vec<serde_json::Value>> = Vec::new();
+    let mut want = head.clone();
+    let snapshot = loop {
+        let Some(found) = lookup(&want.writer)? else {
+            return Err(CheckpointError::Corrupt {
+                what: format!(
+                    "channel {channel:?}: delta of version {} by {} is missing",
+                    want.seq, want.writer
+                ),
+            });
+        };
+        let delta: &ChannelDelta = found.borrow();
+        if delta.version != want {
+            return Err(CheckpointError::Corrupt {
+                what: format!(
+                    "channel {channel:?}: delta by {} has seq {}, expected {}",
+                    want.writer, delta.version.seq, want.seq
+                ),
+            });
+        }
+        if let Some(snapshot) = &delta.snapshot {
+            break Some(snapshot.clone());
+        }
+        newest_first.push(delta.updates.clone());
+        match &delta.base {
+            None => break None,
+            Some(base) if base.seq < want.seq => want = base.clone(),
+            Some(base) => {
+                return Err(CheckpointError::Corrupt {
+                    what: format!(
+                        "channel {channel:?}: delta by {} has base seq {} not below {}",
+                        want.writer, base.seq, want.seq
+                    ),
+                });
+            }
+        }
+    };
+    newest_first.reverse();
+    Ok(ChannelChain {
+        snapshot,
+        deltas: newest_first,
+    })
+}
+
+/// The key of one pending write: `(task_id, channel, index)`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WriteKey {
+    /// The task that wrote.
+    pub task_id: String,
+    /// The channel written.
+    pub channel: String,
+    /// Which of that task's writes to that channel within one `put_writes` call
+    /// (0 for the first).
+    pub index: usize,
+}
+
+/// The key of each write in one `put_writes` call, in order.
+///
+/// ```
+/// use keel_checkpoint::PendingWrite;
+/// use keel_checkpoint::support::write_keys;
+/// use serde_json::json;
+///
+/// let writes = vec![
+///     PendingWrite::new("t1", "0", "messages", json!("a")),
+///     PendingWrite::new("t1", "0", "messages", json!("b")),
+///     PendingWrite::new("t1", "0", "count", json!(1)),
+/// ];
+/// let indices: Vec<usize> = write_keys(&writes).into_iter().map(|k| k.index).collect();
+/// assert_eq!(indices, vec![0, 1, 0]);
+/// ```
+pub fn write_keys(writes: &[PendingWrite]) -> Vec<WriteKey> {
+    let mut counts: std::collections::HashMap<(&str, &str), usize> = Default::default();
+    writes
+        .iter()
+        .map(|w| {
+            let count = counts
+                .entry((w.task_id.as_str(), w.channel.as_str()))
+                .or_insert(0);
+            let key = WriteKey {
+                task_id: w.task_id.clone(),
+                channel: w.channel.clone(),
+                index: *count,
+            };
+            *count += 1;
+            key
+        })
+        .collect()
+}
+
+/// Merges `writes` (one `put_writes` call) into `stored` (the keyed writes of one
+/// checkpoint, in stored order) by the rules of
+/// [`Checkpointer::put_writes`](crate::Checkpointer::put_writes): a new key is
+/// appended; a repeated key keeps the stored write, unless its channel is special, in
+/// which case the new write replaces it in place.
+pub fn merge_writes(stored: &mut Vec<(WriteKey, PendingWrite)>, writes: Vec<PendingWrite>) {
+    let keys = write_keys(&writes);
+    for (key, write) in keys.into_iter().zip(writes) {
+        match stored.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, existing)) => {
+                if write.is_special() {
+                    *existing = write;
+                }
+            }
+            None => stored.push((key, write)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn delta(
+        writer: &CheckpointId,
+        seq: u64,
+        base: Option<&ChannelDelta>,
+        updates: Vec<serde_json::Value>,
+        snapshot: Option<serde_json::Value>,
+    ) -> ChannelDelta {
+        ChannelDelta {
+            channel: "c".into(),
+            version: ChannelVersion::new(seq, writer.clone()),
+            base: base.map(|b| b.version.clone()),
+            updates,
+            snapshot,
+        }
+    }
+
+    fn chain_of(
+        deltas: &[ChannelDelta],
+        head: &ChannelDelta,
+    ) -> Result<ChannelChain, CheckpointError> {
+        build_chain("c", &head.version, |w| {
+            Ok(deltas.iter().find(|d| d.version.writer == *w))
+        })
+    }
+
+    #[test]
+    fn chain_stops_at_newest_snapshot() {
+        let ids: Vec<CheckpointId> = (0..4).map(|_| CheckpointId::new()).collect();
+        let d0 = delta(&ids[0], 1, None, vec![json!(1)], Some(json!([1])));
+        let d1 = delta(&ids[1], 2, Some(&d0), vec![json!(2)], None);
+        let d2 = delta(
+            &ids[2],
+            3,
+            Some(&d1),
+            vec![json!(3)],
+            Some(json!([1, 2, 3])),
+        );
+        let d3 = delta(&ids[3], 4, Some(&d2), vec![json!(4), json!(5)], None);
+        let all = [d0.clone(), d1.clone(), d2.clone(), d3.clone()];
+        let chain = chain_of(&all, &d3).unwrap();
+        assert_eq!(chain.snapshot, Some(json!([1, 2, 3])));
+        assert_eq!(chain.deltas, vec![vec![json!(4), json!(5)]]);
+        let chain = chain_of(&all, &d2).unwrap();
+        assert_eq!(chain.snapshot, Some(json!([1, 2, 3])));
+        assert!(chain.deltas.is_empty());
+        let chain = chain_of(&all, &d1).unwrap();
+        assert_eq!(chain.snapshot, Some(json!([1])));
+        assert_eq!(chain.deltas, vec![vec![json!(2)]]);
+    }
+
+    #[test]
+    fn missing_or_mismatched_delta_is_corrupt() {
+        let a = CheckpointId::new();
+        let b = CheckpointId::new();
+        let d0 = delta(&a, 1, None, vec![], None);
+        let d1 = delta(&b, 2, Some(&d0), vec![], None);
+        let err = chain_of(std::slice::from_ref(&d1), &d1).unwrap_err();
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+        let mut wrong = d0.clone();
+        wrong.version.seq = 7;
+        let err = chain_of(&[wrong, d1.clone()], &d1).unwrap_err();
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+    }
+
+    #[test]
+    fn merge_keeps_ordinary_and_replaces_special() {
+        let mut stored = Vec::new();
+        merge_writes(
+            &mut stored,
+            vec![
+                PendingWrite::new("t", "p", "a", json!(1)),
+                PendingWrite::new("t", "p", PendingWrite::ERROR, json!("boom")),
+            ],
+        );
+        merge_writes(
+            &mut stored,
+            vec![
+                PendingWrite::new("t", "p", "a", json!(99)),
+                PendingWrite::new("t", "p", PendingWrite::ERROR, json!("boom again")),
+                PendingWrite::new("u", "q", "a", json!(2)),
+            ],
+        );
+        let values: Vec<_> = stored.iter().map(|(_, w)| w.value.clone()).collect();
+        assert_eq!(values, vec![json!(1), json!("boom again"), json!(2)]);
+    }
+}
