@@ -50,7 +50,7 @@ pub(crate) struct Join {
 ///
 /// # tokio_test_block(async {
 /// let graph = StateGraph::<Counter>::new()
-///     .add_node("add", |_state, _ctx| async { Ok(CounterUpdate::default().total(2).into()) })
+///     .add_node("add", |_state, _ctx| async { Ok(CounterUpdate::default().total(2)) })
 ///     .add_edge(START, "add")
 ///     .add_edge("add", END)
 ///     .compile()?;

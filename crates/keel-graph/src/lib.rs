@@ -25,7 +25,7 @@
 //!     .add_node("echo", |state, _ctx| async move {
 //!         let last = state.messages.iter().last().map(|m| m.text().into_owned()).unwrap_or_default();
 //!         Ok(ChatUpdate::default()
-//!             .messages(keel_graph::reducer::MessagesUpdate::append(vec![Message::assistant(last)]))
+//!             .messages(keel_graph::reducer::AddMessagesUpdate::append(vec![Message::assistant(last)]))
 //!             .turns(state.turns + 1))
 //!     })
 //!     .add_edge(START, "echo")
@@ -33,7 +33,7 @@
 //!     .compile()?;
 //!
 //! let input = ChatUpdate::default()
-//!     .messages(keel_graph::reducer::MessagesUpdate::append(vec![Message::user("hi")]));
+//!     .messages(keel_graph::reducer::AddMessagesUpdate::append(vec![Message::user("hi")]));
 //! let run = graph.invoke(input, &RunConfig::default()).await?;
 //! assert_eq!(run.state.messages.len(), 2);
 //! assert_eq!(run.state.turns, 1);
@@ -59,6 +59,9 @@ pub use keel_checkpoint as checkpoint;
 pub use keel_graph_macros::State;
 pub use keel_reducer as reducer;
 pub use state::{State, StateError, channel_index};
+
+#[doc(hidden)]
+pub use state::__private;
 pub use stream::{Event, StreamMode};
 
 /// The virtual node a run starts from.

@@ -106,7 +106,7 @@ pub mod __private {
     use keel_reducer::Reducer;
     use serde::Serialize;
     use serde::de::DeserializeOwned;
-    use serde_json::Value;
+    pub use serde_json::Value;
 
     use super::StateError;
 

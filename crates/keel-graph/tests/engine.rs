@@ -1,0 +1,839 @@
+//! Behaviour of the superstep engine, without and with a checkpointer.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use keel_checkpoint::{CheckpointSource, Checkpointer, MemorySaver};
+use keel_graph::reducer::{AddMessages, AddMessagesUpdate, Append, Messages};
+use keel_graph::{
+    BuildError, Command, Durability, END, Event, GraphError, NodeError, NodeOptions, RetryPolicy,
+    RunConfig, START, Send, State, StateError, StateGraph, StreamMode,
+};
+use keel_message::Message;
+use serde_json::json;
+
+#[derive(Clone, Debug, State)]
+struct S {
+    #[reducer(Append<String>)]
+    log: Vec<String>,
+    #[reducer(AddMessages)]
+    messages: Messages,
+    count: i64,
+}
+
+fn log(entry: &str) -> SUpdate {
+    SUpdate::default().log(vec![entry.to_owned()])
+}
+
+fn saver() -> Arc<dyn Checkpointer> {
+    Arc::new(MemorySaver::new())
+}
+
+/// A node that appends its name to the log.
+fn logger(
+    name: &'static str,
+) -> impl Fn(Arc<S>, keel_graph::NodeContext) -> futures::future::Ready<Result<SUpdate, NodeError>>
++ std::marker::Send
++ Sync
++ 'static {
+    move |_s, _c| futures::future::ready(Ok(log(name)))
+}
+
+#[tokio::test]
+async fn linear_graph_runs_in_order() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_edge(START, "a")
+        .add_edge("a", "b")
+        .add_edge("b", END)
+        .compile()
+        .unwrap();
+    let run = g.invoke(log("in"), &RunConfig::default()).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a", "b"]);
+    assert_eq!(run.steps, 2);
+    assert!(!run.is_paused());
+}
+
+#[tokio::test]
+async fn parallel_writes_apply_in_task_path_order_whoever_finishes_first() {
+    // `b` finishes long before `a`; both append in the same superstep.
+    let g = StateGraph::<S>::new()
+        .add_node("a", |_s, _c| async {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            Ok(log("a"))
+        })
+        .add_node("b", logger("b"))
+        .add_node("c", logger("c"))
+        .add_edge(START, "b")
+        .add_edge(START, "a")
+        .add_join(&["a", "b"], "c")
+        .add_edge("c", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["a", "b", "c"]);
+    assert_eq!(run.steps, 2);
+}
+
+#[tokio::test]
+async fn join_waits_for_sources_finishing_in_different_steps() {
+    let g = StateGraph::<S>::new()
+        .add_node("fast", logger("fast"))
+        .add_node("slow1", logger("slow1"))
+        .add_node("slow2", logger("slow2"))
+        .add_node("join", logger("join"))
+        .add_edge(START, "fast")
+        .add_edge(START, "slow1")
+        .add_edge("slow1", "slow2")
+        .add_join(&["fast", "slow2"], "join")
+        .add_edge("join", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["fast", "slow1", "slow2", "join"]);
+}
+
+#[tokio::test]
+async fn two_last_value_writes_in_one_step_are_an_error_naming_the_channel() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", |_s, _c| async { Ok(SUpdate::default().count(1)) })
+        .add_node("b", |_s, _c| async { Ok(SUpdate::default().count(2)) })
+        .add_edge(START, "a")
+        .add_edge(START, "b")
+        .add_edge("a", END)
+        .add_edge("b", END)
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap_err();
+    match &err {
+        GraphError::State(StateError::Reduce { channel, .. }) => assert_eq!(*channel, "count"),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn conditional_edges_loop_until_the_router_says_end() {
+    let g = StateGraph::<S>::new()
+        .add_node("inc", |s: Arc<S>, _c| async move {
+            Ok(SUpdate::default().count(s.count + 1))
+        })
+        .add_edge(START, "inc")
+        .add_conditional_edges(
+            "inc",
+            |s: &S| if s.count < 5 { "inc" } else { END },
+            Some(&["inc", END]),
+        )
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.count, 5);
+    assert_eq!(run.steps, 5);
+}
+
+#[tokio::test]
+async fn router_sees_its_own_nodes_writes_only() {
+    // `a` and `b` run in one step; `a`'s router must see a's write and not b's.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen2 = Arc::clone(&seen);
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_edge(START, "a")
+        .add_edge(START, "b")
+        .add_conditional_edges(
+            "a",
+            move |s: &S| {
+                seen2.lock().unwrap().push(s.log.clone());
+                END
+            },
+            Some(&[END]),
+        )
+        .add_edge("b", END)
+        .compile()
+        .unwrap();
+    let run = g.invoke(log("in"), &RunConfig::default()).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a", "b"]);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![vec!["in".to_owned(), "a".to_owned()]]
+    );
+}
+
+#[tokio::test]
+async fn send_fans_out_one_task_per_payload() {
+    let g = StateGraph::<S>::new()
+        .add_node("split", |_s, _c| async { Ok(SUpdate::default()) })
+        .add_node("work", |_s, ctx: keel_graph::NodeContext| async move {
+            let n = ctx.payload().and_then(|p| p.as_i64()).unwrap();
+            Ok(log(&format!("w{n}")))
+        })
+        .add_edge(START, "split")
+        .add_conditional_edges(
+            "split",
+            |_s: &S| (1..=3).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            Some(&["work"]),
+        )
+        .add_edge("work", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["w1", "w2", "w3"]);
+}
+
+#[tokio::test]
+async fn command_goto_routes_from_inside_a_node() {
+    let g = StateGraph::<S>::new()
+        .add_node_with(
+            "decide",
+            NodeOptions {
+                destinations: vec!["yes".into(), "no".into()],
+                ..Default::default()
+            },
+            |_s, _c| async { Ok(Command::update(log("decide")).goto("yes")) },
+        )
+        .add_node("yes", logger("yes"))
+        .add_node("no", logger("no"))
+        .add_edge(START, "decide")
+        .add_edge("yes", END)
+        .add_edge("no", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["decide", "yes"]);
+}
+
+#[test]
+fn compile_rejects_bad_graphs_with_typed_errors() {
+    fn check(g: StateGraph<S>, expected: BuildError) {
+        match g.compile() {
+            Ok(_) => panic!("compiled; expected {expected:?}"),
+            Err(e) => assert_eq!(e, expected),
+        }
+    }
+    let base = || StateGraph::<S>::new().add_node("a", logger("a"));
+    check(
+        base().add_edge(START, "a").add_edge("a", "nowhere"),
+        BuildError::UnknownNode {
+            name: "nowhere".into(),
+        },
+    );
+    check(
+        base()
+            .add_node("a", logger("a"))
+            .add_edge(START, "a")
+            .add_edge("a", END),
+        BuildError::DuplicateNode { name: "a".into() },
+    );
+    check(
+        base()
+            .add_node("b", logger("b"))
+            .add_edge(START, "a")
+            .add_edge("a", END)
+            .add_edge("a", "b"),
+        BuildError::CannotReachEnd { node: "b".into() },
+    );
+    check(base().add_edge("a", END), BuildError::NoEntry);
+    check(
+        base()
+            .add_node(END, logger("x"))
+            .add_edge(START, "a")
+            .add_edge("a", END),
+        BuildError::ReservedName { name: END.into() },
+    );
+    check(
+        base()
+            .add_edge(START, "a")
+            .add_edge("a", END)
+            .interrupt_before(&["zz"]),
+        BuildError::UnknownNode { name: "zz".into() },
+    );
+}
+
+#[tokio::test]
+async fn recursion_limit_is_a_typed_error_with_the_step() {
+    let g = StateGraph::<S>::new()
+        .add_node("spin", logger("x"))
+        .add_edge(START, "spin")
+        .add_conditional_edges("spin", |_s: &S| "spin", None)
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(
+            SUpdate::default(),
+            &RunConfig::default().with_recursion_limit(7),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, GraphError::RecursionLimit { limit: 7, step: 7 }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("step 7"), "{err}");
+}
+
+#[tokio::test]
+async fn default_recursion_limit_allows_ten_thousand_steps() {
+    let g = StateGraph::<S>::new()
+        .add_node("inc", |s: Arc<S>, _c| async move {
+            Ok(SUpdate::default().count(s.count + 1))
+        })
+        .add_edge(START, "inc")
+        .add_conditional_edges(
+            "inc",
+            |s: &S| if s.count < 10_000 { "inc" } else { END },
+            None,
+        )
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.count, 10_000);
+    let err = g
+        .invoke(SUpdate::default().count(-1), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, GraphError::RecursionLimit { limit: 10_000, .. }),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn failing_and_panicking_nodes_are_typed_errors_and_the_thread_keeps_its_checkpoint() {
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("ok", logger("ok"))
+        .add_node("bad", |s: Arc<S>, _c| async move {
+            if s.count == 1 {
+                panic!("boom");
+            }
+            Err::<SUpdate, _>(NodeError::msg("disk on fire"))
+        })
+        .add_edge(START, "ok")
+        .add_edge("ok", "bad")
+        .add_edge("bad", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("t");
+    let err = g.invoke(log("in"), &config).await.unwrap_err();
+    assert!(
+        matches!(&err, GraphError::Node { node, .. } if node == "bad"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("disk on fire"));
+    let snap = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(snap.values.log, ["in", "ok"]);
+    assert_eq!(snap.next, ["bad"]);
+
+    let err = g.invoke(log("again").count(1), &config).await.unwrap_err();
+    assert!(
+        matches!(&err, GraphError::NodePanicked { node, message } if node == "bad" && message == "boom"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn timeout_and_retry_policy() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = Arc::clone(&calls);
+    let g = StateGraph::<S>::new()
+        .add_node_with(
+            "flaky",
+            NodeOptions {
+                timeout: Some(Duration::from_millis(50)),
+                retry: Some(RetryPolicy {
+                    max_attempts: 3,
+                    initial_backoff: Duration::from_millis(1),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            move |_s, _ctx| {
+                let n = c.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    match n {
+                        0 => Err(NodeError::msg("transient")),
+                        1 => {
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                            Ok(log("late"))
+                        }
+                        _ => Ok(log("ok")),
+                    }
+                }
+            },
+        )
+        .add_edge(START, "flaky")
+        .add_edge("flaky", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["ok"]);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+
+    let slow = StateGraph::<S>::new()
+        .add_node_with(
+            "slow",
+            NodeOptions {
+                timeout: Some(Duration::from_millis(10)),
+                ..Default::default()
+            },
+            |_s, _c| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(log("never"))
+            },
+        )
+        .add_edge(START, "slow")
+        .add_edge("slow", END)
+        .compile()
+        .unwrap();
+    let err = slow
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, GraphError::NodeTimeout { .. }), "{err:?}");
+}
+
+fn approval_graph(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("draft", logger("draft"))
+        .add_node("approve", |_s, ctx: keel_graph::NodeContext| async move {
+            let answer = ctx.interrupt(json!({"question": "ship it?"}))?;
+            Ok(log(&format!("answer={}", answer.as_str().unwrap_or("?"))))
+        })
+        .add_node("ship", logger("ship"))
+        .add_edge(START, "draft")
+        .add_edge("draft", "approve")
+        .add_edge("approve", "ship")
+        .add_edge("ship", END)
+        .with_checkpointer(cp)
+        .compile()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn interrupt_pauses_and_resume_reruns_the_node_with_the_answer() {
+    let g = approval_graph(saver());
+    let config = RunConfig::thread("t1");
+    let run = g.invoke(log("in"), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "draft"]);
+    assert_eq!(run.interrupts.len(), 1);
+    assert_eq!(run.interrupts[0].node, "approve");
+    assert_eq!(run.interrupts[0].value, json!({"question": "ship it?"}));
+    assert_eq!(run.next, ["approve"]);
+
+    let snap = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(snap.interrupts.len(), 1);
+
+    let run = g.invoke(Command::resume("yes"), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "draft", "answer=yes", "ship"]);
+    assert!(run.interrupts.is_empty());
+    assert!(!run.is_paused());
+
+    // Nothing is pending any more.
+    let err = g
+        .invoke(Command::resume("again"), &config)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, GraphError::NoPendingInterrupt { .. }),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn interrupt_needs_a_checkpointer() {
+    let g = StateGraph::<S>::new()
+        .add_node("ask", |_s, ctx: keel_graph::NodeContext| async move {
+            ctx.interrupt("?")?;
+            Ok(SUpdate::default())
+        })
+        .add_edge(START, "ask")
+        .add_edge("ask", END)
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, GraphError::CheckpointerRequired { what: "interrupt" }),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn static_breakpoints_pause_before_and_after() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_node("c", logger("c"))
+        .add_edge(START, "a")
+        .add_edge("a", "b")
+        .add_edge("b", "c")
+        .add_edge("c", END)
+        .interrupt_before(&["b"])
+        .interrupt_after(&["b"])
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("bp");
+    let run = g.invoke(log("in"), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a"]);
+    assert_eq!(run.next, ["b"]);
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a", "b"]);
+    assert_eq!(run.next, ["c"]);
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a", "b", "c"]);
+    assert!(run.next.is_empty());
+}
+
+#[tokio::test]
+async fn stream_yields_values_updates_and_checkpoints() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_edge(START, "a")
+        .add_edge("a", "b")
+        .add_edge("b", END)
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let events: Vec<Event<S>> = g
+        .stream(log("in"), RunConfig::thread("s"), StreamMode::all())
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    let values: Vec<Vec<String>> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Values { state, .. } => Some(state.log.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(values, vec![vec!["in", "a"], vec!["in", "a", "b"]]);
+    let updates: Vec<(String, serde_json::Value)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Updates { node, update, .. } => Some((node.clone(), update[0].1.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        updates,
+        vec![("a".into(), json!(["a"])), ("b".into(), json!(["b"]))]
+    );
+    let checkpoints = events
+        .iter()
+        .filter(|e| matches!(e, Event::Checkpoint { .. }))
+        .count();
+    assert_eq!(checkpoints, 3, "input + two steps");
+    assert!(matches!(events.last(), Some(Event::Done { next, .. }) if next.is_empty()));
+}
+
+#[tokio::test]
+async fn dropping_the_stream_cancels_the_run() {
+    let started = Arc::new(AtomicUsize::new(0));
+    let s2 = Arc::clone(&started);
+    let g = StateGraph::<S>::new()
+        .add_node("tick", move |s: Arc<S>, _c| {
+            s2.fetch_add(1, Ordering::SeqCst);
+            async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok(SUpdate::default().count(s.count + 1))
+            }
+        })
+        .add_edge(START, "tick")
+        .add_conditional_edges("tick", |_s: &S| "tick", None)
+        .compile()
+        .unwrap();
+    let mut stream = Box::pin(g.stream(
+        SUpdate::default(),
+        RunConfig::default(),
+        StreamMode::values(),
+    ));
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let after_drop = started.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        after_drop,
+        "the run kept going"
+    );
+}
+
+#[tokio::test]
+async fn crash_mid_step_resumes_without_rerunning_finished_tasks() {
+    // Step with two tasks: `steady` finishes and its writes are stored; `crashy` fails
+    // the first time (standing in for a process that died mid-step).
+    let steady_calls = Arc::new(AtomicUsize::new(0));
+    let crashy_calls = Arc::new(AtomicUsize::new(0));
+    let (sc, cc) = (Arc::clone(&steady_calls), Arc::clone(&crashy_calls));
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("steady", move |_s, _c| {
+            sc.fetch_add(1, Ordering::SeqCst);
+            async { Ok(log("steady")) }
+        })
+        .add_node("crashy", move |_s, _c| {
+            let n = cc.fetch_add(1, Ordering::SeqCst);
+            async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if n == 0 {
+                    Err(NodeError::msg("killed"))
+                } else {
+                    Ok(log("crashy"))
+                }
+            }
+        })
+        .add_edge(START, "steady")
+        .add_edge(START, "crashy")
+        .add_edge("steady", END)
+        .add_edge("crashy", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("crash");
+    g.invoke(log("in"), &config).await.unwrap_err();
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "crashy", "steady"]);
+    assert_eq!(
+        steady_calls.load(Ordering::SeqCst),
+        1,
+        "finished task ran again"
+    );
+    assert_eq!(crashy_calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn time_travel_history_update_state_and_fork() {
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_edge(START, "a")
+        .add_edge("a", "b")
+        .add_edge("b", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("tt");
+    g.invoke(log("in"), &config).await.unwrap();
+    let history = g.state_history(&config).await.unwrap();
+    let logs: Vec<Vec<String>> = history.iter().map(|h| h.values.log.clone()).collect();
+    assert_eq!(
+        logs,
+        vec![vec!["in", "a", "b"], vec!["in", "a"], vec!["in"]]
+    );
+    assert_eq!(history[2].metadata.source, CheckpointSource::Input);
+    assert_eq!(history[1].next, ["b"]);
+
+    // Resume from the checkpoint after `a`: `b` runs again on that branch.
+    let after_a = history[1].checkpoint_id.clone();
+    let run = g
+        .invoke(Command::none(), &config.clone().at(after_a.clone()))
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["in", "a", "b"]);
+    let latest = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(latest.parent_id.as_ref(), Some(&after_a));
+
+    // Edit the past: pretend `a` wrote something else, then continue from there.
+    let forked = g
+        .update_state(
+            &config.clone().at(after_a.clone()),
+            log("edited"),
+            Some("a"),
+        )
+        .await
+        .unwrap();
+    let snap = g
+        .get_state(&config.clone().at(forked.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(snap.values.log, ["in", "a", "edited"]);
+    assert_eq!(snap.metadata.source, CheckpointSource::Update);
+    assert_eq!(snap.next, ["b"]);
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "a", "edited", "b"]);
+}
+
+#[tokio::test]
+async fn durability_modes_agree_on_the_result() {
+    async fn run(d: Durability) -> (Vec<String>, usize) {
+        let cp = saver();
+        let g = StateGraph::<S>::new()
+            .add_node("inc", |s: Arc<S>, _c| async move {
+                Ok(SUpdate::default()
+                    .count(s.count + 1)
+                    .log(vec![format!("{}", s.count)]))
+            })
+            .add_edge(START, "inc")
+            .add_conditional_edges("inc", |s: &S| if s.count < 20 { "inc" } else { END }, None)
+            .with_checkpointer(Arc::clone(&cp))
+            .compile()
+            .unwrap();
+        let config = RunConfig::thread("d").with_durability(d);
+        g.invoke(SUpdate::default(), &config).await.unwrap();
+        let stored = g.get_state(&config).await.unwrap().unwrap();
+        let n = g.state_history(&config).await.unwrap().len();
+        (stored.values.log, n)
+    }
+    let (sync, n_sync) = run(Durability::Sync).await;
+    let (asyn, n_async) = run(Durability::Async).await;
+    let (exit, n_exit) = run(Durability::Exit).await;
+    assert_eq!(sync.len(), 20);
+    assert_eq!(sync, asyn);
+    assert_eq!(sync, exit);
+    assert_eq!(n_sync, 21);
+    assert_eq!(n_async, 21);
+    assert_eq!(n_exit, 1, "exit durability stores only the end");
+}
+
+#[tokio::test]
+async fn a_schema_change_is_a_typed_error_naming_the_channel() {
+    #[derive(Clone, Debug, State)]
+    struct V1 {
+        count: i64,
+    }
+    #[derive(Clone, Debug, State)]
+    struct V2 {
+        count: String,
+    }
+    let cp = saver();
+    let v1 = StateGraph::<V1>::new()
+        .add_node("n", |_s, _c| async { Ok(V1Update::default().count(3)) })
+        .add_edge(START, "n")
+        .add_edge("n", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    v1.invoke(V1Update::default(), &RunConfig::thread("schema"))
+        .await
+        .unwrap();
+    let v2 = StateGraph::<V2>::new()
+        .add_node("n", |_s, _c| async { Ok(V2Update::default()) })
+        .add_edge(START, "n")
+        .add_edge("n", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let err = v2
+        .invoke(Command::none(), &RunConfig::thread("schema"))
+        .await
+        .unwrap_err();
+    match err {
+        GraphError::State(StateError::Decode { channel, .. }) => assert_eq!(channel, "count"),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn stale_writer_is_refused() {
+    // Two graphs (workers) run the same thread from the same checkpoint: the second
+    // one to store a step is refused.
+    let cp = saver();
+    let gate = Arc::new(tokio::sync::Barrier::new(2));
+    let make = |gate: Arc<tokio::sync::Barrier>| {
+        StateGraph::<S>::new()
+            .add_node("work", move |_s, _c| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    gate.wait().await;
+                    Ok(log("w"))
+                }
+            })
+            .add_edge(START, "work")
+            .add_edge("work", END)
+            .with_checkpointer(Arc::clone(&cp))
+            .compile()
+            .unwrap()
+    };
+    let seed = make(Arc::new(tokio::sync::Barrier::new(1)));
+    let config = RunConfig::thread("race");
+    seed.invoke(log("in"), &config.clone().with_durability(Durability::Sync))
+        .await
+        .unwrap();
+    let state = seed.get_state(&config).await.unwrap().unwrap();
+    // Fork point: re-run from the input checkpoint on two workers at once.
+    let history = seed.state_history(&config).await.unwrap();
+    let input_cp = history.last().unwrap().checkpoint_id.clone();
+    assert_eq!(state.values.log, ["in", "w"]);
+    let (g1, g2) = (make(Arc::clone(&gate)), make(Arc::clone(&gate)));
+    let c1 = config.clone().at(input_cp.clone());
+    let c2 = config.clone().at(input_cp);
+    let (r1, r2) = tokio::join!(
+        g1.invoke(Command::none(), &c1),
+        g2.invoke(Command::none(), &c2)
+    );
+    let conflicts = [&r1, &r2]
+        .iter()
+        .filter(|r| matches!(r, Err(GraphError::Checkpoint(e)) if e.is_conflict()))
+        .count();
+    assert_eq!(conflicts, 1, "{r1:?} {r2:?}");
+    assert_eq!([&r1, &r2].iter().filter(|r| r.is_ok()).count(), 1);
+}
+
+#[tokio::test]
+async fn add_messages_state_survives_a_checkpoint_round_trip() {
+    let cp = saver();
+    let g =
+        StateGraph::<S>::new()
+            .add_node("reply", |s: Arc<S>, _c| async move {
+                let n = s.messages.len();
+                Ok(SUpdate::default().messages(AddMessagesUpdate::append(vec![
+                    Message::assistant(format!("reply {n}")),
+                ])))
+            })
+            .add_edge(START, "reply")
+            .add_edge("reply", END)
+            .with_checkpointer(Arc::clone(&cp))
+            .compile()
+            .unwrap();
+    let config = RunConfig::thread("msgs");
+    for i in 0..50 {
+        g.invoke(
+            SUpdate::default().messages(AddMessagesUpdate::append(vec![Message::user(format!(
+                "q{i}"
+            ))])),
+            &config,
+        )
+        .await
+        .unwrap();
+    }
+    let state = g.get_state(&config).await.unwrap().unwrap().values;
+    assert_eq!(state.messages.len(), 100);
+    assert_eq!(state.messages.as_slice()[99].text(), "reply 99");
+    assert!(state.messages.as_slice().iter().all(|m| m.id.is_some()));
+}
