@@ -40,6 +40,7 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 #[test]
 fn channels_are_the_fields_in_order() {
     assert_eq!(Chat::CHANNELS, ["messages", "mood", "recent", "tokens"]);
+    assert_eq!(keel_graph::channel_index::<Chat>("recent"), Some(2));
 }
 
 #[test]
