@@ -12,7 +12,8 @@ use crate::types::{CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite
 /// Stores checkpoints, their channel deltas and pending writes, per thread and namespace.
 ///
 /// Every backend (memory, SQLite, Postgres) implements this contract and passes the
-/// [`conformance`](crate#conformance) suite. The methods in brief:
+/// conformance suite (`keel_checkpoint::conformance`, feature `conformance`). The
+/// methods in brief:
 ///
 /// * [`put`](Self::put) stores a checkpoint and the deltas its step wrote, atomically,
 ///   if and only if the writer's `expected_head` is still the thread's newest checkpoint;
