@@ -3,13 +3,18 @@
 
 use anyhow::{Result, bail};
 
+mod graph;
 mod token;
 
 /// Runs one benchmark group, or all of them.
 pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
-        "all" => token::run(),
-        other => bail!("unknown bench target `{other}` (expected token or all)"),
+        "graph" => graph::run(),
+        "all" => {
+            token::run()?;
+            graph::run()
+        }
+        other => bail!("unknown bench target `{other}` (expected token, graph or all)"),
     }
 }

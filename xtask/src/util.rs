@@ -55,3 +55,16 @@ fn describe(c: &Command) -> String {
     }
     s
 }
+
+/// Runs a command and returns its standard output (standard error passes through).
+pub fn run_capture(c: &mut Command) -> Result<String> {
+    eprintln!("$ {}", describe(c));
+    let out = c
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("could not start `{}`", describe(c)))?;
+    if !out.status.success() {
+        bail!("`{}` failed with {}", describe(c), out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

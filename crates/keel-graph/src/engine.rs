@@ -297,7 +297,7 @@ impl<S: State> CompiledGraph<S> {
                 .chain(sends)
                 .collect();
         }
-        let per_channel = group_by_channel(&written, &[encoded]);
+        let per_channel = group_by_channel(&written, vec![encoded]);
         run.step += 1;
         let id = run
             .commit(CheckpointSource::Update, per_channel, Some(&cp), &thread)
@@ -386,7 +386,7 @@ impl<S: State> CompiledGraph<S> {
                     Vec::new()
                 };
                 let written = Arc::make_mut(&mut run.state).apply(vec![update])?;
-                per_channel = group_by_channel(&written, &[encoded]);
+                per_channel = group_by_channel(&written, vec![encoded]);
             }
             let mut next = Vec::new();
             let mut sends = Vec::new();
@@ -938,7 +938,7 @@ impl<S: State> RunState<S> {
                 .await?;
             }
         }
-        let per_channel = group_by_channel(&written, &encoded);
+        let per_channel = group_by_channel(&written, encoded);
         self.persist(writer, CheckpointSource::Loop, per_channel)
             .await
     }
@@ -1020,6 +1020,13 @@ impl<S: State> RunState<S> {
         channels: &BTreeMap<usize, Vec<Value>>,
     ) -> Vec<(usize, Option<ChannelVersion>, ChannelVersion)> {
         let mut next = self.checkpoint.successor();
+        // Ids order a thread's history: a new one must sort after the thread's head,
+        // even when that head was written by another machine or this run forked.
+        if let Some(head) = &self.head
+            && next.id <= *head
+        {
+            next.id = CheckpointId::new_after(head);
+        }
         next.pending_sends = self
             .tasks
             .iter()
@@ -1204,7 +1211,7 @@ enum Writer {
 }
 
 enum WriteOp {
-    Put(PutRequest),
+    Put(Box<PutRequest>),
     Writes(ThreadKey, CheckpointId, Vec<PendingWrite>),
 }
 
@@ -1221,7 +1228,7 @@ impl Writer {
                 let handle = tokio::spawn(async move {
                     while let Some(op) = rx.recv().await {
                         match op {
-                            WriteOp::Put(r) => cp.put(r).await?,
+                            WriteOp::Put(r) => cp.put(*r).await?,
                             WriteOp::Writes(t, id, w) => cp.put_writes(&t, &id, w).await?,
                         }
                     }
@@ -1257,7 +1264,7 @@ impl Writer {
     }
 
     async fn enqueue(&mut self, r: PutRequest) -> Result<(), GraphError> {
-        self.send(WriteOp::Put(r)).await
+        self.send(WriteOp::Put(Box::new(r))).await
     }
 
     async fn send(&mut self, op: WriteOp) -> Result<(), GraphError> {
@@ -1430,13 +1437,13 @@ fn rebuild<S: State>(tuple: &CheckpointTuple) -> Result<(S, Vec<ChannelBook>), G
 /// Groups encoded task updates by channel, keeping task order within each channel.
 fn group_by_channel(
     written: &[usize],
-    encoded: &[Vec<(usize, Value)>],
+    encoded: Vec<Vec<(usize, Value)>>,
 ) -> BTreeMap<usize, Vec<Value>> {
     let mut out: BTreeMap<usize, Vec<Value>> = written.iter().map(|c| (*c, Vec::new())).collect();
     for task in encoded {
         for (c, v) in task {
-            if let Some(list) = out.get_mut(c) {
-                list.push(v.clone());
+            if let Some(list) = out.get_mut(&c) {
+                list.push(v);
             }
         }
     }
