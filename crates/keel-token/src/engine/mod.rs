@@ -1,0 +1,177 @@
+//! The counting engine behind [`TiktokenCounter`](crate::TiktokenCounter).
+//!
+//! tiktoken encodes text in two steps: a regular expression splits it into pieces,
+//! then byte-pair merging turns each piece into tokens. This engine does the same two
+//! steps with the same vocabulary (taken from `tiktoken-rs`, which ships OpenAI's
+//! files) and the same splitting rules, but
+//!
+//! * splits with hand-written matchers instead of a backtracking regex ([`split`]),
+//! * looks tokens up in a compact open-addressing table ([`vocab`]),
+//! * counts merged parts instead of building token vectors ([`merge`]),
+//! * and can count a long text on several threads by cutting it only where a piece
+//!   boundary is certain ([`split::is_safe_boundary`]).
+//!
+//! The result is exactly tiktoken's `encode_ordinary(text).len()`; the tests check it
+//! against `tiktoken-rs` token for token.
+
+use std::sync::OnceLock;
+
+use crate::{Encoding, TokenError};
+
+mod classes;
+mod merge;
+mod split;
+mod vocab;
+
+use classes::Classes;
+use merge::count_piece;
+use split::Pattern;
+use vocab::Vocab;
+
+/// Below this many bytes a text is always counted on the calling thread.
+pub(crate) const PARALLEL_MIN_BYTES: usize = 256 * 1024;
+
+/// One loaded encoding: its splitting pattern and vocabulary.
+pub(crate) struct Engine {
+    pattern: Pattern,
+    classes: &'static Classes,
+    vocab: Vocab,
+}
+
+static CLASSES: OnceLock<Result<Classes, String>> = OnceLock::new();
+static O200K: OnceLock<Result<Engine, TokenError>> = OnceLock::new();
+static CL100K: OnceLock<Result<Engine, TokenError>> = OnceLock::new();
+
+/// The process-wide engine for a BPE encoding, built on first use.
+pub(crate) fn engine(encoding: Encoding) -> Result<&'static Engine, TokenError> {
+    let cell = match encoding {
+        Encoding::O200kBase => &O200K,
+        Encoding::Cl100kBase => &CL100K,
+        Encoding::Approximate => return Err(TokenError::NotBpe { encoding }),
+    };
+    cell.get_or_init(|| Engine::load(encoding))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+impl Engine {
+    fn load(encoding: Encoding) -> Result<Engine, TokenError> {
+        let fail = |reason: String| TokenError::Vocabulary { encoding, reason };
+        let classes = CLASSES
+            .get_or_init(Classes::build)
+            .as_ref()
+            .map_err(|e| fail(format!("Unicode tables: {e}")))?;
+        let (core, pattern, expected) = match encoding {
+            Encoding::O200kBase => (tiktoken_rs::o200k_base(), Pattern::O200k, 199_998),
+            Encoding::Cl100kBase => (tiktoken_rs::cl100k_base(), Pattern::Cl100k, 100_256),
+            Encoding::Approximate => return Err(TokenError::NotBpe { encoding }),
+        };
+        let core = core.map_err(|e| fail(e.to_string()))?;
+        // Mergeable ranks are 0..n with no gap; special tokens come after a gap, so
+        // decoding stops before them.
+        let mut tokens = Vec::with_capacity(expected);
+        while let Ok(bytes) = core.decode_bytes(&[tokens.len() as u32]) {
+            tokens.push(bytes);
+        }
+        if tokens.len() != expected {
+            return Err(fail(format!(
+                "expected {expected} mergeable tokens, found {}",
+                tokens.len()
+            )));
+        }
+        if let Some(rank) = (0..=255u8).position(|b| !tokens.iter().any(|t| t == &[b])) {
+            return Err(fail(format!("byte {rank} is not a token")));
+        }
+        Ok(Engine {
+            pattern,
+            classes,
+            vocab: Vocab::new(&tokens).map_err(fail)?,
+        })
+    }
+
+    /// The number of tokens of `text`, as tiktoken's `encode_ordinary` would give.
+    pub(crate) fn count(&self, text: &str) -> usize {
+        let mut total = 0;
+        self.pattern.for_each_piece(self.classes, text, |piece| {
+            total += count_piece(&self.vocab, piece);
+        });
+        total
+    }
+
+    /// Like [`Engine::count`], on up to `threads` threads for long texts. The text is cut
+    /// only at safe piece boundaries, so the result is the same.
+    pub(crate) fn count_parallel(&self, text: &str, threads: usize) -> usize {
+        if threads <= 1 || text.len() < PARALLEL_MIN_BYTES {
+            return self.count(text);
+        }
+        let chunks = self.safe_split(text, threads);
+        if chunks.len() <= 1 {
+            return self.count(text);
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = chunks[1..]
+                .iter()
+                .map(|chunk| scope.spawn(move || self.count(chunk)))
+                .collect();
+            let mut sum = self.count(chunks[0]);
+            for (handle, chunk) in handles.into_iter().zip(&chunks[1..]) {
+                // Counting never panics; if a worker somehow did, count its chunk here
+                // rather than propagate the panic or lose its tokens.
+                sum += handle.join().unwrap_or_else(|_| self.count(chunk));
+            }
+            sum
+        })
+    }
+
+    /// Cuts `text` into at most `parts` chunks, each ending at a safe boundary near an
+    /// equal share of the bytes.
+    pub(crate) fn safe_split<'t>(&self, text: &'t str, parts: usize) -> Vec<&'t str> {
+        let b = text.as_bytes();
+        let mut cuts = vec![0];
+        for k in 1..parts {
+            let target = b.len() * k / parts;
+            let from = target.max(cuts.last().copied().unwrap_or(0) + 1);
+            let found = (from..b.len()).find(|&i| split::is_safe_boundary(self.classes, b, i));
+            match found {
+                Some(i) => cuts.push(i),
+                None => break,
+            }
+        }
+        cuts.push(b.len());
+        cuts.dedup();
+        cuts.windows(2)
+            .filter_map(|w| text.get(w[0]..w[1]))
+            .collect()
+    }
+
+    /// Token ranks of `text` (tests compare them with tiktoken's).
+    #[cfg(test)]
+    pub(crate) fn encode(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.pattern.for_each_piece(self.classes, text, |piece| {
+            out.extend(merge::encode_piece(&self.vocab, piece));
+        });
+        out
+    }
+
+    /// The pieces of `text` (tests compare them with tiktoken's regex).
+    #[cfg(test)]
+    pub(crate) fn pieces<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        self.pattern.for_each_piece(self.classes, text, |piece| {
+            out.push(&text[at..at + piece.len()]);
+            at += piece.len();
+        });
+        out
+    }
+
+    /// The vocabulary size.
+    #[cfg(test)]
+    pub(crate) fn vocab_len(&self) -> usize {
+        self.vocab.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

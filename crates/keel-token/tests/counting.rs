@@ -1,0 +1,267 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Exact counts, chat framing arithmetic, and hostile input.
+
+use std::sync::Arc;
+
+use keel_message::{ContentPart, Message, ToolArguments, ToolCall, ToolSpec};
+use keel_token::{ApproxCounter, Encoding, Framing, TiktokenCounter, TokenCounter};
+use serde_json::json;
+
+/// `(text, o200k_base, cl100k_base)`.
+///
+/// Ground truth from Python `tiktoken` 0.14.0, `Encoding.encode_ordinary(text)`, with
+/// each encoding built from the `.tiktoken` file shipped in tiktoken-rs 0.12.1 (whose
+/// SHA-256 matches the hash `tiktoken_ext.openai_public` expects), run once and pasted
+/// here.
+const KNOWN: &[(&str, usize, usize)] = &[
+    ("", 0, 0),
+    ("Hello, world!", 4, 4),
+    ("tiktoken is great!", 6, 6),
+    ("<|endoftext|>", 7, 7),
+    ("The quick brown fox jumps over the lazy dog.", 10, 10),
+    ("fn main() {\n    println!(\"Hello, world!\");\n}\n", 12, 12),
+    ("Grüße aus Köln — 東京で会いましょう 🙂", 13, 19),
+    ("   leading spaces and trailing   \n\n\n", 7, 7),
+    ("1234567890 3.14159", 9, 9),
+    ("I'm sure they'll say it's fine, don't you think?", 11, 15),
+    (r#"{"city": "Paris", "units": "metric"}"#, 12, 12),
+    ("user", 1, 1),
+    ("assistant", 1, 1),
+    ("system", 1, 1),
+    ("tool", 1, 1),
+];
+
+fn o200k() -> TiktokenCounter {
+    TiktokenCounter::o200k_base().unwrap()
+}
+
+fn cl100k() -> TiktokenCounter {
+    TiktokenCounter::cl100k_base().unwrap()
+}
+
+#[test]
+fn exact_counts_match_python_tiktoken() {
+    let (o, c) = (o200k(), cl100k());
+    for &(text, want_o200k, want_cl100k) in KNOWN {
+        assert_eq!(o.count_text(text), want_o200k, "o200k_base: {text:?}");
+        assert_eq!(c.count_text(text), want_cl100k, "cl100k_base: {text:?}");
+    }
+}
+
+#[test]
+fn counts_equal_tiktoken_rs_on_this_crates_sources() {
+    let sources = [
+        include_str!("../src/lib.rs"),
+        include_str!("../src/counter.rs"),
+        include_str!("../src/engine/split.rs"),
+        include_str!("counting.rs"),
+    ];
+    for text in sources {
+        assert_eq!(
+            o200k().count_text(text),
+            tiktoken_rs::o200k_base_singleton()
+                .encode_ordinary(text)
+                .len()
+        );
+        assert_eq!(
+            cl100k().count_text(text),
+            tiktoken_rs::cl100k_base_singleton()
+                .encode_ordinary(text)
+                .len()
+        );
+    }
+}
+
+#[test]
+fn encodings_and_errors() {
+    assert_eq!(o200k().encoding(), Encoding::O200kBase);
+    assert_eq!(cl100k().encoding(), Encoding::Cl100kBase);
+    let err = TiktokenCounter::new(Encoding::Approximate).unwrap_err();
+    assert_eq!(err.to_string(), "`approximate` is not a BPE encoding");
+}
+
+#[test]
+fn approx_counts_chars_not_bytes_rounding_up() {
+    let a = ApproxCounter::new();
+    for (text, want) in [
+        ("", 0),
+        ("a", 1),
+        ("abcd", 1),
+        ("abcde", 2),
+        ("ééééé", 2),              // 5 chars, 10 bytes
+        ("東京東京東京東京", 2),   // 8 chars, 24 bytes
+        ("🙂🙂🙂🙂🙂🙂🙂🙂🙂", 3), // 9 chars, 36 bytes
+    ] {
+        assert_eq!(a.count_text(text), want, "{text:?}");
+    }
+    assert_eq!(a.with_chars_per_token(0).chars_per_token(), 1);
+    assert_eq!(a.with_chars_per_token(2).count_text("abcde"), 3);
+}
+
+/// One token per char: makes framing arithmetic easy to read.
+struct PerChar;
+
+impl TokenCounter for PerChar {
+    fn count_text(&self, text: &str) -> usize {
+        text.chars().count()
+    }
+}
+
+#[test]
+fn message_framing_arithmetic() {
+    let f = Framing::OPENAI;
+    assert_eq!((f.per_message, f.per_name, f.reply_priming), (3, 1, 3));
+    let check = |m: &Message, want: usize| assert_eq!(PerChar.count_message(m), want, "{m:?}");
+
+    // 3 + "user" (4) + "hi" (2)
+    check(&Message::user("hi"), 9);
+    // + "bob" (3) + 1 for the name
+    check(&Message::user("hi").with_name("bob"), 13);
+    // 3 + "assistant" (9) + "" + calls: "ls" (2) + {"p":"."} (9) and "rm" (2) + "{x" (2)
+    check(
+        &Message::assistant("").with_tool_calls(vec![
+            ToolCall::new("c1", "ls", json!({"p": "."})),
+            ToolCall::from_raw_arguments("c2", "rm", "{x"),
+        ]),
+        3 + 9 + 2 + 9 + 2 + 2,
+    );
+    // Raw JSON text is counted as sent, spaces included: {"p": "."} is 10 chars.
+    let raw = ToolCall::from_raw_arguments("c3", "ls", r#"{"p": "."}"#);
+    assert!(matches!(raw.arguments, ToolArguments::JsonText { .. }));
+    check(
+        &Message::assistant("").with_tool_calls(vec![raw]),
+        3 + 9 + 2 + 10,
+    );
+    // 3 + "tool" (4) + "ok" (2) + the id it answers "c1" (2)
+    check(&Message::tool("c1", "ok"), 11);
+    // Parts: text joined ("ab"), an image at 85, another part as its JSON.
+    let other = json!({"type": "input_audio", "data": "x"});
+    let parts = Message::user(vec![
+        ContentPart::text("a"),
+        ContentPart::Image {
+            url: "https://x/y.png".into(),
+            detail: None,
+        },
+        ContentPart::text("b"),
+        ContentPart::Other(other.clone()),
+    ]);
+    check(&parts, 3 + 4 + 2 + 85 + other.to_string().chars().count());
+}
+
+#[test]
+fn prompt_framing_arithmetic() {
+    let history = [Message::system("be brief"), Message::user("hi")];
+    let per_message = (3 + 6 + 8) + (3 + 4 + 2);
+    // The reply priming is added once per prompt, even an empty one.
+    assert_eq!(PerChar.count_messages(&history), per_message + 3);
+    assert_eq!(PerChar.count_messages(&[]), 3);
+
+    let spec = ToolSpec::new("ls", "List.", json!({"type": "object"}));
+    let json = json!({"name": "ls", "description": "List.", "parameters": {"type": "object"}});
+    let per_tool = json.to_string().chars().count() + 8;
+    assert_eq!(PerChar.count_tool(&spec), per_tool);
+    assert_eq!(
+        PerChar.count_tools(&[spec.clone(), spec.clone()]),
+        2 * per_tool
+    );
+    assert_eq!(
+        PerChar.count_prompt(&history, &[spec]),
+        per_message + 3 + per_tool
+    );
+
+    // Framing::NONE leaves only text.
+    let bare = ApproxCounter::new()
+        .with_chars_per_token(1)
+        .with_framing(Framing::NONE);
+    assert_eq!(bare.count_messages(&history), 6 + 8 + 4 + 2);
+}
+
+#[test]
+fn real_encoder_framing_matches_the_cookbook_formula() {
+    let o = o200k();
+    let history = [
+        Message::system("You are a helpful assistant."),
+        Message::user("Hello, world!").with_name("ann"),
+    ];
+    let text = |s: &str| o.count_text(s);
+    let want = (3 + text("system") + text("You are a helpful assistant."))
+        + (3 + text("user") + text("Hello, world!") + text("ann") + 1)
+        + 3;
+    assert_eq!(o.count_messages(&history), want);
+}
+
+#[test]
+fn pointers_and_trait_objects_forward_every_method() {
+    let history = [Message::user("Hello, world!")];
+    let direct = o200k().count_messages(&history);
+    let shared: Arc<dyn TokenCounter> = Arc::new(o200k());
+    let boxed: Box<dyn TokenCounter> = Box::new(o200k());
+    assert_eq!(shared.count_messages(&history), direct);
+    assert_eq!(boxed.count_messages(&history), direct);
+    let owned = o200k();
+    let by_ref: &dyn TokenCounter = &&owned;
+    assert_eq!(by_ref.count_messages(&history), direct);
+    let custom = o200k().with_framing(Framing::NONE);
+    let shared: Arc<dyn TokenCounter> = Arc::new(custom.clone());
+    assert_eq!(shared.framing(), Framing::NONE);
+    assert_eq!(
+        shared.count_messages(&history),
+        custom.count_messages(&history)
+    );
+}
+
+/// A unit that starts with a letter and ends with a newline, so repeating it puts a
+/// piece boundary between copies: the count of `k` copies is exactly `k` times the
+/// count of one.
+const UNIT: &str = "Prose with ünïcödé, 東京 and emoji 🙂; code: fn f(x: u32) -> u32 { x * 2 }\n\
+                    Numbers 1234567 and contractions: it's, we'll, they've.\n";
+
+#[test]
+fn fifty_megabytes_in_one_message() {
+    let copies = 50 * 1024 * 1024 / UNIT.len() + 1;
+    let text = UNIT.repeat(copies);
+    assert!(text.len() >= 50 * 1024 * 1024);
+    for counter in [o200k().with_threads(2), cl100k().with_threads(2)] {
+        let one = counter.count_text(UNIT);
+        let message = Message::tool("call_1", text.as_str());
+        assert_eq!(
+            counter.count_message(&message),
+            3 + 1 + one * copies + counter.count_text("call_1")
+        );
+    }
+    let approx = ApproxCounter::new();
+    assert_eq!(
+        approx.count_text(&text),
+        (UNIT.chars().count() * copies).div_ceil(4)
+    );
+}
+
+#[test]
+fn pathological_single_pieces_do_not_blow_up() {
+    // One 1 MiB letter run and one 1 MiB whitespace run: each is a single piece that
+    // goes through the heap-based merge.
+    let n = 1024 * 1024;
+    for counter in [o200k(), cl100k()] {
+        for text in ["a".repeat(n), " ".repeat(n), "\u{301}".repeat(n / 2)] {
+            let tokens = counter.count_text(&text);
+            // Every token covers at least one byte and at most the longest token.
+            assert!(tokens > 0 && tokens <= text.len(), "{tokens}");
+            assert!(tokens >= text.len() / 1024, "{tokens}");
+        }
+    }
+}
+
+#[test]
+fn empty_and_odd_messages() {
+    let o = o200k();
+    assert_eq!(o.count_text(""), 0);
+    assert_eq!(o.count_message(&Message::user("")), 3 + 1);
+    let weird = Message::user("\u{0}\u{feff}\u{200b}\u{10ffff}\r\n\t");
+    assert_eq!(
+        o.count_message(&weird),
+        3 + 1
+            + tiktoken_rs::o200k_base_singleton()
+                .encode_ordinary("\u{0}\u{feff}\u{200b}\u{10ffff}\r\n\t")
+                .len()
+    );
+}
