@@ -90,6 +90,7 @@
 //!   `chat`/`function` messages, and offers `format="langchain-openai"`. keel has no
 //!   equivalent of those.
 
+mod index;
 mod messages;
 mod reducer;
 mod standard;

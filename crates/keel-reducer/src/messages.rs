@@ -1,7 +1,7 @@
 //! [`AddMessages`]: the message-history reducer, its value [`Messages`] and its update
 //! [`AddMessagesUpdate`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::Deref;
 
@@ -9,6 +9,7 @@ use keel_message::{FormatError, Message, Problem, langchain};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Value, json};
 
+use crate::index::IdIndex;
 use crate::{Associative, ReduceError, Reducer};
 
 /// The id LangChain's `RemoveMessage` carries to mean "remove every message"
@@ -56,7 +57,7 @@ fn stored_id(m: &Message) -> &str {
 #[derive(Clone, Default)]
 pub struct Messages {
     list: Vec<Message>,
-    index: HashMap<String, usize>,
+    index: IdIndex,
 }
 
 impl Messages {
@@ -82,12 +83,12 @@ impl Messages {
     /// # Ok::<(), keel_reducer::ReduceError>(())
     /// ```
     pub fn position(&self, id: &str) -> Option<usize> {
-        self.index.get(id).copied()
+        self.index.position(&self.list, id)
     }
 
     /// True if a message has this id.
     pub fn contains_id(&self, id: &str) -> bool {
-        self.index.contains_key(id)
+        self.position(id).is_some()
     }
 
     /// The messages, in order.
@@ -106,9 +107,10 @@ impl Messages {
         if len >= self.list.len() {
             return;
         }
-        for m in self.list.drain(len..) {
-            self.index.remove(stored_id(&m));
+        for (pos, m) in self.list.iter().enumerate().skip(len) {
+            self.index.remove(stored_id(m), pos);
         }
+        self.list.truncate(len);
     }
 
     fn clear(&mut self) {
@@ -116,35 +118,37 @@ impl Messages {
         self.index.clear();
     }
 
-    /// Inserts a message whose id is known, replacing the message with that id in
-    /// place or appending it. Returns true if it replaced one.
-    fn upsert(&mut self, message: Message, id: String) -> bool {
-        match self.index.get(&id) {
-            Some(&pos) => {
+    /// Replaces the message with `message`'s id in place, or appends it. The message
+    /// must have an id.
+    fn upsert(&mut self, message: Message) {
+        let new_pos = self.list.len();
+        match self
+            .index
+            .get_or_insert(&self.list, stored_id(&message), new_pos)
+        {
+            Some(pos) => {
                 if let Some(slot) = self.list.get_mut(pos) {
                     *slot = message;
                 }
-                true
             }
-            None => {
-                self.index.insert(id, self.list.len());
-                self.list.push(message);
-                false
-            }
+            None => self.list.push(message),
         }
     }
 
     /// Removes every message whose id is in `ids`, keeping the order of the rest.
     fn remove_ids(&mut self, ids: &HashSet<String>) {
-        self.list.retain(|m| !ids.contains(stored_id(m)));
-        for id in ids {
-            self.index.remove(id);
-        }
-        for (i, m) in self.list.iter().enumerate() {
-            if let Some(pos) = self.index.get_mut(stored_id(m)) {
-                *pos = i;
+        let mut remap = Vec::with_capacity(self.list.len());
+        let mut next = 0;
+        for m in &self.list {
+            if ids.contains(stored_id(m)) {
+                remap.push(None);
+            } else {
+                remap.push(Some(next));
+                next += 1;
             }
         }
+        self.list.retain(|m| !ids.contains(stored_id(m)));
+        self.index.remap(&remap);
     }
 }
 
@@ -191,13 +195,13 @@ impl TryFrom<Vec<Message>> for Messages {
     /// );
     /// ```
     fn try_from(list: Vec<Message>) -> Result<Self, ReduceError> {
-        let mut index = HashMap::with_capacity(list.len());
+        let mut index = IdIndex::with_capacity(list.len());
         for (i, m) in list.iter().enumerate() {
             let id =
-                m.id.as_ref()
+                m.id.as_deref()
                     .ok_or(ReduceError::MissingMessageId { index: i })?;
-            if index.insert(id.clone(), i).is_some() {
-                return Err(ReduceError::DuplicateMessageId { id: id.clone() });
+            if index.get_or_insert(&list, id, i).is_some() {
+                return Err(ReduceError::DuplicateMessageId { id: id.to_owned() });
             }
         }
         Ok(Messages { list, index })
@@ -661,11 +665,11 @@ fn apply_update(current: &mut Messages, update: AddMessagesUpdate) -> Result<(),
     for op in ops {
         match op {
             MessageOp::Upsert(mut m) => {
-                let id = m.id.get_or_insert_with(new_id).clone();
+                let id = m.id.get_or_insert_with(new_id);
                 if !pending.is_empty() {
-                    pending.remove(&id);
+                    pending.remove(id.as_str());
                 }
-                current.upsert(m, id);
+                current.upsert(m);
             }
             MessageOp::Remove(id) => {
                 if !current.contains_id(&id) {
@@ -729,7 +733,7 @@ mod tests {
             && m.list
                 .iter()
                 .enumerate()
-                .all(|(i, msg)| m.index.get(stored_id(msg)) == Some(&i))
+                .all(|(i, msg)| m.position(stored_id(msg)) == Some(i))
     }
 
     #[test]
