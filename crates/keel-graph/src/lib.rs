@@ -61,7 +61,7 @@ pub use keel_reducer as reducer;
 pub use state::{State, StateError, channel_index};
 
 #[doc(hidden)]
-pub use state::__private;
+pub use state::support as __private;
 pub use stream::{Event, StreamMode};
 
 /// The virtual node a run starts from.

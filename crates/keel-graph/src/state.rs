@@ -100,12 +100,13 @@ impl StateError {
     }
 }
 
-/// Support code called by `#[derive(State)]`; not part of the stable API.
-#[doc(hidden)]
-pub mod __private {
+/// Helpers for implementing [`State`] by hand (the derive calls the same ones): each
+/// names the channel in its error.
+pub mod support {
     use keel_reducer::Reducer;
     use serde::Serialize;
     use serde::de::DeserializeOwned;
+    #[doc(hidden)]
     pub use serde_json::Value;
 
     use super::StateError;
