@@ -286,10 +286,96 @@ pub enum MessageOp {
 /// assert_eq!(serde_json::to_value(&u)?[0], serde_json::json!({"remove": "old"}));
 /// # Ok::<(), serde_json::Error>(())
 /// ```
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, Default)]
 pub struct AddMessagesUpdate {
-    ops: Vec<MessageOp>,
+    ops: Ops,
+}
+
+/// The operations of an update. A single operation (most updates are one message) is
+/// stored inline: building and reducing it allocates nothing beyond the message.
+#[derive(Clone)]
+enum Ops {
+    One(MessageOp),
+    Many(Vec<MessageOp>),
+}
+
+impl Default for Ops {
+    fn default() -> Self {
+        Ops::Many(Vec::new())
+    }
+}
+
+impl Ops {
+    fn collect(ops: impl IntoIterator<Item = MessageOp>) -> Self {
+        let mut it = ops.into_iter();
+        let Some(first) = it.next() else {
+            return Ops::default();
+        };
+        let Some(second) = it.next() else {
+            return Ops::One(first);
+        };
+        let mut v = Vec::with_capacity(2 + it.size_hint().0);
+        v.push(first);
+        v.push(second);
+        v.extend(it);
+        Ops::Many(v)
+    }
+
+    fn as_slice(&self) -> &[MessageOp] {
+        match self {
+            Ops::One(op) => std::slice::from_ref(op),
+            Ops::Many(v) => v,
+        }
+    }
+
+    fn into_vec(self) -> Vec<MessageOp> {
+        match self {
+            Ops::One(op) => vec![op],
+            Ops::Many(v) => v,
+        }
+    }
+
+    fn extend(&mut self, more: impl IntoIterator<Item = MessageOp>) {
+        let mut more = more.into_iter().peekable();
+        if more.peek().is_none() {
+            return;
+        }
+        if self.as_slice().is_empty() {
+            *self = Ops::collect(more);
+        } else {
+            let mut v = std::mem::take(self).into_vec();
+            v.extend(more);
+            *self = Ops::Many(v);
+        }
+    }
+}
+
+impl PartialEq for AddMessagesUpdate {
+    fn eq(&self, other: &Self) -> bool {
+        self.ops() == other.ops()
+    }
+}
+
+impl fmt::Debug for AddMessagesUpdate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.ops()).finish()
+    }
+}
+
+impl Serialize for AddMessagesUpdate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.ops().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for AddMessagesUpdate {
+    /// Reads the list of operations verbatim: an id-less upsert stays id-less (the
+    /// reducer gives it an id).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::<MessageOp>::deserialize(d).map(|ops| AddMessagesUpdate {
+            ops: Ops::collect(ops),
+        })
+    }
 }
 
 fn with_id(mut m: Message) -> Message {
@@ -329,10 +415,7 @@ impl AddMessagesUpdate {
     /// ```
     pub fn append(messages: impl IntoIterator<Item = Message>) -> Self {
         AddMessagesUpdate {
-            ops: messages
-                .into_iter()
-                .map(|m| MessageOp::Upsert(with_id(m)))
-                .collect(),
+            ops: Ops::collect(messages.into_iter().map(|m| MessageOp::Upsert(with_id(m)))),
         }
     }
 
@@ -357,17 +440,14 @@ impl AddMessagesUpdate {
         I::Item: Into<String>,
     {
         AddMessagesUpdate {
-            ops: ids
-                .into_iter()
-                .map(|id| MessageOp::Remove(id.into()))
-                .collect(),
+            ops: Ops::collect(ids.into_iter().map(|id| MessageOp::Remove(id.into()))),
         }
     }
 
     /// Remove every message.
     pub fn remove_all() -> Self {
         AddMessagesUpdate {
-            ops: vec![MessageOp::RemoveAll],
+            ops: Ops::One(MessageOp::RemoveAll),
         }
     }
 
@@ -393,40 +473,40 @@ impl AddMessagesUpdate {
     /// These operations, in order (id-less messages get an id now).
     pub fn from_ops(ops: impl IntoIterator<Item = MessageOp>) -> Self {
         AddMessagesUpdate {
-            ops: ops.into_iter().map(with_ids).collect(),
+            ops: Ops::collect(ops.into_iter().map(with_ids)),
         }
     }
 
     /// This update followed by `next`.
     #[must_use]
     pub fn then(mut self, next: AddMessagesUpdate) -> Self {
-        self.ops.extend(next.ops);
+        self.ops.extend(next.ops.into_vec());
         self
     }
 
     /// Adds one operation at the end (an id-less message gets an id now).
     pub fn push(&mut self, op: MessageOp) {
-        self.ops.push(with_ids(op));
+        self.ops.extend([with_ids(op)]);
     }
 
     /// The operations, in order.
     pub fn ops(&self) -> &[MessageOp] {
-        &self.ops
+        self.ops.as_slice()
     }
 
     /// The operations, in order.
     pub fn into_ops(self) -> Vec<MessageOp> {
-        self.ops
+        self.ops.into_vec()
     }
 
     /// Number of operations.
     pub fn len(&self) -> usize {
-        self.ops.len()
+        self.ops().len()
     }
 
     /// True when there is no operation.
     pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.ops().is_empty()
     }
 
     /// Reads a list of LangChain message dicts, as a LangGraph node would return them:
@@ -481,13 +561,15 @@ impl AddMessagesUpdate {
                 ops.push(MessageOp::Upsert(with_id(m)));
             }
         }
-        Ok(AddMessagesUpdate { ops })
+        Ok(AddMessagesUpdate {
+            ops: Ops::collect(ops),
+        })
     }
 
     /// Writes the update as LangChain message dicts: messages flat, removals as
     /// `RemoveMessage` dicts. [`from_langchain`](Self::from_langchain) reads it back.
     pub fn to_langchain(&self) -> Vec<Value> {
-        self.ops
+        self.ops()
             .iter()
             .map(|op| match op {
                 MessageOp::Upsert(m) => langchain::to_value(m),
@@ -598,7 +680,7 @@ fn effective(ops: &[MessageOp]) -> (bool, &[MessageOp]) {
 /// without touching `current`: tracks only the ids the updates add and remove.
 fn validate(current: &Messages, updates: &[AddMessagesUpdate]) -> Result<(), ReduceError> {
     let any_removal = updates.iter().any(|u| {
-        effective(&u.ops)
+        effective(u.ops())
             .1
             .iter()
             .any(|op| matches!(op, MessageOp::Remove(_)))
@@ -610,7 +692,7 @@ fn validate(current: &Messages, updates: &[AddMessagesUpdate]) -> Result<(), Red
     let mut added: HashSet<&str> = HashSet::new();
     let mut removed: HashSet<&str> = HashSet::new();
     for u in updates {
-        let (clears, ops) = effective(&u.ops);
+        let (clears, ops) = effective(u.ops());
         if clears {
             cleared = true;
             added.clear();
@@ -653,35 +735,52 @@ fn validate(current: &Messages, updates: &[AddMessagesUpdate]) -> Result<(), Red
 }
 
 fn apply_update(current: &mut Messages, update: AddMessagesUpdate) -> Result<(), ReduceError> {
-    let mut ops = update.ops;
-    if let Some(i) = ops
-        .iter()
-        .rposition(|op| matches!(op, MessageOp::RemoveAll))
-    {
+    let (clears, rest) = effective(update.ops());
+    let skip = update.len() - rest.len();
+    if clears {
         current.clear();
-        ops.drain(..=i);
     }
     let mut pending: HashSet<String> = HashSet::new();
-    for op in ops {
-        match op {
-            MessageOp::Upsert(mut m) => {
-                let id = m.id.get_or_insert_with(new_id);
-                if !pending.is_empty() {
-                    pending.remove(id.as_str());
-                }
-                current.upsert(m);
+    match update.ops {
+        Ops::One(op) => {
+            if skip == 0 {
+                apply_op(current, op, &mut pending)?;
             }
-            MessageOp::Remove(id) => {
-                if !current.contains_id(&id) {
-                    return Err(ReduceError::UnknownMessageId { id });
-                }
-                pending.insert(id);
+        }
+        Ops::Many(ops) => {
+            for op in ops.into_iter().skip(skip) {
+                apply_op(current, op, &mut pending)?;
             }
-            MessageOp::RemoveAll => current.clear(),
         }
     }
     if !pending.is_empty() {
         current.remove_ids(&pending);
+    }
+    Ok(())
+}
+
+/// Applies one operation; removals are collected in `pending`, for the end of the
+/// update.
+fn apply_op(
+    current: &mut Messages,
+    op: MessageOp,
+    pending: &mut HashSet<String>,
+) -> Result<(), ReduceError> {
+    match op {
+        MessageOp::Upsert(mut m) => {
+            let id = m.id.get_or_insert_with(new_id);
+            if !pending.is_empty() {
+                pending.remove(id.as_str());
+            }
+            current.upsert(m);
+        }
+        MessageOp::Remove(id) => {
+            if !current.contains_id(&id) {
+                return Err(ReduceError::UnknownMessageId { id });
+            }
+            pending.insert(id);
+        }
+        MessageOp::RemoveAll => current.clear(),
     }
     Ok(())
 }
@@ -843,6 +942,44 @@ mod tests {
         let h = AddMessages.apply(Messages::new(), update).unwrap();
         assert!(h[0].id.as_deref().is_some_and(|id| !id.is_empty()));
         assert!(index_is_consistent(&h));
+    }
+
+    #[test]
+    fn updates_of_any_length_build_and_round_trip() {
+        let a = Message::user("a").with_id("a");
+        let b = Message::user("b").with_id("b");
+        let cases = [
+            AddMessagesUpdate::new(),
+            AddMessagesUpdate::append([a.clone()]),
+            AddMessagesUpdate::append([a.clone(), b.clone()]),
+            AddMessagesUpdate::remove_all(),
+            AddMessagesUpdate::replace_all([a.clone()]),
+        ];
+        for u in cases {
+            let json = serde_json::to_value(&u).unwrap();
+            assert_eq!(json.as_array().unwrap().len(), u.len());
+            let back: AddMessagesUpdate = serde_json::from_value(json).unwrap();
+            assert_eq!(back, u);
+            assert_eq!(back.clone().into_ops(), u.ops());
+        }
+        let mut u = AddMessagesUpdate::new();
+        u.push(MessageOp::Upsert(a.clone()));
+        assert_eq!(u, AddMessagesUpdate::append([a.clone()]));
+        u.push(MessageOp::Remove("a".into()));
+        u.extend([]);
+        assert_eq!(
+            u.ops(),
+            [MessageOp::Upsert(a.clone()), MessageOp::Remove("a".into())]
+        );
+        let joined = AddMessagesUpdate::new()
+            .then(AddMessagesUpdate::append([a.clone()]))
+            .then(AddMessagesUpdate::new())
+            .then(AddMessagesUpdate::append([b.clone()]));
+        assert_eq!(joined, AddMessagesUpdate::append([a, b]));
+        assert_eq!(
+            format!("{:?}", AddMessagesUpdate::remove_all()),
+            "[RemoveAll]"
+        );
     }
 
     #[test]
