@@ -983,6 +983,25 @@ mod tests {
     }
 
     #[test]
+    fn deserialize_rebuilds_the_index() {
+        let h: Messages = serde_json::from_value(json!([
+            {"id": "a", "role": "user", "content": "1"},
+            {"id": "b", "role": "assistant", "content": "2"},
+        ]))
+        .unwrap();
+        assert!(index_is_consistent(&h));
+        assert_eq!(h.position("b"), Some(1));
+        let h = AddMessages
+            .apply(
+                h,
+                AddMessagesUpdate::append([Message::user("3").with_id("b")]),
+            )
+            .unwrap();
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[1].text(), "3");
+    }
+
+    #[test]
     fn deserialize_refuses_duplicates() {
         let err = serde_json::from_value::<Messages>(json!([
             {"id": "a", "role": "user", "content": "1"},
