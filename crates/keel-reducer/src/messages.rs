@@ -531,7 +531,12 @@ impl AddMessagesUpdate {
         let mut ops = Vec::with_capacity(values.len());
         for (i, v) in values.iter().enumerate() {
             if v.get("type").and_then(Value::as_str) == Some("remove") {
-                let id = match v.get("id") {
+                // Flat (`model_dump()`) or wrapped (`messages_to_dict`: `{"type", "data"}`).
+                let fields = match (v.get("id"), v.get("data")) {
+                    (None, Some(data)) if data.is_object() => data,
+                    _ => v,
+                };
+                let id = match fields.get("id") {
                     Some(Value::String(id)) => id.clone(),
                     Some(other) if !other.is_null() => {
                         return Err(FormatError::Field {
@@ -1021,6 +1026,19 @@ mod tests {
             .then(AddMessagesUpdate::remove(["1"]));
         let back = AddMessagesUpdate::from_langchain(&u.to_langchain()).unwrap();
         assert_eq!(back, u);
+    }
+
+    #[test]
+    fn langchain_remove_in_either_shape() {
+        let u = AddMessagesUpdate::from_langchain(&[
+            json!({"type": "remove", "data": {"id": "x", "content": ""}}),
+            json!({"type": "remove", "id": "__remove_all__"}),
+        ])
+        .unwrap();
+        assert_eq!(
+            u.ops(),
+            [MessageOp::Remove("x".into()), MessageOp::RemoveAll]
+        );
     }
 
     #[test]
