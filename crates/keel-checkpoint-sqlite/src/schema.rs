@@ -1,0 +1,172 @@
+//! Connection settings and the versioned schema.
+//!
+//! The schema version lives in SQLite's `user_version`; `application_id` marks the
+//! file as keel's. Migrations run in order, each once, inside one `BEGIN IMMEDIATE`
+//! transaction on open, so two processes opening a new file at once migrate it once.
+//!
+//! Every table is keyed by `thread_id` first and nothing joins across threads (a
+//! sharded store can take the same layout).
+
+use std::path::Path;
+
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+
+use crate::error::SqliteError;
+use crate::options::SqliteOptions;
+
+/// `application_id` of keel checkpoint files: "keel" in ASCII.
+const APPLICATION_ID: i64 = 0x6b65_656c;
+
+/// The schema version this build writes; see [`MIGRATIONS`].
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Migration `i` brings the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[
+    // 1: checkpoints, channel deltas stored once, pending writes.
+    r#"
+    CREATE TABLE checkpoints (
+        thread_id     TEXT    NOT NULL,
+        ns            TEXT    NOT NULL,
+        checkpoint_id TEXT    NOT NULL,
+        parent_id     TEXT,
+        created_at    INTEGER NOT NULL,
+        source        TEXT    NOT NULL,
+        step          INTEGER NOT NULL,
+        -- JSON: {"channels": channel versions, "seen": versions seen, "sends": pending sends}
+        versions      TEXT    NOT NULL,
+        -- JSON object: the metadata's extra keys (source and step are columns)
+        extra         TEXT    NOT NULL,
+        PRIMARY KEY (thread_id, ns, checkpoint_id)
+    ) WITHOUT ROWID;
+
+    -- One row per (channel, writer checkpoint), shared by every later checkpoint that
+    -- still holds that version.
+    CREATE TABLE deltas (
+        thread_id   TEXT    NOT NULL,
+        ns          TEXT    NOT NULL,
+        channel     TEXT    NOT NULL,
+        writer      TEXT    NOT NULL,
+        seq         INTEGER NOT NULL,
+        base_writer TEXT,
+        base_seq    INTEGER,
+        updates     TEXT    NOT NULL, -- JSON array
+        snapshot    TEXT,             -- JSON value, or NULL
+        PRIMARY KEY (thread_id, ns, channel, writer)
+    );
+
+    CREATE TABLE writes (
+        thread_id     TEXT    NOT NULL,
+        ns            TEXT    NOT NULL,
+        checkpoint_id TEXT    NOT NULL,
+        task_id       TEXT    NOT NULL,
+        channel       TEXT    NOT NULL,
+        idx           INTEGER NOT NULL, -- the write's index among its task's writes to its channel in one call
+        ord           INTEGER NOT NULL, -- stored order within the checkpoint
+        task_path     TEXT    NOT NULL,
+        value         TEXT    NOT NULL, -- JSON
+        PRIMARY KEY (thread_id, ns, checkpoint_id, task_id, channel, idx)
+    );
+    "#,
+];
+
+/// Opens the writer connection: creates the file if needed, switches it to WAL mode,
+/// and migrates the schema.
+pub(crate) fn open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, SqliteError> {
+    let conn = Connection::open(path)?;
+    configure(&conn, options)?;
+    let mode: String = conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(SqliteError::NoWal {
+            path: path.to_owned(),
+            mode,
+        });
+    }
+    if let Some(bytes) = options.max_size {
+        limit_size(&conn, bytes)?;
+    }
+    let mut conn = conn;
+    migrate(&mut conn, path)?;
+    Ok(conn)
+}
+
+/// Opens a reader connection on a file the writer has opened.
+pub(crate) fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, SqliteError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    configure(&conn, options)?;
+    conn.pragma_update(None, "query_only", true)?;
+    Ok(conn)
+}
+
+/// Opens a private in-memory database (no WAL: one connection does everything).
+pub(crate) fn open_memory(options: &SqliteOptions) -> Result<Connection, SqliteError> {
+    let mut conn = Connection::open_in_memory()?;
+    configure(&conn, options)?;
+    if let Some(bytes) = options.max_size {
+        limit_size(&conn, bytes)?;
+    }
+    migrate(&mut conn, Path::new(":memory:"))?;
+    Ok(conn)
+}
+
+fn configure(conn: &Connection, options: &SqliteOptions) -> Result<(), SqliteError> {
+    conn.busy_timeout(options.busy_timeout)?;
+    conn.pragma_update(None, "synchronous", options.synchronous.as_str())?;
+    conn.pragma_update(None, "foreign_keys", false)?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(())
+}
+
+fn limit_size(conn: &Connection, bytes: u64) -> Result<(), SqliteError> {
+    let page_size: i64 = conn.pragma_query_value(None, "page_size", |r| r.get(0))?;
+    let pages = bytes / u64::try_from(page_size.max(1)).unwrap_or(4096);
+    let pages = i64::try_from(pages.max(1)).unwrap_or(i64::MAX);
+    let _: i64 = conn.pragma_update_and_check(None, "max_page_count", pages, |r| r.get(0))?;
+    Ok(())
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`]; a no-op when it is there already.
+fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let version: i64 = tx.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    let app: i64 = tx.pragma_query_value(None, "application_id", |r| r.get(0))?;
+    if version > SCHEMA_VERSION {
+        return Err(SqliteError::NewerSchema {
+            path: path.to_owned(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    if app != 0 && app != APPLICATION_ID {
+        return Err(SqliteError::ForeignDatabase {
+            path: path.to_owned(),
+            reason: format!("its application_id is {app:#x}"),
+        });
+    }
+    if version == 0 {
+        let tables: i64 = tx.query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'table'",
+            [],
+            |r| r.get(0),
+        )?;
+        if tables > 0 {
+            return Err(SqliteError::ForeignDatabase {
+                path: path.to_owned(),
+                reason: format!("it has {tables} tables but no keel schema version"),
+            });
+        }
+        tx.pragma_update(None, "application_id", APPLICATION_ID)?;
+    }
+    if version == SCHEMA_VERSION {
+        return Ok(());
+    }
+    let from = usize::try_from(version).unwrap_or(0);
+    for sql in MIGRATIONS.iter().skip(from) {
+        tx.execute_batch(sql)?;
+    }
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    tx.commit()?;
+    Ok(())
+}

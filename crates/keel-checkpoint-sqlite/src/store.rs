@@ -1,0 +1,681 @@
+//! The SQL behind each [`Checkpointer`](keel_checkpoint::Checkpointer) method. Every
+//! function here runs on a database thread; all values are bound as parameters.
+
+use std::collections::BTreeMap;
+
+use keel_checkpoint::support;
+use keel_checkpoint::{
+    ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
+    CheckpointSource, CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest,
+    ThreadKey,
+};
+use rusqlite::types::{Value as SqlValue, ValueRef};
+use rusqlite::{CachedStatement, Connection, OptionalExtension, Row, TransactionBehavior, params};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::{OpResult, corrupt, invalid};
+
+/// The checkpoint fields stored as one JSON column.
+#[derive(Serialize)]
+struct VersionsRef<'a> {
+    channels: &'a BTreeMap<String, ChannelVersion>,
+    seen: &'a BTreeMap<String, BTreeMap<String, u64>>,
+    sends: &'a [Value],
+}
+
+#[derive(Deserialize)]
+struct Versions {
+    channels: BTreeMap<String, ChannelVersion>,
+    seen: BTreeMap<String, BTreeMap<String, u64>>,
+    sends: Vec<Value>,
+}
+
+const CHECKPOINT_COLUMNS: &str =
+    "checkpoint_id, parent_id, created_at, source, step, versions, extra";
+
+fn to_json(value: &impl Serialize) -> OpResult<String> {
+    serde_json::to_string(value).map_err(|e| invalid(format!("cannot encode as JSON: {e}")))
+}
+
+fn seq_to_sql(seq: u64) -> OpResult<i64> {
+    i64::try_from(seq).map_err(|_| invalid(format!("version seq {seq} is above {}", i64::MAX)))
+}
+
+fn text<'r>(row: &'r Row<'_>, idx: usize, what: &str) -> OpResult<&'r str> {
+    row.get_ref(idx)?
+        .as_str()
+        .map_err(|e| corrupt(format!("{what}: {e}")))
+}
+
+fn json<T: for<'de> Deserialize<'de>>(value: ValueRef<'_>, what: &str) -> OpResult<T> {
+    let bytes = value
+        .as_bytes()
+        .map_err(|e| corrupt(format!("{what}: {e}")))?;
+    serde_json::from_slice(bytes).map_err(|e| corrupt(format!("{what}: {e}")))
+}
+
+fn parse_id(text: &str, what: &str) -> OpResult<CheckpointId> {
+    text.parse().map_err(|e| corrupt(format!("{what}: {e}")))
+}
+
+fn parse_source(text: &str) -> OpResult<CheckpointSource> {
+    Ok(match text {
+        "input" => CheckpointSource::Input,
+        "loop" => CheckpointSource::Loop,
+        "update" => CheckpointSource::Update,
+        "fork" => CheckpointSource::Fork,
+        other => return Err(corrupt(format!("unknown checkpoint source {other:?}"))),
+    })
+}
+
+/// The metadata of a checkpoint row (columns as in [`CHECKPOINT_COLUMNS`]).
+fn metadata_from_row(row: &Row<'_>) -> OpResult<CheckpointMetadata> {
+    let source = parse_source(text(row, 3, "checkpoint source")?)?;
+    let step: i64 = row.get(4)?;
+    let extra: Map<String, Value> = json(row.get_ref(6)?, "checkpoint metadata")?;
+    Ok(CheckpointMetadata {
+        source,
+        step,
+        extra,
+    })
+}
+
+/// A checkpoint row (columns as in [`CHECKPOINT_COLUMNS`]) with its metadata.
+fn summary_from_row(
+    thread: &ThreadKey,
+    row: &Row<'_>,
+    metadata: CheckpointMetadata,
+) -> OpResult<CheckpointSummary> {
+    let id = parse_id(text(row, 0, "checkpoint id")?, "checkpoint id")?;
+    let parent = match row.get_ref(1)? {
+        ValueRef::Null => None,
+        _ => Some(parse_id(text(row, 1, "parent id")?, "parent id")?),
+    };
+    let created_at: i64 = row.get(2)?;
+    let versions: Versions = json(row.get_ref(5)?, "checkpoint versions")?;
+    Ok(CheckpointSummary {
+        thread: thread.clone(),
+        checkpoint: Checkpoint {
+            id,
+            parent,
+            created_at: u64::try_from(created_at).unwrap_or(0),
+            channel_versions: versions.channels,
+            versions_seen: versions.seen,
+            pending_sends: versions.sends,
+        },
+        metadata,
+    })
+}
+
+/// The id of the thread's newest checkpoint.
+fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 \
+         ORDER BY checkpoint_id DESC LIMIT 1",
+    )?;
+    let mut rows = stmt.query(params![thread.thread_id, thread.ns])?;
+    match rows.next()? {
+        Some(row) => Ok(Some(parse_id(
+            text(row, 0, "checkpoint id")?,
+            "checkpoint id",
+        )?)),
+        None => Ok(None),
+    }
+}
+
+/// `Checkpointer::put`: fencing, reference checks and every insert in one
+/// `BEGIN IMMEDIATE` transaction. Any refusal or failure rolls it all back.
+pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
+    let PutRequest {
+        thread,
+        checkpoint,
+        metadata,
+        deltas,
+        expected_head,
+    } = request;
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let current = head(&tx, thread)?;
+    if current != *expected_head {
+        return Err(CheckpointError::Conflict {
+            expected: expected_head.clone(),
+            actual: current,
+        }
+        .into());
+    }
+    if let Some(current) = &current
+        && checkpoint.id <= *current
+    {
+        return Err(invalid(format!(
+            "checkpoint id {} does not sort after the head {current}",
+            checkpoint.id
+        )));
+    }
+    {
+        let mut stored_seq = tx.prepare_cached(
+            "SELECT seq FROM deltas \
+             WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
+        )?;
+        for (channel, version) in support::referenced_versions(request) {
+            let seq: Option<i64> = stored_seq
+                .query_row(
+                    params![
+                        thread.thread_id,
+                        thread.ns,
+                        channel,
+                        version.writer.as_str()
+                    ],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if seq.is_none() || seq != i64::try_from(version.seq).ok() {
+                return Err(invalid(format!(
+                    "channel {channel:?}: version {} by {} is not stored",
+                    version.seq, version.writer
+                )));
+            }
+        }
+
+        let mut insert_delta = tx.prepare_cached(
+            "INSERT INTO deltas \
+             (thread_id, ns, channel, writer, seq, base_writer, base_seq, updates, snapshot) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
+        )?;
+        for delta in deltas {
+            let base_seq = delta.base.as_ref().map(|b| seq_to_sql(b.seq)).transpose()?;
+            let snapshot = delta.snapshot.as_ref().map(to_json).transpose()?;
+            let inserted = insert_delta.execute(params![
+                thread.thread_id,
+                thread.ns,
+                delta.channel,
+                delta.version.writer.as_str(),
+                seq_to_sql(delta.version.seq)?,
+                delta.base.as_ref().map(|b| b.writer.as_str()),
+                base_seq,
+                to_json(&delta.updates)?,
+                snapshot,
+            ])?;
+            if inserted == 0 {
+                return Err(invalid(format!(
+                    "channel {:?}: a delta by {} is already stored",
+                    delta.channel, delta.version.writer
+                )));
+            }
+        }
+
+        let versions = VersionsRef {
+            channels: &checkpoint.channel_versions,
+            seen: &checkpoint.versions_seen,
+            sends: &checkpoint.pending_sends,
+        };
+        let created_at = i64::try_from(checkpoint.created_at).map_err(|_| {
+            invalid(format!(
+                "created_at {} is out of range",
+                checkpoint.created_at
+            ))
+        })?;
+        let mut insert_checkpoint = tx.prepare_cached(
+            "INSERT INTO checkpoints \
+             (thread_id, ns, checkpoint_id, parent_id, created_at, source, step, versions, extra) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        insert_checkpoint.execute(params![
+            thread.thread_id,
+            thread.ns,
+            checkpoint.id.as_str(),
+            checkpoint.parent.as_ref().map(CheckpointId::as_str),
+            created_at,
+            metadata.source.as_str(),
+            metadata.step,
+            to_json(&versions)?,
+            to_json(&metadata.extra)?,
+        ])?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// `Checkpointer::get`, in one read transaction (a consistent snapshot even while
+/// another connection writes or prunes).
+pub(crate) fn get(
+    conn: &mut Connection,
+    thread: &ThreadKey,
+    id: Option<&CheckpointId>,
+) -> OpResult<Option<CheckpointTuple>> {
+    let tx = conn.transaction()?;
+    let summary = {
+        let mut stmt = match id {
+            Some(_) => tx.prepare_cached(&format!(
+                "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints \
+                 WHERE thread_id = ?1 AND ns = ?2 AND checkpoint_id = ?3"
+            ))?,
+            None => tx.prepare_cached(&format!(
+                "SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 \
+                 ORDER BY checkpoint_id DESC LIMIT 1"
+            ))?,
+        };
+        let mut rows = match id {
+            Some(id) => stmt.query(params![thread.thread_id, thread.ns, id.as_str()])?,
+            None => stmt.query(params![thread.thread_id, thread.ns])?,
+        };
+        match rows.next()? {
+            Some(row) => {
+                let metadata = metadata_from_row(row)?;
+                Some(summary_from_row(thread, row, metadata)?)
+            }
+            None => None,
+        }
+    };
+    let Some(CheckpointSummary {
+        thread: _,
+        checkpoint,
+        metadata,
+    }) = summary
+    else {
+        return Ok(None);
+    };
+
+    let mut channels = BTreeMap::new();
+    {
+        let mut lookup = tx.prepare_cached(
+            "SELECT seq, base_writer, base_seq, snapshot, \
+             CASE WHEN snapshot IS NULL THEN updates END \
+             FROM deltas WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
+        )?;
+        for (channel, version) in &checkpoint.channel_versions {
+            let chain = support::build_chain(channel, version, |writer| {
+                load_delta(&mut lookup, thread, channel, writer).map_err(CheckpointError::from)
+            })?;
+            channels.insert(channel.clone(), chain);
+        }
+    }
+    let pending_writes = load_writes(&tx, thread, &checkpoint.id)?;
+    tx.finish()?;
+    Ok(Some(CheckpointTuple {
+        thread: thread.clone(),
+        checkpoint,
+        metadata,
+        channels,
+        pending_writes,
+    }))
+}
+
+/// One stored delta, for `support::build_chain`. A delta with a snapshot comes back
+/// without its updates: the chain starts at the snapshot and never reads them.
+fn load_delta(
+    lookup: &mut CachedStatement<'_>,
+    thread: &ThreadKey,
+    channel: &str,
+    writer: &CheckpointId,
+) -> OpResult<Option<ChannelDelta>> {
+    let mut rows = lookup.query(params![
+        thread.thread_id,
+        thread.ns,
+        channel,
+        writer.as_str()
+    ])?;
+    let Some(row) = rows.next()? else {
+        return Ok(None);
+    };
+    let what = || format!("delta of channel {channel:?} by {writer}");
+    let seq: i64 = row.get(0)?;
+    let base = match row.get_ref(1)? {
+        ValueRef::Null => None,
+        _ => {
+            let base_writer = parse_id(text(row, 1, &what())?, &what())?;
+            let base_seq: i64 = row.get(2)?;
+            Some(ChannelVersion::new(
+                u64::try_from(base_seq).map_err(|_| corrupt(what()))?,
+                base_writer,
+            ))
+        }
+    };
+    let snapshot: Option<Value> = match row.get_ref(3)? {
+        ValueRef::Null => None,
+        value => Some(json(value, &what())?),
+    };
+    let updates: Vec<Value> = match row.get_ref(4)? {
+        ValueRef::Null => Vec::new(),
+        value => json(value, &what())?,
+    };
+    Ok(Some(ChannelDelta {
+        channel: channel.to_owned(),
+        version: ChannelVersion::new(
+            u64::try_from(seq).map_err(|_| corrupt(what()))?,
+            writer.clone(),
+        ),
+        base,
+        updates,
+        snapshot,
+    }))
+}
+
+fn load_writes(
+    conn: &Connection,
+    thread: &ThreadKey,
+    checkpoint: &CheckpointId,
+) -> OpResult<Vec<PendingWrite>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT task_id, task_path, channel, value FROM writes \
+         WHERE thread_id = ?1 AND ns = ?2 AND checkpoint_id = ?3 ORDER BY ord",
+    )?;
+    let mut rows = stmt.query(params![thread.thread_id, thread.ns, checkpoint.as_str()])?;
+    let mut writes = Vec::new();
+    while let Some(row) = rows.next()? {
+        writes.push(PendingWrite {
+            task_id: text(row, 0, "write task id")?.to_owned(),
+            task_path: text(row, 1, "write task path")?.to_owned(),
+            channel: text(row, 2, "write channel")?.to_owned(),
+            value: json(row.get_ref(3)?, "write value")?,
+        });
+    }
+    Ok(writes)
+}
+
+/// `Checkpointer::put_writes`, in one `BEGIN IMMEDIATE` transaction.
+pub(crate) fn put_writes(
+    conn: &mut Connection,
+    thread: &ThreadKey,
+    checkpoint: &CheckpointId,
+    writes: &[PendingWrite],
+) -> OpResult<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let exists = tx
+        .prepare_cached(
+            "SELECT 1 FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 AND checkpoint_id = ?3",
+        )?
+        .exists(params![thread.thread_id, thread.ns, checkpoint.as_str()])?;
+    if !exists {
+        return Err(CheckpointError::NotFound {
+            what: format!("checkpoint {checkpoint} of thread {thread}"),
+        }
+        .into());
+    }
+    if writes.is_empty() {
+        return Ok(());
+    }
+    {
+        let next_ord: i64 = tx
+            .prepare_cached(
+                "SELECT coalesce(max(ord) + 1, 0) FROM writes \
+                 WHERE thread_id = ?1 AND ns = ?2 AND checkpoint_id = ?3",
+            )?
+            .query_row(
+                params![thread.thread_id, thread.ns, checkpoint.as_str()],
+                |r| r.get(0),
+            )?;
+        const INSERT: &str = "INSERT INTO writes \
+             (thread_id, ns, checkpoint_id, task_id, channel, idx, ord, task_path, value) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
+             ON CONFLICT (thread_id, ns, checkpoint_id, task_id, channel, idx) ";
+        // A repeated key keeps the stored write, except on the special channels, where
+        // the new write replaces it in place (same `ord`).
+        let mut keep = tx.prepare_cached(&format!("{INSERT} DO NOTHING"))?;
+        let mut replace = tx.prepare_cached(&format!(
+            "{INSERT} DO UPDATE SET task_path = excluded.task_path, value = excluded.value"
+        ))?;
+        for (i, (key, write)) in support::write_keys(writes)
+            .into_iter()
+            .zip(writes)
+            .enumerate()
+        {
+            let stmt = if write.is_special() {
+                &mut replace
+            } else {
+                &mut keep
+            };
+            let offset = i64::try_from(i).unwrap_or(i64::MAX);
+            stmt.execute(params![
+                thread.thread_id,
+                thread.ns,
+                checkpoint.as_str(),
+                write.task_id,
+                write.channel,
+                i64::try_from(key.index).unwrap_or(i64::MAX),
+                next_ord.saturating_add(offset),
+                write.task_path,
+                to_json(&write.value)?,
+            ])?;
+        }
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// `Checkpointer::delete_thread`: every namespace, in one transaction.
+pub(crate) fn delete_thread(conn: &mut Connection, thread_id: &str) -> OpResult<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    for table in ["writes", "deltas", "checkpoints"] {
+        tx.prepare_cached(&format!("DELETE FROM {table} WHERE thread_id = ?1"))?
+            .execute([thread_id])?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// `Checkpointer::prune`, in one transaction: drops all but the newest `keep_last`
+/// checkpoints with their writes, then every delta no kept checkpoint's chain reaches.
+pub(crate) fn prune(
+    conn: &mut Connection,
+    thread: &ThreadKey,
+    keep_last: usize,
+) -> OpResult<usize> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let cutoff: Option<String> = match keep_last {
+        0 => None,
+        n => {
+            let offset = i64::try_from(n - 1).unwrap_or(i64::MAX);
+            let found: Option<String> = tx
+                .prepare_cached(
+                    "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 \
+                     ORDER BY checkpoint_id DESC LIMIT 1 OFFSET ?3",
+                )?
+                .query_row(params![thread.thread_id, thread.ns, offset], |r| r.get(0))
+                .optional()?;
+            match found {
+                Some(id) => Some(id),
+                None => return Ok(0), // keep_last or fewer checkpoints
+            }
+        }
+    };
+    // Without a cutoff (`keep_last = 0`) every checkpoint goes.
+    let older = "thread_id = ?1 AND ns = ?2 AND (?3 IS NULL OR checkpoint_id < ?3)";
+    let removed = tx
+        .prepare_cached(&format!("DELETE FROM checkpoints WHERE {older}"))?
+        .execute(params![thread.thread_id, thread.ns, cutoff])?;
+    if removed == 0 {
+        return Ok(0);
+    }
+    tx.prepare_cached(&format!("DELETE FROM writes WHERE {older}"))?
+        .execute(params![thread.thread_id, thread.ns, cutoff])?;
+
+    // Mark every delta a kept checkpoint's chain reaches (the same walk as
+    // `support::build_chain`: back to the newest snapshot or a delta without base),
+    // then delete the unmarked ones.
+    tx.execute_batch(
+        "CREATE TEMP TABLE IF NOT EXISTS prune_keep \
+         (channel TEXT NOT NULL, writer TEXT NOT NULL, PRIMARY KEY (channel, writer)) WITHOUT ROWID; \
+         DELETE FROM temp.prune_keep;",
+    )?;
+    {
+        let mut kept =
+            tx.prepare_cached("SELECT versions FROM checkpoints WHERE thread_id = ?1 AND ns = ?2")?;
+        let mut mark = tx.prepare_cached(
+            "INSERT OR IGNORE INTO temp.prune_keep (channel, writer) VALUES (?1, ?2)",
+        )?;
+        let mut step = tx.prepare_cached(
+            "SELECT seq, snapshot IS NULL, base_writer, base_seq FROM deltas \
+             WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
+        )?;
+        let mut rows = kept.query(params![thread.thread_id, thread.ns])?;
+        while let Some(row) = rows.next()? {
+            let versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
+            for (channel, version) in &versions.channels {
+                let mut writer = version.writer.as_str().to_owned();
+                loop {
+                    let found = step
+                        .query_row(params![thread.thread_id, thread.ns, channel, writer], |r| {
+                            Ok((
+                                r.get::<_, i64>(0)?,
+                                r.get::<_, bool>(1)?,
+                                r.get::<_, Option<String>>(2)?,
+                                r.get::<_, Option<i64>>(3)?,
+                            ))
+                        })
+                        .optional()?;
+                    // A missing delta ends the walk (`get` reports it as corrupt).
+                    let Some((seq, no_snapshot, base_writer, base_seq)) = found else {
+                        break;
+                    };
+                    if mark.execute(params![channel, writer])? == 0 {
+                        break; // already walked from here
+                    }
+                    match (no_snapshot, base_writer, base_seq) {
+                        (true, Some(base), Some(base_seq)) if base_seq < seq => writer = base,
+                        _ => break,
+                    }
+                }
+            }
+        }
+    }
+    tx.prepare_cached(
+        "DELETE FROM deltas WHERE thread_id = ?1 AND ns = ?2 AND NOT EXISTS \
+         (SELECT 1 FROM temp.prune_keep k WHERE k.channel = deltas.channel AND k.writer = deltas.writer)",
+    )?
+    .execute(params![thread.thread_id, thread.ns])?;
+    tx.execute_batch("DELETE FROM temp.prune_keep")?;
+    tx.commit()?;
+    Ok(removed)
+}
+
+/// Where a `list` stream stands: the filters, and the id to continue below.
+#[derive(Debug, Clone)]
+pub(crate) struct ListQuery {
+    pub(crate) thread: ThreadKey,
+    pub(crate) options: ListOptions,
+    /// Continue with ids below this one (starts as `options.before`).
+    pub(crate) below: Option<CheckpointId>,
+}
+
+/// One page of a `list`.
+pub(crate) struct Page {
+    /// The matching checkpoints, newest first.
+    pub(crate) items: Vec<CheckpointSummary>,
+    /// The oldest id scanned (where the next page continues).
+    pub(crate) last: Option<CheckpointId>,
+    /// True when the scan reached the oldest checkpoint.
+    pub(crate) done: bool,
+}
+
+/// Whether a metadata filter can match anything at all (`source` must be a string and
+/// `step` an integer).
+pub(crate) fn filter_can_match(filter: &Map<String, Value>) -> bool {
+    let source_ok = filter.get("source").is_none_or(Value::is_string);
+    let step_ok = filter.get("step").is_none_or(|v| v.as_i64().is_some());
+    source_ok && step_ok
+}
+
+/// Whether every key of the filter is checked exactly by the SQL (so a page can be cut
+/// at the caller's limit).
+pub(crate) fn filter_is_exact(filter: &Map<String, Value>) -> bool {
+    filter.keys().all(|k| k == "source" || k == "step")
+}
+
+/// Reads up to `page` checkpoints below the cursor that pass the SQL filters, and keeps
+/// those whose metadata matches the whole filter. `source` and `step` are filtered in
+/// SQL; an extra key with a string, integer, boolean or null value is pre-filtered by
+/// looking for its exact JSON text (`"key":value`) in the stored extras, which every
+/// match contains; `CheckpointMetadata::matches` decides.
+pub(crate) fn list_page(conn: &Connection, query: &ListQuery, page: usize) -> OpResult<Page> {
+    let mut sql =
+        format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE thread_id = ?1 AND ns = ?2");
+    let mut args: Vec<SqlValue> = vec![
+        SqlValue::Text(query.thread.thread_id.clone()),
+        SqlValue::Text(query.thread.ns.clone()),
+    ];
+    let mut bind = |sql: &mut String, clause: &str, value: SqlValue| {
+        args.push(value);
+        sql.push_str(&clause.replace('?', &format!("?{}", args.len())));
+    };
+    if let Some(below) = &query.below {
+        bind(
+            &mut sql,
+            " AND checkpoint_id < ?",
+            SqlValue::Text(below.as_str().to_owned()),
+        );
+    }
+    for (key, want) in &query.options.metadata {
+        match (key.as_str(), want) {
+            ("source", Value::String(source)) => {
+                bind(&mut sql, " AND source = ?", SqlValue::Text(source.clone()));
+            }
+            ("step", want) => {
+                if let Some(step) = want.as_i64() {
+                    bind(&mut sql, " AND step = ?", SqlValue::Integer(step));
+                }
+            }
+            (_, Value::String(_) | Value::Bool(_) | Value::Null) => {
+                let needle = format!("{}:{}", to_json(key)?, to_json(want)?);
+                bind(&mut sql, " AND instr(extra, ?) > 0", SqlValue::Text(needle));
+            }
+            (_, Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                let needle = format!("{}:{}", to_json(key)?, to_json(want)?);
+                bind(&mut sql, " AND instr(extra, ?) > 0", SqlValue::Text(needle));
+            }
+            _ => {}
+        }
+    }
+    let limit = i64::try_from(page).unwrap_or(i64::MAX);
+    bind(
+        &mut sql,
+        " ORDER BY checkpoint_id DESC LIMIT ?",
+        SqlValue::Integer(limit),
+    );
+
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let mut rows = stmt.query(rusqlite::params_from_iter(args))?;
+    let mut items = Vec::new();
+    let mut last = None;
+    let mut scanned = 0usize;
+    while let Some(row) = rows.next()? {
+        scanned += 1;
+        last = Some(parse_id(text(row, 0, "checkpoint id")?, "checkpoint id")?);
+        let metadata = metadata_from_row(row)?;
+        if metadata.matches(&query.options.metadata) {
+            items.push(summary_from_row(&query.thread, row, metadata)?);
+        }
+    }
+    Ok(Page {
+        items,
+        last,
+        done: scanned < page,
+    })
+}
+
+/// Counts of what a database holds.
+pub(crate) fn stats(conn: &Connection) -> OpResult<crate::SqliteStats> {
+    let count = |sql: &str| -> OpResult<u64> {
+        let n: i64 = conn.query_row(sql, [], |r| r.get(0))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    let page_size = count("PRAGMA page_size")?;
+    Ok(crate::SqliteStats {
+        threads: count("SELECT count(*) FROM (SELECT DISTINCT thread_id FROM checkpoints)")?,
+        checkpoints: count("SELECT count(*) FROM checkpoints")?,
+        deltas: count("SELECT count(*) FROM deltas")?,
+        snapshots: count("SELECT count(*) FROM deltas WHERE snapshot IS NOT NULL")?,
+        pending_writes: count("SELECT count(*) FROM writes")?,
+        delta_bytes: count(
+            "SELECT coalesce(sum(length(updates) + coalesce(length(snapshot), 0)), 0) FROM deltas",
+        )?,
+        database_bytes: count("PRAGMA page_count")? * page_size,
+        free_bytes: count("PRAGMA freelist_count")? * page_size,
+    })
+}
+
+/// `PRAGMA wal_checkpoint(TRUNCATE)`: copies the write-ahead log into the database file
+/// and empties it. Returns whether a reader kept it from finishing.
+pub(crate) fn wal_checkpoint(conn: &Connection) -> OpResult<bool> {
+    let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+    Ok(busy != 0)
+}

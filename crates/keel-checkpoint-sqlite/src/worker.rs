@@ -1,0 +1,125 @@
+//! Database threads: SQLite calls block, so they run on threads of their own, never on
+//! the async runtime's.
+//!
+//! A [`Lane`] is a queue of jobs served by one or more threads, each owning one
+//! connection. The saver has a writer lane (one thread, so writes of this saver queue
+//! up instead of fighting over SQLite's write lock) and, for a file, a reader lane
+//! (WAL mode lets readers run beside the writer). A job's result comes back through a
+//! oneshot channel, so awaiting it needs no particular async runtime.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use futures::channel::oneshot;
+use rusqlite::Connection;
+
+use crate::error::SqliteError;
+
+type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+
+/// A job queue and the threads that serve it.
+pub(crate) struct Lane {
+    tx: Option<mpsc::Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Lane {
+    /// Starts `count` threads named `name`, each with the connection `open` makes
+    /// (called on that thread). Returns once every connection is open, or with the
+    /// first error (the threads started so far then stop).
+    pub(crate) async fn start<F>(name: &str, count: usize, open: F) -> Result<Self, SqliteError>
+    where
+        F: Fn() -> Result<Connection, SqliteError> + Send + Sync + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let open = Arc::new(open);
+        let mut lane = Lane {
+            tx: Some(tx),
+            threads: Vec::with_capacity(count),
+        };
+        let mut ready = Vec::with_capacity(count);
+        for i in 0..count {
+            let (ready_tx, ready_rx) = oneshot::channel::<Result<(), SqliteError>>();
+            let rx = Arc::clone(&rx);
+            let open = Arc::clone(&open);
+            let thread = std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || {
+                    let mut conn = match open() {
+                        Ok(conn) => conn,
+                        Err(err) => {
+                            let _ = ready_tx.send(Err(err));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    serve(&rx, &mut conn);
+                })
+                .map_err(SqliteError::Thread)?;
+            lane.threads.push(thread);
+            ready.push(ready_rx);
+        }
+        for ready in ready {
+            match ready.await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => return Err(err),
+                Err(oneshot::Canceled) => return Err(SqliteError::WorkerStopped),
+            }
+        }
+        Ok(lane)
+    }
+
+    /// Runs `f` on one of the lane's connections and returns its result.
+    ///
+    /// If the future is dropped after the job was queued, the job still runs to its
+    /// end (a put still commits, or not, as a whole).
+    pub(crate) async fn run<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        T: Send + 'static,
+        E: From<SqliteError> + Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, E> + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let job: Job = Box::new(move |conn| {
+            let _ = tx.send(f(conn));
+        });
+        let sent = self.tx.as_ref().is_some_and(|q| q.send(job).is_ok());
+        if !sent {
+            return Err(SqliteError::WorkerStopped.into());
+        }
+        match rx.await {
+            Ok(result) => result,
+            Err(oneshot::Canceled) => Err(SqliteError::WorkerStopped.into()),
+        }
+    }
+}
+
+/// Serves jobs until the queue closes. A job that panics loses its reply (its caller
+/// gets [`SqliteError::WorkerStopped`]) but not the thread; an open transaction is
+/// rolled back as the panic unwinds.
+fn serve(rx: &Mutex<mpsc::Receiver<Job>>, conn: &mut Connection) {
+    loop {
+        let job = {
+            let rx = rx.lock().unwrap_or_else(PoisonError::into_inner);
+            rx.recv()
+        };
+        let Ok(job) = job else {
+            return;
+        };
+        let _ = catch_unwind(AssertUnwindSafe(|| job(conn)));
+    }
+}
+
+impl Drop for Lane {
+    /// Closes the queue and waits for the threads to finish their jobs and close their
+    /// connections.
+    fn drop(&mut self) {
+        self.tx = None;
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
