@@ -1,0 +1,138 @@
+//! Errors of the Postgres saver and how they map onto [`CheckpointError`].
+
+use keel_checkpoint::{CheckpointError, CheckpointId};
+
+/// SQLSTATE raised by `keel_put` when the expected head is not the thread's head.
+pub(crate) const SQLSTATE_CONFLICT: &str = "KL409";
+/// SQLSTATE raised by `keel_put` for a request inconsistent with what is stored.
+pub(crate) const SQLSTATE_INVALID: &str = "KL422";
+
+/// Why setting up or talking to PostgreSQL failed.
+///
+/// Checkpointer methods return [`CheckpointError`]; these errors reach the caller
+/// inside [`CheckpointError::Backend`] (downcast to tell them apart), and directly
+/// from [`PostgresConfig`](crate::PostgresConfig) and
+/// [`PostgresSaver::setup`](crate::PostgresSaver::setup).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostgresError {
+    /// The connection string or an option is not usable.
+    #[error("invalid Postgres configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// `DATABASE_URL` is not set (for [`PostgresConfig::from_env`](crate::PostgresConfig::from_env)).
+    #[error("DATABASE_URL is not set")]
+    NoDatabaseUrl,
+    /// No pooled connection could be had (the server is down, refused the login, or
+    /// every connection stayed busy past the wait timeout).
+    #[error("no Postgres connection: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    /// A query failed.
+    #[error("Postgres query failed: {0}")]
+    Query(#[from] tokio_postgres::Error),
+    /// keel's tables are not in the schema: call
+    /// [`PostgresSaver::setup`](crate::PostgresSaver::setup) first.
+    #[error(
+        "keel's checkpoint tables are missing in schema {schema:?}: call PostgresSaver::setup() first ({source})"
+    )]
+    NotSetUp {
+        /// The schema looked in.
+        schema: String,
+        /// The error Postgres gave.
+        source: tokio_postgres::Error,
+    },
+    /// The schema holds migrations newer than this build knows: an older binary must not
+    /// write to a newer schema.
+    #[error(
+        "schema {schema:?} is at migration {found}, newer than this keel-checkpoint-postgres knows ({known}); upgrade it"
+    )]
+    SchemaTooNew {
+        /// The schema.
+        schema: String,
+        /// The newest migration recorded in it.
+        found: i32,
+        /// The newest migration this build has.
+        known: i32,
+    },
+    /// A migration failed; it was rolled back.
+    #[error("migration {version} ({name}) failed: {source}")]
+    Migration {
+        /// The migration's version.
+        version: i32,
+        /// The migration's name.
+        name: &'static str,
+        /// The error Postgres gave.
+        source: tokio_postgres::Error,
+    },
+}
+
+impl From<PostgresError> for CheckpointError {
+    fn from(error: PostgresError) -> Self {
+        CheckpointError::backend(error)
+    }
+}
+
+/// Maps a query error of schema `schema` onto a [`CheckpointError`]: missing tables
+/// become [`PostgresError::NotSetUp`], the rest [`PostgresError::Query`].
+pub(crate) fn query_error(schema: &str, error: tokio_postgres::Error) -> CheckpointError {
+    let not_set_up = error.code().is_some_and(|code| {
+        matches!(
+            code.code(),
+            // undefined_table, undefined_function, invalid_schema_name
+            "42P01" | "42883" | "3F000"
+        )
+    });
+    if not_set_up {
+        PostgresError::NotSetUp {
+            schema: schema.to_owned(),
+            source: error,
+        }
+        .into()
+    } else {
+        PostgresError::Query(error).into()
+    }
+}
+
+/// Maps an error of `keel_put` onto a [`CheckpointError`]: fencing and validation
+/// refusals raised by the function become [`CheckpointError::Conflict`] and
+/// [`CheckpointError::Invalid`].
+pub(crate) fn put_error(
+    schema: &str,
+    expected: &Option<CheckpointId>,
+    error: tokio_postgres::Error,
+) -> CheckpointError {
+    let Some(db) = error.as_db_error() else {
+        return query_error(schema, error);
+    };
+    match db.code().code() {
+        SQLSTATE_CONFLICT => {
+            let actual = db.detail().filter(|d| !d.is_empty()).map(str::parse);
+            match actual {
+                None => CheckpointError::Conflict {
+                    expected: expected.clone(),
+                    actual: None,
+                },
+                Some(Ok(actual)) => CheckpointError::Conflict {
+                    expected: expected.clone(),
+                    actual: Some(actual),
+                },
+                Some(Err(e)) => CheckpointError::Corrupt {
+                    what: format!("the thread's head is not a checkpoint id: {e}"),
+                },
+            }
+        }
+        SQLSTATE_INVALID => CheckpointError::Invalid {
+            reason: db.message().to_owned(),
+        },
+        // unique_violation: a delta or checkpoint with this id is already stored.
+        "23505" => CheckpointError::Invalid {
+            reason: format!(
+                "already stored: {}",
+                db.detail().unwrap_or_else(|| db.message())
+            ),
+        },
+        _ => query_error(schema, error),
+    }
+}

@@ -1,0 +1,99 @@
+//! A PostgreSQL [`Checkpointer`](keel_checkpoint::Checkpointer) for keel: many stateless
+//! workers on many machines share one database, and fencing makes any worker safe to
+//! pick up any thread.
+//!
+//! The one abstraction is [`PostgresSaver`]: the `keel_checkpoint` contract (fenced
+//! puts, channel deltas, pending writes, history) on tokio-postgres with a deadpool
+//! connection pool. Configure it with a [`PostgresConfig`] (a connection string or
+//! `DATABASE_URL`; pool size, statement timeout, schema; TLS off), create or upgrade the
+//! tables with [`PostgresSaver::setup`], and hand it to a graph as its checkpointer.
+//!
+//! # Schema
+//!
+//! Four tables, every primary key led by `thread_id`, and no statement joins rows of
+//! two threads, so a distributed PostgreSQL sharding by `thread_id` (Citus) takes the
+//! same schema unchanged:
+//!
+//! | table | key | holds |
+//! |---|---|---|
+//! | `keel_heads` | `(thread_id, ns)` | the newest checkpoint id (`head`) and when it was put |
+//! | `keel_checkpoints` | `(thread_id, ns, checkpoint_id)` | parent, `metadata jsonb`, channel versions, versions seen, pending sends |
+//! | `keel_deltas` | `(thread_id, ns, channel, writer)` | `seq`, `base` version, `updates`, optional `snapshot` |
+//! | `keel_writes` | `(thread_id, ns, checkpoint_id, task_id, channel, idx)` | tasks' pending writes, in stored order |
+//!
+//! Channel values are stored once per step as deltas (invariant 6): `get` follows each
+//! channel's `base` links back to the newest snapshot in one recursive query.
+//! Migrations are versioned and recorded in `keel_migrations` ([`migrate`],
+//! [`MIGRATIONS`]).
+//!
+//! # Fencing
+//!
+//! `put` runs one statement, the `keel_put` function: it locks the thread's head row
+//! (`SELECT … FOR UPDATE`), compares it with the writer's expected head, checks that
+//! every version the request refers to is stored, then inserts the deltas and the
+//! checkpoint and moves the head. A writer whose expected head is stale gets
+//! [`CheckpointError::Conflict`](keel_checkpoint::CheckpointError::Conflict) and nothing
+//! of its step is written (invariant 7). Only that row is locked, only for the put:
+//! there is no saver-wide lock, so throughput scales with the pool.
+//!
+//! # What PostgreSQL cannot store
+//!
+//! Text and `jsonb` cannot hold NUL (U+0000): a thread id, namespace, channel name, task
+//! id or path, or a metadata key or string containing NUL is refused with
+//! [`CheckpointError::Invalid`](keel_checkpoint::CheckpointError::Invalid) before anything
+//! is sent. Channel values, pending writes and pending sends are stored as `json` text,
+//! where NUL is an escape like any other, so they are kept verbatim. Thread ids longer
+//! than [`MAX_THREAD_ID_BYTES`] and names longer than [`MAX_NAME_BYTES`] are refused
+//! too (they are index keys). Every value travels as a bound parameter of a prepared
+//! statement, never as SQL text.
+//!
+//! # Retention
+//!
+//! [`prune`](keel_checkpoint::Checkpointer::prune) keeps a thread's newest checkpoints
+//! and the deltas and snapshots they need;
+//! [`delete_thread`](keel_checkpoint::Checkpointer::delete_thread) removes a thread;
+//! [`PostgresSaver::sweep_idle`] deletes threads idle longer than a given age.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use keel_checkpoint::{Checkpointer, ThreadKey};
+//! use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // DATABASE_URL=postgres://keel@localhost:5432/app
+//! let config = PostgresConfig::from_env()?
+//!     .pool_size(16)
+//!     .statement_timeout(Some(Duration::from_secs(10)));
+//! let saver = PostgresSaver::connect(&config)?;
+//! saver.setup().await?; // idempotent; safe from many processes at once
+//!
+//! // Give it to a graph (`StateGraph::with_checkpointer(Arc::new(saver.clone()))`), or
+//! // use it directly:
+//! let thread = ThreadKey::new("ticket-42");
+//! if let Some(head) = saver.get(&thread, None).await? {
+//!     println!("ticket-42 is at step {}", head.metadata.step);
+//! }
+//! saver.prune(&thread, 10).await?;
+//! saver.sweep_idle(Duration::from_secs(30 * 24 * 3600)).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod codec;
+mod config;
+mod error;
+mod saver;
+mod schema;
+mod sql;
+
+pub use codec::{MAX_NAME_BYTES, MAX_THREAD_ID_BYTES};
+pub use config::{DEFAULT_POOL_SIZE, DEFAULT_SCHEMA, DEFAULT_STATEMENT_TIMEOUT, PostgresConfig};
+pub use error::PostgresError;
+pub use saver::{PostgresSaver, ThreadStorage};
+pub use schema::{MIGRATIONS, Migration, migrate};
+
+/// The connection pool type [`PostgresSaver::from_pool`] takes.
+pub use deadpool_postgres::Pool;

@@ -1,0 +1,757 @@
+//! The saver.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use futures::StreamExt;
+use futures::stream::{self, BoxStream};
+use keel_checkpoint::support;
+use keel_checkpoint::{
+    ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
+    CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions, PendingWrite, PutRequest,
+    ThreadKey,
+};
+use serde_json::{Map, Value};
+use tokio_postgres::NoTls;
+use tokio_postgres::Row;
+use uuid::Uuid;
+
+use crate::codec::{
+    JsonText, MAX_NAME_BYTES, RawJson, check_jsonb_map, check_text, check_thread, decode_versions,
+    encode_versions, id_of, jsonb_storable, seq_from_sql, seq_to_sql, to_json, uuid_of,
+};
+use crate::config::{PostgresConfig, check_schema};
+use crate::error::{PostgresError, put_error, query_error};
+use crate::schema;
+use crate::sql::Statements;
+
+/// Rows fetched per page by [`Checkpointer::list`].
+const LIST_PAGE: usize = 128;
+/// Threads examined per batch by [`PostgresSaver::sweep_idle`].
+const SWEEP_BATCH: i64 = 256;
+/// Sorts after every UUID v7 (the "no upper bound" cursor of `list`).
+const MAX_UUID: Uuid = Uuid::max();
+
+/// A [`Checkpointer`] on PostgreSQL, over a pool of connections.
+///
+/// Cheap to clone; clones share the pool. Each call borrows one pooled connection for
+/// its duration and nothing else is shared, so concurrency scales with the pool size.
+/// See the [crate docs](crate) for the schema and how fencing works.
+#[derive(Clone)]
+pub struct PostgresSaver {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    schema: String,
+    sql: Statements,
+}
+
+impl std::fmt::Debug for PostgresSaver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresSaver")
+            .field("schema", &self.inner.schema)
+            .field("pool", &self.inner.pool.status())
+            .finish()
+    }
+}
+
+/// Bytes and rows one thread occupies, from
+/// [`PostgresSaver::thread_storage`]: the sum of `pg_column_size` over its rows (as
+/// stored, after compression; indexes and page overhead not included).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ThreadStorage {
+    /// Bytes of checkpoint rows.
+    pub checkpoint_bytes: u64,
+    /// Bytes of channel-delta rows (updates and snapshots).
+    pub delta_bytes: u64,
+    /// Bytes of pending-write rows.
+    pub write_bytes: u64,
+    /// Bytes of head rows.
+    pub head_bytes: u64,
+    /// Checkpoints stored.
+    pub checkpoints: u64,
+    /// Channel deltas stored.
+    pub deltas: u64,
+    /// Deltas that carry a snapshot.
+    pub snapshots: u64,
+}
+
+impl ThreadStorage {
+    /// All bytes together.
+    pub fn total_bytes(&self) -> u64 {
+        self.checkpoint_bytes + self.delta_bytes + self.write_bytes + self.head_bytes
+    }
+}
+
+impl PostgresSaver {
+    /// A saver over a new connection pool. Connections open lazily; this checks the
+    /// settings but does not contact the server (the first call, e.g.
+    /// [`setup`](Self::setup), does).
+    pub fn connect(config: &PostgresConfig) -> Result<Self, PostgresError> {
+        let manager = Manager::from_config(
+            config.session_config(),
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(config.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(60)))
+            .create_timeout(Some(Duration::from_secs(15)))
+            .build()
+            .map_err(|e| PostgresError::Config {
+                reason: format!("cannot build the connection pool: {e}"),
+            })?;
+        Self::from_pool(pool, &config.schema)
+    }
+
+    /// A saver over an existing pool (e.g. one with a TLS connector), with its tables in
+    /// `schema`.
+    pub fn from_pool(pool: Pool, schema: &str) -> Result<Self, PostgresError> {
+        check_schema(schema)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                schema: schema.to_owned(),
+                sql: Statements::new(schema),
+            }),
+        })
+    }
+
+    /// Creates or upgrades keel's tables: applies the migrations the schema lacks (see
+    /// [`migrate`](crate::migrate)); returns the versions applied. Idempotent, and safe
+    /// to call from many processes at once.
+    pub async fn setup(&self) -> Result<Vec<i32>, PostgresError> {
+        let mut client = self.inner.pool.get().await?;
+        let client: &mut tokio_postgres::Client = &mut client;
+        schema::migrate(client, &self.inner.schema).await
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The schema of keel's tables.
+    pub fn schema(&self) -> &str {
+        &self.inner.schema
+    }
+
+    /// Deletes every thread (all its namespaces) whose newest checkpoint is older than
+    /// `idle_for`; returns how many threads were deleted. A thread that takes a new
+    /// checkpoint while being swept is kept.
+    pub async fn sweep_idle(&self, idle_for: Duration) -> Result<usize, CheckpointError> {
+        let secs = idle_for.as_secs_f64();
+        let mut deleted = 0;
+        loop {
+            let candidates: Vec<String> = {
+                let client = self.client().await?;
+                let stmt = self.prepare(&client, &self.inner.sql.idle_threads).await?;
+                client
+                    .query(&stmt, &[&secs, &SWEEP_BATCH])
+                    .await
+                    .map_err(|e| self.query_error(e))?
+                    .iter()
+                    .map(|row| row.get(0))
+                    .collect()
+            };
+            let mut swept = 0;
+            for thread_id in &candidates {
+                if self.delete(thread_id, Some(secs)).await? {
+                    swept += 1;
+                }
+            }
+            deleted += swept;
+            // Stop when a batch was short, or nothing in it could be deleted (every
+            // candidate became active again), so the loop always ends.
+            if candidates.len() < usize::try_from(SWEEP_BATCH).unwrap_or(usize::MAX) || swept == 0 {
+                return Ok(deleted);
+            }
+        }
+    }
+
+    /// What `thread_id` occupies in the tables (all namespaces).
+    pub async fn thread_storage(&self, thread_id: &str) -> Result<ThreadStorage, CheckpointError> {
+        check_thread(thread_id, "")?;
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.thread_bytes).await?;
+        let row = client
+            .query_one(&stmt, &[&thread_id])
+            .await
+            .map_err(|e| self.query_error(e))?;
+        let n = |i: usize| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+        Ok(ThreadStorage {
+            checkpoint_bytes: n(0),
+            delta_bytes: n(1),
+            write_bytes: n(2),
+            head_bytes: n(3),
+            checkpoints: n(4),
+            deltas: n(5),
+            snapshots: n(6),
+        })
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Client, CheckpointError> {
+        Ok(self.inner.pool.get().await.map_err(PostgresError::from)?)
+    }
+
+    async fn prepare(
+        &self,
+        client: &deadpool_postgres::Client,
+        sql: &str,
+    ) -> Result<tokio_postgres::Statement, CheckpointError> {
+        client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| self.query_error(e))
+    }
+
+    fn query_error(&self, error: tokio_postgres::Error) -> CheckpointError {
+        query_error(&self.inner.schema, error)
+    }
+
+    /// Deletes `thread_id`; with `idle_secs`, only if every namespace of it is still idle
+    /// that long once locked. Returns whether it deleted.
+    async fn delete(
+        &self,
+        thread_id: &str,
+        idle_secs: Option<f64>,
+    ) -> Result<bool, CheckpointError> {
+        let mut client = self.client().await?;
+        let sql = &self.inner.sql;
+        let lock = self.prepare(&client, &sql.lock_heads).await?;
+        let mut deletes = Vec::with_capacity(sql.delete.len());
+        for text in &sql.delete {
+            deletes.push(self.prepare(&client, text).await?);
+        }
+        let tx = client
+            .transaction()
+            .await
+            .map_err(|e| self.query_error(e))?;
+        let secs = idle_secs.unwrap_or(0.0);
+        let heads = tx
+            .query(&lock, &[&thread_id, &secs])
+            .await
+            .map_err(|e| self.query_error(e))?;
+        if idle_secs.is_some() && (heads.is_empty() || heads.iter().any(|r| !r.get::<_, bool>(1))) {
+            tx.rollback().await.map_err(|e| self.query_error(e))?;
+            return Ok(false);
+        }
+        for stmt in &deletes {
+            tx.execute(stmt, &[&thread_id])
+                .await
+                .map_err(|e| self.query_error(e))?;
+        }
+        tx.commit().await.map_err(|e| self.query_error(e))?;
+        Ok(true)
+    }
+
+    async fn list_page(
+        &self,
+        thread: &ThreadKey,
+        cursor: Uuid,
+        filter: &str,
+        page: i64,
+    ) -> Result<Vec<Row>, CheckpointError> {
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.list_page).await?;
+        client
+            .query(
+                &stmt,
+                &[
+                    &thread.thread_id,
+                    &thread.ns,
+                    &cursor,
+                    &JsonText(filter),
+                    &page,
+                ],
+            )
+            .await
+            .map_err(|e| self.query_error(e))
+    }
+}
+
+/// The checkpoint and metadata columns (0..=6) of a row, as `get` and `list` select them.
+fn summary_of(row: &Row) -> Result<(Checkpoint, CheckpointMetadata), CheckpointError> {
+    let id = id_of(row.try_get(0).map_err(corrupt)?)?;
+    let parent = row
+        .try_get::<_, Option<Uuid>>(1)
+        .map_err(corrupt)?
+        .map(id_of)
+        .transpose()?;
+    let created_at = u64::try_from(row.try_get::<_, i64>(2).map_err(corrupt)?).unwrap_or(0);
+    let metadata: CheckpointMetadata = row
+        .try_get::<_, RawJson<'_>>(3)
+        .map_err(corrupt)?
+        .parse("metadata")?;
+    let channel_versions = decode_versions(&id, row.try_get(4).map_err(corrupt)?)?;
+    let versions_seen = match row.try_get::<_, Option<RawJson<'_>>>(5).map_err(corrupt)? {
+        Some(raw) => raw.parse("versions seen")?,
+        None => BTreeMap::new(),
+    };
+    let pending_sends = match row.try_get::<_, Option<RawJson<'_>>>(6).map_err(corrupt)? {
+        Some(raw) => raw.parse("pending sends")?,
+        None => Vec::new(),
+    };
+    Ok((
+        Checkpoint {
+            id,
+            parent,
+            created_at,
+            channel_versions,
+            versions_seen,
+            pending_sends,
+        },
+        metadata,
+    ))
+}
+
+fn corrupt(error: tokio_postgres::Error) -> CheckpointError {
+    CheckpointError::Corrupt {
+        what: format!("unexpected column value: {error}"),
+    }
+}
+
+fn tuple_of(thread: &ThreadKey, row: &Row) -> Result<CheckpointTuple, CheckpointError> {
+    let (checkpoint, metadata) = summary_of(row)?;
+    let get_vec = |i: usize| {
+        row.try_get::<_, Option<Vec<Option<Uuid>>>>(i)
+            .map_err(corrupt)
+    };
+    let channels: Vec<String> = row
+        .try_get::<_, Option<Vec<String>>>(7)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let writers = row
+        .try_get::<_, Option<Vec<Uuid>>>(8)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let seqs = row
+        .try_get::<_, Option<Vec<i64>>>(9)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let base_writers = get_vec(10)?.unwrap_or_default();
+    let base_seqs = row
+        .try_get::<_, Option<Vec<Option<i64>>>>(11)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let updates = row
+        .try_get::<_, Option<Vec<Option<RawJson<'_>>>>>(12)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let snapshots = row
+        .try_get::<_, Option<Vec<Option<RawJson<'_>>>>>(13)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let n = channels.len();
+    if [
+        writers.len(),
+        seqs.len(),
+        base_writers.len(),
+        base_seqs.len(),
+        updates.len(),
+        snapshots.len(),
+    ]
+    .iter()
+    .any(|&len| len != n)
+    {
+        return Err(CheckpointError::Corrupt {
+            what: "chain columns of different lengths".into(),
+        });
+    }
+    // (channel, writer) → delta, for `support::build_chain`.
+    let mut deltas: HashMap<(String, CheckpointId), ChannelDelta> = HashMap::with_capacity(n);
+    let rows = channels
+        .into_iter()
+        .zip(writers)
+        .zip(seqs)
+        .zip(base_writers.into_iter().zip(base_seqs))
+        .zip(updates.into_iter().zip(snapshots));
+    for ((((channel, writer), seq), (base_writer, base_seq)), (updates, snapshot)) in rows {
+        let writer = id_of(writer)?;
+        let base = match (base_writer, base_seq) {
+            (Some(w), Some(s)) => Some(ChannelVersion::new(seq_from_sql(s)?, id_of(w)?)),
+            _ => None,
+        };
+        let snapshot: Option<Value> = snapshot.map(|s| s.parse("snapshot")).transpose()?;
+        let updates: Vec<Value> = match (&snapshot, updates) {
+            (None, Some(u)) => u.parse("delta updates")?,
+            _ => Vec::new(), // not needed: a chain starts at the snapshot
+        };
+        let delta = ChannelDelta {
+            channel: channel.clone(),
+            version: ChannelVersion::new(seq_from_sql(seq)?, writer.clone()),
+            base,
+            updates,
+            snapshot,
+        };
+        deltas.insert((channel, writer), delta);
+    }
+    let mut chains = BTreeMap::new();
+    for (channel, version) in &checkpoint.channel_versions {
+        let chain = support::build_chain(channel, version, |writer| {
+            Ok(deltas.get(&(channel.clone(), writer.clone())))
+        })?;
+        chains.insert(channel.clone(), chain);
+    }
+
+    let task_ids = row
+        .try_get::<_, Option<Vec<String>>>(14)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let task_paths = row
+        .try_get::<_, Option<Vec<String>>>(15)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let write_channels = row
+        .try_get::<_, Option<Vec<String>>>(16)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let values = row
+        .try_get::<_, Option<Vec<RawJson<'_>>>>(17)
+        .map_err(corrupt)?
+        .unwrap_or_default();
+    let mut pending_writes = Vec::with_capacity(task_ids.len());
+    for (((task_id, task_path), channel), value) in task_ids
+        .into_iter()
+        .zip(task_paths)
+        .zip(write_channels)
+        .zip(values)
+    {
+        pending_writes.push(PendingWrite {
+            task_id,
+            task_path,
+            channel,
+            value: value.parse("pending write")?,
+        });
+    }
+    Ok(CheckpointTuple {
+        thread: thread.clone(),
+        checkpoint,
+        metadata,
+        channels: chains,
+        pending_writes,
+    })
+}
+
+/// The metadata filter of `list` as a containment pattern, or `None` when no stored
+/// row can match it.
+fn list_filter(options: &ListOptions) -> Result<Option<String>, CheckpointError> {
+    if !jsonb_storable(&options.metadata) {
+        return Ok(None);
+    }
+    to_json(&options.metadata, "metadata filter").map(Some)
+}
+
+struct ListState {
+    cursor: Uuid,
+    remaining: usize,
+    done: bool,
+}
+
+#[async_trait]
+impl Checkpointer for PostgresSaver {
+    async fn get(
+        &self,
+        thread: &ThreadKey,
+        id: Option<&CheckpointId>,
+    ) -> Result<Option<CheckpointTuple>, CheckpointError> {
+        check_thread(&thread.thread_id, &thread.ns)?;
+        let id = id.map(uuid_of).transpose()?;
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.get).await?;
+        let row = client
+            .query_opt(&stmt, &[&thread.thread_id, &thread.ns, &id])
+            .await
+            .map_err(|e| self.query_error(e))?;
+        row.map(|row| tuple_of(thread, &row)).transpose()
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a ThreadKey,
+        options: ListOptions,
+    ) -> BoxStream<'a, Result<CheckpointSummary, CheckpointError>> {
+        let start = || -> Result<Option<(String, Uuid)>, CheckpointError> {
+            check_thread(&thread.thread_id, &thread.ns)?;
+            let Some(filter) = list_filter(&options)? else {
+                return Ok(None);
+            };
+            let cursor = options.before.as_ref().map(uuid_of).transpose()?;
+            Ok(Some((filter, cursor.unwrap_or(MAX_UUID))))
+        };
+        let (filter, cursor) = match start() {
+            Ok(Some(start)) => start,
+            Ok(None) => return stream::empty().boxed(),
+            Err(e) => return stream::once(async move { Err(e) }).boxed(),
+        };
+        let filter = Arc::new(filter);
+        let exact: Arc<Map<String, Value>> = Arc::new(options.metadata.clone());
+        let state = ListState {
+            cursor,
+            remaining: options.limit.unwrap_or(usize::MAX),
+            done: false,
+        };
+        stream::unfold(state, move |mut state| {
+            let filter = Arc::clone(&filter);
+            let exact = Arc::clone(&exact);
+            async move {
+                if state.done || state.remaining == 0 {
+                    return None;
+                }
+                // Without metadata filters every row counts, so fetch just what is left.
+                let page = if exact.is_empty() {
+                    state.remaining.min(LIST_PAGE)
+                } else {
+                    LIST_PAGE
+                };
+                let page_i64 = i64::try_from(page).unwrap_or(i64::MAX);
+                let rows = match self
+                    .list_page(thread, state.cursor, &filter, page_i64)
+                    .await
+                {
+                    Ok(rows) => rows,
+                    Err(e) => {
+                        state.done = true;
+                        return Some((vec![Err(e)], state));
+                    }
+                };
+                if rows.len() < page {
+                    state.done = true;
+                }
+                let mut out = Vec::with_capacity(rows.len());
+                for row in &rows {
+                    if state.remaining == 0 {
+                        break;
+                    }
+                    match summary_of(row) {
+                        Ok((checkpoint, metadata)) => {
+                            match uuid_of(&checkpoint.id) {
+                                Ok(uuid) => state.cursor = uuid,
+                                Err(e) => {
+                                    state.done = true;
+                                    out.push(Err(e));
+                                    break;
+                                }
+                            }
+                            if metadata.matches(&exact) {
+                                state.remaining -= 1;
+                                out.push(Ok(CheckpointSummary {
+                                    thread: thread.clone(),
+                                    checkpoint,
+                                    metadata,
+                                }));
+                            }
+                        }
+                        Err(e) => {
+                            state.done = true;
+                            out.push(Err(e));
+                            break;
+                        }
+                    }
+                }
+                Some((out, state))
+            }
+        })
+        .flat_map(stream::iter)
+        .boxed()
+    }
+
+    async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
+        support::validate_put(&request)?;
+        let PutRequest {
+            thread,
+            checkpoint,
+            metadata,
+            deltas,
+            expected_head,
+        } = &request;
+        check_thread(&thread.thread_id, &thread.ns)?;
+        for channel in checkpoint.channel_versions.keys() {
+            check_text("channel name", channel, Some(MAX_NAME_BYTES))?;
+        }
+        check_jsonb_map("checkpoint metadata", &metadata.extra)?;
+
+        let metadata_json = to_json(metadata, "checkpoint metadata")?;
+        let versions = encode_versions(checkpoint)?;
+        let versions_seen = (!checkpoint.versions_seen.is_empty())
+            .then(|| to_json(&checkpoint.versions_seen, "versions seen"))
+            .transpose()?;
+        let pending_sends = (!checkpoint.pending_sends.is_empty())
+            .then(|| to_json(&checkpoint.pending_sends, "pending sends"))
+            .transpose()?;
+        let id = uuid_of(&checkpoint.id)?;
+        let parent = checkpoint.parent.as_ref().map(uuid_of).transpose()?;
+        let expected = expected_head.as_ref().map(uuid_of).transpose()?;
+        let created_at = i64::try_from(checkpoint.created_at).unwrap_or(i64::MAX);
+
+        let n = deltas.len();
+        let mut d_channel = Vec::with_capacity(n);
+        let mut d_seq = Vec::with_capacity(n);
+        let mut d_base_writer = Vec::with_capacity(n);
+        let mut d_base_seq = Vec::with_capacity(n);
+        let mut d_updates = Vec::with_capacity(n);
+        let mut d_snapshot = Vec::with_capacity(n);
+        for delta in deltas {
+            d_channel.push(delta.channel.as_str());
+            d_seq.push(seq_to_sql(delta.version.seq)?);
+            d_base_writer.push(
+                delta
+                    .base
+                    .as_ref()
+                    .map(|b| uuid_of(&b.writer))
+                    .transpose()?,
+            );
+            d_base_seq.push(delta.base.as_ref().map(|b| seq_to_sql(b.seq)).transpose()?);
+            d_updates.push(to_json(&delta.updates, "delta updates")?);
+            d_snapshot.push(
+                delta
+                    .snapshot
+                    .as_ref()
+                    .map(|s| to_json(s, "snapshot"))
+                    .transpose()?,
+            );
+        }
+        let d_updates: Vec<JsonText<'_>> = d_updates.iter().map(|s| JsonText(s)).collect();
+        let d_snapshot: Vec<Option<JsonText<'_>>> = d_snapshot
+            .iter()
+            .map(|s| s.as_deref().map(JsonText))
+            .collect();
+        let refs = support::referenced_versions(&request);
+        let mut r_channel = Vec::with_capacity(refs.len());
+        let mut r_writer = Vec::with_capacity(refs.len());
+        let mut r_seq = Vec::with_capacity(refs.len());
+        for (channel, version) in refs {
+            r_channel.push(channel);
+            r_writer.push(uuid_of(&version.writer)?);
+            r_seq.push(seq_to_sql(version.seq)?);
+        }
+
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.put).await?;
+        client
+            .execute(
+                &stmt,
+                &[
+                    &thread.thread_id,
+                    &thread.ns,
+                    &id,
+                    &parent,
+                    &created_at,
+                    &JsonText(&metadata_json),
+                    &JsonText(&versions),
+                    &versions_seen.as_deref().map(JsonText),
+                    &pending_sends.as_deref().map(JsonText),
+                    &expected,
+                    &d_channel,
+                    &d_seq,
+                    &d_base_writer,
+                    &d_base_seq,
+                    &d_updates,
+                    &d_snapshot,
+                    &r_channel,
+                    &r_writer,
+                    &r_seq,
+                ],
+            )
+            .await
+            .map_err(|e| put_error(&self.inner.schema, expected_head, e))?;
+        Ok(())
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &ThreadKey,
+        checkpoint: &CheckpointId,
+        writes: Vec<PendingWrite>,
+    ) -> Result<(), CheckpointError> {
+        check_thread(&thread.thread_id, &thread.ns)?;
+        let keys = support::write_keys(&writes);
+        let mut task_ids = Vec::with_capacity(writes.len());
+        let mut channels = Vec::with_capacity(writes.len());
+        let mut idx = Vec::with_capacity(writes.len());
+        let mut paths = Vec::with_capacity(writes.len());
+        let mut values = Vec::with_capacity(writes.len());
+        for (key, write) in keys.iter().zip(&writes) {
+            check_text("task id", &key.task_id, Some(MAX_NAME_BYTES))?;
+            check_text("write channel", &key.channel, Some(MAX_NAME_BYTES))?;
+            check_text("task path", &write.task_path, None)?;
+            task_ids.push(key.task_id.as_str());
+            channels.push(key.channel.as_str());
+            idx.push(
+                i32::try_from(key.index).map_err(|_| CheckpointError::Invalid {
+                    reason: "more than 2^31 writes of one task to one channel".into(),
+                })?,
+            );
+            paths.push(write.task_path.as_str());
+            values.push(to_json(&write.value, "pending write")?);
+        }
+        let values: Vec<JsonText<'_>> = values.iter().map(|v| JsonText(v)).collect();
+        let id = uuid_of(checkpoint)?;
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.put_writes).await?;
+        let row = client
+            .query_one(
+                &stmt,
+                &[
+                    &thread.thread_id,
+                    &thread.ns,
+                    &id,
+                    &task_ids,
+                    &channels,
+                    &idx,
+                    &paths,
+                    &values,
+                ],
+            )
+            .await
+            .map_err(|e| self.query_error(e))?;
+        if row.get::<_, i64>(0) == 0 {
+            return Err(CheckpointError::NotFound {
+                what: format!("checkpoint {checkpoint} of thread {thread}"),
+            });
+        }
+        Ok(())
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> Result<(), CheckpointError> {
+        check_thread(thread_id, "")?;
+        self.delete(thread_id, None).await.map(|_| ())
+    }
+
+    async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
+        check_thread(&thread.thread_id, &thread.ns)?;
+        let sql = &self.inner.sql;
+        let mut client = self.client().await?;
+        let lock = self.prepare(&client, &sql.lock_thread).await?;
+        let checkpoints = self.prepare(&client, &sql.prune_checkpoints).await?;
+        let writes = self.prepare(&client, &sql.prune_writes).await?;
+        let deltas = self.prepare(&client, &sql.prune_deltas).await?;
+        let head = self.prepare(&client, &sql.prune_head).await?;
+        let keep = i64::try_from(keep_last).unwrap_or(i64::MAX);
+        let key: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&thread.thread_id, &thread.ns];
+        let err = |e| query_error(&self.inner.schema, e);
+        let tx = client.transaction().await.map_err(err)?;
+        // The head row lock orders prune after (or before) any put in flight.
+        tx.query(&lock, &key).await.map_err(err)?;
+        let removed = tx
+            .execute(&checkpoints, &[&thread.thread_id, &thread.ns, &keep])
+            .await
+            .map_err(err)?;
+        if removed > 0 {
+            tx.execute(&writes, &key).await.map_err(err)?;
+            tx.execute(&deltas, &key).await.map_err(err)?;
+            tx.execute(&head, &key).await.map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(usize::try_from(removed).unwrap_or(usize::MAX))
+    }
+}

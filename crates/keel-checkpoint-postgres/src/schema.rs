@@ -1,0 +1,273 @@
+//! Versioned migrations.
+//!
+//! Every table is keyed by `thread_id` first and no statement joins rows of two
+//! threads, so a distributed PostgreSQL that shards by `thread_id` (Citus) takes the
+//! schema unchanged.
+
+use tokio_postgres::GenericClient;
+
+use crate::config::{check_schema, quote_ident};
+use crate::error::PostgresError;
+
+/// One schema migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migration {
+    /// Its version; migrations apply in increasing order, each once.
+    pub version: i32,
+    /// A short description.
+    pub name: &'static str,
+    /// The SQL, with `{s}` standing for the quoted schema name.
+    sql: &'static str,
+}
+
+impl Migration {
+    /// The migration's SQL for `schema`.
+    pub fn sql(&self, schema: &str) -> String {
+        self.sql.replace("{s}", &quote_ident(schema))
+    }
+}
+
+/// Every migration this build knows, oldest first.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "checkpoints, channel deltas, pending writes, heads, keel_put",
+    sql: MIGRATION_1,
+}];
+
+const MIGRATION_1: &str = r#"
+-- One row per (thread, namespace): its newest checkpoint. `put` locks this row and
+-- compares `head` with the writer's expected head (fencing).
+CREATE TABLE {s}.keel_heads (
+    thread_id  text        NOT NULL,
+    ns         text        NOT NULL,
+    head       uuid,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (thread_id, ns)
+);
+
+-- Checkpoints without channel values. `versions` maps each channel to its version:
+-- a bare seq when this checkpoint wrote it, else [seq, "writer id"].
+CREATE TABLE {s}.keel_checkpoints (
+    created_at    bigint NOT NULL,
+    checkpoint_id uuid   NOT NULL,
+    parent        uuid,
+    thread_id     text   NOT NULL,
+    ns            text   NOT NULL,
+    metadata      jsonb  NOT NULL,
+    versions      json   NOT NULL,
+    versions_seen json,
+    pending_sends json,
+    PRIMARY KEY (thread_id, ns, checkpoint_id)
+);
+
+-- What each step wrote to each channel, stored once and shared by later checkpoints.
+CREATE TABLE {s}.keel_deltas (
+    seq         bigint NOT NULL,
+    base_seq    bigint,
+    writer      uuid   NOT NULL,
+    base_writer uuid,
+    thread_id   text   NOT NULL,
+    ns          text   NOT NULL,
+    channel     text   NOT NULL,
+    updates     json   NOT NULL,
+    snapshot    json,
+    PRIMARY KEY (thread_id, ns, channel, writer)
+);
+
+-- Tasks' writes saved before their step's checkpoint; `ord` keeps stored order.
+CREATE TABLE {s}.keel_writes (
+    ord           bigint  GENERATED ALWAYS AS IDENTITY,
+    checkpoint_id uuid    NOT NULL,
+    idx           integer NOT NULL,
+    thread_id     text    NOT NULL,
+    ns            text    NOT NULL,
+    task_id       text    NOT NULL,
+    channel       text    NOT NULL,
+    task_path     text    NOT NULL,
+    value         json    NOT NULL,
+    PRIMARY KEY (thread_id, ns, checkpoint_id, task_id, channel, idx)
+);
+
+-- Stores one checkpoint and its deltas if the thread's head is still p_expected.
+-- Runs as one statement: everything or nothing. Each query inside sees a fresh
+-- snapshot, taken after the head row is locked.
+CREATE FUNCTION {s}.keel_put(
+    p_thread text, p_ns text, p_id uuid, p_parent uuid, p_created_at bigint,
+    p_metadata jsonb, p_versions json, p_versions_seen json, p_pending_sends json,
+    p_expected uuid,
+    d_channel text[], d_seq bigint[], d_base_writer uuid[], d_base_seq bigint[],
+    d_updates json[], d_snapshot json[],
+    r_channel text[], r_writer uuid[], r_seq bigint[]
+) RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_head uuid;
+    v_missing record;
+BEGIN
+    IF p_expected IS NULL THEN
+        INSERT INTO {s}.keel_heads (thread_id, ns, head) VALUES (p_thread, p_ns, NULL)
+        ON CONFLICT (thread_id, ns) DO NOTHING;
+    END IF;
+    SELECT h.head INTO v_head FROM {s}.keel_heads h
+    WHERE h.thread_id = p_thread AND h.ns = p_ns
+    FOR UPDATE;
+    IF v_head IS DISTINCT FROM p_expected THEN
+        RAISE EXCEPTION USING ERRCODE = 'KL409',
+            MESSAGE = 'stale writer: the thread''s head is not the expected one',
+            DETAIL = coalesce(v_head::text, '');
+    END IF;
+    IF v_head IS NOT NULL AND p_id <= v_head THEN
+        RAISE EXCEPTION USING ERRCODE = 'KL422',
+            MESSAGE = format('checkpoint id %s does not sort after the head %s', p_id, v_head);
+    END IF;
+    SELECT r.channel, r.writer, r.seq INTO v_missing
+    FROM unnest(r_channel, r_writer, r_seq) AS r(channel, writer, seq)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {s}.keel_deltas d
+        WHERE d.thread_id = p_thread AND d.ns = p_ns
+          AND d.channel = r.channel AND d.writer = r.writer AND d.seq = r.seq)
+    LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'KL422',
+            MESSAGE = format('channel %s: version %s by %s is not stored',
+                             to_json(v_missing.channel), v_missing.seq, v_missing.writer);
+    END IF;
+    INSERT INTO {s}.keel_deltas
+        (thread_id, ns, channel, writer, seq, base_writer, base_seq, updates, snapshot)
+    SELECT p_thread, p_ns, d.channel, p_id, d.seq, d.base_writer, d.base_seq, d.updates, d.snapshot
+    FROM unnest(d_channel, d_seq, d_base_writer, d_base_seq, d_updates, d_snapshot)
+        AS d(channel, seq, base_writer, base_seq, updates, snapshot);
+    INSERT INTO {s}.keel_checkpoints
+        (thread_id, ns, checkpoint_id, parent, created_at, metadata, versions,
+         versions_seen, pending_sends)
+    VALUES (p_thread, p_ns, p_id, p_parent, p_created_at, p_metadata, p_versions,
+            p_versions_seen, p_pending_sends);
+    UPDATE {s}.keel_heads SET head = p_id, updated_at = now()
+    WHERE thread_id = p_thread AND ns = p_ns;
+END
+$fn$;
+"#;
+
+/// The advisory lock key that serializes migrations of one schema across processes.
+fn lock_key(schema: &str) -> i64 {
+    // FNV-1a: stable across builds and processes, unlike std's hasher.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in "keel-checkpoint-postgres/migrations/"
+        .bytes()
+        .chain(schema.bytes())
+    {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+/// Applies every migration `schema` lacks, in order, and records each in
+/// `<schema>.keel_migrations`; returns the versions applied (empty when up to date).
+///
+/// Safe to call from several processes at once: a transaction-scoped advisory lock
+/// (per schema) lets one migrate while the others wait and then find nothing to do.
+/// Safe inside or outside a transaction: given a plain client it runs in its own
+/// transaction; given a [`tokio_postgres::Transaction`] it runs in a savepoint of it,
+/// and the lock is held until that outer transaction ends. Fails with
+/// [`PostgresError::SchemaTooNew`] if the schema has migrations this build does not
+/// know.
+///
+/// ```no_run
+/// # async fn demo(client: &mut tokio_postgres::Client) -> Result<(), keel_checkpoint_postgres::PostgresError> {
+/// // Inside the application's own transaction:
+/// let mut tx = client.transaction().await?;
+/// keel_checkpoint_postgres::migrate(&mut tx, "public").await?;
+/// tx.commit().await?;
+/// # Ok(())
+/// # }
+/// ```
+pub async fn migrate<C: GenericClient>(
+    client: &mut C,
+    schema: &str,
+) -> Result<Vec<i32>, PostgresError> {
+    check_schema(schema)?;
+    let s = quote_ident(schema);
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])
+        .await?;
+    let exists = tx
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1",
+            &[&schema],
+        )
+        .await?
+        .is_some();
+    if !exists {
+        tx.batch_execute(&format!("CREATE SCHEMA {s}")).await?;
+    }
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {s}.keel_migrations (
+            version    integer     PRIMARY KEY,
+            name       text        NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now()
+        )"
+    ))
+    .await?;
+    let applied: Vec<i32> = tx
+        .query(&format!("SELECT version FROM {s}.keel_migrations"), &[])
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let known = MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0);
+    if let Some(&found) = applied.iter().max()
+        && found > known
+    {
+        return Err(PostgresError::SchemaTooNew {
+            schema: schema.to_owned(),
+            found,
+            known,
+        });
+    }
+    let mut done = Vec::new();
+    for migration in MIGRATIONS {
+        if applied.contains(&migration.version) {
+            continue;
+        }
+        let failed = |source| PostgresError::Migration {
+            version: migration.version,
+            name: migration.name,
+            source,
+        };
+        tx.batch_execute(&migration.sql(schema))
+            .await
+            .map_err(failed)?;
+        tx.execute(
+            &format!("INSERT INTO {s}.keel_migrations (version, name) VALUES ($1, $2)"),
+            &[&migration.version, &migration.name],
+        )
+        .await
+        .map_err(failed)?;
+        done.push(migration.version);
+    }
+    tx.commit().await?;
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_ordered_and_schema_qualified() {
+        let versions: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
+        let mut sorted = versions.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(versions, sorted);
+        let sql = MIGRATIONS[0].sql(r#"odd"name"#);
+        assert!(sql.contains(r#""odd""name".keel_checkpoints"#));
+        assert!(!sql.contains("{s}"));
+    }
+
+    #[test]
+    fn lock_keys_differ_per_schema_and_are_stable() {
+        assert_eq!(lock_key("public"), lock_key("public"));
+        assert_ne!(lock_key("public"), lock_key("other"));
+    }
+}

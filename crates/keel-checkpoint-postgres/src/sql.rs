@@ -1,0 +1,202 @@
+//! The statements the saver prepares, for one schema.
+
+use keel_checkpoint::PendingWrite;
+
+use crate::config::quote_ident;
+
+/// Every statement, with the schema filled in (quoted).
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub put: String,
+    pub get: String,
+    pub list_page: String,
+    pub put_writes: String,
+    pub lock_thread: String,
+    pub lock_heads: String,
+    pub delete: [String; 4],
+    pub prune_checkpoints: String,
+    pub prune_writes: String,
+    pub prune_deltas: String,
+    pub prune_head: String,
+    pub idle_threads: String,
+    pub thread_bytes: String,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &str) -> Self {
+        let s = quote_ident(schema);
+        // How a stored version names its writer: a bare seq means "this checkpoint".
+        let writer = "CASE json_typeof(v.value) WHEN 'number' THEN c.checkpoint_id \
+                      ELSE (v.value->>1)::uuid END";
+        Self {
+            put: format!(
+                "SELECT {s}.keel_put($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+                 $11, $12, $13, $14, $15, $16, $17, $18, $19)"
+            ),
+            // One statement, one snapshot: the checkpoint, the chain of every channel
+            // (followed back to the newest snapshot), and its pending writes.
+            get: format!(
+                "WITH RECURSIVE
+                 cp AS (
+                     SELECT c.checkpoint_id, c.parent, c.created_at, c.metadata, c.versions,
+                            c.versions_seen, c.pending_sends
+                     FROM {s}.keel_checkpoints c
+                     WHERE c.thread_id = $1 AND c.ns = $2
+                       AND c.checkpoint_id = coalesce($3::uuid, (
+                           SELECT h.head FROM {s}.keel_heads h
+                           WHERE h.thread_id = $1 AND h.ns = $2))
+                 ),
+                 tips AS (
+                     SELECT v.key AS channel, {writer} AS writer
+                     FROM cp c, json_each(c.versions) v
+                 ),
+                 chain AS (
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq,
+                            d.updates, d.snapshot
+                     FROM tips t JOIN {s}.keel_deltas d
+                       ON d.thread_id = $1 AND d.ns = $2
+                      AND d.channel = t.channel AND d.writer = t.writer
+                     UNION ALL
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq,
+                            d.updates, d.snapshot
+                     FROM chain k JOIN {s}.keel_deltas d
+                       ON d.thread_id = $1 AND d.ns = $2
+                      AND d.channel = k.channel AND d.writer = k.base_writer
+                      AND d.seq < k.seq
+                     WHERE k.snapshot IS NULL
+                 )
+                 SELECT cp.checkpoint_id, cp.parent, cp.created_at, cp.metadata, cp.versions,
+                        cp.versions_seen, cp.pending_sends,
+                        ch.channels, ch.writers, ch.seqs, ch.base_writers, ch.base_seqs,
+                        ch.updates, ch.snapshots,
+                        w.task_ids, w.task_paths, w.channels, w.values
+                 FROM cp
+                 CROSS JOIN LATERAL (
+                     SELECT array_agg(channel) AS channels, array_agg(writer) AS writers,
+                            array_agg(seq) AS seqs, array_agg(base_writer) AS base_writers,
+                            array_agg(base_seq) AS base_seqs,
+                            array_agg(CASE WHEN snapshot IS NULL THEN updates END) AS updates,
+                            array_agg(snapshot) AS snapshots
+                     FROM chain) ch
+                 CROSS JOIN LATERAL (
+                     SELECT array_agg(x.task_id ORDER BY x.ord) AS task_ids,
+                            array_agg(x.task_path ORDER BY x.ord) AS task_paths,
+                            array_agg(x.channel ORDER BY x.ord) AS channels,
+                            array_agg(x.value ORDER BY x.ord) AS values
+                     FROM {s}.keel_writes x
+                     WHERE x.thread_id = $1 AND x.ns = $2
+                       AND x.checkpoint_id = cp.checkpoint_id) w"
+            ),
+            // Keyset pagination, newest first; `$4` pre-filters by containment, the
+            // exact metadata match is done in Rust.
+            list_page: format!(
+                "SELECT checkpoint_id, parent, created_at, metadata, versions, versions_seen,
+                        pending_sends
+                 FROM {s}.keel_checkpoints
+                 WHERE thread_id = $1 AND ns = $2 AND checkpoint_id < $3 AND metadata @> $4
+                 ORDER BY checkpoint_id DESC
+                 LIMIT $5"
+            ),
+            put_writes: format!(
+                "WITH cp AS (
+                     SELECT 1 FROM {s}.keel_checkpoints
+                     WHERE thread_id = $1 AND ns = $2 AND checkpoint_id = $3
+                     FOR KEY SHARE
+                 ),
+                 ins AS (
+                     INSERT INTO {s}.keel_writes AS x
+                         (thread_id, ns, checkpoint_id, task_id, channel, idx, task_path, value)
+                     SELECT $1, $2, $3, w.task_id, w.channel, w.idx, w.task_path, w.value
+                     FROM cp, unnest($4::text[], $5::text[], $6::int4[], $7::text[], $8::json[])
+                          WITH ORDINALITY AS w(task_id, channel, idx, task_path, value, n)
+                     ORDER BY w.n
+                     ON CONFLICT (thread_id, ns, checkpoint_id, task_id, channel, idx)
+                     DO UPDATE SET task_path = excluded.task_path, value = excluded.value
+                     WHERE x.channel IN ('{}', '{}', '{}')
+                 )
+                 SELECT count(*) FROM cp",
+                PendingWrite::ERROR,
+                PendingWrite::INTERRUPT,
+                PendingWrite::RESUME
+            ),
+            lock_thread: format!(
+                "SELECT head FROM {s}.keel_heads WHERE thread_id = $1 AND ns = $2 FOR UPDATE"
+            ),
+            lock_heads: format!(
+                "SELECT ns, updated_at < now() - make_interval(secs => $2)
+                 FROM {s}.keel_heads WHERE thread_id = $1 FOR UPDATE"
+            ),
+            delete: [
+                format!("DELETE FROM {s}.keel_writes WHERE thread_id = $1"),
+                format!("DELETE FROM {s}.keel_deltas WHERE thread_id = $1"),
+                format!("DELETE FROM {s}.keel_checkpoints WHERE thread_id = $1"),
+                format!("DELETE FROM {s}.keel_heads WHERE thread_id = $1"),
+            ],
+            prune_checkpoints: format!(
+                "DELETE FROM {s}.keel_checkpoints
+                 WHERE thread_id = $1 AND ns = $2 AND checkpoint_id NOT IN (
+                     SELECT checkpoint_id FROM {s}.keel_checkpoints
+                     WHERE thread_id = $1 AND ns = $2
+                     ORDER BY checkpoint_id DESC LIMIT $3)"
+            ),
+            prune_writes: format!(
+                "DELETE FROM {s}.keel_writes x
+                 WHERE x.thread_id = $1 AND x.ns = $2 AND NOT EXISTS (
+                     SELECT 1 FROM {s}.keel_checkpoints c
+                     WHERE c.thread_id = $1 AND c.ns = $2 AND c.checkpoint_id = x.checkpoint_id)"
+            ),
+            // Keeps every delta a remaining checkpoint's chain reaches (the same walk as
+            // `get`: back along base links to the newest snapshot).
+            prune_deltas: format!(
+                "WITH RECURSIVE
+                 tips AS (
+                     SELECT DISTINCT v.key AS channel, {writer} AS writer
+                     FROM {s}.keel_checkpoints c, json_each(c.versions) v
+                     WHERE c.thread_id = $1 AND c.ns = $2
+                 ),
+                 needed AS (
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snapshot IS NOT NULL AS snap
+                     FROM tips t JOIN {s}.keel_deltas d
+                       ON d.thread_id = $1 AND d.ns = $2
+                      AND d.channel = t.channel AND d.writer = t.writer
+                     UNION
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snapshot IS NOT NULL
+                     FROM needed n JOIN {s}.keel_deltas d
+                       ON d.thread_id = $1 AND d.ns = $2
+                      AND d.channel = n.channel AND d.writer = n.base_writer
+                      AND d.seq < n.seq
+                     WHERE NOT n.snap
+                 )
+                 DELETE FROM {s}.keel_deltas d
+                 WHERE d.thread_id = $1 AND d.ns = $2 AND NOT EXISTS (
+                     SELECT 1 FROM needed n WHERE n.channel = d.channel AND n.writer = d.writer)"
+            ),
+            prune_head: format!(
+                "DELETE FROM {s}.keel_heads h
+                 WHERE h.thread_id = $1 AND h.ns = $2 AND NOT EXISTS (
+                     SELECT 1 FROM {s}.keel_checkpoints c WHERE c.thread_id = $1 AND c.ns = $2)"
+            ),
+            idle_threads: format!(
+                "SELECT thread_id FROM {s}.keel_heads
+                 GROUP BY thread_id
+                 HAVING max(updated_at) < now() - make_interval(secs => $1)
+                 LIMIT $2"
+            ),
+            thread_bytes: format!(
+                "SELECT
+                   (SELECT coalesce(sum(pg_column_size(c.*)), 0)::bigint FROM {s}.keel_checkpoints c
+                     WHERE c.thread_id = $1),
+                   (SELECT coalesce(sum(pg_column_size(d.*)), 0)::bigint FROM {s}.keel_deltas d
+                     WHERE d.thread_id = $1),
+                   (SELECT coalesce(sum(pg_column_size(w.*)), 0)::bigint FROM {s}.keel_writes w
+                     WHERE w.thread_id = $1),
+                   (SELECT coalesce(sum(pg_column_size(h.*)), 0)::bigint FROM {s}.keel_heads h
+                     WHERE h.thread_id = $1),
+                   (SELECT count(*) FROM {s}.keel_checkpoints c WHERE c.thread_id = $1),
+                   (SELECT count(*) FROM {s}.keel_deltas d WHERE d.thread_id = $1),
+                   (SELECT count(*) FROM {s}.keel_deltas d WHERE d.thread_id = $1
+                      AND d.snapshot IS NOT NULL)"
+            ),
+        }
+    }
+}
