@@ -1,0 +1,327 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! The file itself: two savers on one file (two connections, as two processes would
+//! have), reopening, migrations, refusing foreign files, and storage errors.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{fold, items, step};
+use futures::TryStreamExt;
+use keel_checkpoint::{CheckpointError, Checkpointer, ListOptions, PendingWrite, ThreadKey};
+use keel_checkpoint_sqlite::rusqlite::{Connection, ErrorCode};
+use keel_checkpoint_sqlite::{SCHEMA_VERSION, SqliteError, SqliteOptions, SqliteSaver};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_savers_on_one_file_race_and_exactly_one_wins_each_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("race.db");
+    let a = SqliteSaver::open(&path).await.unwrap();
+    let b = SqliteSaver::open(&path).await.unwrap();
+    let thread = ThreadKey::new("raced");
+
+    let first = step(&thread, None, "log", vec![json!("start")]);
+    a.put(first.clone()).await.unwrap();
+    let mut head = first.checkpoint;
+    let mut expected = vec![json!("start")];
+    let (mut wins_a, mut wins_b) = (0, 0);
+    for round in 0..40 {
+        let ra = step(
+            &thread,
+            Some(&head),
+            "log",
+            vec![json!(format!("a{round}"))],
+        );
+        let rb = step(
+            &thread,
+            Some(&head),
+            "log",
+            vec![json!(format!("b{round}"))],
+        );
+        // Each put runs on its own saver's writer thread; both go for the write lock.
+        let (sa, sb) = (a.clone(), b.clone());
+        let (ta, tb) = (ra.clone(), rb.clone());
+        let (res_a, res_b) = tokio::join!(
+            tokio::spawn(async move { sa.put(ta).await }),
+            tokio::spawn(async move { sb.put(tb).await }),
+        );
+        let (winner, loser) = match (res_a.unwrap(), res_b.unwrap()) {
+            (Ok(()), Err(e)) if e.is_conflict() => {
+                wins_a += 1;
+                (ra, rb)
+            }
+            (Err(e), Ok(())) if e.is_conflict() => {
+                wins_b += 1;
+                (rb, ra)
+            }
+            other => panic!("round {round}: expected one winner and one Conflict, got {other:?}"),
+        };
+        expected.extend(winner.deltas[0].updates.iter().cloned());
+        for saver in [&a, &b] {
+            let got = saver.get(&thread, None).await.unwrap().unwrap();
+            assert_eq!(got.checkpoint, winner.checkpoint, "round {round}: head");
+            assert_eq!(fold(&got.channels["log"]), expected, "round {round}: value");
+            assert!(
+                saver
+                    .get(&thread, Some(&loser.checkpoint.id))
+                    .await
+                    .unwrap()
+                    .is_none(),
+                "round {round}: the loser's checkpoint was stored"
+            );
+        }
+        head = winner.checkpoint;
+    }
+    assert_eq!(wins_a + wins_b, 40);
+    let listed: Vec<_> = b
+        .list(&thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 41);
+    let stats = a.stats().await.unwrap();
+    assert_eq!(
+        (stats.checkpoints, stats.deltas),
+        (41, 41),
+        "no trace of the losers"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopening_the_file_gives_the_same_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("reopen.db");
+    let thread = ThreadKey::new("t").with_ns("sub:1");
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let mut parent = None;
+    for i in 0..30 {
+        let request = step(
+            &thread,
+            parent.as_ref(),
+            "log",
+            items(&format!("s{i}"), 3, 50),
+        );
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+    }
+    let head_id = parent.as_ref().unwrap().id.clone();
+    saver
+        .put_writes(
+            &thread,
+            &head_id,
+            vec![PendingWrite::new("task", "p", "log", json!("pending"))],
+        )
+        .await
+        .unwrap();
+    let before = saver.get(&thread, None).await.unwrap().unwrap();
+    let listed: Vec<_> = saver
+        .list(&thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap();
+    drop(saver);
+    assert!(
+        !dir.path().join("reopen.db-wal").exists(),
+        "closing the last connection folds the WAL into the file"
+    );
+
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    assert_eq!(saver.get(&thread, None).await.unwrap().unwrap(), before);
+    let relisted: Vec<_> = saver
+        .list(&thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(relisted, listed);
+    assert_eq!(fold(&before.channels["log"]).len(), 90);
+    // ... and the thread goes on from its head.
+    let next = step(
+        &thread,
+        Some(&before.checkpoint),
+        "log",
+        vec![json!("more")],
+    );
+    saver.put(next).await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn migrations_are_versioned_and_run_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("schema.db");
+    let thread = ThreadKey::new("t");
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let request = step(&thread, None, "log", vec![json!(1)]);
+    saver.put(request.clone()).await.unwrap();
+    // A second saver on the same file while the first is open, then a reopen: the
+    // migration does not run again (it would fail: the tables exist) and data stays.
+    let second = SqliteSaver::open(&path).await.unwrap();
+    drop(saver);
+    drop(second);
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    assert!(saver.get(&thread, None).await.unwrap().is_some());
+    drop(saver);
+
+    let conn = Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+
+    // A file from a newer version is refused, not touched.
+    conn.pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+        .unwrap();
+    drop(conn);
+    match SqliteSaver::open(&path).await {
+        Err(SqliteError::NewerSchema {
+            found, supported, ..
+        }) => assert_eq!((found, supported), (SCHEMA_VERSION + 1, SCHEMA_VERSION)),
+        other => panic!("expected NewerSchema, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn foreign_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // Another application's database.
+    let other = dir.path().join("other.db");
+    let conn = Connection::open(&other).unwrap();
+    conn.execute_batch("CREATE TABLE checkpoints (x); INSERT INTO checkpoints VALUES (1);")
+        .unwrap();
+    drop(conn);
+    assert!(matches!(
+        SqliteSaver::open(&other).await,
+        Err(SqliteError::ForeignDatabase { .. })
+    ));
+    // Not a database at all.
+    let text = dir.path().join("notes.txt");
+    std::fs::write(
+        &text,
+        "not a database, just text that is long enough to have a header ".repeat(20),
+    )
+    .unwrap();
+    let err = SqliteSaver::open(&text).await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::NotADatabase), "{err}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_full_disk_is_a_typed_error_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("small.db");
+    let saver = SqliteOptions::default()
+        .max_size(256 * 1024)
+        .open(&path)
+        .await
+        .unwrap();
+    let thread = ThreadKey::new("t");
+    let first = step(&thread, None, "log", items("small", 1, 100));
+    saver.put(first.clone()).await.unwrap();
+    // One step of about 400 KB cannot fit.
+    let big = step(
+        &thread,
+        Some(&first.checkpoint),
+        "log",
+        items("big", 400, 1000),
+    );
+    let err = saver.put(big.clone()).await.unwrap_err();
+    let sqlite = SqliteError::of(&err).unwrap_or_else(|| panic!("not a SqliteError: {err}"));
+    assert_eq!(sqlite.code(), Some(ErrorCode::DiskFull), "{err}");
+    // Nothing of the step was written; the saver carries on.
+    let head = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(head.checkpoint, first.checkpoint);
+    assert!(
+        saver
+            .get(&thread, Some(&big.checkpoint.id))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(saver.stats().await.unwrap().deltas, 1);
+    let small = step(&thread, Some(&first.checkpoint), "log", items("ok", 1, 100));
+    saver.put(small).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lock_held_past_the_busy_timeout_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("busy.db");
+    let saver = SqliteOptions::default()
+        .busy_timeout(Duration::from_millis(50))
+        .open(&path)
+        .await
+        .unwrap();
+    let thread = ThreadKey::new("t");
+    let first = step(&thread, None, "log", vec![json!(1)]);
+    saver.put(first.clone()).await.unwrap();
+
+    // Another connection (as another process would) takes the write lock and holds it.
+    let blocker = Connection::open(&path).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let next = step(&thread, Some(&first.checkpoint), "log", vec![json!(2)]);
+    let err = saver.put(next.clone()).await.unwrap_err();
+    let sqlite = SqliteError::of(&err).unwrap_or_else(|| panic!("not a SqliteError: {err}"));
+    assert!(sqlite.is_busy(), "{err}");
+    // Reads go on meanwhile (WAL).
+    assert_eq!(
+        saver.get(&thread, None).await.unwrap().unwrap().checkpoint,
+        first.checkpoint
+    );
+    blocker.execute_batch("ROLLBACK").unwrap();
+    saver.put(next).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_see_a_consistent_snapshot_while_the_writer_works() {
+    // Many gets race with puts and prunes on the same thread: every get returns a
+    // checkpoint whose chains are complete (never a Corrupt error from a half-pruned
+    // or half-written state).
+    let dir = tempfile::tempdir().unwrap();
+    let saver = Arc::new(SqliteSaver::open(dir.path().join("mvcc.db")).await.unwrap());
+    let thread = ThreadKey::new("t");
+    let first = step(&thread, None, "log", vec![json!(0)]);
+    saver.put(first.clone()).await.unwrap();
+
+    let writer = {
+        let (saver, thread) = (Arc::clone(&saver), thread.clone());
+        tokio::spawn(async move {
+            let mut head = first.checkpoint;
+            for i in 1..200 {
+                let request = step(&thread, Some(&head), "log", vec![json!(i)]);
+                saver.put(request.clone()).await.unwrap();
+                head = request.checkpoint;
+                if i % 20 == 0 {
+                    saver.prune(&thread, 3).await.unwrap();
+                }
+            }
+        })
+    };
+    let mut reads = 0;
+    while !writer.is_finished() {
+        let tuple = saver.get(&thread, None).await.unwrap().unwrap();
+        let value = fold(&tuple.channels["log"]);
+        let expected: Vec<_> = (0..value.len()).map(|i| json!(i)).collect();
+        assert_eq!(value, expected);
+        reads += 1;
+    }
+    writer.await.unwrap();
+    assert!(reads > 0);
+    let tuple = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(fold(&tuple.channels["log"]).len(), 200);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn checkpoint_errors_are_not_storage_errors() {
+    let saver = SqliteSaver::open_in_memory().await.unwrap();
+    let thread = ThreadKey::new("t");
+    let err = saver
+        .put_writes(&thread, &keel_checkpoint::CheckpointId::new(), vec![])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CheckpointError::NotFound { .. }));
+    assert!(SqliteError::of(&err).is_none());
+}
