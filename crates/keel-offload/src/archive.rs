@@ -1,0 +1,504 @@
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use keel_message::Message;
+use serde::Deserialize;
+
+use crate::error::OffloadError;
+use crate::key::{Key, StorePath, ThreadId};
+use crate::policy::{Failure, PolicyOutcome, Stored, StoredWhat};
+use crate::store::{GrepOptions, OffloadStore, Pattern};
+
+/// Each thread's history of messages that left the context: JSON Lines in the store,
+/// appended to and never rewritten.
+///
+/// Every line is one record, `{"seq":N,"id":"<message id>","hash":"<xxh3>","message":{...}}`,
+/// where `message` is the message in keel's own JSON (lossless) and `seq` its
+/// position in the archive. The file lives in the thread's namespace
+/// (`archive/messages.jsonl` by default), so the agent's retrieval tools can read and
+/// grep it like any offloaded file.
+///
+/// # Costs
+///
+/// * `append` is one store append of the new records: O(size of the new messages),
+///   whatever the archive's size.
+/// * The archive keeps, per thread, an index in memory (each record's offset, length
+///   and hash, and the position of each message id). It is built on first use of a
+///   thread by reading the archive once, O(archive size); after that `get` by id is
+///   one hash lookup plus one read of that record, and `range` one read of the span.
+/// * `grep` streams the archive through the store's chunked search (hundreds of MB/s,
+///   see the offload benchmark) and reads back only the matching records. It
+///   searches the JSON text, so quotes and newlines inside messages appear escaped
+///   (`\"`, `\n`).
+///
+/// # Duplicates and damage
+///
+/// Appending a message whose id is already archived with identical content writes
+/// nothing and returns the existing position, so retrying a compaction after a failure
+/// does not duplicate history. A message with a known id but changed content is
+/// appended as a new record, and `get` returns the newest. A record cut short by a
+/// crash is skipped when the index is built, and the next append starts on a new line.
+///
+/// ```
+/// use std::sync::Arc;
+/// use keel_message::Message;
+/// use keel_offload::{Archive, MemoryStore, Pattern, ThreadId};
+///
+/// let archive = Archive::new(Arc::new(MemoryStore::new()));
+/// let thread = ThreadId::new("t1")?;
+/// let history = vec![
+///     Message::user("Deploy the service to staging").with_id("m1"),
+///     Message::assistant("Deployed; health checks pass.").with_id("m2"),
+/// ];
+/// let appended = archive.append(&thread, &history)?;
+/// assert_eq!(appended.seqs, [0, 1]);
+///
+/// assert_eq!(archive.get(&thread, "m2")?.unwrap().message, history[1]);
+/// assert_eq!(archive.range(&thread, 0..2)?.len(), 2);
+/// let found = archive.grep(&thread, &Pattern::new("staging")?, 10)?;
+/// assert_eq!(found.messages[0].message.id.as_deref(), Some("m1"));
+///
+/// // A retry appends nothing.
+/// assert_eq!(archive.append(&thread, &history)?.written, 0);
+/// assert_eq!(archive.len(&thread)?, 2);
+/// # Ok::<(), keel_offload::OffloadError>(())
+/// ```
+pub struct Archive {
+    store: Arc<dyn OffloadStore>,
+    path: StorePath,
+    threads: Mutex<HashMap<ThreadId, Arc<Mutex<ThreadIndex>>>>,
+}
+
+impl std::fmt::Debug for Archive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Archive")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Archive::append`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Appended {
+    /// The archive position of each message given, in order (the existing position for
+    /// a message that was already archived).
+    pub seqs: Vec<u64>,
+    /// The size in bytes of each message's record, in order.
+    pub bytes: Vec<u64>,
+    /// How many records were written (the others were already archived).
+    pub written: usize,
+}
+
+/// A message read back from the archive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArchivedMessage {
+    /// Its position in the archive.
+    pub seq: u64,
+    /// The message, as it was archived.
+    pub message: Message,
+}
+
+/// The answer of [`Archive::grep`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ArchiveGrep {
+    /// Matching messages, in archive order.
+    pub messages: Vec<ArchivedMessage>,
+    /// The search stopped at the requested maximum: more messages match.
+    pub truncated: bool,
+}
+
+#[derive(Default)]
+struct ThreadIndex {
+    loaded: bool,
+    records: Vec<Pos>,
+    by_id: HashMap<String, usize>,
+    /// Where the next append lands, as far as this index knows.
+    end: u64,
+    /// The archive does not end with a newline (a torn last write).
+    needs_newline: bool,
+}
+
+#[derive(Clone, Copy)]
+struct Pos {
+    offset: u64,
+    len: u64,
+    hash: u64,
+}
+
+#[derive(Deserialize)]
+struct RecordHead {
+    #[serde(default)]
+    id: Option<String>,
+    hash: String,
+}
+
+#[derive(Deserialize)]
+struct Record {
+    message: Message,
+}
+
+impl Archive {
+    /// The default archive path inside each thread.
+    pub const DEFAULT_PATH: &'static str = "archive/messages.jsonl";
+
+    /// An archive in `store`, at [`Archive::DEFAULT_PATH`].
+    pub fn new(store: Arc<dyn OffloadStore>) -> Self {
+        Archive {
+            store,
+            path: StorePath::known(Self::DEFAULT_PATH),
+            threads: Mutex::default(),
+        }
+    }
+
+    /// Uses another path inside each thread.
+    #[must_use]
+    pub fn with_path(mut self, path: StorePath) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// The archive's path inside each thread.
+    pub fn path(&self) -> &StorePath {
+        &self.path
+    }
+
+    /// The store the archive writes to.
+    pub fn store(&self) -> &Arc<dyn OffloadStore> {
+        &self.store
+    }
+
+    fn key(&self, thread: &ThreadId) -> Key {
+        Key::from_parts(thread.clone(), self.path.clone())
+    }
+
+    fn index(&self, thread: &ThreadId) -> Arc<Mutex<ThreadIndex>> {
+        let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+        threads.entry(thread.clone()).or_default().clone()
+    }
+
+    /// Runs `f` on the thread's index, loading it first if needed.
+    fn with_index<T>(
+        &self,
+        thread: &ThreadId,
+        f: impl FnOnce(&mut ThreadIndex, &Key) -> Result<T, OffloadError>,
+    ) -> Result<T, OffloadError> {
+        let index = self.index(thread);
+        let mut idx = index.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = self.key(thread);
+        if !idx.loaded {
+            *idx = self.load(&key)?;
+        }
+        f(&mut idx, &key)
+    }
+
+    /// Builds a thread's index by reading its archive once.
+    fn load(&self, key: &Key) -> Result<ThreadIndex, OffloadError> {
+        let mut idx = ThreadIndex {
+            loaded: true,
+            ..ThreadIndex::default()
+        };
+        if self.store.size(key)?.is_none() {
+            return Ok(idx);
+        }
+        let mut reader = BufReader::with_capacity(1 << 20, self.store.open(key)?);
+        let mut line = Vec::new();
+        let mut offset = 0u64;
+        loop {
+            line.clear();
+            let n = reader
+                .read_until(b'\n', &mut line)
+                .map_err(|e| OffloadError::io("read the archive", key, e))?;
+            if n == 0 {
+                break;
+            }
+            let complete = line.last() == Some(&b'\n');
+            let body = if complete { &line[..n - 1] } else { &line[..] };
+            if let Ok(head) = serde_json::from_slice::<RecordHead>(body)
+                && let Ok(hash) = u64::from_str_radix(&head.hash, 16)
+            {
+                let seq = idx.records.len();
+                idx.records.push(Pos {
+                    offset,
+                    len: body.len() as u64,
+                    hash,
+                });
+                if let Some(id) = head.id {
+                    idx.by_id.insert(id, seq);
+                }
+            }
+            idx.needs_newline = !complete;
+            offset += n as u64;
+        }
+        idx.end = offset;
+        Ok(idx)
+    }
+
+    /// Appends `messages` to the thread's archive in one store append (see the type's
+    /// docs for duplicates). When it returns `Ok`, the records are in the store — and on
+    /// disk, with an [`FsStore`](crate::FsStore) using [`Fsync::Always`](crate::Fsync).
+    pub fn append(
+        &self,
+        thread: &ThreadId,
+        messages: &[Message],
+    ) -> Result<Appended, OffloadError> {
+        self.with_index(thread, |idx, key| {
+            let mut batch = String::new();
+            if idx.needs_newline {
+                batch.push('\n');
+            }
+            let mut out = Appended::default();
+            // (message index, offset in batch, len, hash) of each new record.
+            let mut new: Vec<(usize, usize, u64, u64)> = Vec::new();
+            // (seq, len, hash) of the ids written earlier in this batch.
+            let mut batch_ids: HashMap<&str, (u64, u64, u64)> = HashMap::new();
+            let mut next_seq = idx.records.len() as u64;
+            for (i, m) in messages.iter().enumerate() {
+                let json = serde_json::to_string(m).map_err(|e| OffloadError::Corrupt {
+                    key: key.to_string(),
+                    seq: next_seq,
+                    reason: format!("cannot serialize the message: {e}"),
+                })?;
+                let hash = xxhash_rust::xxh3::xxh3_64(json.as_bytes());
+                if let Some(id) = m.id.as_deref() {
+                    let existing = batch_ids.get(id).copied().or_else(|| {
+                        idx.by_id.get(id).map(|&s| {
+                            let p = idx.records[s];
+                            (s as u64, p.len, p.hash)
+                        })
+                    });
+                    if let Some((seq, bytes, h)) = existing
+                        && h == hash
+                    {
+                        out.seqs.push(seq);
+                        out.bytes.push(bytes);
+                        continue;
+                    }
+                }
+                let start = batch.len();
+                batch.push_str("{\"seq\":");
+                batch.push_str(&next_seq.to_string());
+                batch.push_str(",\"id\":");
+                batch.push_str(&serde_json::to_string(&m.id).unwrap_or_else(|_| "null".into()));
+                batch.push_str(&format!(",\"hash\":\"{hash:016x}\",\"message\":"));
+                batch.push_str(&json);
+                batch.push('}');
+                let len = (batch.len() - start) as u64;
+                batch.push('\n');
+                new.push((i, start, len, hash));
+                if let Some(id) = m.id.as_deref() {
+                    batch_ids.insert(id, (next_seq, len, hash));
+                }
+                out.seqs.push(next_seq);
+                out.bytes.push(len);
+                next_seq += 1;
+            }
+            if new.is_empty() {
+                return Ok(out);
+            }
+            let offset = match self.store.append(key, &batch) {
+                Ok(offset) => offset,
+                Err(e) => {
+                    // Part of the batch may have been written: re-read the archive next time.
+                    idx.loaded = false;
+                    return Err(e);
+                }
+            };
+            for &(i, start, len, hash) in &new {
+                let seq = idx.records.len();
+                idx.records.push(Pos {
+                    offset: offset + start as u64,
+                    len,
+                    hash,
+                });
+                if let Some(id) = &messages[i].id {
+                    idx.by_id.insert(id.clone(), seq);
+                }
+            }
+            if offset != idx.end {
+                // Someone else appended too: rebuild the index on next use.
+                idx.loaded = false;
+            }
+            idx.end = offset + batch.len() as u64;
+            idx.needs_newline = false;
+            out.written = new.len();
+            Ok(out)
+        })
+    }
+
+    /// Number of records in the thread's archive.
+    pub fn len(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
+        self.with_index(thread, |idx, _| Ok(idx.records.len() as u64))
+    }
+
+    /// True when the thread's archive has no records.
+    pub fn is_empty(&self, thread: &ThreadId) -> Result<bool, OffloadError> {
+        Ok(self.len(thread)? == 0)
+    }
+
+    /// The newest archived message with this id.
+    pub fn get(
+        &self,
+        thread: &ThreadId,
+        id: &str,
+    ) -> Result<Option<ArchivedMessage>, OffloadError> {
+        self.with_index(thread, |idx, key| {
+            let Some(&seq) = idx.by_id.get(id) else {
+                return Ok(None);
+            };
+            let pos = idx.records[seq];
+            let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
+            parse(key, seq as u64, &bytes).map(Some)
+        })
+    }
+
+    /// The archived messages at positions `seqs` (clamped to what exists), in order.
+    pub fn range(
+        &self,
+        thread: &ThreadId,
+        seqs: Range<u64>,
+    ) -> Result<Vec<ArchivedMessage>, OffloadError> {
+        self.with_index(thread, |idx, key| {
+            let n = idx.records.len() as u64;
+            let (lo, hi) = (seqs.start.min(n) as usize, seqs.end.min(n) as usize);
+            if lo >= hi {
+                return Ok(Vec::new());
+            }
+            let first = idx.records[lo];
+            let last = idx.records[hi - 1];
+            let span = (last.offset + last.len - first.offset) as usize;
+            let bytes = self.store.read_at(key, first.offset, span)?;
+            idx.records[lo..hi]
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let at = (p.offset - first.offset) as usize;
+                    let record = bytes.get(at..at + p.len as usize).unwrap_or_default();
+                    parse(key, (lo + i) as u64, record)
+                })
+                .collect()
+        })
+    }
+
+    /// Archived messages whose record matches `pattern`, at most `max_results`, in
+    /// archive order.
+    pub fn grep(
+        &self,
+        thread: &ThreadId,
+        pattern: &Pattern,
+        max_results: usize,
+    ) -> Result<ArchiveGrep, OffloadError> {
+        self.with_index(thread, |idx, key| {
+            if idx.records.is_empty() {
+                return Ok(ArchiveGrep::default());
+            }
+            let options = GrepOptions {
+                max_results,
+                max_line_bytes: 0,
+            };
+            let found = self
+                .store
+                .grep(thread, Some(&self.path), pattern, &options)?;
+            let mut out = ArchiveGrep {
+                messages: Vec::with_capacity(found.matches.len()),
+                truncated: found.truncated,
+            };
+            for m in found.matches {
+                // Lines that are not records (a torn write) are not in the index.
+                let Ok(seq) = idx
+                    .records
+                    .binary_search_by_key(&m.byte_offset, |p| p.offset)
+                else {
+                    continue;
+                };
+                let pos = idx.records[seq];
+                let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
+                out.messages.push(parse(key, seq as u64, &bytes)?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The archive policy: appends `messages[leaving]` to the thread's archive and, only
+    /// once that succeeded, removes them from the list.
+    ///
+    /// On failure every message stays and the error is the outcome's one failure:
+    /// nothing leaves the context unless it is archived (DESIGN.md, invariant 2).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_message::Message;
+    /// use keel_offload::{Archive, MemoryStore, ThreadId};
+    ///
+    /// let archive = Archive::new(Arc::new(MemoryStore::new()));
+    /// let thread = ThreadId::new("t1")?;
+    /// let history: Vec<Message> = (0..5).map(|i| Message::user(format!("step {i}")).with_id(format!("m{i}"))).collect();
+    ///
+    /// let out = archive.archive_and_remove(history, 0..3, &thread);
+    /// assert!(out.is_complete());
+    /// assert_eq!(out.messages.len(), 2);
+    /// assert_eq!(out.stored.len(), 3);
+    /// assert_eq!(archive.get(&thread, "m0")?.unwrap().message.text(), "step 0");
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    pub fn archive_and_remove(
+        &self,
+        mut messages: Vec<Message>,
+        leaving: Range<usize>,
+        thread: &ThreadId,
+    ) -> PolicyOutcome {
+        let end = leaving.end.min(messages.len());
+        let start = leaving.start.min(end);
+        if start == end {
+            return PolicyOutcome::unchanged(messages);
+        }
+        match self.append(thread, &messages[start..end]) {
+            Ok(appended) => {
+                let stored = messages[start..end]
+                    .iter()
+                    .zip(appended.seqs.iter().zip(&appended.bytes))
+                    .enumerate()
+                    .map(|(i, (m, (&seq, &bytes)))| Stored {
+                        index: start + i,
+                        message_id: m.id.clone(),
+                        path: self.path.clone(),
+                        bytes,
+                        what: StoredWhat::Archived { seq },
+                    })
+                    .collect();
+                messages.drain(start..end);
+                PolicyOutcome {
+                    messages,
+                    stored,
+                    failures: Vec::new(),
+                }
+            }
+            Err(error) => {
+                let message_id = messages[start].id.clone();
+                PolicyOutcome {
+                    messages,
+                    stored: Vec::new(),
+                    failures: vec![Failure {
+                        index: start,
+                        message_id,
+                        error,
+                    }],
+                }
+            }
+        }
+    }
+}
+
+fn parse(key: &Key, seq: u64, bytes: &[u8]) -> Result<ArchivedMessage, OffloadError> {
+    serde_json::from_slice::<Record>(bytes)
+        .map(|r| ArchivedMessage {
+            seq,
+            message: r.message,
+        })
+        .map_err(|e| OffloadError::Corrupt {
+            key: key.to_string(),
+            seq,
+            reason: e.to_string(),
+        })
+}

@@ -1,0 +1,258 @@
+use std::fmt;
+use std::io;
+
+/// Why an offload operation failed.
+///
+/// Every failure is reported, never swallowed: a policy that cannot store what it
+/// meant to offload leaves the message in context and returns this error beside it
+/// (see [`PolicyOutcome::failures`](crate::PolicyOutcome::failures)).
+///
+/// ```
+/// use keel_offload::{KeyProblem, OffloadError, StorePath};
+///
+/// let err = StorePath::new("../../etc/passwd").unwrap_err();
+/// assert!(matches!(err, OffloadError::InvalidKey { problem: KeyProblem::ParentDir, .. }));
+/// assert_eq!(
+///     err.to_string(),
+///     r#"invalid path "../../etc/passwd": a `..` component is not allowed"#
+/// );
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadError {
+    /// A thread id or a path was refused before touching any storage.
+    #[error("invalid {kind} {key}: {problem}")]
+    InvalidKey {
+        /// Whether the thread id or the path was refused.
+        kind: KeyKind,
+        /// The refused text, quoted, escaped and shortened for display.
+        key: Shown,
+        /// What is wrong with it.
+        problem: KeyProblem,
+    },
+    /// Nothing is stored under this path.
+    #[error("{key}: no such file")]
+    NotFound {
+        /// `thread/path` of the missing entry.
+        key: String,
+    },
+    /// A symbolic link was found where the store would have had to follow it.
+    /// [`FsStore`](crate::FsStore) never follows links, inside the root or out of it.
+    #[error("{key}: refusing to follow the symbolic link at `{at}`")]
+    Symlink {
+        /// `thread/path` being accessed.
+        key: String,
+        /// The part of the path that is a link, relative to the store root.
+        at: String,
+    },
+    /// The operating system refused or failed an operation.
+    #[error("{key}: could not {op}: {source}")]
+    Io {
+        /// What the store was doing (`write`, `rename`, `create directory`, ...).
+        op: &'static str,
+        /// `thread/path` being accessed (or the store root).
+        key: String,
+        /// The underlying error; see [`OffloadError::is_storage_full`] and
+        /// [`OffloadError::is_permission_denied`].
+        #[source]
+        source: io::Error,
+    },
+    /// A search pattern is not a valid regular expression (or is too large).
+    #[error("invalid pattern {pattern}: {reason}")]
+    Pattern {
+        /// The pattern, quoted and shortened for display.
+        pattern: Shown,
+        /// The regex parser's explanation.
+        reason: String,
+    },
+    /// The stored bytes are not UTF-8 text.
+    #[error("{key}: stored content is not valid UTF-8")]
+    NotUtf8 {
+        /// `thread/path` being read.
+        key: String,
+    },
+    /// An archive record could not be read back.
+    #[error("{key}: archive record {seq} is damaged: {reason}")]
+    Corrupt {
+        /// `thread/path` of the archive.
+        key: String,
+        /// The record's position in the archive.
+        seq: u64,
+        /// What failed.
+        reason: String,
+    },
+}
+
+impl OffloadError {
+    /// True when the device is full (`ENOSPC`, or a quota: `EDQUOT`), or a
+    /// [`MemoryStore`](crate::MemoryStore) reached its byte limit.
+    ///
+    /// ```
+    /// use keel_offload::{Key, MemoryStore, OffloadStore};
+    ///
+    /// let store = MemoryStore::with_limit(4);
+    /// let err = store.put(&Key::new("t1", "a.txt")?, "too long").unwrap_err();
+    /// assert!(err.is_storage_full());
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    pub fn is_storage_full(&self) -> bool {
+        match self {
+            OffloadError::Io { source, .. } => {
+                source.kind() == io::ErrorKind::StorageFull
+                    || source.kind() == io::ErrorKind::QuotaExceeded
+                    || is_errno(source, &[ENOSPC, EDQUOT])
+            }
+            _ => false,
+        }
+    }
+
+    /// True when the operating system denied access (`EACCES`, `EPERM`) or the file
+    /// system is read-only (`EROFS`).
+    pub fn is_permission_denied(&self) -> bool {
+        match self {
+            OffloadError::Io { source, .. } => {
+                source.kind() == io::ErrorKind::PermissionDenied
+                    || source.kind() == io::ErrorKind::ReadOnlyFilesystem
+                    || is_errno(source, &[EACCES, EPERM, EROFS])
+            }
+            _ => false,
+        }
+    }
+
+    /// True for [`OffloadError::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, OffloadError::NotFound { .. })
+    }
+
+    pub(crate) fn io(op: &'static str, key: impl fmt::Display, source: io::Error) -> Self {
+        OffloadError::Io {
+            op,
+            key: key.to_string(),
+            source,
+        }
+    }
+}
+
+#[cfg(unix)]
+const ENOSPC: i32 = libc::ENOSPC;
+#[cfg(unix)]
+const EDQUOT: i32 = libc::EDQUOT;
+#[cfg(unix)]
+const EACCES: i32 = libc::EACCES;
+#[cfg(unix)]
+const EPERM: i32 = libc::EPERM;
+#[cfg(unix)]
+const EROFS: i32 = libc::EROFS;
+#[cfg(not(unix))]
+const ENOSPC: i32 = -1;
+#[cfg(not(unix))]
+const EDQUOT: i32 = -1;
+#[cfg(not(unix))]
+const EACCES: i32 = -1;
+#[cfg(not(unix))]
+const EPERM: i32 = -1;
+#[cfg(not(unix))]
+const EROFS: i32 = -1;
+
+fn is_errno(e: &io::Error, codes: &[i32]) -> bool {
+    e.raw_os_error().is_some_and(|c| codes.contains(&c))
+}
+
+/// Which kind of key was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// A [`ThreadId`](crate::ThreadId).
+    Thread,
+    /// A [`StorePath`](crate::StorePath).
+    Path,
+}
+
+impl fmt::Display for KeyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyKind::Thread => "thread id",
+            KeyKind::Path => "path",
+        })
+    }
+}
+
+/// What is wrong with a refused thread id or path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyProblem {
+    /// Nothing was given.
+    #[error("it is empty")]
+    Empty,
+    /// Longer than allowed in total.
+    #[error("it is {len} bytes long (at most {max} allowed)")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// One `/`-separated component is longer than a file name may be.
+    #[error("a component is {len} bytes long (at most {max} allowed)")]
+    ComponentTooLong {
+        /// The component's length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Starts with `/`: paths are relative to the thread's directory.
+    #[error(
+        "absolute paths are not allowed (paths are relative, e.g. `large_tool_results/call_1`)"
+    )]
+    Absolute,
+    /// Contains a `..` component.
+    #[error("a `..` component is not allowed")]
+    ParentDir,
+    /// Contains a `.` component, an empty component (`a//b`) or a trailing `/`.
+    #[error("empty and `.` components are not allowed")]
+    EmptyComponent,
+    /// Contains a NUL byte.
+    #[error("it contains a NUL byte")]
+    Nul,
+    /// Contains a control character (newline, tab, escape, ...).
+    #[error("it contains the control character U+{0:04X}")]
+    ControlChar(u32),
+    /// Contains a backslash (refused so that paths mean the same on every platform).
+    #[error("it contains a backslash")]
+    Backslash,
+    /// A thread id contains `/`: it must be one path component.
+    #[error("a thread id cannot contain `/`")]
+    Separator,
+    /// A thread id starts with `.` (reserved for the store's own files).
+    #[error("a thread id cannot start with `.`")]
+    LeadingDot,
+}
+
+/// A user-supplied string shown in an error: quoted, escaped, and cut to 80 characters
+/// so that a 4 KB name or a NUL byte cannot garble a log line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shown(String);
+
+impl Shown {
+    /// Quotes and shortens `text`.
+    pub fn new(text: &str) -> Self {
+        const MAX: usize = 80;
+        let cut: String = text.chars().take(MAX).collect();
+        let total = text.chars().count();
+        if total > MAX {
+            Shown(format!("{cut:?}… ({total} characters)"))
+        } else {
+            Shown(format!("{cut:?}"))
+        }
+    }
+
+    /// The display form.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Shown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}

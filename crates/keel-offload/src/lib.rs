@@ -1,0 +1,99 @@
+//! Where things go when they leave an agent's context — stored first, and found again.
+//!
+//! The one abstraction is [`OffloadStore`]: a namespace of text files per thread, with
+//! `put`, `append`, `get`, line ranges, `list`, `grep` and `delete`. Keys are a
+//! [`ThreadId`] and a [`StorePath`], validated when built, so `../../etc/passwd`, an
+//! absolute path, a NUL byte or a 4 KB name never reach the disk. [`FsStore`] keeps
+//! the files in a directory (atomic writes, append-only appends, configurable fsync,
+//! symbolic links never followed); [`MemoryStore`] keeps them in memory.
+//!
+//! Everything else in the crate is built on a store and used by the compaction engine
+//! and the agent loop (DESIGN.md, invariant 2: whatever leaves the context is stored
+//! first and can be found again):
+//!
+//! * **Policies** — pure steps from messages to edited messages plus a record of what
+//!   was stored ([`PolicyOutcome`]). [`EvictLargeResults`] moves tool results over
+//!   20,000 tokens (counted by a [`TokenCounter`](keel_token::TokenCounter)) to
+//!   `large_tool_results/<tool_call_id>` and leaves a stub with the head and tail;
+//!   [`TruncateArguments`] replaces long arguments of old `write_file`/`edit_file`
+//!   calls by pointers once the context is 85% full, once, so the prompt prefix stays
+//!   stable for provider caches; [`Archive`] appends messages to the thread's JSON Lines
+//!   history before they leave, and fetches them by id, range or grep. When storing
+//!   fails (disk full, permission denied), a policy leaves the message as it was and
+//!   reports the error.
+//! * **Retrieval tools** — [`RetrievalTools`] gives the agent `ls`, `read_file` and
+//!   `grep` over its thread's files, with JSON schemas and capped output.
+//!
+//! All store operations block (plain `std::fs`); async callers run them on a blocking
+//! thread — see [`OffloadStore`].
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use keel_message::{Message, ToolCall};
+//! use keel_offload::{
+//!     Archive, EvictLargeResults, FsStore, Fsync, OffloadStore, PolicyEnv, RetrievalTools, ThreadId,
+//! };
+//! use keel_token::ApproxCounter;
+//! use serde_json::json;
+//!
+//! let dir = tempfile::tempdir()?;
+//! let store = Arc::new(FsStore::new(dir.path())?.with_fsync(Fsync::Never));
+//! let thread = ThreadId::new("thread-1")?;
+//! let counter = ApproxCounter::new();
+//!
+//! // A tool returned 30,000 lines of test output: far over 20,000 tokens.
+//! let output: String = (1..=30_000).map(|i| format!("test case {i} ... ok\n")).collect();
+//! let history = vec![
+//!     Message::user("Run the test suite.").with_id("m1"),
+//!     Message::assistant("")
+//!         .with_id("m2")
+//!         .with_tool_calls(vec![ToolCall::new("call_7", "run_tests", json!({}))]),
+//!     Message::tool("call_7", output).with_id("m3"),
+//! ];
+//!
+//! // 1. Evict: the result goes to the store, a stub stays in context.
+//! let env = PolicyEnv::new(&*store, &thread, &counter);
+//! let out = EvictLargeResults::new().apply(history, &env);
+//! assert!(out.is_complete());
+//! let stub = out.messages[2].text().into_owned();
+//! assert!(stub.contains("stored in full at large_tool_results/call_7"));
+//! assert!(stub.contains(" 30000\ttest case 30000 ... ok"));
+//!
+//! // 2. The agent reads it back with the retrieval tools.
+//! let tools = RetrievalTools::new(store.clone(), thread.clone());
+//! let call = ToolCall::new("call_8", "grep", json!({"pattern": r"case 1234\b"}));
+//! assert_eq!(tools.execute(&call)?, "large_tool_results/call_7:1234: test case 1234 ... ok");
+//!
+//! // 3. Compaction archives the first two messages before they leave the context.
+//! let archive = Archive::new(store.clone());
+//! let out = archive.archive_and_remove(out.messages, 0..2, &thread);
+//! assert_eq!(out.messages.len(), 1);
+//! assert_eq!(archive.get(&thread, "m1")?.unwrap().message.text(), "Run the test suite.");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod archive;
+mod error;
+mod fs;
+mod key;
+mod memory;
+mod policy;
+mod scan;
+mod store;
+mod tools;
+
+pub use archive::{Appended, Archive, ArchiveGrep, ArchivedMessage};
+pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
+pub use fs::{FsStore, Fsync};
+pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
+pub use memory::MemoryStore;
+pub use policy::{
+    EvictLargeResults, Failure, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored, StoredWhat,
+    TruncateArguments,
+};
+pub use store::{
+    Entry, GrepMatch, GrepOptions, GrepOutcome, Line, LineRange, Lines, OffloadStore, Pattern,
+};
+pub use tools::{GREP, LS, READ_FILE, RetrievalTools, ToolError, ToolLimits};

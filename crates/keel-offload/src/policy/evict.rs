@@ -1,0 +1,331 @@
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt::Write as _;
+
+use keel_message::{Content, Message, Role};
+use serde_json::json;
+
+use super::{
+    Failure, PolicyEnv, PolicyOutcome, Stored, StoredWhat, cap_chars, record, set_record, thousands,
+};
+use crate::error::OffloadError;
+use crate::key::{Key, StorePath, safe_component};
+use crate::tools::{GREP, LS, READ_FILE};
+
+const RECORD: &str = "evicted";
+
+/// Evicts large tool results: each tool result over a token threshold is written to
+/// `large_tool_results/<tool_call_id>` and replaced in context by a stub.
+///
+/// The size is counted with the environment's [`TokenCounter`](keel_token::TokenCounter)
+/// (the result's text alone, without chat framing). The stub gives the path, the size
+/// in tokens, lines and bytes, the first and last lines (5 + 5 by default, numbered as
+/// [`read_file`](crate::RetrievalTools) numbers them, each cut to 1,000 characters) and
+/// how to read more. Results of exempt tools (the retrieval tools `ls`, `read_file` and
+/// `grep` by default: evicting what the agent just read back would loop) and results
+/// already evicted are left alone; so are results with non-text parts (images).
+///
+/// The text is written straight from the message and the stub is built in one pass
+/// over its lines, borrowing them; the policy takes the messages by value, so the
+/// original text is freed as soon as its stub replaces it. A 200 MB result costs one
+/// copy of itself, never two (see the `large_result` test).
+///
+/// If the store fails (disk full, permission denied), the result stays in context as
+/// it was and the error is in [`PolicyOutcome::failures`].
+///
+/// ```
+/// use keel_message::Message;
+/// use keel_offload::{EvictLargeResults, Key, MemoryStore, OffloadStore, PolicyEnv, ThreadId};
+/// use keel_token::ApproxCounter;
+///
+/// let store = MemoryStore::new();
+/// let thread = ThreadId::new("t1")?;
+/// let counter = ApproxCounter::new(); // 4 characters per token
+/// let env = PolicyEnv::new(&store, &thread, &counter);
+///
+/// let log: String = (1..=1000).map(|i| format!("line {i}: ok\n")).collect();
+/// let messages = vec![Message::tool("call_1", log.clone()), Message::tool("call_2", "small")];
+///
+/// let policy = EvictLargeResults::new().with_threshold(1_000);
+/// let out = policy.apply(messages, &env);
+/// assert!(out.is_complete());
+/// assert_eq!(out.stored.len(), 1);
+///
+/// let stub = out.messages[0].text();
+/// assert!(stub.contains("large_tool_results/call_1"));
+/// assert!(stub.contains("     1\tline 1: ok"));
+/// assert!(stub.contains("  1000\tline 1000: ok"));
+/// assert_eq!(out.messages[1].text(), "small");
+/// assert_eq!(store.get(&Key::new("t1", "large_tool_results/call_1")?)?, log);
+/// # Ok::<(), keel_offload::OffloadError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvictLargeResults {
+    /// Results of more tokens than this are evicted (default 20,000).
+    pub threshold_tokens: usize,
+    /// Lines shown from the start (default 5).
+    pub head_lines: usize,
+    /// Lines shown from the end (default 5).
+    pub tail_lines: usize,
+    /// Each shown line is cut to this many characters (default 1,000).
+    pub max_line_chars: usize,
+    /// Tools whose results are never evicted (default: `ls`, `read_file`, `grep`).
+    pub exempt_tools: BTreeSet<String>,
+    /// The directory results go to (default `large_tool_results`).
+    pub dir: StorePath,
+}
+
+impl Default for EvictLargeResults {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EvictLargeResults {
+    /// The default threshold: 20,000 tokens.
+    pub const DEFAULT_THRESHOLD: usize = 20_000;
+
+    /// The defaults listed on each field.
+    pub fn new() -> Self {
+        EvictLargeResults {
+            threshold_tokens: Self::DEFAULT_THRESHOLD,
+            head_lines: 5,
+            tail_lines: 5,
+            max_line_chars: 1_000,
+            exempt_tools: [LS, READ_FILE, GREP]
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            dir: StorePath::known("large_tool_results"),
+        }
+    }
+
+    /// Sets the token threshold.
+    #[must_use]
+    pub fn with_threshold(mut self, tokens: usize) -> Self {
+        self.threshold_tokens = tokens;
+        self
+    }
+
+    /// Sets how many lines the stub shows from the start and from the end.
+    #[must_use]
+    pub fn with_preview(mut self, head_lines: usize, tail_lines: usize) -> Self {
+        self.head_lines = head_lines;
+        self.tail_lines = tail_lines;
+        self
+    }
+
+    /// Adds a tool whose results are never evicted.
+    #[must_use]
+    pub fn exempt(mut self, tool: impl Into<String>) -> Self {
+        self.exempt_tools.insert(tool.into());
+        self
+    }
+
+    /// Where the result of `tool_call_id` is stored:
+    /// `large_tool_results/<tool_call_id>`, the id made safe by [`safe_component`].
+    pub fn path_for(&self, tool_call_id: &str) -> Result<StorePath, OffloadError> {
+        self.dir.join(&safe_component(tool_call_id))
+    }
+
+    /// Evicts every tool result over the threshold (see the type's docs).
+    ///
+    /// Tool names come from each result's `name`, or else from the assistant tool call
+    /// with its `tool_call_id` among `messages`.
+    pub fn apply(&self, messages: Vec<Message>, env: &PolicyEnv<'_>) -> PolicyOutcome {
+        let tool_names: HashMap<String, String> = messages
+            .iter()
+            .flat_map(|m| &m.tool_calls)
+            .map(|c| (c.id.clone(), c.name.clone()))
+            .collect();
+        let mut out = PolicyOutcome {
+            messages: Vec::with_capacity(messages.len()),
+            ..PolicyOutcome::default()
+        };
+        for (index, mut message) in messages.into_iter().enumerate() {
+            match self.evict_one(&mut message, env, &tool_names) {
+                Ok(None) => {}
+                Ok(Some((path, bytes, what))) => out.stored.push(Stored {
+                    index,
+                    message_id: message.id.clone(),
+                    path,
+                    bytes,
+                    what,
+                }),
+                Err(error) => out.failures.push(Failure {
+                    index,
+                    message_id: message.id.clone(),
+                    error,
+                }),
+            }
+            out.messages.push(message);
+        }
+        out
+    }
+
+    /// Evicts one message in place. `Ok(None)`: nothing to do. On error the message is
+    /// untouched.
+    fn evict_one(
+        &self,
+        message: &mut Message,
+        env: &PolicyEnv<'_>,
+        tool_names: &HashMap<String, String>,
+    ) -> Result<Option<(StorePath, u64, StoredWhat)>, OffloadError> {
+        if message.role != Role::Tool || record(message, RECORD).is_some() {
+            return Ok(None);
+        }
+        let Some(call_id) = message.tool_call_id.clone() else {
+            return Ok(None);
+        };
+        let tool = message
+            .name
+            .as_deref()
+            .or_else(|| tool_names.get(&call_id).map(String::as_str));
+        if tool.is_some_and(|t| self.exempt_tools.contains(t)) {
+            return Ok(None);
+        }
+        let text: Cow<'_, str> = match &message.content {
+            Content::Text(t) => Cow::Borrowed(t),
+            Content::Parts(parts) if parts.iter().all(|p| p.as_text().is_some()) => {
+                message.content.text()
+            }
+            Content::Parts(_) => return Ok(None),
+        };
+        let tokens = env.counter.count_text(&text);
+        if tokens <= self.threshold_tokens {
+            return Ok(None);
+        }
+        let path = self.path_for(&call_id)?;
+        let key = Key::from_parts(env.thread.clone(), path.clone());
+        let bytes = env.store.put(&key, &text)?;
+        let (stub, lines) = self.stub(&text, tokens, &path);
+        drop(text);
+        message.content = Content::Text(stub);
+        set_record(
+            &mut message.metadata,
+            RECORD,
+            json!({"path": path.as_str(), "tokens": tokens, "lines": lines, "bytes": bytes}),
+        );
+        Ok(Some((
+            path,
+            bytes,
+            StoredWhat::ToolResult {
+                tool_call_id: call_id,
+                tokens,
+                lines,
+            },
+        )))
+    }
+
+    /// The stub for `text`, and its number of lines. One pass over the lines, keeping
+    /// only borrowed slices of the first and last ones.
+    fn stub(&self, text: &str, tokens: usize, path: &StorePath) -> (String, usize) {
+        let mut head: Vec<&str> = Vec::with_capacity(self.head_lines);
+        let mut tail: VecDeque<(usize, &str)> = VecDeque::with_capacity(self.tail_lines);
+        let mut total = 0;
+        for line in text.lines() {
+            total += 1;
+            if head.len() < self.head_lines {
+                head.push(line);
+            } else if self.tail_lines > 0 {
+                if tail.len() == self.tail_lines {
+                    tail.pop_front();
+                }
+                tail.push_back((total, line));
+            }
+        }
+        let omitted = total - head.len() - tail.len();
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "[Tool result too large for the context; stored in full at {path}: {} tokens, {} lines, {} bytes.]",
+            thousands(tokens),
+            thousands(total),
+            thousands(text.len()),
+        );
+        let show = |s: &mut String, number: usize, line: &str| {
+            let _ = writeln!(s, "{number:>6}\t{}", cap_chars(line, self.max_line_chars));
+        };
+        if omitted == 0 {
+            let _ = writeln!(s, "All {} lines:", thousands(total));
+        } else if !head.is_empty() {
+            let _ = writeln!(s, "First {} lines:", head.len());
+        }
+        for (i, line) in head.iter().enumerate() {
+            show(&mut s, i + 1, line);
+        }
+        if omitted > 0 {
+            let _ = writeln!(s, "… {} lines omitted …", thousands(omitted));
+            if !tail.is_empty() {
+                let _ = writeln!(s, "Last {} lines:", tail.len());
+            }
+        }
+        for (number, line) in &tail {
+            show(&mut s, *number, line);
+        }
+        let _ = write!(
+            s,
+            "To see more, call {READ_FILE}(path=\"{path}\", offset={}, limit=100) \
+             (offset counts lines from 0), or {GREP}(pattern=\"...\", path=\"{path}\") to search it.",
+            head.len(),
+        );
+        (s, total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stub_of(text: &str, head: usize, tail: usize) -> (String, usize) {
+        let policy = EvictLargeResults::new().with_preview(head, tail);
+        let path = policy.path_for("call_1").unwrap();
+        policy.stub(text, 42, &path)
+    }
+
+    #[test]
+    fn stub_shows_head_tail_and_counts() {
+        let text: String = (1..=100).map(|i| format!("row {i}\n")).collect();
+        let (stub, lines) = stub_of(&text, 5, 5);
+        assert_eq!(lines, 100);
+        let expected = "\
+[Tool result too large for the context; stored in full at large_tool_results/call_1: 42 tokens, 100 lines, 692 bytes.]
+First 5 lines:
+     1\trow 1
+     2\trow 2
+     3\trow 3
+     4\trow 4
+     5\trow 5
+… 90 lines omitted …
+Last 5 lines:
+    96\trow 96
+    97\trow 97
+    98\trow 98
+    99\trow 99
+   100\trow 100
+To see more, call read_file(path=\"large_tool_results/call_1\", offset=5, limit=100) (offset counts lines from 0), or grep(pattern=\"...\", path=\"large_tool_results/call_1\") to search it.";
+        assert_eq!(stub, expected);
+    }
+
+    #[test]
+    fn short_results_are_shown_once() {
+        let (stub, lines) = stub_of("a\nb\nc", 2, 2);
+        assert_eq!(lines, 3);
+        assert!(
+            stub.contains("All 3 lines:\n     1\ta\n     2\tb\n     3\tc\n"),
+            "{stub}"
+        );
+        assert!(!stub.contains("omitted"));
+        let (stub, lines) = stub_of("", 5, 5);
+        assert_eq!(lines, 0);
+        assert!(stub.contains("All 0 lines:"), "{stub}");
+    }
+
+    #[test]
+    fn stub_lines_are_capped() {
+        let text = format!("{}\nshort", "x".repeat(5000));
+        let (stub, _) = stub_of(&text, 1, 1);
+        assert!(stub.contains("… [4,000 more characters]"), "{stub}");
+        assert!(stub.len() < 1_500);
+    }
+}

@@ -1,0 +1,226 @@
+//! The policies: pure steps from a list of messages to an edited list plus a record
+//! of what was stored.
+
+mod evict;
+mod truncate;
+
+pub use evict::EvictLargeResults;
+pub use truncate::TruncateArguments;
+
+use keel_message::{Message, Metadata};
+use keel_token::TokenCounter;
+use serde_json::Value;
+
+use crate::error::OffloadError;
+use crate::key::{StorePath, ThreadId};
+use crate::store::OffloadStore;
+
+/// The metadata key under which policies record their edits on a message.
+///
+/// [`EvictLargeResults`] writes `{"evicted": {...}}` on the stub, [`TruncateArguments`]
+/// `{"truncated_arguments": [...]}` on the assistant message; a message carrying the
+/// record is not processed again by the same policy.
+pub const METADATA_KEY: &str = "keel_offload";
+
+/// What a policy works with: the store, the thread whose namespace it writes to, and
+/// the token counter that prices text.
+///
+/// ```
+/// use keel_offload::{MemoryStore, PolicyEnv, ThreadId};
+/// use keel_token::ApproxCounter;
+///
+/// let store = MemoryStore::new();
+/// let thread = ThreadId::new("t1")?;
+/// let counter = ApproxCounter::new();
+/// let env = PolicyEnv::new(&store, &thread, &counter);
+/// assert_eq!(env.thread.as_str(), "t1");
+/// # Ok::<(), keel_offload::OffloadError>(())
+/// ```
+#[derive(Clone, Copy)]
+pub struct PolicyEnv<'a> {
+    /// Where offloaded text goes.
+    pub store: &'a dyn OffloadStore,
+    /// The thread whose namespace receives it.
+    pub thread: &'a ThreadId,
+    /// Prices text in tokens.
+    pub counter: &'a dyn TokenCounter,
+}
+
+impl<'a> PolicyEnv<'a> {
+    /// Bundles the three.
+    pub fn new(
+        store: &'a dyn OffloadStore,
+        thread: &'a ThreadId,
+        counter: &'a dyn TokenCounter,
+    ) -> Self {
+        PolicyEnv {
+            store,
+            thread,
+            counter,
+        }
+    }
+}
+
+impl std::fmt::Debug for PolicyEnv<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyEnv")
+            .field("thread", &self.thread)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The result of applying a policy: the messages to keep in context, what was stored,
+/// and what could not be.
+///
+/// A message whose offload failed is in `messages` exactly as it came in, and its
+/// error is in `failures`: nothing is lost, the context is only less compact.
+#[derive(Debug, Default)]
+pub struct PolicyOutcome {
+    /// The messages after the policy, in order.
+    pub messages: Vec<Message>,
+    /// One record per stored piece, in message order.
+    pub stored: Vec<Stored>,
+    /// Messages left unchanged because storing failed.
+    pub failures: Vec<Failure>,
+}
+
+impl PolicyOutcome {
+    /// Nothing changed (and nothing failed).
+    pub fn unchanged(messages: Vec<Message>) -> Self {
+        PolicyOutcome {
+            messages,
+            stored: Vec::new(),
+            failures: Vec::new(),
+        }
+    }
+
+    /// True when nothing failed.
+    pub fn is_complete(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// One piece of text a policy stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// Index of the message in the policy's input.
+    pub index: usize,
+    /// Its id, if it had one.
+    pub message_id: Option<String>,
+    /// Where the text went (inside the thread's namespace).
+    pub path: StorePath,
+    /// Bytes written.
+    pub bytes: u64,
+    /// What it was.
+    pub what: StoredWhat,
+}
+
+/// What kind of text was stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoredWhat {
+    /// A large tool result, replaced by a stub.
+    ToolResult {
+        /// The call it answered.
+        tool_call_id: String,
+        /// Its size in tokens.
+        tokens: usize,
+        /// Its number of lines.
+        lines: usize,
+    },
+    /// A long tool-call argument, replaced by a pointer.
+    Argument {
+        /// The call it belonged to.
+        tool_call_id: String,
+        /// The argument's name; `None` for arguments that were not valid JSON, stored
+        /// whole.
+        argument: Option<String>,
+        /// Its length in characters.
+        chars: usize,
+    },
+    /// A message appended to the thread's archive.
+    Archived {
+        /// Its position in the archive.
+        seq: u64,
+    },
+}
+
+/// A message a policy could not offload; it stays in context unchanged.
+#[derive(Debug)]
+pub struct Failure {
+    /// Index of the message in the policy's input.
+    pub index: usize,
+    /// Its id, if it had one.
+    pub message_id: Option<String>,
+    /// Why.
+    pub error: OffloadError,
+}
+
+/// The policy record `key` on a message, if any.
+pub(crate) fn record<'m>(m: &'m Message, key: &str) -> Option<&'m Value> {
+    m.metadata.get(METADATA_KEY)?.get(key)
+}
+
+/// Sets the policy record `key` on a message's metadata.
+pub(crate) fn set_record(metadata: &mut Metadata, key: &str, value: Value) {
+    let slot = metadata
+        .entry(METADATA_KEY)
+        .or_insert_with(|| Value::Object(Default::default()));
+    if !slot.is_object() {
+        *slot = Value::Object(Default::default());
+    }
+    if let Value::Object(map) = slot {
+        map.insert(key.to_owned(), value);
+    }
+}
+
+/// `1234567` as `1,234,567`.
+pub(crate) fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `line` cut to `max` characters, with a note of how much was cut.
+pub(crate) fn cap_chars(line: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if line.len() <= max {
+        return line.into();
+    }
+    match line.char_indices().nth(max) {
+        None => line.into(),
+        Some((cut, _)) => {
+            let rest = line[cut..].chars().count();
+            format!("{}… [{} more characters]", &line[..cut], thousands(rest)).into()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands_separators() {
+        for (n, s) in [
+            (0, "0"),
+            (999, "999"),
+            (1000, "1,000"),
+            (20_000, "20,000"),
+            (1_234_567, "1,234,567"),
+        ] {
+            assert_eq!(thousands(n), s);
+        }
+    }
+
+    #[test]
+    fn capping_counts_characters() {
+        assert_eq!(cap_chars("héllo", 5), "héllo");
+        assert_eq!(cap_chars("héllo wörld", 5), "héllo… [6 more characters]");
+    }
+}
