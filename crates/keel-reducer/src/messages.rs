@@ -32,8 +32,9 @@ fn stored_id(m: &Message) -> &str {
 /// to position, so appending is O(1) amortised and replacing by id is O(1) however long
 /// the history grows. It dereferences to `[Message]` for reading.
 ///
-/// It serializes as the plain list (the index is rebuilt when deserializing), so a
-/// checkpoint holds exactly what LangGraph would store. Deserializing, or converting
+/// It serializes as the plain list of messages (the index is rebuilt when
+/// deserializing), so a checkpoint stores nothing but the messages. Deserializing, or
+/// converting
 /// with [`TryFrom<Vec<Message>>`](#impl-TryFrom%3CVec%3CMessage%3E%3E-for-Messages),
 /// refuses a list with a message without id or an id seen twice.
 ///
