@@ -1,10 +1,11 @@
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use dashmap::DashMap;
 use keel_message::{Content, ContentPart, Message, ToolArguments, ToolSpec};
 use serde_json::Value;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, xxh3_128};
 
 use crate::{Framing, TokenCounter};
 
@@ -23,10 +24,12 @@ pub const DEFAULT_MEMO_CAPACITY: usize = 1 << 18;
 /// whose `count_message` reads metadata should not be memoized.
 ///
 /// Memory is bounded: at most [`capacity`](Self::capacity) entries (about 60 bytes
-/// each) are kept. When the map outgrows it, entries not used during the last
-/// `capacity / 2` lookups are evicted, in one sweep; so keep the capacity above twice
-/// the number of messages you recount together, or the sweeps will evict live ones
-/// (counts stay correct either way, only slower). The map is a sharded `DashMap`, so
+/// each) are kept. A clock ticks on every insertion and each entry is stamped with the
+/// clock (in epochs of `capacity / 16` ticks) when it is used; when the map outgrows its
+/// capacity, one sweep evicts the entries not used during the last `capacity / 2`
+/// insertions, and if more entries than that are all in use, it clears the map. Keep
+/// the capacity above twice the number of messages you recount together, or live
+/// entries get evicted (counts stay correct either way, only slower). The map is a sharded `DashMap`, so
 /// many threads can count at once.
 ///
 /// Put calibration outside the memo (`CalibratedCounter<MemoCounter<C>>`), so the
@@ -61,6 +64,21 @@ pub struct MemoCounter<C> {
     sweeping: AtomicBool,
     hits: AtomicU64,
     misses: AtomicU64,
+    /// The keys and counts of the last list passed to `count_messages`, in order: a
+    /// recount of the same conversation reads this array front to back instead of
+    /// probing the map at random.
+    last: Mutex<Sequence>,
+}
+
+/// The last counted list of messages.
+#[derive(Default)]
+struct Sequence {
+    /// The recency epoch its entries were stamped with in the map.
+    epoch: u64,
+    /// `(key, tokens)` per message, in order.
+    keys: Vec<(u128, usize)>,
+    /// A spare buffer, reused to build the next sequence without allocating.
+    spare: Vec<(u128, usize)>,
 }
 
 struct Entry {
@@ -96,6 +114,7 @@ impl<C: TokenCounter> MemoCounter<C> {
             sweeping: AtomicBool::new(false),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            last: Mutex::new(Sequence::default()),
         }
     }
 
@@ -115,6 +134,7 @@ impl<C: TokenCounter> MemoCounter<C> {
 
     /// Forgets every remembered count.
     pub fn clear(&self) {
+        self.last_sequence().keys.clear();
         self.map.clear();
         self.entries.store(0, Ordering::Relaxed);
     }
@@ -124,8 +144,50 @@ impl<C: TokenCounter> MemoCounter<C> {
         &self.inner
     }
 
-    /// Evicts entries unused during the last `capacity / 2` lookups, if the map is over
-    /// capacity and no other thread is already sweeping.
+    /// How many insertions make one recency epoch: stamps are written only when the
+    /// epoch changes, so a warm recount reads entries without dirtying them.
+    fn epoch_len(&self) -> u64 {
+        (self.capacity as u64 / 16).max(1)
+    }
+
+    /// The current recency epoch.
+    fn epoch(&self) -> u64 {
+        self.clock.load(Ordering::Relaxed) / self.epoch_len()
+    }
+
+    fn last_sequence(&self) -> std::sync::MutexGuard<'_, Sequence> {
+        self.last.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The remembered count of `message`, or its count from the inner counter (then
+    /// remembered). The flag is true for a hit.
+    fn lookup(&self, message: &Message, epoch: u64) -> (usize, bool) {
+        self.lookup_key(message, message_key(message), epoch)
+    }
+
+    fn lookup_key(&self, message: &Message, key: u128, epoch: u64) -> (usize, bool) {
+        if let Some(entry) = self.map.get(&key) {
+            if entry.last_used.load(Ordering::Relaxed) != epoch {
+                entry.last_used.store(epoch, Ordering::Relaxed);
+            }
+            return (entry.tokens, true);
+        }
+        let tokens = self.inner.count_message(message);
+        let tick = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let entry = Entry {
+            tokens,
+            last_used: AtomicU64::new(tick / self.epoch_len()),
+        };
+        if self.map.insert(key, entry).is_none() {
+            self.entries.fetch_add(1, Ordering::Relaxed);
+            self.maybe_evict();
+        }
+        (tokens, false)
+    }
+
+    /// If the map is over capacity (and no other thread is sweeping): evicts the
+    /// entries not used during the last `capacity / 2` insertions; if that is not
+    /// enough (more live entries than the capacity), clears the map.
     fn maybe_evict(&self) {
         if self.entries.load(Ordering::Relaxed) <= self.capacity
             || self.sweeping.swap(true, Ordering::Acquire)
@@ -133,9 +195,12 @@ impl<C: TokenCounter> MemoCounter<C> {
             return;
         }
         let now = self.clock.load(Ordering::Relaxed);
-        let keep_after = now.saturating_sub((self.capacity / 2) as u64);
+        let keep_from = now.saturating_sub((self.capacity / 2) as u64) / self.epoch_len();
         self.map
-            .retain(|_, e| e.last_used.load(Ordering::Relaxed) > keep_after);
+            .retain(|_, e| e.last_used.load(Ordering::Relaxed) >= keep_from);
+        if self.map.len() > self.capacity {
+            self.map.clear();
+        }
         self.entries.store(self.map.len(), Ordering::Relaxed);
         self.sweeping.store(false, Ordering::Release);
     }
@@ -151,24 +216,53 @@ impl<C: TokenCounter> TokenCounter for MemoCounter<C> {
     }
 
     fn count_message(&self, message: &Message) -> usize {
-        let key = message_key(message);
-        let tick = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
-        if let Some(entry) = self.map.get(&key) {
-            entry.last_used.store(tick, Ordering::Relaxed);
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return entry.tokens;
-        }
-        let tokens = self.inner.count_message(message);
-        self.misses.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry {
-            tokens,
-            last_used: AtomicU64::new(tick),
-        };
-        if self.map.insert(key, entry).is_none() {
-            self.entries.fetch_add(1, Ordering::Relaxed);
-            self.maybe_evict();
-        }
+        let (tokens, hit) = self.lookup(message, self.epoch());
+        let stat = if hit { &self.hits } else { &self.misses };
+        stat.fetch_add(1, Ordering::Relaxed);
         tokens
+    }
+
+    /// Like the default (each message plus the reply priming), but a list that starts
+    /// like the previous one is matched position by position against the previous
+    /// list's keys, which keeps a recount of a long conversation sequential in memory.
+    /// Every message is still hashed, so a changed one is still recounted. Once per
+    /// recency epoch the recount goes through the map instead, refreshing the entries'
+    /// stamps so eviction sees them as used.
+    fn count_messages(&self, messages: &[Message]) -> usize {
+        let epoch = self.epoch();
+        let (mut total, mut hits) = (0, 0u64);
+        let mut last = self.last_sequence();
+        let Sequence {
+            epoch: last_epoch,
+            keys: mut previous,
+            spare: mut sequence,
+        } = std::mem::take(&mut *last);
+        if last_epoch != epoch {
+            previous.clear();
+        }
+        sequence.clear();
+        sequence.reserve(messages.len());
+        for (i, m) in messages.iter().enumerate() {
+            let key = message_key(m);
+            let (tokens, hit) = match previous.get(i) {
+                Some(&(k, tokens)) if k == key => (tokens, true),
+                _ => self.lookup_key(m, key, epoch),
+            };
+            sequence.push((key, tokens));
+            total += tokens;
+            hits += u64::from(hit);
+        }
+        previous.clear();
+        *last = Sequence {
+            epoch,
+            keys: sequence,
+            spare: previous,
+        };
+        drop(last);
+        self.hits.fetch_add(hits, Ordering::Relaxed);
+        self.misses
+            .fetch_add(messages.len() as u64 - hits, Ordering::Relaxed);
+        total + self.framing().reply_priming
     }
 
     fn count_tool(&self, tool: &ToolSpec) -> usize {
@@ -209,128 +303,151 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// The memo key of a message: XXH3-128 over its id and every field counting reads,
-/// each length-prefixed and tagged so distinct messages cannot collide by
-/// concatenation.
+/// The memo key of a message: a 128-bit XXH3 over a small block of per-field 64-bit
+/// XXH3 hashes (id, role, content, name, tool calls, `tool_call_id`) and a bitmask of
+/// which optional fields are present, so `None` and `Some("")` differ and fields cannot
+/// bleed into each other. Each field is hashed in one shot, which is what makes a
+/// recount cheap: the content bytes are read once, at memory speed.
 pub(crate) fn message_key(m: &Message) -> u128 {
-    let mut h = Xxh3::new();
-    match &m.id {
-        Some(id) => {
-            h.update(b"I");
-            str_field(&mut h, id);
-        }
-        None => h.update(b"-"),
+    let mut present = 0u64;
+    let mut w = [0u64; 8];
+    if let Some(id) = &m.id {
+        present |= 1;
+        w[0] = xxh3_64_with_seed(id.as_bytes(), 1);
     }
-    h.update(m.role.as_str().as_bytes());
-    match &m.content {
-        Content::Text(t) => {
-            h.update(b"T");
-            str_field(&mut h, t);
-        }
+    w[1] = m.role as u64 + 1;
+    w[2] = match &m.content {
+        Content::Text(t) => xxh3_64_with_seed(t.as_bytes(), 3),
         Content::Parts(parts) => {
-            h.update(b"P");
-            h.update(&(parts.len() as u64).to_le_bytes());
+            present |= 2;
+            let mut acc = fold(0x5eed, parts.len() as u64);
             for part in parts {
-                match part {
+                acc = match part {
                     ContentPart::Text { text } => {
-                        h.update(b"t");
-                        str_field(&mut h, text);
+                        fold(fold(acc, 1), xxh3_64_with_seed(text.as_bytes(), 3))
                     }
                     ContentPart::Image { url, detail } => {
-                        h.update(b"i");
-                        str_field(&mut h, url);
-                        opt_field(&mut h, detail.as_deref());
+                        let acc = fold(fold(acc, 2), xxh3_64_with_seed(url.as_bytes(), 4));
+                        match detail {
+                            Some(d) => fold(fold(acc, 1), xxh3_64_with_seed(d.as_bytes(), 5)),
+                            None => fold(acc, 0),
+                        }
                     }
-                    ContentPart::Other(v) => {
-                        h.update(b"o");
-                        value_field(&mut h, v);
-                    }
-                }
+                    ContentPart::Other(v) => fold(fold(acc, 3), value_hash(v)),
+                };
             }
+            acc
         }
+    };
+    if let Some(name) = &m.name {
+        present |= 4;
+        w[3] = xxh3_64_with_seed(name.as_bytes(), 6);
     }
-    opt_field(&mut h, m.name.as_deref());
-    h.update(&(m.tool_calls.len() as u64).to_le_bytes());
+    let mut calls = fold(0xca11, m.tool_calls.len() as u64);
     for call in &m.tool_calls {
-        str_field(&mut h, &call.id);
-        str_field(&mut h, &call.name);
-        match &call.arguments {
-            ToolArguments::Json(v) => {
-                h.update(b"j");
-                value_field(&mut h, v);
-            }
+        calls = fold(calls, xxh3_64_with_seed(call.id.as_bytes(), 7));
+        calls = fold(calls, xxh3_64_with_seed(call.name.as_bytes(), 8));
+        calls = match &call.arguments {
+            ToolArguments::Json(v) => fold(fold(calls, 1), value_hash(v)),
             // Counted as their text, so keyed by it.
             ToolArguments::JsonText { raw, .. } => {
-                h.update(b"x");
-                str_field(&mut h, raw);
+                fold(fold(calls, 2), xxh3_64_with_seed(raw.as_bytes(), 9))
             }
             ToolArguments::Invalid(raw) => {
-                h.update(b"r");
-                str_field(&mut h, raw);
+                fold(fold(calls, 3), xxh3_64_with_seed(raw.as_bytes(), 9))
             }
-        }
+        };
     }
-    opt_field(&mut h, m.tool_call_id.as_deref());
-    h.digest128()
+    w[4] = calls;
+    if let Some(id) = &m.tool_call_id {
+        present |= 8;
+        w[5] = xxh3_64_with_seed(id.as_bytes(), 10);
+    }
+    w[6] = m.tool_calls.len() as u64;
+    w[7] = present;
+    let mut block = [0u8; 64];
+    for (chunk, word) in block.chunks_exact_mut(8).zip(w) {
+        chunk.copy_from_slice(&word.to_le_bytes());
+    }
+    xxh3_128(&block)
 }
 
-fn str_field(h: &mut Xxh3, s: &str) {
-    h.update(&(s.len() as u64).to_le_bytes());
-    h.update(s.as_bytes());
+/// Mixes `x` into `acc`, order-sensitively.
+#[inline]
+fn fold(acc: u64, x: u64) -> u64 {
+    (acc ^ x)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(29)
+        ^ (acc >> 17)
 }
 
-fn opt_field(h: &mut Xxh3, s: Option<&str>) {
-    match s {
-        Some(s) => {
-            h.update(b"S");
-            str_field(h, s);
+/// A structural 64-bit hash of a JSON value (pre-order with tags and lengths; object
+/// keys in their order, which is also the order they are serialized and counted in).
+/// Recursive up to a depth of 64, iterative beyond, so deep values cannot overflow the
+/// stack and shallow ones (tool arguments) allocate nothing.
+fn value_hash(v: &Value) -> u64 {
+    value_hash_at(0x7a1e, v, 0)
+}
+
+fn value_hash_at(acc: u64, v: &Value, depth: usize) -> u64 {
+    match v {
+        Value::Null => fold(acc, 1),
+        Value::Bool(b) => fold(acc, 2 + u64::from(*b)),
+        Value::Number(n) => {
+            let (tag, bits) = if let Some(u) = n.as_u64() {
+                (4, u)
+            } else if let Some(i) = n.as_i64() {
+                (5, i as u64)
+            } else {
+                (6, n.as_f64().unwrap_or(f64::NAN).to_bits())
+            };
+            fold(fold(acc, tag), bits)
         }
-        None => h.update(b"N"),
+        Value::String(s) => fold(fold(acc, 7), xxh3_64_with_seed(s.as_bytes(), 11)),
+        _ if depth >= 64 => value_hash_deep(acc, v),
+        Value::Array(items) => items
+            .iter()
+            .fold(fold(fold(acc, 8), items.len() as u64), |a, x| {
+                value_hash_at(a, x, depth + 1)
+            }),
+        Value::Object(map) => map
+            .iter()
+            .fold(fold(fold(acc, 9), map.len() as u64), |a, (k, x)| {
+                value_hash_at(fold(a, xxh3_64_with_seed(k.as_bytes(), 12)), x, depth + 1)
+            }),
     }
 }
 
-/// Hashes a JSON value structurally (pre-order, with tags and lengths), iteratively so
-/// deep values cannot overflow the stack. Object keys are hashed in their order, which
-/// is also the order they are serialized and counted in.
-fn value_field(h: &mut Xxh3, v: &Value) {
-    let mut stack = vec![v];
-    while let Some(v) = stack.pop() {
-        match v {
-            Value::Null => h.update(b"n"),
-            Value::Bool(b) => h.update(if *b { b"T" } else { b"F" }),
-            Value::Number(n) => {
-                h.update(b"#");
-                if let Some(u) = n.as_u64() {
-                    h.update(b"u");
-                    h.update(&u.to_le_bytes());
-                } else if let Some(i) = n.as_i64() {
-                    h.update(b"i");
-                    h.update(&i.to_le_bytes());
-                } else {
-                    h.update(b"f");
-                    h.update(&n.as_f64().unwrap_or(f64::NAN).to_bits().to_le_bytes());
-                }
+/// The same hash as [`value_hash_at`], with an explicit stack.
+fn value_hash_deep(acc: u64, v: &Value) -> u64 {
+    enum Step<'a> {
+        Value(&'a Value),
+        Key(&'a str),
+    }
+    let mut acc = acc;
+    let mut stack = vec![Step::Value(v)];
+    while let Some(step) = stack.pop() {
+        let v = match step {
+            Step::Key(k) => {
+                acc = fold(acc, xxh3_64_with_seed(k.as_bytes(), 12));
+                continue;
             }
-            Value::String(s) => {
-                h.update(b"s");
-                str_field(h, s);
-            }
+            Step::Value(v) => v,
+        };
+        acc = match v {
             Value::Array(items) => {
-                h.update(b"[");
-                h.update(&(items.len() as u64).to_le_bytes());
-                stack.extend(items.iter().rev());
+                stack.extend(items.iter().rev().map(Step::Value));
+                fold(fold(acc, 8), items.len() as u64)
             }
             Value::Object(map) => {
-                h.update(b"{");
-                h.update(&(map.len() as u64).to_le_bytes());
-                // Keys are hashed now, in order; their values are pushed so they are
-                // visited in the same order afterwards. Distinct objects still differ:
-                // the key list and the value sequence are both part of the stream.
-                for k in map.keys() {
-                    str_field(h, k);
+                for (k, x) in map.iter().rev() {
+                    stack.push(Step::Value(x));
+                    stack.push(Step::Key(k));
                 }
-                stack.extend(map.values().rev());
+                fold(fold(acc, 9), map.len() as u64)
             }
-        }
+            scalar => value_hash_at(acc, scalar, 0),
+        };
     }
+    acc
 }

@@ -157,3 +157,37 @@ fn shared_across_threads() {
     }
     assert_eq!(memo.stats().entries, 300);
 }
+
+#[test]
+fn recounts_after_edits_in_place_match_the_inner_counter() {
+    let inner = TiktokenCounter::o200k_base().unwrap();
+    let memo = MemoCounter::new(inner.clone());
+    let mut history = conversation(200);
+    let check = |h: &[Message]| assert_eq!(memo.count_messages(h), inner.count_messages(h));
+    check(&history);
+    check(&history);
+    // Same id, new content, in the middle of an otherwise identical list.
+    history[100] =
+        Message::user("a different question entirely, much longer than before").with_id("m100");
+    check(&history);
+    // A tool call's arguments change.
+    history[4] = Message::assistant("")
+        .with_id("m4")
+        .with_tool_calls(vec![ToolCall::new("c4", "grep", json!({"q": "changed"}))]);
+    check(&history);
+    // Compaction drops a prefix, then a summary is put in front.
+    history.drain(..50);
+    check(&history);
+    history.insert(
+        0,
+        Message::system("summary of the first fifty").with_id("s0"),
+    );
+    check(&history);
+    // A message inserted in the middle, one removed, and the list counted twice.
+    history.insert(70, Message::user("interjection").with_id("x"));
+    history.remove(10);
+    check(&history);
+    check(&history);
+    check(&[]);
+    check(&history[..3]);
+}
