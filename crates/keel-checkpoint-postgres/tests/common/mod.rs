@@ -93,3 +93,37 @@ impl TestDb {
             .unwrap();
     }
 }
+
+pub mod loop_graph;
+
+/// A small deterministic random source (xorshift), seeded from the clock unless
+/// `KEEL_TEST_SEED` is set; the seed is printed so a failure can be replayed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn from_env(test: &str) -> Self {
+        let seed = std::env::var("KEEL_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            });
+        eprintln!("{test}: KEEL_TEST_SEED={seed}");
+        Rng(seed | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}

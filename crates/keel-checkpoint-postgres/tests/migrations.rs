@@ -1,0 +1,173 @@
+//! Migrations: idempotent, safe from many processes at once, safe inside or outside a
+//! transaction, refuse a newer schema, and a saver without them says what to do.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use keel_checkpoint::{CheckpointError, Checkpointer, ThreadKey};
+use keel_checkpoint_postgres::{MIGRATIONS, PostgresConfig, PostgresError, PostgresSaver, migrate};
+
+fn latest() -> i32 {
+    MIGRATIONS.iter().map(|m| m.version).max().unwrap()
+}
+
+async fn versions(client: &tokio_postgres::Client, schema: &str) -> Vec<i32> {
+    client
+        .query(
+            &format!("SELECT version FROM \"{schema}\".keel_migrations ORDER BY version"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_setup_applies_each_migration_once() {
+    let Some(url) = common::database_url("concurrent_setup") else {
+        return;
+    };
+    let schema = common::fresh_schema("concurrent_setup");
+    let config = PostgresConfig::new(&url)
+        .unwrap()
+        .schema(schema.clone())
+        .unwrap();
+    // Eight "processes", each with its own pool, racing to set up one empty schema.
+    let savers: Vec<PostgresSaver> = (0..8)
+        .map(|_| PostgresSaver::connect(&config).unwrap())
+        .collect();
+    let results = futures::future::join_all(savers.iter().map(|s| s.setup())).await;
+    let applied: Vec<Vec<i32>> = results.into_iter().map(Result::unwrap).collect();
+    let all: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
+    assert_eq!(
+        applied.iter().filter(|a| **a == all).count(),
+        1,
+        "{applied:?}"
+    );
+    assert_eq!(
+        applied.iter().filter(|a| a.is_empty()).count(),
+        7,
+        "{applied:?}"
+    );
+    // Idempotent afterwards.
+    assert!(savers[0].setup().await.unwrap().is_empty());
+    let db = common::TestDb {
+        url,
+        schema,
+        config,
+        saver: savers[0].clone(),
+    };
+    assert_eq!(versions(&db.client().await, &db.schema).await, all);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_inside_a_transaction_follows_it() {
+    let Some(url) = common::database_url("migrate_in_tx") else {
+        return;
+    };
+    let schema = common::fresh_schema("migrate_in_tx");
+    let config = PostgresConfig::new(&url)
+        .unwrap()
+        .schema(schema.clone())
+        .unwrap();
+    let saver = PostgresSaver::connect(&config).unwrap();
+    let db = common::TestDb {
+        url,
+        schema: schema.clone(),
+        config,
+        saver,
+    };
+    let mut client = db.client().await;
+
+    // Rolled back with the caller's transaction: nothing remains.
+    let mut tx = client.transaction().await.unwrap();
+    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), vec![latest()]);
+    tx.rollback().await.unwrap();
+    let exists: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)",
+            &[&schema],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!exists, "a rolled-back migration left the schema behind");
+
+    // Committed with it: the tables are there and usable.
+    let mut tx = client.transaction().await.unwrap();
+    tx.batch_execute("CREATE TEMP TABLE caller_work (x int)")
+        .await
+        .unwrap();
+    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), vec![latest()]);
+    tx.commit().await.unwrap();
+    assert_eq!(versions(&client, &schema).await, vec![latest()]);
+    // Outside a transaction, up to date: nothing to do.
+    assert!(migrate(&mut client, &schema).await.unwrap().is_empty());
+    assert!(
+        db.saver
+            .get(&ThreadKey::new("t"), None)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newer_schema_is_refused_and_missing_tables_are_explained() {
+    let Some(db) = common::saver("schema_versions").await else {
+        return;
+    };
+    let client = db.client().await;
+    client
+        .execute(
+            &format!(
+                "INSERT INTO \"{}\".keel_migrations (version, name) VALUES (9999, 'future')",
+                db.schema
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    match db.saver.setup().await {
+        Err(PostgresError::SchemaTooNew { found: 9999, .. }) => {}
+        other => panic!("expected SchemaTooNew, got {other:?}"),
+    }
+
+    // A saver on a schema nobody set up.
+    let config = PostgresConfig::new(&db.url)
+        .unwrap()
+        .schema("keel_never_set_up")
+        .unwrap();
+    let bare = PostgresSaver::connect(&config).unwrap();
+    match bare.get(&ThreadKey::new("t"), None).await {
+        Err(CheckpointError::Backend(e)) => {
+            let text = e.to_string();
+            assert!(text.contains("call PostgresSaver::setup() first"), "{text}");
+            assert!(matches!(
+                e.downcast_ref::<PostgresError>(),
+                Some(PostgresError::NotSetUp { .. })
+            ));
+        }
+        other => panic!("expected a NotSetUp backend error, got {other:?}"),
+    }
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_server_is_a_clear_backend_error() {
+    // No server listens on port 1; nothing here needs DATABASE_URL.
+    let config = PostgresConfig::new("postgres://keel@127.0.0.1:1/none").unwrap();
+    let saver = PostgresSaver::connect(&config).unwrap();
+    match saver.get(&ThreadKey::new("t"), None).await {
+        Err(CheckpointError::Backend(e)) => {
+            let text = e.to_string();
+            assert!(text.contains("no Postgres connection"), "{text}");
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    assert!(matches!(saver.setup().await, Err(PostgresError::Pool(_))));
+}
