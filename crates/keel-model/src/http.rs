@@ -1,0 +1,819 @@
+//! What the HTTP providers share: configuration, retries with backoff, concurrency and
+//! rate limits, error classification, and the line-oriented stream driver.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::collections::hash_map::RandomState;
+use std::future::Future;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde_json::Value;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::error::{looks_like_overflow, snippet};
+use crate::{ChatEvent, ChatStream, ModelError};
+
+/// Transport settings shared by the HTTP providers.
+///
+/// Each client built from a config gets its own connection pool, concurrency limit
+/// and rate limit: build the agent's model and the summarizer's model as two clients
+/// and a slow or rate-limited summarizer never takes the agent's slots. Clones of one
+/// client share its limits.
+///
+/// ```
+/// use std::time::Duration;
+/// use keel_model::{HttpConfig, RateLimit, RetryPolicy};
+///
+/// let config = HttpConfig::default()
+///     .request_timeout(Duration::from_secs(60))
+///     .max_concurrency(4)
+///     .rate_limit(RateLimit::per_second(2.0, 4))
+///     .retry(RetryPolicy::default().max_retries(5));
+/// assert_eq!(config.max_concurrency, 4);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpConfig {
+    /// Deadline for a whole non-streamed call, and for a streamed call's response
+    /// headers (default 120 s). [`ChatOptions::timeout`](crate::ChatOptions::timeout)
+    /// overrides it per call.
+    pub request_timeout: Duration,
+    /// Deadline for opening a connection (default 10 s).
+    pub connect_timeout: Duration,
+    /// The longest a stream may go without sending anything (default 60 s).
+    pub stream_idle_timeout: Duration,
+    /// How failed attempts are retried.
+    pub retry: RetryPolicy,
+    /// The most calls this client has in flight at once, retries and streams included
+    /// (default 8). Further calls wait for a slot.
+    pub max_concurrency: usize,
+    /// A client-side request rate limit (default none).
+    pub rate_limit: Option<RateLimit>,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            request_timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(10),
+            stream_idle_timeout: Duration::from_secs(60),
+            retry: RetryPolicy::default(),
+            max_concurrency: 8,
+            rate_limit: None,
+        }
+    }
+}
+
+impl HttpConfig {
+    /// Sets [`HttpConfig::request_timeout`].
+    #[must_use]
+    pub fn request_timeout(mut self, d: Duration) -> Self {
+        self.request_timeout = d;
+        self
+    }
+
+    /// Sets [`HttpConfig::connect_timeout`].
+    #[must_use]
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// Sets [`HttpConfig::stream_idle_timeout`].
+    #[must_use]
+    pub fn stream_idle_timeout(mut self, d: Duration) -> Self {
+        self.stream_idle_timeout = d;
+        self
+    }
+
+    /// Sets [`HttpConfig::retry`].
+    #[must_use]
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Sets [`HttpConfig::max_concurrency`] (0 is taken as 1).
+    #[must_use]
+    pub fn max_concurrency(mut self, n: usize) -> Self {
+        self.max_concurrency = n.max(1);
+        self
+    }
+
+    /// Sets [`HttpConfig::rate_limit`].
+    #[must_use]
+    pub fn rate_limit(mut self, limit: RateLimit) -> Self {
+        self.rate_limit = Some(limit);
+        self
+    }
+}
+
+/// Retries with exponential backoff and jitter.
+///
+/// An attempt is retried when it failed with HTTP 429, a 5xx status, or a connection
+/// error (including a non-streamed reply cut off mid-body). A `Retry-After` (or
+/// `retry-after-ms`) header is honoured exactly; one asking for more than
+/// [`max_retry_after`](RetryPolicy::max_retry_after) ends the call at once with
+/// [`ModelError::RateLimited`] carrying the wait, so the caller can decide. Context
+/// overflow, other 4xx statuses, timeouts and malformed replies are never retried.
+///
+/// The `n`th retry (from 0) waits `initial_backoff * multiplier^n`, capped at
+/// `max_backoff`; with jitter, a uniformly random time between half that and all of it.
+///
+/// ```
+/// use std::time::Duration;
+/// use keel_model::RetryPolicy;
+///
+/// let p = RetryPolicy::default();
+/// assert_eq!(p.backoff(0), Duration::from_millis(500));
+/// assert_eq!(p.backoff(2), Duration::from_secs(2));
+/// assert_eq!(p.backoff(20), Duration::from_secs(30)); // capped
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt (default 3).
+    pub max_retries: u32,
+    /// Wait before the first retry (default 500 ms).
+    pub initial_backoff: Duration,
+    /// The longest wait between attempts (default 30 s).
+    pub max_backoff: Duration,
+    /// Growth factor per retry (default 2).
+    pub multiplier: f64,
+    /// Randomize each wait between half and all of it (default true).
+    pub jitter: bool,
+    /// The longest `Retry-After` the client waits for (default 60 s).
+    pub max_retry_after: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_retries: 3,
+            initial_backoff: Duration::from_millis(500),
+            max_backoff: Duration::from_secs(30),
+            multiplier: 2.0,
+            jitter: true,
+            max_retry_after: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Never retry.
+    pub fn none() -> Self {
+        RetryPolicy {
+            max_retries: 0,
+            ..Self::default()
+        }
+    }
+
+    /// Sets [`RetryPolicy::max_retries`].
+    #[must_use]
+    pub fn max_retries(mut self, n: u32) -> Self {
+        self.max_retries = n;
+        self
+    }
+
+    /// Sets [`RetryPolicy::initial_backoff`].
+    #[must_use]
+    pub fn initial_backoff(mut self, d: Duration) -> Self {
+        self.initial_backoff = d;
+        self
+    }
+
+    /// Sets [`RetryPolicy::max_backoff`].
+    #[must_use]
+    pub fn max_backoff(mut self, d: Duration) -> Self {
+        self.max_backoff = d;
+        self
+    }
+
+    /// Sets [`RetryPolicy::jitter`].
+    #[must_use]
+    pub fn jitter(mut self, on: bool) -> Self {
+        self.jitter = on;
+        self
+    }
+
+    /// Sets [`RetryPolicy::max_retry_after`].
+    #[must_use]
+    pub fn max_retry_after(mut self, d: Duration) -> Self {
+        self.max_retry_after = d;
+        self
+    }
+
+    /// The wait before retry number `retry` (0-based), without jitter.
+    pub fn backoff(&self, retry: u32) -> Duration {
+        let factor = self.multiplier.max(1.0).powi(retry.min(64) as i32);
+        let secs = self.initial_backoff.as_secs_f64() * factor;
+        let cap = self.max_backoff.as_secs_f64();
+        Duration::from_secs_f64(if secs.is_finite() { secs.min(cap) } else { cap })
+    }
+
+    /// The wait before retry number `retry`: the provider's `retry_after` when it gave
+    /// one (`None` if that is longer than allowed), else the backoff with jitter taken
+    /// from `unit` (a number in `[0, 1)`).
+    pub(crate) fn delay(
+        &self,
+        retry: u32,
+        retry_after: Option<Duration>,
+        unit: f64,
+    ) -> Option<Duration> {
+        if let Some(wait) = retry_after {
+            return (wait <= self.max_retry_after).then_some(wait);
+        }
+        let base = self.backoff(retry);
+        Some(if self.jitter {
+            base.mul_f64(0.5 + 0.5 * unit.clamp(0.0, 1.0))
+        } else {
+            base
+        })
+    }
+}
+
+/// A token-bucket limit on how often a client starts requests (retries included).
+///
+/// ```
+/// let limit = keel_model::RateLimit::per_second(5.0, 10);
+/// assert_eq!(limit.burst, 10);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimit {
+    /// Sustained requests per second (must be positive).
+    pub requests_per_second: f64,
+    /// Requests that may start at once after a quiet period (at least 1).
+    pub burst: u32,
+}
+
+impl RateLimit {
+    /// `requests_per_second` sustained, `burst` at once.
+    pub fn per_second(requests_per_second: f64, burst: u32) -> Self {
+        RateLimit {
+            requests_per_second,
+            burst: burst.max(1),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    state: Mutex<(f64, Instant)>,
+}
+
+impl TokenBucket {
+    fn new(limit: RateLimit) -> Result<Self, ModelError> {
+        if !(limit.requests_per_second.is_finite() && limit.requests_per_second > 0.0) {
+            return Err(ModelError::Config(format!(
+                "rate limit must be a positive number of requests per second, got {}",
+                limit.requests_per_second
+            )));
+        }
+        let burst = f64::from(limit.burst.max(1));
+        Ok(TokenBucket {
+            rate: limit.requests_per_second,
+            burst,
+            state: Mutex::new((burst, Instant::now())),
+        })
+    }
+
+    async fn acquire(&self) {
+        loop {
+            let wait = {
+                let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                let now = Instant::now();
+                let elapsed = now.saturating_duration_since(state.1).as_secs_f64();
+                state.0 = (state.0 + elapsed * self.rate).min(self.burst);
+                state.1 = now;
+                if state.0 >= 1.0 {
+                    state.0 -= 1.0;
+                    return;
+                }
+                Duration::from_secs_f64((1.0 - state.0) / self.rate)
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// Turns an error reply into a [`ModelError`]: status, body, and the `Retry-After` wait.
+pub(crate) type Classify = fn(u16, &[u8], Option<Duration>) -> ModelError;
+
+/// A configured HTTP client with its own limits.
+#[derive(Clone)]
+pub(crate) struct Http {
+    client: reqwest::Client,
+    pub(crate) config: HttpConfig,
+    slots: Arc<Semaphore>,
+    bucket: Option<Arc<TokenBucket>>,
+    classify: Classify,
+}
+
+impl std::fmt::Debug for Http {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Http")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Http {
+    pub(crate) fn new(
+        config: HttpConfig,
+        headers: &[(&str, String)],
+        classify: Classify,
+    ) -> Result<Self, ModelError> {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            let name = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|e| ModelError::Config(format!("header name `{name}`: {e}")))?;
+            let mut value = HeaderValue::from_str(value)
+                .map_err(|e| ModelError::Config(format!("header `{name}`: {e}")))?;
+            value.set_sensitive(true);
+            map.insert(name, value);
+        }
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .default_headers(map)
+            .build()
+            .map_err(|e| ModelError::Config(error_chain(&e)))?;
+        let bucket = config
+            .rate_limit
+            .map(TokenBucket::new)
+            .transpose()?
+            .map(Arc::new);
+        Ok(Http {
+            client,
+            slots: Arc::new(Semaphore::new(config.max_concurrency.max(1))),
+            bucket,
+            classify,
+            config,
+        })
+    }
+
+    async fn slot(&self) -> Result<OwnedSemaphorePermit, ModelError> {
+        Arc::clone(&self.slots)
+            .acquire_owned()
+            .await
+            .map_err(|_| ModelError::Config("the client's concurrency limiter was closed".into()))
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or retries run out.
+    async fn retrying<T, F, Fut>(&self, url: &str, mut attempt: F) -> Result<T, ModelError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ModelError>>,
+    {
+        let policy = &self.config.retry;
+        let mut retry = 0;
+        loop {
+            if let Some(bucket) = &self.bucket {
+                bucket.acquire().await;
+            }
+            let err = match attempt().await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            if !err.is_retryable() || retry >= policy.max_retries {
+                return Err(err);
+            }
+            let Some(wait) = policy.delay(retry, err.retry_after(), random_unit()) else {
+                return Err(err);
+            };
+            tracing::warn!(url, retry = retry + 1, wait_ms = wait.as_millis() as u64, error = %err, "retrying model call");
+            tokio::time::sleep(wait).await;
+            retry += 1;
+        }
+    }
+
+    async fn send(
+        &self,
+        url: &str,
+        body: &[u8],
+        get: bool,
+    ) -> Result<reqwest::Response, ModelError> {
+        let request = if get {
+            self.client.get(url)
+        } else {
+            self.client
+                .post(url)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body.to_vec())
+        };
+        let response = request.send().await.map_err(transport_error)?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let retry_after = retry_after(response.headers());
+        let body = response.bytes().await.map_err(transport_error)?;
+        Err((self.classify)(status.as_u16(), &body, retry_after))
+    }
+
+    /// A complete call: the body of a successful reply.
+    pub(crate) async fn call(
+        &self,
+        url: &str,
+        body: Option<&[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>, ModelError> {
+        let _slot = self.slot().await?;
+        let deadline = timeout.unwrap_or(self.config.request_timeout);
+        self.retrying(url, || async {
+            let attempt = async {
+                let response = self.send(url, body.unwrap_or(&[]), body.is_none()).await?;
+                let bytes = response.bytes().await.map_err(transport_error)?;
+                Ok(bytes.to_vec())
+            };
+            tokio::time::timeout(deadline, attempt)
+                .await
+                .map_err(|_| ModelError::Timeout(deadline))?
+        })
+        .await
+    }
+
+    /// A streamed call: the successful response, decoded line by line.
+    pub(crate) async fn stream<D: Decoder>(
+        &self,
+        url: &str,
+        body: &[u8],
+        timeout: Option<Duration>,
+        decoder: D,
+    ) -> Result<ChatStream, ModelError> {
+        let slot = self.slot().await?;
+        let deadline = timeout.unwrap_or(self.config.request_timeout);
+        let response = self
+            .retrying(url, || async {
+                tokio::time::timeout(deadline, self.send(url, body, false))
+                    .await
+                    .map_err(|_| ModelError::Timeout(deadline))?
+            })
+            .await?;
+        Ok(drive(
+            response.bytes_stream(),
+            slot,
+            decoder,
+            self.config.stream_idle_timeout,
+        ))
+    }
+}
+
+/// The error of a request that got no (complete) response.
+pub(crate) fn transport_error(e: reqwest::Error) -> ModelError {
+    if e.is_timeout() && !e.is_connect() {
+        ModelError::Timeout(Duration::ZERO)
+    } else {
+        ModelError::Connection(error_chain(&e))
+    }
+}
+
+/// An error and its sources, joined with ": ".
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        source = inner.source();
+    }
+    s
+}
+
+/// `retry-after-ms` (OpenAI), else `retry-after` in seconds or as an HTTP date.
+pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    parse_retry_after(text("retry-after")?, std::time::SystemTime::now())
+}
+
+/// Parses a `Retry-After` value: delta seconds, or an HTTP date (relative to `now`).
+pub(crate) fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    if let Ok(secs) = value.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let when = httpdate::parse_http_date(value).ok()?;
+    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The shared mapping of an error status and message to a [`ModelError`].
+pub(crate) fn classify_status(
+    status: u16,
+    message: String,
+    code: Option<String>,
+    retry_after: Option<Duration>,
+) -> ModelError {
+    let overflow_code = code.as_deref().is_some_and(looks_like_overflow);
+    if overflow_code || (status < 500 && status != 429 && looks_like_overflow(&message)) {
+        return ModelError::ContextOverflow { message };
+    }
+    // OpenAI answers 429 for an exhausted quota too; waiting does not help there.
+    if status == 429 && code.as_deref() != Some("insufficient_quota") {
+        return ModelError::RateLimited {
+            retry_after,
+            message,
+        };
+    }
+    ModelError::Api {
+        status,
+        message,
+        code,
+    }
+}
+
+/// The message of an error body that is not JSON.
+pub(crate) fn body_text(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        "(empty body)".to_owned()
+    } else {
+        snippet(trimmed, 500)
+    }
+}
+
+/// A JSON value from bytes, or a [`ModelError::Malformed`] that quotes the start.
+pub(crate) fn parse_body(bytes: &[u8]) -> Result<Value, ModelError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        ModelError::Malformed(format!(
+            "{e} in {}",
+            snippet(&String::from_utf8_lossy(bytes), 200)
+        ))
+    })
+}
+
+thread_local! {
+    static RNG: Cell<u64> = Cell::new({
+        let mut h = RandomState::new().build_hasher();
+        h.write_u64(0x6b65_656c);
+        h.finish() | 1
+    });
+}
+
+/// A random u64 (splitmix64 over a per-thread random seed; not for cryptography).
+pub(crate) fn random_u64() -> u64 {
+    RNG.with(|state| {
+        let next = state.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+        state.set(next);
+        let mut z = next;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    })
+}
+
+/// A random number in `[0, 1)`.
+pub(crate) fn random_unit() -> f64 {
+    (random_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// A fresh tool-call id, for providers that send none.
+pub(crate) fn new_call_id() -> String {
+    format!("call_{:016x}", random_u64())
+}
+
+/// Turns the lines of a streamed body into events.
+pub(crate) trait Decoder: Send + 'static {
+    /// Handles one line (without its line ending). Returns `Ok(true)` when the reply is
+    /// complete.
+    fn line(
+        &mut self,
+        line: &str,
+        out: &mut VecDeque<Result<ChatEvent, ModelError>>,
+    ) -> Result<bool, ModelError>;
+
+    /// The body ended before [`line`](Decoder::line) reported completion.
+    fn eof(&mut self, out: &mut VecDeque<Result<ChatEvent, ModelError>>) -> Result<(), ModelError>;
+}
+
+struct Driver<S, D> {
+    body: S,
+    decoder: D,
+    buf: Vec<u8>,
+    pending: VecDeque<Result<ChatEvent, ModelError>>,
+    finished: bool,
+    idle: Duration,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<S, D, B> Driver<S, D>
+where
+    S: Stream<Item = Result<B, reqwest::Error>> + Unpin + Send + 'static,
+    B: AsRef<[u8]>,
+    D: Decoder,
+{
+    /// Feeds complete lines of `buf` to the decoder; with `all`, the rest too.
+    fn lines(&mut self, all: bool) {
+        let mut start = 0;
+        while !self.finished {
+            let end = match self.buf[start..].iter().position(|&b| b == b'\n') {
+                Some(i) => start + i,
+                None if all && start < self.buf.len() => self.buf.len(),
+                None => break,
+            };
+            let mut line = &self.buf[start..end];
+            if let [rest @ .., b'\r'] = line {
+                line = rest;
+            }
+            start = (end + 1).min(self.buf.len());
+            let result = match std::str::from_utf8(line) {
+                Ok(text) => self.decoder.line(text, &mut self.pending),
+                Err(e) => Err(ModelError::Malformed(format!(
+                    "stream line is not UTF-8: {e}"
+                ))),
+            };
+            match result {
+                Ok(done) => self.finished = done,
+                Err(e) => {
+                    self.pending.push_back(Err(e));
+                    self.finished = true;
+                }
+            }
+            if end == self.buf.len() {
+                break;
+            }
+        }
+        self.buf.drain(..start.min(self.buf.len()));
+    }
+
+    async fn next(&mut self) -> Option<Result<ChatEvent, ModelError>> {
+        loop {
+            if let Some(item) = self.pending.pop_front() {
+                return Some(item);
+            }
+            if self.finished {
+                return None;
+            }
+            match tokio::time::timeout(self.idle, self.body.next()).await {
+                Err(_) => {
+                    self.finished = true;
+                    return Some(Err(ModelError::Timeout(self.idle)));
+                }
+                Ok(Some(Ok(chunk))) => {
+                    self.buf.extend_from_slice(chunk.as_ref());
+                    self.lines(false);
+                }
+                Ok(Some(Err(e))) => {
+                    self.finished = true;
+                    return Some(Err(ModelError::StreamInterrupted(error_chain(&e))));
+                }
+                Ok(None) => {
+                    self.lines(true);
+                    if !self.finished {
+                        self.finished = true;
+                        if let Err(e) = self.decoder.eof(&mut self.pending) {
+                            self.pending.push_back(Err(e));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn drive<S, D, B>(body: S, slot: OwnedSemaphorePermit, decoder: D, idle: Duration) -> ChatStream
+where
+    S: Stream<Item = Result<B, reqwest::Error>> + Unpin + Send + 'static,
+    B: AsRef<[u8]> + Send + 'static,
+    D: Decoder,
+{
+    let driver = Driver {
+        body,
+        decoder,
+        buf: Vec::new(),
+        pending: VecDeque::new(),
+        finished: false,
+        idle,
+        _slot: slot,
+    };
+    Box::pin(futures::stream::unfold(driver, |mut d| async move {
+        let item = d.next().await?;
+        Some((item, d))
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delay_honours_retry_after_within_the_cap() {
+        let p = RetryPolicy::default().max_retry_after(Duration::from_secs(10));
+        assert_eq!(
+            p.delay(0, Some(Duration::from_secs(3)), 0.7),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(p.delay(0, Some(Duration::from_secs(11)), 0.7), None);
+    }
+
+    #[test]
+    fn jitter_stays_between_half_and_full_backoff() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.delay(1, None, 0.0), Some(Duration::from_millis(500)));
+        assert_eq!(p.delay(1, None, 1.0), Some(Duration::from_secs(1)));
+        let no_jitter = p.clone().jitter(false);
+        assert_eq!(no_jitter.delay(1, None, 0.0), Some(Duration::from_secs(1)));
+        for _ in 0..100 {
+            let u = random_unit();
+            assert!((0.0..1.0).contains(&u));
+        }
+    }
+
+    #[test]
+    fn retry_after_parses_seconds_and_http_dates() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").ok();
+        let Some(now) = now else {
+            unreachable!("valid date")
+        };
+        assert_eq!(parse_retry_after("7", now), Some(Duration::from_secs(7)));
+        assert_eq!(
+            parse_retry_after("0.25", now),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:50:07 GMT", now),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-3", now), None);
+    }
+
+    #[test]
+    fn retry_after_ms_header_wins() {
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", HeaderValue::from_static("20"));
+        h.insert("retry-after-ms", HeaderValue::from_static("1500"));
+        assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
+    }
+
+    #[test]
+    fn classification() {
+        assert!(
+            classify_status(
+                400,
+                "x".into(),
+                Some("context_length_exceeded".into()),
+                None
+            )
+            .is_context_overflow()
+        );
+        assert!(matches!(
+            classify_status(429, "slow".into(), None, Some(Duration::from_secs(1))),
+            ModelError::RateLimited {
+                retry_after: Some(_),
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify_status(429, "pay".into(), Some("insufficient_quota".into()), None),
+            ModelError::Api { status: 429, .. }
+        ));
+        assert!(matches!(
+            classify_status(503, "maximum context length".into(), None, None),
+            ModelError::Api { status: 503, .. }
+        ));
+    }
+
+    #[test]
+    fn bad_rate_limit_is_a_config_error() {
+        assert!(matches!(
+            TokenBucket::new(RateLimit::per_second(0.0, 1)),
+            Err(ModelError::Config(_))
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn token_bucket_spaces_requests_after_the_burst() {
+        let bucket = TokenBucket::new(RateLimit::per_second(2.0, 2)).ok();
+        let Some(bucket) = bucket else {
+            unreachable!("valid limit")
+        };
+        let start = Instant::now();
+        for _ in 0..6 {
+            bucket.acquire().await;
+        }
+        // Two at once, then one every 500 ms of (paused, virtual) time.
+        assert_eq!(start.elapsed().as_millis() / 100, 20);
+    }
+}

@@ -1,0 +1,80 @@
+//! Chat models for keel: one trait, two HTTP providers, and two offline models.
+//!
+//! The one abstraction is [`ChatModel`]: messages ([`keel_message::Message`]), tool
+//! specs and [`ChatOptions`] in; a [`ChatResponse`] out, holding the assistant message
+//! (text and tool calls), the provider's [`Usage`] and the [`FinishReason`]. Its
+//! streaming variant yields [`ChatEvent`] deltas and ends with the assembled response.
+//! The trait is object safe, so the runtime holds an `Arc<dyn ChatModel>`; the agent
+//! and the summarizer each get their own client, so a slow or rate-limited summarizer
+//! never starves the agent.
+//!
+//! Implementations:
+//!
+//! * [`OpenAiModel`]: `/v1/chat/completions` (OpenAI, vLLM, llama.cpp's server, LM
+//!   Studio), SSE streaming, tools, usage.
+//! * [`OllamaModel`]: Ollama's `/api/chat`, NDJSON streaming, tools, `options`
+//!   (`temperature`, `num_ctx`, ...), `keep_alive`, `format`.
+//! * [`ScriptedModel`]: answers from a script of turns and records requests (tests,
+//!   demos, examples like the one below).
+//! * [`ReplayModel`]: answers with the assistant turns of a recorded trajectory.
+//!
+//! Both HTTP providers share [`HttpConfig`]: timeouts, retries with exponential backoff
+//! and jitter on 429, 5xx and connection errors honouring `Retry-After`
+//! ([`RetryPolicy`]), and per-client isolation: a concurrency limit and a token-bucket
+//! [`RateLimit`]. Failures are typed ([`ModelError`]); a provider's "context length
+//! exceeded" reply is always [`ModelError::ContextOverflow`], so the runtime can match
+//! on it, compact the history and try again.
+//!
+//! # Example
+//!
+//! A loop that compacts on overflow, shown with a scripted model (swap in
+//! `OpenAiModel::new(OpenAiConfig::from_env("gpt-4.1-mini"))?` for a real one):
+//!
+//! ```
+//! use std::sync::Arc;
+//! use keel_message::Message;
+//! use keel_model::{ChatModel, ChatOptions, ModelError, ScriptedModel, Turn, Usage};
+//!
+//! let model: Arc<dyn ChatModel> = Arc::new(ScriptedModel::new([
+//!     Turn::fail(ModelError::ContextOverflow { message: "8192 tokens max".into() }),
+//!     Turn::text("Done: 3 tests fixed.").with_usage(Usage::new(1_200, 9)),
+//! ]));
+//!
+//! let mut history = vec![Message::user("Fix the failing tests."); 40];
+//! let reply = futures::executor::block_on(async {
+//!     loop {
+//!         match model.chat(&history, &[], &ChatOptions::new().temperature(0.0)).await {
+//!             Err(e) if e.is_context_overflow() => {
+//!                 // A real runtime compacts here; this one keeps the last ten messages.
+//!                 history.drain(..history.len() - 10);
+//!             }
+//!             other => return other,
+//!         }
+//!     }
+//! })?;
+//! assert_eq!(reply.text(), "Done: 3 tests fixed.");
+//! assert_eq!(reply.usage.map(|u| u.total()), Some(1_209));
+//! assert_eq!(history.len(), 10);
+//! # Ok::<(), ModelError>(())
+//! ```
+
+mod error;
+mod http;
+mod model;
+mod ollama;
+mod openai;
+mod replay;
+mod scripted;
+mod types;
+
+pub use error::ModelError;
+pub use http::{HttpConfig, RateLimit, RetryPolicy};
+pub use model::ChatModel;
+pub use ollama::{OllamaConfig, OllamaModel};
+pub use openai::{OpenAiConfig, OpenAiModel};
+pub use replay::ReplayModel;
+pub use scripted::{RecordedRequest, ScriptedModel, Turn};
+pub use types::{
+    ChatEvent, ChatOptions, ChatResponse, ChatStream, FinishReason, KeepAlive, ResponseFormat,
+    ToolCallDelta, Usage, collect_stream,
+};

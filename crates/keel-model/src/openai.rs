@@ -1,0 +1,554 @@
+//! The OpenAI-compatible provider: `POST {base_url}/chat/completions`.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_message::{Message, ToolCall, ToolSpec, openai};
+use serde_json::{Map, Value, json};
+
+use crate::error::snippet;
+use crate::http::{self, Decoder, Http, HttpConfig};
+use crate::{
+    ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, FinishReason, ModelError,
+    ResponseFormat, ToolCallDelta, Usage,
+};
+
+/// Where and how to reach an OpenAI-compatible server.
+///
+/// The base URL includes the API version path (`https://api.openai.com/v1`,
+/// `http://127.0.0.1:8080/v1` for llama.cpp's server, `http://localhost:8000/v1` for
+/// vLLM, `http://localhost:1234/v1` for LM Studio).
+///
+/// ```
+/// use keel_model::OpenAiConfig;
+///
+/// let config = OpenAiConfig::new("gpt-4.1-mini")
+///     .base_url("http://127.0.0.1:8080/v1")
+///     .api_key("sk-local");
+/// assert_eq!(config.base_url, "http://127.0.0.1:8080/v1");
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenAiConfig {
+    /// The API root, including `/v1`.
+    pub base_url: String,
+    /// Sent as `Authorization: Bearer ...` when set.
+    pub api_key: Option<String>,
+    /// The model to call.
+    pub model: String,
+    /// Timeouts, retries and limits.
+    pub http: HttpConfig,
+    /// Ask for usage at the end of a stream (`stream_options.include_usage`,
+    /// default true). Turn off for servers that reject the field.
+    pub stream_usage: bool,
+    /// Send the reply limit as `max_completion_tokens` (OpenAI's reasoning models)
+    /// rather than `max_tokens` (default false: every compatible server knows
+    /// `max_tokens`).
+    pub max_completion_tokens: bool,
+}
+
+impl OpenAiConfig {
+    /// OpenAI's own endpoint.
+    pub const DEFAULT_BASE_URL: &'static str = "https://api.openai.com/v1";
+
+    /// A config for `model` at [`DEFAULT_BASE_URL`](Self::DEFAULT_BASE_URL), no key,
+    /// default transport settings. Reads no environment.
+    pub fn new(model: impl Into<String>) -> Self {
+        OpenAiConfig {
+            base_url: Self::DEFAULT_BASE_URL.to_owned(),
+            api_key: None,
+            model: model.into(),
+            http: HttpConfig::default(),
+            stream_usage: true,
+            max_completion_tokens: false,
+        }
+    }
+
+    /// Like [`new`](Self::new), with the base URL from `OPENAI_BASE_URL` and the key
+    /// from `OPENAI_API_KEY` when they are set. Builder calls after this override them.
+    pub fn from_env(model: impl Into<String>) -> Self {
+        let mut config = Self::new(model);
+        if let Some(url) = env("OPENAI_BASE_URL") {
+            config.base_url = url;
+        }
+        config.api_key = env("OPENAI_API_KEY");
+        config
+    }
+
+    /// Sets the base URL.
+    #[must_use]
+    pub fn base_url(mut self, url: impl Into<String>) -> Self {
+        self.base_url = url.into();
+        self
+    }
+
+    /// Sets the API key.
+    #[must_use]
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+
+    /// Sets the transport settings.
+    #[must_use]
+    pub fn http(mut self, http: HttpConfig) -> Self {
+        self.http = http;
+        self
+    }
+
+    /// Sets [`stream_usage`](Self::stream_usage).
+    #[must_use]
+    pub fn stream_usage(mut self, on: bool) -> Self {
+        self.stream_usage = on;
+        self
+    }
+
+    /// Sets [`max_completion_tokens`](Self::max_completion_tokens).
+    #[must_use]
+    pub fn max_completion_tokens(mut self, on: bool) -> Self {
+        self.max_completion_tokens = on;
+        self
+    }
+}
+
+pub(crate) fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// A client for an OpenAI-compatible `/chat/completions` endpoint (OpenAI, vLLM,
+/// llama.cpp's server, LM Studio, ...).
+///
+/// Messages and tools are converted with [`keel_message::openai`]. Non-streamed calls
+/// send `"stream": false`; [`chat_stream`](ChatModel::chat_stream) reads server-sent
+/// events, assembles tool calls from their fragments, and takes usage from the final
+/// chunk. Error replies become typed [`ModelError`]s; `context_length_exceeded` (and
+/// the equivalents of compatible servers) becomes [`ModelError::ContextOverflow`].
+///
+/// ```
+/// use keel_message::Message;
+/// use keel_model::{ChatOptions, OpenAiConfig, OpenAiModel};
+///
+/// let model = OpenAiModel::new(OpenAiConfig::new("gpt-4.1-mini"))?;
+/// let body = model.request_body(&[Message::user("hi")], &[], &ChatOptions::new().max_tokens(5), true);
+/// assert_eq!(body["model"], "gpt-4.1-mini");
+/// assert_eq!(body["messages"][0]["content"], "hi");
+/// assert_eq!(body["stream_options"]["include_usage"], true);
+/// # Ok::<(), keel_model::ModelError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct OpenAiModel {
+    config: OpenAiConfig,
+    http: Http,
+    chat_url: String,
+}
+
+impl OpenAiModel {
+    /// A client with its own connection pool and limits.
+    pub fn new(config: OpenAiConfig) -> Result<Self, ModelError> {
+        let mut headers = Vec::new();
+        if let Some(key) = &config.api_key {
+            headers.push(("authorization", format!("Bearer {key}")));
+        }
+        let http = Http::new(config.http.clone(), &headers, classify)?;
+        let chat_url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
+        Ok(OpenAiModel {
+            config,
+            http,
+            chat_url,
+        })
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &OpenAiConfig {
+        &self.config
+    }
+
+    /// The JSON body sent for a call.
+    pub fn request_body(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        options: &ChatOptions,
+        stream: bool,
+    ) -> Value {
+        let mut body = Map::new();
+        let model = options.model.as_deref().unwrap_or(&self.config.model);
+        body.insert("model".into(), Value::from(model));
+        body.insert("messages".into(), Value::Array(openai::to_values(messages)));
+        if !tools.is_empty() {
+            let tools = tools.iter().map(openai::tool_to_value).collect();
+            body.insert("tools".into(), Value::Array(tools));
+        }
+        if let Some(t) = options.temperature {
+            body.insert("temperature".into(), json!(t));
+        }
+        if let Some(p) = options.top_p {
+            body.insert("top_p".into(), json!(p));
+        }
+        if let Some(n) = options.max_tokens {
+            let key = if self.config.max_completion_tokens {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            body.insert(key.into(), json!(n));
+        }
+        if !options.stop.is_empty() {
+            body.insert("stop".into(), json!(options.stop));
+        }
+        if let Some(seed) = options.seed {
+            body.insert("seed".into(), json!(seed));
+        }
+        match &options.format {
+            Some(ResponseFormat::Json) => {
+                body.insert("response_format".into(), json!({"type": "json_object"}));
+            }
+            Some(ResponseFormat::JsonSchema { name, schema }) => {
+                body.insert(
+                    "response_format".into(),
+                    json!({"type": "json_schema", "json_schema": {"name": name, "schema": schema}}),
+                );
+            }
+            None => {}
+        }
+        body.insert("stream".into(), Value::Bool(stream));
+        if stream && self.config.stream_usage {
+            body.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        for (k, v) in &options.extra {
+            body.insert(k.clone(), v.clone());
+        }
+        Value::Object(body)
+    }
+
+    /// The model ids the server lists at `GET {base_url}/models`.
+    pub async fn list_models(&self) -> Result<Vec<String>, ModelError> {
+        let url = format!("{}/models", self.config.base_url.trim_end_matches('/'));
+        let body = http::parse_body(&self.http.call(&url, None, None).await?)?;
+        let data = body.get("data").and_then(Value::as_array).ok_or_else(|| {
+            ModelError::Malformed(format!(
+                "/models reply has no `data` list: {}",
+                snippet(&body.to_string(), 200)
+            ))
+        })?;
+        Ok(data
+            .iter()
+            .filter_map(|m| m.get("id").and_then(Value::as_str).map(str::to_owned))
+            .collect())
+    }
+
+    fn encode(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        options: &ChatOptions,
+        stream: bool,
+    ) -> Result<Vec<u8>, ModelError> {
+        serde_json::to_vec(&self.request_body(messages, tools, options, stream))
+            .map_err(|e| ModelError::Config(format!("request is not serializable: {e}")))
+    }
+}
+
+#[async_trait]
+impl ChatModel for OpenAiModel {
+    fn model_name(&self) -> &str {
+        &self.config.model
+    }
+
+    async fn chat(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        options: &ChatOptions,
+    ) -> Result<ChatResponse, ModelError> {
+        let body = self.encode(messages, tools, options, false)?;
+        let reply = self
+            .http
+            .call(&self.chat_url, Some(&body), options.timeout)
+            .await?;
+        parse_response(&http::parse_body(&reply)?, &self.config.model)
+    }
+
+    async fn chat_stream(
+        &self,
+        messages: &[Message],
+        tools: &[ToolSpec],
+        options: &ChatOptions,
+    ) -> Result<ChatStream, ModelError> {
+        let body = self.encode(messages, tools, options, true)?;
+        let decoder = SseDecoder::new(options.model.as_deref().unwrap_or(&self.config.model));
+        self.http
+            .stream(&self.chat_url, &body, options.timeout, decoder)
+            .await
+    }
+}
+
+/// `{"error": {"message", "type", "code"}}`, `{"error": "..."}`, or FastAPI's
+/// `{"detail": ...}`.
+fn error_fields(v: &Value) -> Option<(String, Option<String>)> {
+    match v.get("error") {
+        Some(Value::Object(e)) => {
+            let message = e
+                .get("message")
+                .and_then(Value::as_str)
+                .map_or_else(|| Value::Object(e.clone()).to_string(), str::to_owned);
+            let code = e
+                .get("code")
+                .and_then(Value::as_str)
+                .or_else(|| e.get("type").and_then(Value::as_str))
+                .map(str::to_owned);
+            Some((message, code))
+        }
+        Some(Value::String(s)) => Some((s.clone(), None)),
+        _ => match v.get("detail").or_else(|| v.get("message")) {
+            Some(Value::String(s)) => Some((s.clone(), None)),
+            Some(other) => Some((other.to_string(), None)),
+            None => None,
+        },
+    }
+}
+
+fn classify(status: u16, body: &[u8], retry_after: Option<Duration>) -> ModelError {
+    let (message, code) = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| error_fields(&v))
+        .unwrap_or_else(|| (http::body_text(body), None));
+    http::classify_status(status, message, code, retry_after)
+}
+
+/// An error object inside a successful (200) reply or stream.
+fn embedded_error(v: &Value) -> Option<ModelError> {
+    let (message, code) = error_fields(v).filter(|_| v.get("error").is_some())?;
+    let err = http::classify_status(400, message.clone(), code, None);
+    Some(if err.is_context_overflow() {
+        err
+    } else {
+        ModelError::StreamInterrupted(format!("server error: {message}"))
+    })
+}
+
+fn usage_of(v: &Value) -> Option<Usage> {
+    let u = v.get("usage").filter(|u| u.is_object())?;
+    let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+    Some(Usage::new(n("prompt_tokens"), n("completion_tokens")))
+}
+
+fn parse_response(v: &Value, default_model: &str) -> Result<ChatResponse, ModelError> {
+    if let Some(err) = embedded_error(v) {
+        return Err(err);
+    }
+    let choice = v
+        .get("choices")
+        .and_then(Value::as_array)
+        .and_then(|c| c.first())
+        .ok_or_else(|| {
+            ModelError::Malformed(format!(
+                "reply has no choices: {}",
+                snippet(&v.to_string(), 200)
+            ))
+        })?;
+    let mut wire = choice
+        .get("message")
+        .cloned()
+        .ok_or_else(|| ModelError::Malformed("choices[0] has no message".into()))?;
+    if let Some(calls) = wire.get_mut("tool_calls").and_then(Value::as_array_mut) {
+        for call in calls.iter_mut().filter_map(Value::as_object_mut) {
+            if !call.get("id").is_some_and(Value::is_string) {
+                call.insert("id".into(), Value::from(http::new_call_id()));
+            }
+        }
+    }
+    let mut message = openai::from_value(&wire)
+        .map_err(|e| ModelError::Malformed(format!("choices[0].message: {e}")))?;
+    // Provider-specific reply fields are not sent back to the provider.
+    message.metadata.remove("openai");
+    Ok(ChatResponse {
+        message,
+        usage: usage_of(v),
+        finish_reason: choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .map(FinishReason::parse),
+        model: v
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or(default_model)
+            .to_owned(),
+    })
+}
+
+#[derive(Default)]
+struct PartialCall {
+    id: Option<String>,
+    name: String,
+    arguments: String,
+}
+
+/// Server-sent events of `chat.completion.chunk` objects, ended by `data: [DONE]`.
+struct SseDecoder {
+    data: String,
+    has_data: bool,
+    text: String,
+    calls: Vec<PartialCall>,
+    finish: Option<FinishReason>,
+    usage: Option<Usage>,
+    model: String,
+}
+
+impl SseDecoder {
+    fn new(model: &str) -> Self {
+        SseDecoder {
+            data: String::new(),
+            has_data: false,
+            text: String::new(),
+            calls: Vec::new(),
+            finish: None,
+            usage: None,
+            model: model.to_owned(),
+        }
+    }
+
+    fn finish(&mut self) -> ChatEvent {
+        let calls = std::mem::take(&mut self.calls)
+            .into_iter()
+            .map(|c| {
+                let args = if c.arguments.trim().is_empty() {
+                    "{}".to_owned()
+                } else {
+                    c.arguments
+                };
+                ToolCall::from_raw_arguments(c.id.unwrap_or_else(http::new_call_id), c.name, args)
+            })
+            .collect();
+        let message = Message::assistant(std::mem::take(&mut self.text)).with_tool_calls(calls);
+        ChatEvent::Done(ChatResponse {
+            message,
+            usage: self.usage,
+            finish_reason: self.finish.take(),
+            model: std::mem::take(&mut self.model),
+        })
+    }
+
+    /// Handles one complete event's data. Returns true at `[DONE]`.
+    fn dispatch(
+        &mut self,
+        out: &mut VecDeque<Result<ChatEvent, ModelError>>,
+    ) -> Result<bool, ModelError> {
+        let data = std::mem::take(&mut self.data);
+        self.has_data = false;
+        if data.trim() == "[DONE]" {
+            out.push_back(Ok(self.finish()));
+            return Ok(true);
+        }
+        let chunk = http::parse_body(data.as_bytes())?;
+        if let Some(err) = embedded_error(&chunk) {
+            return Err(err);
+        }
+        if let Some(model) = chunk.get("model").and_then(Value::as_str) {
+            model.clone_into(&mut self.model);
+        }
+        if let Some(usage) = usage_of(&chunk) {
+            self.usage = Some(usage);
+        }
+        let choices = chunk.get("choices").and_then(Value::as_array);
+        for choice in choices.into_iter().flatten() {
+            if choice.get("index").and_then(Value::as_u64).unwrap_or(0) != 0 {
+                continue;
+            }
+            if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+                self.finish = Some(FinishReason::parse(reason));
+            }
+            let Some(delta) = choice.get("delta") else {
+                continue;
+            };
+            if let Some(text) = delta.get("content").and_then(Value::as_str)
+                && !text.is_empty()
+            {
+                self.text.push_str(text);
+                out.push_back(Ok(ChatEvent::Text(text.to_owned())));
+            }
+            let calls = delta.get("tool_calls").and_then(Value::as_array);
+            for (position, call) in calls.into_iter().flatten().enumerate() {
+                let index = call
+                    .get("index")
+                    .and_then(Value::as_u64)
+                    .map_or(position, |i| i as usize);
+                if index > self.calls.len() + 1024 {
+                    return Err(ModelError::Malformed(format!(
+                        "tool call index {index} out of range"
+                    )));
+                }
+                if self.calls.len() <= index {
+                    self.calls.resize_with(index + 1, PartialCall::default);
+                }
+                let slot = &mut self.calls[index];
+                let id = call.get("id").and_then(Value::as_str).map(str::to_owned);
+                let function = call.get("function");
+                let name = function
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+                let arguments = function
+                    .and_then(|f| f.get("arguments"))
+                    .map(|a| match a {
+                        Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    })
+                    .unwrap_or_default();
+                if let Some(id) = &id {
+                    slot.id = Some(id.clone());
+                }
+                if let Some(name) = &name {
+                    slot.name.push_str(name);
+                }
+                slot.arguments.push_str(&arguments);
+                out.push_back(Ok(ChatEvent::ToolCall(ToolCallDelta {
+                    index,
+                    id,
+                    name,
+                    arguments,
+                })));
+            }
+        }
+        Ok(false)
+    }
+}
+
+impl Decoder for SseDecoder {
+    fn line(
+        &mut self,
+        line: &str,
+        out: &mut VecDeque<Result<ChatEvent, ModelError>>,
+    ) -> Result<bool, ModelError> {
+        if line.is_empty() {
+            return if self.has_data {
+                self.dispatch(out)
+            } else {
+                Ok(false)
+            };
+        }
+        if let Some(rest) = line.strip_prefix("data:") {
+            if self.has_data {
+                self.data.push('\n');
+            }
+            self.data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+            self.has_data = true;
+        }
+        // Comments (`:`) and the `event`, `id` and `retry` fields carry nothing here.
+        Ok(false)
+    }
+
+    fn eof(&mut self, out: &mut VecDeque<Result<ChatEvent, ModelError>>) -> Result<(), ModelError> {
+        if self.has_data && self.dispatch(out)? {
+            return Ok(());
+        }
+        if self.finish.is_some() {
+            // Some servers close after the last chunk without `[DONE]`.
+            out.push_back(Ok(self.finish()));
+            return Ok(());
+        }
+        Err(ModelError::StreamInterrupted(
+            "the connection closed before the reply was complete".into(),
+        ))
+    }
+}

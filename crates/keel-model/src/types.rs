@@ -1,0 +1,332 @@
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use keel_message::Message;
+use serde_json::{Map, Value};
+
+use crate::ModelError;
+
+/// Per-call settings. Every field is optional; a provider sends only what is set, so
+/// the server's defaults apply otherwise.
+///
+/// Fields that only one API knows are ignored by the other: `num_ctx` and
+/// `keep_alive` are Ollama's.
+///
+/// ```
+/// use keel_model::{ChatOptions, ResponseFormat};
+///
+/// let options = ChatOptions::new()
+///     .temperature(0.0)
+///     .max_tokens(256)
+///     .num_ctx(8192)
+///     .format(ResponseFormat::Json);
+/// assert_eq!(options.temperature, Some(0.0));
+/// assert_eq!(options.max_tokens, Some(256));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatOptions {
+    /// Use this model instead of the one the client was configured with.
+    pub model: Option<String>,
+    /// Sampling temperature (0 for the most deterministic reply).
+    pub temperature: Option<f64>,
+    /// Nucleus sampling.
+    pub top_p: Option<f64>,
+    /// The most tokens the reply may have (OpenAI `max_tokens`, Ollama
+    /// `options.num_predict`).
+    pub max_tokens: Option<u32>,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Sampling seed, where the server supports it.
+    pub seed: Option<u64>,
+    /// Constrain the reply to JSON (OpenAI `response_format`, Ollama `format`).
+    pub format: Option<ResponseFormat>,
+    /// Ollama: the context window to run the model with (`options.num_ctx`).
+    pub num_ctx: Option<u32>,
+    /// Ollama: how long the server keeps the model loaded after this call.
+    pub keep_alive: Option<KeepAlive>,
+    /// A deadline for this call instead of the client's request timeout.
+    pub timeout: Option<Duration>,
+    /// Extra top-level fields merged into the request body as they are (they override
+    /// fields keel sets).
+    pub extra: Map<String, Value>,
+}
+
+impl ChatOptions {
+    /// No options set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets [`ChatOptions::model`].
+    #[must_use]
+    pub fn model(mut self, model: impl Into<String>) -> Self {
+        self.model = Some(model.into());
+        self
+    }
+
+    /// Sets [`ChatOptions::temperature`].
+    #[must_use]
+    pub fn temperature(mut self, t: f64) -> Self {
+        self.temperature = Some(t);
+        self
+    }
+
+    /// Sets [`ChatOptions::top_p`].
+    #[must_use]
+    pub fn top_p(mut self, p: f64) -> Self {
+        self.top_p = Some(p);
+        self
+    }
+
+    /// Sets [`ChatOptions::max_tokens`].
+    #[must_use]
+    pub fn max_tokens(mut self, n: u32) -> Self {
+        self.max_tokens = Some(n);
+        self
+    }
+
+    /// Adds a stop sequence.
+    #[must_use]
+    pub fn stop(mut self, s: impl Into<String>) -> Self {
+        self.stop.push(s.into());
+        self
+    }
+
+    /// Sets [`ChatOptions::seed`].
+    #[must_use]
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// Sets [`ChatOptions::format`].
+    #[must_use]
+    pub fn format(mut self, format: ResponseFormat) -> Self {
+        self.format = Some(format);
+        self
+    }
+
+    /// Sets [`ChatOptions::num_ctx`].
+    #[must_use]
+    pub fn num_ctx(mut self, n: u32) -> Self {
+        self.num_ctx = Some(n);
+        self
+    }
+
+    /// Sets [`ChatOptions::keep_alive`].
+    #[must_use]
+    pub fn keep_alive(mut self, k: KeepAlive) -> Self {
+        self.keep_alive = Some(k);
+        self
+    }
+
+    /// Sets [`ChatOptions::timeout`].
+    #[must_use]
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+
+    /// Adds an extra top-level body field.
+    #[must_use]
+    pub fn extra(mut self, key: impl Into<String>, value: Value) -> Self {
+        self.extra.insert(key.into(), value);
+        self
+    }
+}
+
+/// A constraint on the reply's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    /// Any valid JSON (OpenAI `{"type": "json_object"}`, Ollama `"json"`).
+    Json,
+    /// JSON matching a schema (OpenAI `json_schema`, Ollama a schema object).
+    JsonSchema {
+        /// A name for the schema (OpenAI requires one).
+        name: String,
+        /// The JSON schema.
+        schema: Value,
+    },
+}
+
+/// How long Ollama keeps a model loaded after a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepAlive {
+    /// This long (sent as whole seconds).
+    For(Duration),
+    /// Until the server stops (`-1`).
+    Forever,
+    /// Unload right after the reply (`0`).
+    UnloadNow,
+}
+
+impl KeepAlive {
+    pub(crate) fn to_value(self) -> Value {
+        match self {
+            KeepAlive::For(d) => Value::from(d.as_secs()),
+            KeepAlive::Forever => Value::from(-1),
+            KeepAlive::UnloadNow => Value::from(0),
+        }
+    }
+}
+
+/// Tokens as the provider billed them.
+///
+/// ```
+/// let u = keel_model::Usage::new(120, 30);
+/// assert_eq!(u.total(), 150);
+/// assert_eq!(u + u, keel_model::Usage::new(240, 60));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Usage {
+    /// Tokens of the prompt (OpenAI `prompt_tokens`, Ollama `prompt_eval_count`).
+    pub prompt_tokens: u64,
+    /// Tokens of the reply (OpenAI `completion_tokens`, Ollama `eval_count`).
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// A usage report.
+    pub fn new(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+        }
+    }
+
+    /// Prompt plus completion.
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens + self.completion_tokens
+    }
+}
+
+impl std::ops::Add for Usage {
+    type Output = Usage;
+    fn add(self, other: Usage) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens + other.prompt_tokens,
+            completion_tokens: self.completion_tokens + other.completion_tokens,
+        }
+    }
+}
+
+/// Why the model stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// It finished its reply or hit a stop sequence.
+    Stop,
+    /// It hit `max_tokens` (or the window): the reply is cut off.
+    Length,
+    /// It asked for tool calls.
+    ToolCalls,
+    /// The provider withheld content.
+    ContentFilter,
+    /// Anything else, as the provider said it.
+    Other(String),
+}
+
+impl FinishReason {
+    /// Maps a provider's finish/done reason.
+    ///
+    /// ```
+    /// use keel_model::FinishReason;
+    /// assert_eq!(FinishReason::parse("tool_calls"), FinishReason::ToolCalls);
+    /// assert_eq!(FinishReason::parse("load"), FinishReason::Other("load".into()));
+    /// ```
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "stop" | "end_turn" | "eos" => FinishReason::Stop,
+            "length" | "max_tokens" => FinishReason::Length,
+            "tool_calls" | "function_call" | "tool_use" => FinishReason::ToolCalls,
+            "content_filter" => FinishReason::ContentFilter,
+            other => FinishReason::Other(other.to_owned()),
+        }
+    }
+}
+
+/// A model's reply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatResponse {
+    /// The assistant message: text and tool calls.
+    pub message: Message,
+    /// Token usage as the provider reported it (`None` when it reported none).
+    pub usage: Option<Usage>,
+    /// Why the model stopped, when the provider said.
+    pub finish_reason: Option<FinishReason>,
+    /// The model that answered, as the provider named it.
+    pub model: String,
+}
+
+impl ChatResponse {
+    /// A reply with this message and nothing else known.
+    pub fn new(message: Message, model: impl Into<String>) -> Self {
+        ChatResponse {
+            message,
+            usage: None,
+            finish_reason: None,
+            model: model.into(),
+        }
+    }
+
+    /// The reply's text.
+    pub fn text(&self) -> std::borrow::Cow<'_, str> {
+        self.message.text()
+    }
+}
+
+/// A piece of a tool call as it streams in. OpenAI sends the id and name first and the
+/// arguments in fragments, all with the same `index`; Ollama sends whole calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    /// Which call of the reply this fragment belongs to.
+    pub index: usize,
+    /// The call id, on the first fragment.
+    pub id: Option<String>,
+    /// The tool name, on the first fragment.
+    pub name: Option<String>,
+    /// The next fragment of the arguments' JSON text.
+    pub arguments: String,
+}
+
+/// One item of a streamed reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatEvent {
+    /// The next fragment of the reply's text.
+    Text(String),
+    /// The next fragment of a tool call.
+    ToolCall(ToolCallDelta),
+    /// The end: the assembled reply, with usage. Always the last item of a stream that
+    /// did not fail.
+    Done(ChatResponse),
+}
+
+/// A streamed reply: deltas, then [`ChatEvent::Done`]; or an error, after which the
+/// stream ends.
+pub type ChatStream = Pin<Box<dyn Stream<Item = Result<ChatEvent, ModelError>> + Send>>;
+
+/// Drains a stream and returns its final response.
+///
+/// ```
+/// use futures::executor::block_on;
+/// use keel_message::Message;
+/// use keel_model::{ChatModel, ChatOptions, ScriptedModel, collect_stream};
+///
+/// let model = ScriptedModel::from_texts(["all done"]);
+/// let reply = block_on(async {
+///     let stream = model.chat_stream(&[Message::user("go")], &[], &ChatOptions::new()).await?;
+///     collect_stream(stream).await
+/// })?;
+/// assert_eq!(reply.text(), "all done");
+/// # Ok::<(), keel_model::ModelError>(())
+/// ```
+pub async fn collect_stream(mut stream: ChatStream) -> Result<ChatResponse, ModelError> {
+    while let Some(event) = stream.next().await {
+        if let ChatEvent::Done(response) = event? {
+            return Ok(response);
+        }
+    }
+    Err(ModelError::StreamInterrupted(
+        "the stream ended without a final response".into(),
+    ))
+}
