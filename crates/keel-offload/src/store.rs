@@ -293,7 +293,8 @@ pub struct GrepMatch {
 
 /// A regular expression matched line by line (the `regex` crate's syntax).
 ///
-/// `^` and `$` match at the start and end of each line; a match never spans lines.
+/// `^` and `$` match at the start and end of each line (before a `\r\n` too); a match
+/// never spans lines.
 /// Patterns are compiled with a size limit, so a hostile pattern is an error rather
 /// than a memory blow-up.
 ///
@@ -329,11 +330,13 @@ impl Pattern {
         };
         let regex = RegexBuilder::new(pattern)
             .multi_line(true)
+            .crlf(true)
             .size_limit(Self::SIZE_LIMIT)
             .build()
             .map_err(|e| bad(e.to_string()))?;
         let hir = regex_syntax::ParserBuilder::new()
             .multi_line(true)
+            .crlf(true)
             .utf8(false)
             .build()
             .parse(pattern)

@@ -254,12 +254,15 @@ impl RetrievalTools {
         let mut out = format!("{} files{place}:\n", thousands(entries.len()));
         let shown = entries.len().min(self.limits.max_ls_entries);
         let mut capped = false;
+        let mut chars = out.chars().count();
         for e in &entries[..shown] {
             let line = format!("{}\t{} bytes\n", e.path, thousands(e.bytes as usize));
-            if out.len() + line.len() > self.limits.max_output_chars {
+            let n = line.chars().count();
+            if chars + n > self.limits.max_output_chars {
                 capped = true;
                 break;
             }
+            chars += n;
             out.push_str(&line);
         }
         if capped || shown < entries.len() {
@@ -302,17 +305,13 @@ impl RetrievalTools {
             });
         }
         let mut out = String::new();
+        let mut chars = 0;
         let mut next = offset;
         for line in &lines.lines {
-            let text = if line.truncated {
-                // Cut by the store already: the full length is unknown here.
-                let kept: String = line.text.chars().take(self.limits.max_line_chars).collect();
-                format!("{kept}… [line cut]")
-            } else {
-                cap_chars(&line.text, self.limits.max_line_chars).into_owned()
-            };
+            let text = show_line(&line.text, line.truncated, self.limits.max_line_chars);
             let row = format!("{:>6}\t{text}\n", line.number);
-            if out.len() + row.len() > self.limits.max_output_chars && !out.is_empty() {
+            let n = row.chars().count();
+            if chars + n > self.limits.max_output_chars && !out.is_empty() {
                 let _ = write!(
                     out,
                     "[output capped at {} characters: continue with offset={next}]",
@@ -320,6 +319,7 @@ impl RetrievalTools {
                 );
                 return Ok(out);
             }
+            chars += n;
             out.push_str(&row);
             next = line.number;
         }
@@ -361,10 +361,12 @@ impl RetrievalTools {
             ));
         }
         let mut out = String::new();
+        let mut chars = 0;
         for m in &found.matches {
-            let text = cap_chars(&m.line, self.limits.grep_line_chars);
+            let text = show_line(&m.line, m.truncated, self.limits.grep_line_chars);
             let row = format!("{}:{}: {text}\n", m.path, m.line_number);
-            if out.len() + row.len() > self.limits.max_output_chars && !out.is_empty() {
+            let n = row.chars().count();
+            if chars + n > self.limits.max_output_chars && !out.is_empty() {
                 let _ = write!(
                     out,
                     "[output capped at {} characters: narrow the pattern or the path]",
@@ -372,6 +374,7 @@ impl RetrievalTools {
                 );
                 return Ok(out);
             }
+            chars += n;
             out.push_str(&row);
         }
         if found.truncated {
@@ -381,6 +384,17 @@ impl RetrievalTools {
             );
         }
         Ok(out.trim_end().to_owned())
+    }
+}
+
+/// A line cut to `max` characters. A line the store already cut (its full length
+/// unknown here) is marked `[line cut]`; otherwise the note says how much is hidden.
+fn show_line(text: &str, cut_by_store: bool, max: usize) -> String {
+    if cut_by_store {
+        let kept: String = text.chars().take(max).collect();
+        format!("{kept}… [line cut]")
+    } else {
+        cap_chars(text, max).into_owned()
     }
 }
 
