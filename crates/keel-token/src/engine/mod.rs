@@ -109,15 +109,26 @@ impl Engine {
             return self.count(text);
         }
         std::thread::scope(|scope| {
+            // A thread that cannot be started (resource limits) leaves its chunk to this
+            // one: `Builder::spawn_scoped` reports the failure instead of panicking.
             let handles: Vec<_> = chunks[1..]
                 .iter()
-                .map(|chunk| scope.spawn(move || self.count(chunk)))
+                .map(|&chunk| {
+                    let handle = std::thread::Builder::new()
+                        .name("keel-token-count".into())
+                        .spawn_scoped(scope, move || self.count(chunk))
+                        .ok();
+                    (chunk, handle)
+                })
                 .collect();
             let mut sum = self.count(chunks[0]);
-            for (handle, chunk) in handles.into_iter().zip(&chunks[1..]) {
+            for (chunk, handle) in handles {
                 // Counting never panics; if a worker somehow did, count its chunk here
                 // rather than propagate the panic or lose its tokens.
-                sum += handle.join().unwrap_or_else(|_| self.count(chunk));
+                sum += match handle.map(|h| h.join()) {
+                    Some(Ok(n)) => n,
+                    _ => self.count(chunk),
+                };
             }
             sum
         })
