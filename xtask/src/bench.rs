@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 
 mod graph;
+mod sqlite;
 mod token;
 
 /// Runs one benchmark group, or all of them.
@@ -11,6 +12,7 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
+        "sqlite" => sqlite::run(),
         "all" => {
             token::run()?;
             graph::run()

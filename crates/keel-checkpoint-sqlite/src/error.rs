@@ -13,7 +13,7 @@ use keel_checkpoint::CheckpointError;
 /// the [`CheckpointError`] variants of the same name, never a `SqliteError`.
 ///
 /// ```
-/// use keel_checkpoint_sqlite::{SqliteError, SqliteSaver};
+/// use keel_checkpoint_sqlite::{SqliteError, SqliteSaver, rusqlite};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {

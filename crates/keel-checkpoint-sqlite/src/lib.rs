@@ -4,7 +4,7 @@
 //! [`SqliteSaver`] stores what [`keel_checkpoint`] describes: per step one checkpoint row
 //! (channel versions, versions seen, pending sends, metadata) and, per channel the step
 //! wrote, one delta row holding the step's updates and, when the engine includes one, a
-//! snapshot. A delta is stored once under `(thread_id, ns, channel, writer)` and shared by
+//! snapshot. A delta is stored once under `(thread_id, ns, writer, channel)` and shared by
 //! every later checkpoint, so the file grows with what each step writes, not with the
 //! size of the state (invariant 6). Pending writes have their own table. Every table is
 //! keyed by thread id first. The schema is versioned and migrated when a file is opened.

@@ -17,7 +17,10 @@ use crate::options::SqliteOptions;
 /// `application_id` of keel checkpoint files: "keel" in ASCII.
 const APPLICATION_ID: i64 = 0x6b65_656c;
 
-/// The schema version this build writes; see [`MIGRATIONS`].
+/// The schema version this build writes (SQLite's `user_version` in a keel file).
+///
+/// Opening an older file migrates it to this version; a newer one is refused with
+/// [`SqliteError::NewerSchema`].
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Migration `i` brings the schema from version `i` to `i + 1`.
@@ -39,20 +42,22 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (thread_id, ns, checkpoint_id)
     ) WITHOUT ROWID;
 
-    -- One row per (channel, writer checkpoint), shared by every later checkpoint that
-    -- still holds that version.
+    -- One row per (writer checkpoint, channel), shared by every later checkpoint that
+    -- still holds that version. Keyed by writer before channel: a step's deltas sit
+    -- together and, as ids grow with time, are appended at the end of the tree, so a
+    -- commit touches few pages.
     CREATE TABLE deltas (
         thread_id   TEXT    NOT NULL,
         ns          TEXT    NOT NULL,
-        channel     TEXT    NOT NULL,
         writer      TEXT    NOT NULL,
+        channel     TEXT    NOT NULL,
         seq         INTEGER NOT NULL,
         base_writer TEXT,
         base_seq    INTEGER,
         updates     TEXT    NOT NULL, -- JSON array
         snapshot    TEXT,             -- JSON value, or NULL
-        PRIMARY KEY (thread_id, ns, channel, writer)
-    );
+        PRIMARY KEY (thread_id, ns, writer, channel)
+    ) WITHOUT ROWID;
 
     CREATE TABLE writes (
         thread_id     TEXT    NOT NULL,
@@ -65,7 +70,7 @@ const MIGRATIONS: &[&str] = &[
         task_path     TEXT    NOT NULL,
         value         TEXT    NOT NULL, -- JSON
         PRIMARY KEY (thread_id, ns, checkpoint_id, task_id, channel, idx)
-    );
+    ) WITHOUT ROWID;
     "#,
 ];
 

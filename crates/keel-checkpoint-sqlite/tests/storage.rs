@@ -1,0 +1,141 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! What is stored: growth per step (invariant 6), what prune frees, and that waiting for
+//! the database never blocks the async runtime.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fold, items, step};
+use keel_checkpoint::{ChannelDelta, ChannelVersion, Checkpointer, ThreadKey};
+use keel_checkpoint_sqlite::rusqlite::Connection;
+use keel_checkpoint_sqlite::{SqliteOptions, SqliteSaver};
+use serde_json::{Value, json};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_grows_with_each_steps_writes_not_with_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let saver = SqliteSaver::open(dir.path().join("growth.db"))
+        .await
+        .unwrap();
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    let mut sizes = Vec::new();
+    for i in 0..600 {
+        // One 1 KB item per step; the channel's value grows to 600 KB.
+        let request = step(
+            &thread,
+            parent.as_ref(),
+            "log",
+            items(&format!("{i:04}"), 1, 1000),
+        );
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+        if i % 200 == 199 {
+            saver.wal_checkpoint().await.unwrap();
+            sizes.push(saver.stats().await.unwrap());
+        }
+    }
+    // The stored JSON grows by the same amount every step.
+    let per_step: Vec<u64> = sizes
+        .windows(2)
+        .map(|w| w[1].delta_bytes - w[0].delta_bytes)
+        .collect();
+    assert_eq!(per_step[0], per_step[1], "{sizes:?}");
+    assert_eq!(
+        per_step[0], sizes[0].delta_bytes,
+        "the first 200 steps stored as much"
+    );
+    assert_eq!(sizes[2].deltas, 600);
+    // The file too, about linearly (a state-sized write per step would triple the second
+    // interval's growth over the first's).
+    let growth: Vec<u64> = sizes
+        .windows(2)
+        .map(|w| w[1].database_bytes - w[0].database_bytes)
+        .collect();
+    assert!(
+        growth[1] < growth[0] * 3 / 2,
+        "file growth per 200 steps: {growth:?}"
+    );
+    let tuple = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(fold(&tuple.channels["log"]).len(), 600);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn prune_frees_deltas_behind_a_snapshot() {
+    let saver = SqliteSaver::open_in_memory().await.unwrap();
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    let mut value: Vec<Value> = Vec::new();
+    for i in 0..50 {
+        let item = json!(i);
+        value.push(item.clone());
+        let mut request = step(&thread, parent.as_ref(), "log", vec![item]);
+        if i == 40 {
+            request.deltas[0].snapshot = Some(Value::Array(value.clone()));
+        }
+        // A second channel written once, at the first step, and carried ever after.
+        if i == 0 {
+            let version = ChannelVersion::new(1, request.checkpoint.id.clone());
+            request
+                .checkpoint
+                .channel_versions
+                .insert("goal".into(), version.clone());
+            request.deltas.push(ChannelDelta {
+                channel: "goal".into(),
+                version,
+                base: None,
+                updates: vec![json!("ship it")],
+                snapshot: None,
+            });
+        }
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+    }
+    assert_eq!(saver.stats().await.unwrap().deltas, 51);
+    assert_eq!(saver.prune(&thread, 5).await.unwrap(), 45);
+    let stats = saver.stats().await.unwrap();
+    // Kept: the log deltas of steps 40 (the snapshot) to 49, and the goal's delta.
+    assert_eq!(
+        (stats.checkpoints, stats.deltas, stats.snapshots),
+        (5, 11, 1)
+    );
+    let tuple = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(fold(&tuple.channels["log"]), value);
+    assert_eq!(fold(&tuple.channels["goal"]), vec![json!("ship it")]);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_put_waiting_for_the_disk_does_not_block_the_runtime() {
+    // A single-threaded runtime: if `put` blocked its thread while waiting for the write
+    // lock, the `get` below could not run until the put gave up.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("async.db");
+    let saver = SqliteOptions::default()
+        .busy_timeout(Duration::from_secs(60))
+        .open(&path)
+        .await
+        .unwrap();
+    let thread = ThreadKey::new("t");
+    let first = step(&thread, None, "log", vec![json!(1)]);
+    saver.put(first.clone()).await.unwrap();
+
+    let blocker = Connection::open(&path).unwrap();
+    blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let next = step(&thread, Some(&first.checkpoint), "log", vec![json!(2)]);
+    let pending = tokio::spawn({
+        let (saver, next) = (saver.clone(), next.clone());
+        async move { saver.put(next).await }
+    });
+    tokio::task::yield_now().await;
+    let head = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(head.checkpoint, first.checkpoint);
+    assert!(
+        !pending.is_finished(),
+        "the put cannot finish while the lock is held"
+    );
+    blocker.execute_batch("ROLLBACK").unwrap();
+    pending.await.unwrap().unwrap();
+    let head = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(head.checkpoint, next.checkpoint);
+}
