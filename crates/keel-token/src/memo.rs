@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 use dashmap::DashMap;
 use keel_message::{Content, ContentPart, Message, ToolArguments, ToolSpec};
 use serde_json::Value;
-use xxhash_rust::xxh3::{xxh3_64_with_seed, xxh3_128};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
 
 use crate::{Framing, TokenCounter};
 
@@ -304,7 +304,7 @@ impl Hasher for KeyHasher {
 }
 
 /// The memo key of a message: a 128-bit XXH3 over a small block of per-field 64-bit
-/// XXH3 hashes (id, role, content, name, tool calls, `tool_call_id`) and a bitmask of
+/// XXH3 hashes (each field in its own slot, so no seeds are needed) (id, role, content, name, tool calls, `tool_call_id`) and a bitmask of
 /// which optional fields are present, so `None` and `Some("")` differ and fields cannot
 /// bleed into each other. Each field is hashed in one shot, which is what makes a
 /// recount cheap: the content bytes are read once, at memory speed.
@@ -313,23 +313,21 @@ pub(crate) fn message_key(m: &Message) -> u128 {
     let mut w = [0u64; 8];
     if let Some(id) = &m.id {
         present |= 1;
-        w[0] = xxh3_64_with_seed(id.as_bytes(), 1);
+        w[0] = xxh3_64(id.as_bytes());
     }
     w[1] = m.role as u64 + 1;
     w[2] = match &m.content {
-        Content::Text(t) => xxh3_64_with_seed(t.as_bytes(), 3),
+        Content::Text(t) => xxh3_64(t.as_bytes()),
         Content::Parts(parts) => {
             present |= 2;
             let mut acc = fold(0x5eed, parts.len() as u64);
             for part in parts {
                 acc = match part {
-                    ContentPart::Text { text } => {
-                        fold(fold(acc, 1), xxh3_64_with_seed(text.as_bytes(), 3))
-                    }
+                    ContentPart::Text { text } => fold(fold(acc, 1), xxh3_64(text.as_bytes())),
                     ContentPart::Image { url, detail } => {
-                        let acc = fold(fold(acc, 2), xxh3_64_with_seed(url.as_bytes(), 4));
+                        let acc = fold(fold(acc, 2), xxh3_64(url.as_bytes()));
                         match detail {
-                            Some(d) => fold(fold(acc, 1), xxh3_64_with_seed(d.as_bytes(), 5)),
+                            Some(d) => fold(fold(acc, 1), xxh3_64(d.as_bytes())),
                             None => fold(acc, 0),
                         }
                     }
@@ -341,27 +339,23 @@ pub(crate) fn message_key(m: &Message) -> u128 {
     };
     if let Some(name) = &m.name {
         present |= 4;
-        w[3] = xxh3_64_with_seed(name.as_bytes(), 6);
+        w[3] = xxh3_64(name.as_bytes());
     }
     let mut calls = fold(0xca11, m.tool_calls.len() as u64);
     for call in &m.tool_calls {
-        calls = fold(calls, xxh3_64_with_seed(call.id.as_bytes(), 7));
-        calls = fold(calls, xxh3_64_with_seed(call.name.as_bytes(), 8));
+        calls = fold(calls, xxh3_64(call.id.as_bytes()));
+        calls = fold(calls, xxh3_64(call.name.as_bytes()));
         calls = match &call.arguments {
             ToolArguments::Json(v) => fold(fold(calls, 1), value_hash(v)),
             // Counted as their text, so keyed by it.
-            ToolArguments::JsonText { raw, .. } => {
-                fold(fold(calls, 2), xxh3_64_with_seed(raw.as_bytes(), 9))
-            }
-            ToolArguments::Invalid(raw) => {
-                fold(fold(calls, 3), xxh3_64_with_seed(raw.as_bytes(), 9))
-            }
+            ToolArguments::JsonText { raw, .. } => fold(fold(calls, 2), xxh3_64(raw.as_bytes())),
+            ToolArguments::Invalid(raw) => fold(fold(calls, 3), xxh3_64(raw.as_bytes())),
         };
     }
     w[4] = calls;
     if let Some(id) = &m.tool_call_id {
         present |= 8;
-        w[5] = xxh3_64_with_seed(id.as_bytes(), 10);
+        w[5] = xxh3_64(id.as_bytes());
     }
     w[6] = m.tool_calls.len() as u64;
     w[7] = present;
@@ -403,7 +397,7 @@ fn value_hash_at(acc: u64, v: &Value, depth: usize) -> u64 {
             };
             fold(fold(acc, tag), bits)
         }
-        Value::String(s) => fold(fold(acc, 7), xxh3_64_with_seed(s.as_bytes(), 11)),
+        Value::String(s) => fold(fold(acc, 7), xxh3_64(s.as_bytes())),
         _ if depth >= 64 => value_hash_deep(acc, v),
         Value::Array(items) => items
             .iter()
@@ -413,7 +407,7 @@ fn value_hash_at(acc: u64, v: &Value, depth: usize) -> u64 {
         Value::Object(map) => map
             .iter()
             .fold(fold(fold(acc, 9), map.len() as u64), |a, (k, x)| {
-                value_hash_at(fold(a, xxh3_64_with_seed(k.as_bytes(), 12)), x, depth + 1)
+                value_hash_at(fold(a, xxh3_64(k.as_bytes())), x, depth + 1)
             }),
     }
 }
@@ -429,7 +423,7 @@ fn value_hash_deep(acc: u64, v: &Value) -> u64 {
     while let Some(step) = stack.pop() {
         let v = match step {
             Step::Key(k) => {
-                acc = fold(acc, xxh3_64_with_seed(k.as_bytes(), 12));
+                acc = fold(acc, xxh3_64(k.as_bytes()));
                 continue;
             }
             Step::Value(v) => v,
