@@ -23,8 +23,10 @@ const LIST_PAGE: usize = 128;
 
 /// A [`Checkpointer`] that stores checkpoints in one SQLite file (or in memory).
 ///
-/// Cloning is cheap; clones share the connections. See the [crate docs](crate) for the
-/// layout, fencing and durability.
+/// Cloning is cheap; clones share the connections. Dropping the last clone closes the
+/// connections, after waiting for statements already queued to finish (a put that was
+/// sent commits, or not, as a whole). See the [crate docs](crate) for the layout,
+/// fencing and durability.
 ///
 /// ```
 /// use keel_checkpoint::{Checkpointer, ThreadKey};

@@ -325,3 +325,34 @@ async fn checkpoint_errors_are_not_storage_errors() {
     assert!(matches!(err, CheckpointError::NotFound { .. }));
     assert!(SqliteError::of(&err).is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn savers_opening_a_new_file_at_once_create_it_once() {
+    // Each saver switches the file to WAL mode and migrates it under the write lock;
+    // the others wait (busy timeout) and then find it done.
+    for round in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fresh.db");
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let path = path.clone();
+                tokio::spawn(async move { SqliteSaver::open(path).await })
+            })
+            .collect();
+        let mut savers = Vec::new();
+        for open in opens {
+            savers.push(
+                open.await
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("round {round}: {e}")),
+            );
+        }
+        let thread = ThreadKey::new("t");
+        let first = step(&thread, None, "log", vec![json!(1)]);
+        savers[0].put(first.clone()).await.unwrap();
+        for saver in &savers {
+            let head = saver.get(&thread, None).await.unwrap().unwrap();
+            assert_eq!(head.checkpoint, first.checkpoint);
+        }
+    }
+}
