@@ -351,14 +351,20 @@ impl ExtractiveSummarizer {
                 }
             }
 
-            if m.role == Role::User {
-                let ask = if Some(i) == first_user {
-                    prio::FIRST_ASK
-                } else if Some(i) == last_user {
+            // The user's asks: the first user message, and later ones that read like
+            // a person talking rather than a tool's output relayed as a user turn.
+            let ask = if Some(i) == first_user {
+                Some(prio::FIRST_ASK)
+            } else if m.role == Role::User && reads_like_ask(text) {
+                Some(if Some(i) == last_user {
                     prio::LAST_ASK
                 } else {
                     prio::OTHER_ASK
-                };
+                })
+            } else {
+                None
+            };
+            if let Some(ask) = ask {
                 let mut offset = 0;
                 let mut taken = 0;
                 for line in text.split_inclusive('\n') {
@@ -416,7 +422,10 @@ impl ExtractiveSummarizer {
                 };
                 let at = (order, line_start as u32);
                 let has = |k: Kind| kinds & k.bit() != 0;
-                if has(Kind::Error) {
+                let code = is_output && looks_like_code(&text[line_start..line_end]);
+                if code {
+                    // Source listings mention errors without reporting one.
+                } else if has(Kind::Error) {
                     let p = if !is_output {
                         prio::DECISION
                     } else if open && m.role == Role::Tool {
@@ -610,7 +619,7 @@ impl ExtractiveSummarizer {
         match src {
             Src::Owned(i) => owned
                 .get(i as usize)
-                .map_or(Cow::Borrowed(""), |s| cut(s, 0, self.max_item_chars)),
+                .map_or(Cow::Borrowed(""), |s| tidy(cut(s, 0, self.max_item_chars))),
             Src::Slice {
                 msg,
                 start,
@@ -620,7 +629,7 @@ impl ExtractiveSummarizer {
                 let text: &str = texts.get(msg as usize).map_or("", |t| t.as_ref());
                 let line = text.get(start as usize..end as usize).unwrap_or("");
                 let focus = (focus.saturating_sub(start)) as usize;
-                cut(line.trim_end(), focus, self.max_item_chars)
+                tidy(cut(line.trim_end(), focus, self.max_item_chars))
             }
         }
     }
@@ -659,29 +668,43 @@ impl ExtractiveSummarizer {
         }
         cands.sort_by_key(key);
 
+        // First pass: each section gets at most its share of the room, so one kind of
+        // line cannot crowd out the others. Second pass: what is left, by priority.
+        let room = budget - base;
+        let caps = [room * 15 / 100, room / 2, room / 4, room / 5];
+        let mut spent = [0usize; 4];
         let mut used = base;
         let mut seen: HashSet<Cow<'_, str>> = HashSet::new();
         let mut chosen: Vec<(Cand, Cow<'_, str>, usize)> = Vec::new();
-        for c in cands {
-            if budget - used < 3 {
-                break;
-            }
-            let text = self.resolve(c.src, texts, owned);
-            let trimmed = text.trim();
-            if trimmed.is_empty() || seen.contains(trimmed) {
-                continue;
-            }
-            let cost = self.counter.count_text(trimmed) + 1;
-            if used + cost > budget {
-                continue;
-            }
-            used += cost;
-            let text = match text {
-                Cow::Borrowed(s) => Cow::Borrowed(s.trim()),
-                Cow::Owned(s) => Cow::Owned(s.trim().to_owned()),
+        let mut deferred: Vec<Cand> = Vec::new();
+        for pass in 0..2 {
+            let list = if pass == 0 {
+                std::mem::take(&mut cands)
+            } else {
+                std::mem::take(&mut deferred)
             };
-            seen.insert(text.clone());
-            chosen.push((c, text, cost));
+            for c in list {
+                if budget - used < 3 {
+                    break;
+                }
+                let text = self.resolve(c.src, texts, owned);
+                if text.is_empty() || seen.contains(&text) {
+                    continue;
+                }
+                let cost = self.counter.count_text(&text) + 1;
+                if used + cost > budget {
+                    continue;
+                }
+                let sec = c.sec as usize;
+                if pass == 0 && spent[sec] + cost > caps[sec] {
+                    deferred.push(c);
+                    continue;
+                }
+                spent[sec] += cost;
+                used += cost;
+                seen.insert(text.clone());
+                chosen.push((c, text, cost));
+            }
         }
 
         // Exact check on the rendered text; drop the least important until it fits.
@@ -740,6 +763,60 @@ fn structured_items(text: &str) -> Vec<(Sec, String)> {
                 .map(move |i| (sec, i))
         })
         .collect()
+}
+
+/// Trimmed, without a leading bullet marker.
+fn tidy(text: Cow<'_, str>) -> Cow<'_, str> {
+    fn clean(s: &str) -> &str {
+        let t = s.trim();
+        bullet_text(t).unwrap_or(t)
+    }
+    match text {
+        Cow::Borrowed(s) => Cow::Borrowed(clean(s)),
+        Cow::Owned(s) => {
+            let c = clean(&s);
+            if c.len() == s.len() {
+                Cow::Owned(s)
+            } else {
+                Cow::Owned(c.to_owned())
+            }
+        }
+    }
+}
+
+/// A line of source code or of a numbered file listing, rather than a message.
+fn looks_like_code(line: &str) -> bool {
+    let t = line.trim_start();
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    if digits > 0 && t[digits..].starts_with(':') {
+        return true;
+    }
+    const STARTS: &[&str] = &[
+        "raise ",
+        "except",
+        "#",
+        "def ",
+        "class ",
+        "import ",
+        "from ",
+        "//",
+        "/*",
+        "* ",
+        "assert ",
+        "if ",
+        "elif ",
+        "return ",
+        "catch",
+        "throw ",
+        "Traceback (most recent",
+    ];
+    STARTS.iter().any(|p| t.starts_with(p))
+}
+
+/// Short text that does not look like a tool's output relayed as a user turn.
+fn reads_like_ask(text: &str) -> bool {
+    let t = text.trim_start();
+    t.len() <= 400 && !t.starts_with(['(', '[', '{', '<']) && !t.is_empty()
 }
 
 fn bullet_or_plain(line: &str) -> bool {

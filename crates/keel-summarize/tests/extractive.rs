@@ -1,0 +1,323 @@
+//! ExtractiveSummarizer: what it keeps, budgets, determinism, goal refusal, real data.
+
+use std::path::PathBuf;
+
+use keel_message::{Message, ToolCall, openai};
+use keel_summarize::{
+    ARTIFACTS, ExtractiveSummarizer, GOAL_METADATA_KEY, NEXT_STEPS, SECTIONS, SESSION_INTENT,
+    SUMMARY, SummarizeError, Summarizer, Summary, SummaryRequest, parse_sections,
+};
+use keel_token::{ApproxCounter, TokenCounter};
+use serde_json::{Value, json};
+
+fn data_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
+}
+
+/// Every trajectory in the shared data folder as messages, or `None` when absent.
+fn trajectories() -> Option<Vec<Vec<Message>>> {
+    let dir = data_dir();
+    let tau = std::fs::read(dir.join("tau-bench/gpt-4o-airline.json")).ok()?;
+    let runs: Vec<Value> = serde_json::from_slice(&tau).ok()?;
+    let mut out: Vec<Vec<Message>> = runs
+        .iter()
+        .filter_map(|r| openai::from_values(r["traj"].as_array()?).ok())
+        .collect();
+    let mut swe: Vec<PathBuf> = std::fs::read_dir(dir.join("swe-agent"))
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "traj"))
+        .collect();
+    swe.sort();
+    for path in swe {
+        let v: Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+        let history = v["history"].as_array()?;
+        out.push(
+            history
+                .iter()
+                .filter_map(|m| openai::from_value(m).ok())
+                .collect(),
+        );
+    }
+    Some(out)
+}
+
+#[allow(clippy::unwrap_used)]
+fn run(messages: &[Message], budget: usize) -> Summary {
+    ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::milestone(messages, budget))
+        .unwrap()
+}
+
+fn debugging_session() -> Vec<Message> {
+    vec![
+        Message::system("You are a coding agent. SECRET-SYSTEM-TEXT"),
+        Message::user("Tests in the auth module fail since yesterday.\nPlease fix them."),
+        Message::assistant("I will run the test suite first.").with_tool_calls(vec![
+            ToolCall::new(
+                "c1",
+                "bash",
+                json!({"command": "pytest tests/test_auth.py -q"}),
+            ),
+        ]),
+        Message::tool(
+            "c1",
+            "..F.\n=== FAILURES ===\nE   AssertionError: expected 200, got 401\ntests/test_auth.py:42: AssertionError\n1 failed, 3 passed in 0.12s\nexit code 1",
+        ),
+        Message::assistant(
+            "The token check uses the wrong header because the middleware was renamed.\nLet me look at it.\n```\nopen src/auth/middleware.py\n```",
+        ),
+        Message::user(
+            "[file src/auth/middleware.py, 120 lines]\n40: def check(request):\n41:     token = request.headers.get('X-Token')",
+        ),
+        Message::assistant(
+            "I'll change the header name to Authorization.\nNext step: rerun the tests.",
+        )
+        .with_tool_calls(vec![ToolCall::new(
+            "c2",
+            "edit",
+            json!({"path": "src/auth/middleware.py", "line": 41}),
+        )]),
+    ]
+}
+
+#[test]
+fn keeps_the_lines_that_carry_signal_in_four_sections() {
+    let s = run(&debugging_session(), 400);
+    assert_eq!(
+        s.sections
+            .iter()
+            .map(|s| s.title.as_str())
+            .collect::<Vec<_>>(),
+        SECTIONS
+    );
+    let intent = s.section(SESSION_INTENT).unwrap();
+    assert_eq!(intent[0], "Tests in the auth module fail since yesterday.");
+    let summary = s.section(SUMMARY).unwrap();
+    assert!(
+        summary
+            .iter()
+            .any(|l| l == "E   AssertionError: expected 200, got 401"),
+        "{summary:?}"
+    );
+    assert!(
+        summary
+            .iter()
+            .any(|l| l.contains("because the middleware was renamed"))
+    );
+    let artifacts = s.section(ARTIFACTS).unwrap();
+    assert!(
+        artifacts
+            .iter()
+            .any(|l| l.contains("pytest tests/test_auth.py -q")),
+        "{artifacts:?}"
+    );
+    assert!(artifacts.iter().any(|l| l == "exit code 1"));
+    assert!(
+        artifacts.iter().any(|l| l == "open src/auth/middleware.py"),
+        "fenced command"
+    );
+    assert!(
+        artifacts.iter().any(|l| l == "src/auth/middleware.py"),
+        "path"
+    );
+    let next = s.section(NEXT_STEPS).unwrap();
+    assert!(
+        next.iter().any(|l| l.starts_with("edit(")),
+        "the unanswered call is pending: {next:?}"
+    );
+    assert!(next.iter().any(|l| l == "Next step: rerun the tests."));
+    assert!(
+        !s.text.contains("SECRET-SYSTEM-TEXT"),
+        "system messages are skipped"
+    );
+    assert_eq!(s.prompt_version, "extractive-v1");
+    assert_eq!(s.model, "extractive");
+    assert_eq!(s.usage, None);
+    // The text parses back into the same sections.
+    assert_eq!(parse_sections(&s.text).len(), 4);
+}
+
+#[test]
+fn short_budgets_keep_the_most_important_lines_and_always_fit() {
+    let counter = ApproxCounter::new();
+    let msgs = debugging_session();
+    let mut previous_len = 0;
+    for budget in [30, 45, 60, 80, 120, 200, 400, 1000] {
+        let s = run(&msgs, budget);
+        assert!(
+            counter.count_text(&s.text) <= budget,
+            "budget {budget}: {}",
+            s.text
+        );
+        assert!(
+            s.text.len() >= previous_len,
+            "a larger budget never keeps less"
+        );
+        previous_len = s.text.len();
+    }
+    // Pending work survives the tightest budgets.
+    let tight = run(&msgs, 45);
+    assert!(
+        !tight.section(NEXT_STEPS).unwrap().is_empty(),
+        "{}",
+        tight.text
+    );
+    assert!(matches!(
+        ExtractiveSummarizer::new().summarize_sync(&SummaryRequest::milestone(&msgs, 5)),
+        Err(SummarizeError::BudgetTooSmall { .. })
+    ));
+}
+
+#[test]
+fn output_is_deterministic_and_in_input_order() {
+    let msgs = debugging_session();
+    let a = run(&msgs, 200);
+    let b = run(&msgs, 200);
+    assert_eq!(a, b);
+    let summary = a.section(SUMMARY).unwrap();
+    let pos = |needle: &str| summary.iter().position(|l| l.contains(needle));
+    assert!(pos("AssertionError: expected") < pos("middleware was renamed"));
+}
+
+#[test]
+fn the_goal_anchor_is_refused() {
+    let mut msgs = debugging_session();
+    msgs.push(Message::user("GOAL: fix auth").with_metadata(GOAL_METADATA_KEY, json!("anchor")));
+    let err = ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::milestone(&msgs, 200))
+        .unwrap_err();
+    assert!(
+        matches!(err, SummarizeError::GoalInInput { index: 7 }),
+        "{err:?}"
+    );
+    assert!(matches!(
+        ExtractiveSummarizer::new().summarize_sync(&SummaryRequest::milestone(&[], 200)),
+        Err(SummarizeError::EmptyInput)
+    ));
+}
+
+#[test]
+fn epoch_merges_milestones_and_the_previous_epoch() {
+    let m1 = run(&debugging_session(), 300).text;
+    let m2 = "SESSION INTENT:\n- none\nSUMMARY:\n- All 4 tests passed after the header fix\nARTIFACTS:\n- src/auth/middleware.py\nNEXT STEPS:\n- open a pull request\n";
+    let previous =
+        "SUMMARY:\n- Cloned the repository\n- error: flaky network in CI remains unresolved\n";
+    let notes = [Message::assistant(m1), Message::assistant(m2)];
+    let s = ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::epoch(&notes, 300).previous(previous))
+        .unwrap();
+    let summary = s.section(SUMMARY).unwrap();
+    assert!(
+        summary
+            .iter()
+            .any(|l| l == "All 4 tests passed after the header fix")
+    );
+    assert!(
+        summary
+            .iter()
+            .any(|l| l == "error: flaky network in CI remains unresolved")
+    );
+    assert!(
+        s.section(NEXT_STEPS)
+            .unwrap()
+            .iter()
+            .any(|l| l == "open a pull request")
+    );
+    assert_eq!(
+        s.section(ARTIFACTS)
+            .unwrap()
+            .iter()
+            .filter(|l| *l == "src/auth/middleware.py")
+            .count(),
+        1,
+        "duplicates are kept once"
+    );
+    // Under a tight budget, errors (newest first) outrank old plain facts.
+    let tight = ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::epoch(&notes, 70).previous(previous))
+        .unwrap();
+    assert!(
+        !tight.text.contains("Cloned the repository"),
+        "{}",
+        tight.text
+    );
+    assert!(
+        tight
+            .section(SUMMARY)
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("AssertionError")),
+        "{}",
+        tight.text
+    );
+    // With a little more room the older unresolved error is kept too, still not the
+    // old plain fact.
+    let roomier = ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::epoch(&notes, 160).previous(previous))
+        .unwrap();
+    assert!(roomier.text.contains("flaky network"), "{}", roomier.text);
+}
+
+#[test]
+fn long_lines_are_cut_around_their_keyword() {
+    let line = format!(
+        "{{\"log\": \"{}\", \"status\": \"Error: quota exceeded for project 7\", \"tail\": \"{}\"}}",
+        "a".repeat(2_000),
+        "b".repeat(2_000)
+    );
+    let s = run(
+        &[Message::user("check the job"), Message::tool("c1", line)],
+        300,
+    );
+    let hit = s
+        .section(SUMMARY)
+        .unwrap()
+        .iter()
+        .find(|l| l.contains("Error: quota exceeded"))
+        .cloned()
+        .unwrap();
+    assert!(hit.chars().count() <= 240, "{hit}");
+}
+
+#[tokio::test]
+async fn works_through_the_trait_object() {
+    let summarizer: Box<dyn Summarizer> = Box::new(ExtractiveSummarizer::new());
+    let msgs = debugging_session();
+    let s = summarizer
+        .summarize(&SummaryRequest::milestone(&msgs, 200))
+        .await
+        .unwrap();
+    assert_eq!(s, run(&msgs, 200));
+}
+
+#[test]
+fn real_trajectories_fit_their_budgets_and_keep_the_users_ask() {
+    let Some(runs) = trajectories() else {
+        eprintln!("skipped: ../shared/data not found (it is present in CI only)");
+        return;
+    };
+    let counter = ApproxCounter::new();
+    let summarizer = ExtractiveSummarizer::new();
+    assert!(runs.len() > 200, "{} trajectories", runs.len());
+    for (i, run) in runs.iter().enumerate() {
+        if run.is_empty() {
+            continue;
+        }
+        for budget in [150, 600] {
+            let s = summarizer
+                .summarize_sync(&SummaryRequest::milestone(run, budget))
+                .unwrap();
+            assert!(
+                counter.count_text(&s.text) <= budget,
+                "run {i} budget {budget}"
+            );
+            let has_user = run
+                .iter()
+                .any(|m| m.role == keel_message::Role::User && !m.text().trim().is_empty());
+            if has_user && budget == 600 {
+                assert!(!s.section(SESSION_INTENT).unwrap().is_empty(), "run {i}");
+            }
+        }
+    }
+}
