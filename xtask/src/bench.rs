@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 
 mod graph;
+mod offload;
 mod sqlite;
 mod token;
 
@@ -13,6 +14,7 @@ pub fn bench(target: &str) -> Result<()> {
         "token" => token::run(),
         "graph" => graph::run(),
         "sqlite" => sqlite::run(),
+        "offload" => offload::run(),
         "all" => {
             token::run()?;
             graph::run()

@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::io::{BufRead, BufReader};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,10 +25,12 @@ use crate::store::{GrepOptions, OffloadStore, Pattern};
 ///
 /// * `append` is one store append of the new records: O(size of the new messages),
 ///   whatever the archive's size.
-/// * The archive keeps, per thread, an index in memory (each record's offset, length
-///   and hash, and the position of each message id). It is built on first use of a
-///   thread by reading the archive once, O(archive size); after that `get` by id is
-///   one hash lookup plus one read of that record, and `range` one read of the span.
+/// * The archive keeps, per thread, an index in memory: each record's offset, length
+///   and content hash, and a seeded 64-bit hash of each message id (about 40 bytes per
+///   record). It is built on first use of a thread by reading the archive once,
+///   O(archive size) — a few seconds for 1 GB, see the offload benchmark; after that
+///   `get` by id is one hash lookup plus one read of that record, and `range` one read
+///   of the span.
 /// * `grep` streams the archive through the store's chunked search (hundreds of MB/s,
 ///   see the offload benchmark) and reads back only the matching records. It
 ///   searches the JSON text, so quotes and newlines inside messages appear escaped
@@ -68,6 +71,9 @@ use crate::store::{GrepOptions, OffloadStore, Pattern};
 pub struct Archive {
     store: Arc<dyn OffloadStore>,
     path: StorePath,
+    /// Seed of the id hashes in the index (random per archive, so ids cannot be
+    /// chosen to collide).
+    seed: u64,
     threads: Mutex<HashMap<ThreadId, Arc<Mutex<ThreadIndex>>>>,
 }
 
@@ -113,7 +119,9 @@ pub struct ArchiveGrep {
 struct ThreadIndex {
     loaded: bool,
     records: Vec<Pos>,
-    by_id: HashMap<String, usize>,
+    /// Seeded hash of a message id → position of its newest record. Hashes rather
+    /// than strings keep the index at 16 bytes per id; `get` checks the id it reads.
+    by_id: HashMap<u64, usize, BuildHasherDefault<PreHashed>>,
     /// Where the next append lands, as far as this index knows.
     end: u64,
     /// The archive does not end with a newline (a torn last write).
@@ -139,6 +147,26 @@ struct Record {
     message: Message,
 }
 
+/// The hasher of keys that are hashes already.
+#[derive(Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 impl Archive {
     /// The default archive path inside each thread.
     pub const DEFAULT_PATH: &'static str = "archive/messages.jsonl";
@@ -148,6 +176,7 @@ impl Archive {
         Archive {
             store,
             path: StorePath::known(Self::DEFAULT_PATH),
+            seed: std::collections::hash_map::RandomState::new().hash_one(0u64),
             threads: Mutex::default(),
         }
     }
@@ -215,16 +244,14 @@ impl Archive {
             }
             let complete = line.last() == Some(&b'\n');
             let body = if complete { &line[..n - 1] } else { &line[..] };
-            if let Ok(head) = serde_json::from_slice::<RecordHead>(body)
-                && let Ok(hash) = u64::from_str_radix(&head.hash, 16)
-            {
+            if let Some((id, hash)) = read_head(body, self.seed) {
                 let seq = idx.records.len();
                 idx.records.push(Pos {
                     offset,
                     len: body.len() as u64,
                     hash,
                 });
-                if let Some(id) = head.id {
+                if let Some(id) = id {
                     idx.by_id.insert(id, seq);
                 }
             }
@@ -263,7 +290,7 @@ impl Archive {
                 let hash = xxhash_rust::xxh3::xxh3_64(json.as_bytes());
                 if let Some(id) = m.id.as_deref() {
                     let existing = batch_ids.get(id).copied().or_else(|| {
-                        idx.by_id.get(id).map(|&s| {
+                        idx.by_id.get(&self.id_hash(id)).map(|&s| {
                             let p = idx.records[s];
                             (s as u64, p.len, p.hash)
                         })
@@ -313,7 +340,7 @@ impl Archive {
                     hash,
                 });
                 if let Some(id) = &messages[i].id {
-                    idx.by_id.insert(id.clone(), seq);
+                    idx.by_id.insert(self.id_hash(id), seq);
                 }
             }
             if offset != idx.end {
@@ -344,13 +371,38 @@ impl Archive {
         id: &str,
     ) -> Result<Option<ArchivedMessage>, OffloadError> {
         self.with_index(thread, |idx, key| {
-            let Some(&seq) = idx.by_id.get(id) else {
+            let Some(&seq) = idx.by_id.get(&self.id_hash(id)) else {
                 return Ok(None);
             };
-            let pos = idx.records[seq];
-            let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
-            parse(key, seq as u64, &bytes).map(Some)
+            let found = self.read_record(idx, key, seq)?;
+            if found.message.id.as_deref() == Some(id) {
+                return Ok(Some(found));
+            }
+            // Two ids share a 64-bit hash (about one chance in 2^64 per pair): look
+            // for the newest record of this id the slow way.
+            for seq in (0..idx.records.len()).rev() {
+                let candidate = self.read_record(idx, key, seq)?;
+                if candidate.message.id.as_deref() == Some(id) {
+                    return Ok(Some(candidate));
+                }
+            }
+            Ok(None)
         })
+    }
+
+    fn id_hash(&self, id: &str) -> u64 {
+        xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), self.seed)
+    }
+
+    fn read_record(
+        &self,
+        idx: &ThreadIndex,
+        key: &Key,
+        seq: usize,
+    ) -> Result<ArchivedMessage, OffloadError> {
+        let pos = idx.records[seq];
+        let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
+        parse(key, seq as u64, &bytes)
     }
 
     /// The archived messages at positions `seqs` (clamped to what exists), in order.
@@ -412,9 +464,7 @@ impl Archive {
                 else {
                     continue;
                 };
-                let pos = idx.records[seq];
-                let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
-                out.messages.push(parse(key, seq as u64, &bytes)?);
+                out.messages.push(self.read_record(idx, key, seq)?);
             }
             Ok(out)
         })
@@ -488,6 +538,48 @@ impl Archive {
             }
         }
     }
+}
+
+/// The seeded id hash and the content hash of a record line. Records this crate wrote
+/// start with `{"seq":N,"id":...,"hash":"...","message":` and their message hashes to
+/// the hash, which is checked without parsing the message; anything else goes through
+/// the full JSON parser.
+fn read_head(line: &[u8], seed: u64) -> Option<(Option<u64>, u64)> {
+    let id_hash = |id: &str| xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), seed);
+    if let Some((id, hash)) = fast_head(line) {
+        return Some((id.map(|id| id_hash(&id)), hash));
+    }
+    let head = serde_json::from_slice::<RecordHead>(line).ok()?;
+    let hash = u64::from_str_radix(&head.hash, 16).ok()?;
+    Some((head.id.as_deref().map(id_hash), hash))
+}
+
+fn fast_head(line: &[u8]) -> Option<(Option<std::borrow::Cow<'_, str>>, u64)> {
+    let rest = line.strip_prefix(b"{\"seq\":")?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let rest = rest[digits..].strip_prefix(b",\"id\":")?;
+    // Borrow the id when it has no escapes; allocate only when it does.
+    let mut borrowed = serde_json::Deserializer::from_slice(rest).into_iter::<Option<&str>>();
+    let (id, used) = match borrowed.next() {
+        Some(Ok(id)) => (id.map(std::borrow::Cow::Borrowed), borrowed.byte_offset()),
+        _ => {
+            let mut owned =
+                serde_json::Deserializer::from_slice(rest).into_iter::<Option<String>>();
+            let id = owned.next()?.ok()?;
+            (id.map(std::borrow::Cow::Owned), owned.byte_offset())
+        }
+    };
+    let rest = rest.get(used..)?.strip_prefix(b",\"hash\":\"")?;
+    let hash = std::str::from_utf8(rest.get(..16)?).ok()?;
+    let hash = u64::from_str_radix(hash, 16).ok()?;
+    let rest = rest[16..].strip_prefix(b"\",\"message\":")?;
+    // The message is what was hashed when the record was written: a record cut short
+    // (or otherwise damaged) fails the check and goes to the full parser.
+    let message = rest.strip_suffix(b"}")?;
+    if digits == 0 || hash != xxhash_rust::xxh3::xxh3_64(message) {
+        return None;
+    }
+    Some((id, hash))
 }
 
 fn parse(key: &Key, seq: u64, bytes: &[u8]) -> Result<ArchivedMessage, OffloadError> {

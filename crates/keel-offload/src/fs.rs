@@ -1,7 +1,9 @@
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::OffloadError;
@@ -30,7 +32,11 @@ pub enum Fsync {
 /// * `put` writes a temporary file in `<root>/.tmp/` and renames it over the target,
 ///   so a reader sees the old content or the new, never half of it. The text is
 ///   written straight from the caller's `&str`: a 200 MB result is not copied.
-/// * `append` opens the file in append mode and writes only the new bytes.
+/// * `append` opens the file in append mode and writes only the new bytes. The handle
+///   stays open (up to 64 files), so later appends cost one write; `put` and `delete`
+///   close it first. Appends to one key assume one writer at a time (keel's rule of
+///   one writer per thread): the offset returned is the end of the file just before
+///   the write.
 /// * With [`Fsync::Always`] (the default) the file, and the directory when an entry
 ///   appears, are synced before the call returns.
 /// * Symbolic links are never followed: every directory on the way to an entry is
@@ -62,7 +68,15 @@ pub struct FsStore {
     root: PathBuf,
     tmp: PathBuf,
     fsync: Fsync,
+    /// Files opened for appending, kept open so an append costs a write rather than a
+    /// path walk and an open. `put` and `delete` drop a key's handle before replacing
+    /// or removing its file.
+    appenders: Arc<Mutex<HashMap<Key, Arc<File>>>>,
 }
+
+/// Most files kept open for appending; past it, the handles are closed and reopened
+/// on demand.
+const MAX_APPENDERS: usize = 64;
 
 const TMP_DIR: &str = ".tmp";
 
@@ -111,6 +125,7 @@ impl FsStore {
             root,
             tmp,
             fsync: Fsync::default(),
+            appenders: Arc::default(),
         })
     }
 
@@ -223,6 +238,40 @@ impl FsStore {
             .map_err(|e| open_error(key, "open", e))
     }
 
+    /// The open append handle of `key`, opening (with every check) when needed.
+    fn appender(&self, key: &Key) -> Result<Arc<File>, OffloadError> {
+        let mut open = self
+            .appenders
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = open.get(key) {
+            return Ok(Arc::clone(f));
+        }
+        let target = self.file_path(key, true)?.ok_or_else(|| not_found(key))?;
+        let f = no_follow()
+            .append(true)
+            .create(true)
+            .open(&target)
+            .map_err(|e| open_error(key, "open for append", e))?;
+        let created = f.metadata().map(|m| m.len() == 0).unwrap_or(true);
+        if created && self.fsync == Fsync::Always {
+            sync_parent(&target).map_err(|e| OffloadError::io("sync a directory", key, e))?;
+        }
+        if open.len() >= MAX_APPENDERS {
+            open.clear();
+        }
+        let f = Arc::new(f);
+        open.insert(key.clone(), Arc::clone(&f));
+        Ok(f)
+    }
+
+    fn forget_appender(&self, key: &Key) {
+        self.appenders
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
+    }
+
     fn tmp_path(&self) -> PathBuf {
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -304,7 +353,7 @@ fn sync_dir(_dir: &Path) -> io::Result<()> {
 }
 
 /// Writes all of `text` and, when asked, syncs it.
-fn write_synced(f: &mut File, text: &[u8], fsync: Fsync) -> io::Result<()> {
+fn write_synced(mut f: &File, text: &[u8], fsync: Fsync) -> io::Result<()> {
     f.write_all(text)?;
     if fsync == Fsync::Always {
         f.sync_data()?;
@@ -315,14 +364,15 @@ fn write_synced(f: &mut File, text: &[u8], fsync: Fsync) -> io::Result<()> {
 impl OffloadStore for FsStore {
     fn put(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
         let target = self.file_path(key, true)?.ok_or_else(|| not_found(key))?;
+        self.forget_appender(key);
         let tmp = self.tmp_path();
         let result: Result<u64, OffloadError> = (|| {
-            let mut f = no_follow()
+            let f = no_follow()
                 .write(true)
                 .create_new(true)
                 .open(&tmp)
                 .map_err(|e| OffloadError::io("create a temporary file", key, e))?;
-            write_synced(&mut f, text.as_bytes(), self.fsync)
+            write_synced(&f, text.as_bytes(), self.fsync)
                 .map_err(|e| OffloadError::io("write", key, e))?;
             drop(f);
             fs::rename(&tmp, &target).map_err(|e| OffloadError::io("move into place", key, e))?;
@@ -338,22 +388,20 @@ impl OffloadStore for FsStore {
     }
 
     fn append(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
-        let target = self.file_path(key, true)?.ok_or_else(|| not_found(key))?;
-        let mut f = no_follow()
-            .append(true)
-            .create(true)
-            .open(&target)
-            .map_err(|e| open_error(key, "open for append", e))?;
-        let start = f
-            .metadata()
-            .map_err(|e| OffloadError::io("inspect", key, e))?
-            .len();
-        write_synced(&mut f, text.as_bytes(), self.fsync)
-            .map_err(|e| OffloadError::io("append", key, e))?;
-        if start == 0 && self.fsync == Fsync::Always {
-            sync_parent(&target).map_err(|e| OffloadError::io("sync a directory", key, e))?;
+        let file = self.appender(key)?;
+        let result = (|| {
+            // One writer per key: the end is where this text will land.
+            let start = (&*file)
+                .seek(SeekFrom::End(0))
+                .map_err(|e| OffloadError::io("seek", key, e))?;
+            write_synced(&file, text.as_bytes(), self.fsync)
+                .map_err(|e| OffloadError::io("append", key, e))?;
+            Ok(start)
+        })();
+        if result.is_err() {
+            self.forget_appender(key);
         }
-        Ok(start)
+        result
     }
 
     fn get(&self, key: &Key) -> Result<String, OffloadError> {
@@ -481,6 +529,7 @@ impl OffloadStore for FsStore {
     }
 
     fn delete(&self, key: &Key) -> Result<bool, OffloadError> {
+        self.forget_appender(key);
         let Some(p) = self.file_path(key, false)? else {
             return Ok(false);
         };
@@ -506,12 +555,12 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn dev_full_is_storage_full() {
-        let Ok(mut f) = OpenOptions::new().write(true).open("/dev/full") else {
+        let Ok(f) = OpenOptions::new().write(true).open("/dev/full") else {
             eprintln!("skipped: /dev/full is not available");
             return;
         };
         let key = Key::new("t", "x").unwrap();
-        let err = write_synced(&mut f, &[b'x'; 1 << 16], Fsync::Never)
+        let err = write_synced(&f, &[b'x'; 1 << 16], Fsync::Never)
             .map_err(|e| OffloadError::io("write", &key, e))
             .unwrap_err();
         assert!(err.is_storage_full(), "{err}");

@@ -133,6 +133,23 @@ fn a_new_archive_rebuilds_its_index_from_disk() {
 }
 
 #[test]
+fn ids_that_need_escaping_survive_a_rebuild() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = thread("t1");
+    let odd = ["say \"hi\"", "back\\slash", "tab\there", "ünïcödé", ""];
+    let messages: Vec<Message> = odd
+        .iter()
+        .map(|id| Message::user(format!("id {id:?}")).with_id(*id))
+        .collect();
+    fs_archive(dir.path()).append(&t, &messages).unwrap();
+    let reopened = fs_archive(dir.path());
+    for m in &messages {
+        let id = m.id.as_deref().unwrap();
+        assert_eq!(&reopened.get(&t, id).unwrap().unwrap().message, m, "{id:?}");
+    }
+}
+
+#[test]
 fn retries_do_not_duplicate_and_changed_messages_are_appended() {
     let archive = Archive::new(Arc::new(MemoryStore::new()));
     let t = thread("t1");
@@ -201,6 +218,49 @@ fn a_torn_last_record_is_skipped_and_the_next_append_starts_a_new_line() {
         .grep(&t, &Pattern::new(r#""id":"m4""#).unwrap(), 10)
         .unwrap();
     assert_eq!(found.messages.len(), 1);
+}
+
+#[test]
+fn a_damaged_record_in_the_middle_is_not_indexed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = thread("t1");
+    let messages = history(6);
+    fs_archive(dir.path()).append(&t, &messages[..4]).unwrap();
+    // A torn write that happens to end like a record, then later appends after it.
+    let store = FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never);
+    let key = Key::new("t1", Archive::DEFAULT_PATH).unwrap();
+    store
+        .append(&key, r#"{"seq":4,"id":"m4","hash":"0123456789abcdef","message":{"role":"user","content":"a}}"#)
+        .unwrap();
+    fs_archive(dir.path()).append(&t, &messages[4..]).unwrap();
+
+    let reopened = fs_archive(dir.path());
+    assert_eq!(reopened.len(&t).unwrap(), 6);
+    assert_eq!(
+        reopened.get(&t, "m4").unwrap().unwrap().message,
+        messages[4]
+    );
+    let all: Vec<Message> = reopened
+        .range(&t, 0..6)
+        .unwrap()
+        .into_iter()
+        .map(|a| a.message)
+        .collect();
+    assert_eq!(all, messages);
+}
+
+#[test]
+fn records_written_by_hand_are_read_by_the_full_parser() {
+    let store = Arc::new(MemoryStore::new());
+    let key = Key::new("t1", Archive::DEFAULT_PATH).unwrap();
+    // Different key order and spacing than the archive writes.
+    store
+        .append(&key, "{\"message\": {\"role\": \"user\", \"content\": \"hi\", \"id\": \"x1\"}, \"hash\": \"00000000000000ff\", \"id\": \"x1\", \"seq\": 0}\n")
+        .unwrap();
+    let archive = Archive::new(store);
+    let t = thread("t1");
+    assert_eq!(archive.len(&t).unwrap(), 1);
+    assert_eq!(archive.get(&t, "x1").unwrap().unwrap().message.text(), "hi");
 }
 
 #[test]
