@@ -1,0 +1,84 @@
+//! Replays the recorded trajectories in `../shared/data` (or a directory given as the
+//! first argument) through each compaction strategy at several forced windows, and
+//! prints what a model would have been sent compared with the full history.
+//!
+//! ```sh
+//! cargo run --release -p keel-compaction --example replay -- [data-dir] [--min-messages N]
+//! ```
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use keel_compaction::Strategy;
+use keel_compaction::replay::{
+    ReplayConfig, Report, load_swe_agent_dir, load_tau_bench, replay_all,
+};
+use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let dir = args
+        .iter()
+        .find(|a| !a.starts_with("--") && a.parse::<usize>().is_err())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"))
+        });
+    let min_messages: usize = args
+        .iter()
+        .position(|a| a == "--min-messages")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
+    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(TiktokenCounter::o200k_base()?));
+
+    let tau = load_tau_bench(&dir.join("tau-bench/gpt-4o-airline.json"))?;
+    let long: Vec<_> = tau
+        .into_iter()
+        .filter(|t| t.messages.len() >= min_messages)
+        .collect();
+    let swe = load_swe_agent_dir(&dir.join("swe-agent"))?;
+    println!(
+        "tau-bench: {} runs with ≥{min_messages} messages; swe-agent: {} runs\n",
+        long.len(),
+        swe.len()
+    );
+
+    let strategies = [
+        Strategy::Hierarchical,
+        Strategy::masking(),
+        Strategy::hybrid(),
+    ];
+    println!("{}", Report::HEADER);
+    for (name, set) in [("tau-bench", &long), ("swe-agent", &swe)] {
+        for window in [8_000, 15_000, 32_000] {
+            for strategy in strategies {
+                let mut config = ReplayConfig::new(window, strategy);
+                let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+                if let Some(v) = env("KEEL_KEEP") {
+                    config.compaction.keep_recent_tokens = Some(v);
+                }
+                if let Some(v) = env("KEEL_MBUDGET") {
+                    config.compaction.milestone_budget_tokens = Some(v);
+                }
+                if let Some(v) = env("KEEL_EBUDGET") {
+                    config.compaction.epoch_budget_tokens = Some(v);
+                }
+                if let Some(v) = env("KEEL_EVERY") {
+                    config.compaction.every_steps = (v > 0).then_some(v);
+                }
+                if let Some(v) = env("KEEL_FRACTION") {
+                    config.compaction.window_fraction = v as f64 / 100.0;
+                }
+                let started = Instant::now();
+                let (report, _) = replay_all(set, &config, Arc::clone(&counter)).await?;
+                let _ = name;
+                println!("{report}  [{:.2}s]", started.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok(())
+}

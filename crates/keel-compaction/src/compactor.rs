@@ -1,0 +1,744 @@
+//! The compaction engine: triggers, assembly, milestones, epochs and masking.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use keel_message::{Message, Role, ToolSpec};
+use keel_offload::{Archive, EvictLargeResults, PolicyEnv, ThreadId, TruncateArguments};
+use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
+use keel_token::{ModelProfile, TokenCounter};
+
+use crate::config::{CompactionConfig, Strategy};
+use crate::cut::safe_cut_at_or_before;
+use crate::error::CompactionError;
+use crate::event::{CompactionEvent, EventKind, Trigger};
+use crate::state::{
+    ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
+    OBSERVATION_METADATA_KEY,
+};
+
+/// Tokens of each layer of an assembled prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerTokens {
+    /// The system prompt.
+    pub system: usize,
+    /// The goal anchor.
+    pub goal: usize,
+    /// The epoch summary.
+    pub epoch: usize,
+    /// All milestones.
+    pub milestones: usize,
+    /// The raw buffer.
+    pub raw: usize,
+    /// Tool specs.
+    pub tools: usize,
+    /// The whole prompt, including the reply priming.
+    pub total: usize,
+}
+
+/// Keeps one agent's context within its model's window: decides when to compact,
+/// assembles the prompt, and compacts.
+///
+/// ```
+/// use std::sync::Arc;
+/// use keel_compaction::{CompactionConfig, Compactor, ContextState, GoalAnchor};
+/// use keel_message::{Message, ToolCall};
+/// use keel_offload::{Archive, MemoryStore, ThreadId};
+/// use keel_summarize::ExtractiveSummarizer;
+/// use keel_token::{ApproxCounter, Encoding, ModelProfile};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// let compactor = Compactor::new(
+///     Arc::new(ExtractiveSummarizer::new()),
+///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+///     ThreadId::new("t1")?,
+///     Arc::new(ApproxCounter::new()),
+///     ModelProfile::new("small", 8_000, 1_000, Encoding::Approximate),
+/// )
+/// .with_config(CompactionConfig::default().with_every_steps(Some(3)).with_keep_recent_tokens(50));
+///
+/// let mut state = ContextState::new(GoalAnchor::new("Find why the build fails."));
+/// for i in 0..7 {
+///     let call = ToolCall::new(format!("c{i}"), "sh", serde_json::json!({"cmd": "cargo build"}));
+///     state.push_step(
+///         Message::assistant(format!("Attempt {i}.")).with_tool_calls(vec![call]),
+///         [Message::tool(format!("c{i}"), format!("error[E0{i}]: something broke in src/lib.rs"))],
+///     );
+///     compactor.after_step(&mut state, &[]).await?;
+/// }
+/// // The goal still heads the prompt; older steps became milestones.
+/// let prompt = compactor.assemble(&mut state);
+/// assert_eq!(prompt[0].text(), "Find why the build fails.");
+/// assert_eq!(state.milestones.len(), 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Compactor {
+    summarizer: Arc<dyn Summarizer>,
+    fallback: Arc<dyn Summarizer>,
+    archive: Arc<Archive>,
+    thread: ThreadId,
+    counter: Arc<dyn TokenCounter>,
+    profile: ModelProfile,
+    config: CompactionConfig,
+    truncate: Option<TruncateArguments>,
+    evict: Option<EvictLargeResults>,
+}
+
+impl std::fmt::Debug for Compactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Compactor")
+            .field("thread", &self.thread)
+            .field("profile", &self.profile)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Compactor {
+    /// A compactor with default settings and the extractive summarizer as fallback.
+    /// Tool results over the smaller of 20,000 tokens and a quarter of the input budget
+    /// are offloaded on arrival.
+    pub fn new(
+        summarizer: Arc<dyn Summarizer>,
+        archive: Arc<Archive>,
+        thread: ThreadId,
+        counter: Arc<dyn TokenCounter>,
+        profile: ModelProfile,
+    ) -> Self {
+        Compactor {
+            summarizer,
+            fallback: Arc::new(ExtractiveSummarizer::new()),
+            archive,
+            thread,
+            counter,
+            config: CompactionConfig::default(),
+            truncate: Some(TruncateArguments::new()),
+            evict: Some(
+                EvictLargeResults::new().with_threshold((profile.input_budget() / 4).min(20_000)),
+            ),
+            profile,
+        }
+    }
+
+    /// Replaces the settings.
+    #[must_use]
+    pub fn with_config(mut self, config: CompactionConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Replaces the summarizer used when the primary fails and the context would
+    /// overflow.
+    #[must_use]
+    pub fn with_fallback(mut self, fallback: Arc<dyn Summarizer>) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// Replaces (or, with `None`, turns off) the truncate-old-arguments policy run at
+    /// each milestone.
+    #[must_use]
+    pub fn with_truncate_arguments(mut self, policy: Option<TruncateArguments>) -> Self {
+        self.truncate = policy;
+        self
+    }
+
+    /// Replaces (or, with `None`, turns off) the evict-large-results policy that
+    /// [`Compactor::push_step`] applies to tool results as they arrive.
+    #[must_use]
+    pub fn with_evict(mut self, policy: Option<EvictLargeResults>) -> Self {
+        self.evict = policy;
+        self
+    }
+
+    /// Appends one step to the raw buffer: the model's `reply` and the messages that
+    /// followed it. Tool results over the eviction threshold are written to the
+    /// offload store first and enter the context as a stub (path, size, head and tail
+    /// lines); a result whose write fails enters in full, so nothing is lost.
+    pub fn push_step(&self, state: &mut ContextState, reply: Message, results: Vec<Message>) {
+        let results = match &self.evict {
+            Some(policy) if results.iter().any(is_observation) => {
+                self.evict(policy, &reply, results)
+            }
+            _ => results,
+        };
+        state.push_step(reply, results);
+    }
+
+    /// Runs the evict policy over `results`. Observations that arrived as user messages
+    /// are offloaded like tool results (under their message id).
+    fn evict(
+        &self,
+        policy: &EvictLargeResults,
+        reply: &Message,
+        results: Vec<Message>,
+    ) -> Vec<Message> {
+        // The reply goes along so the policy can name each result's tool.
+        let mut batch = Vec::with_capacity(results.len() + 1);
+        batch.push(reply.clone());
+        let mut as_tool = Vec::with_capacity(results.len());
+        for (k, mut m) in results.into_iter().enumerate() {
+            let observation = m.role == Role::User && is_observation(&m);
+            if observation {
+                m.role = Role::Tool;
+                m.tool_call_id = Some(
+                    m.id.clone()
+                        .unwrap_or_else(|| format!("observation-{}-{k}", state_step(reply))),
+                );
+            }
+            as_tool.push(observation);
+            batch.push(m);
+        }
+        let env = PolicyEnv::new(self.archive.store().as_ref(), &self.thread, &*self.counter);
+        let outcome = policy.apply(batch, &env);
+        for f in &outcome.failures {
+            tracing::warn!(error = %f.error, "offloading a large tool result failed; kept in full");
+        }
+        outcome
+            .messages
+            .into_iter()
+            .skip(1)
+            .zip(as_tool)
+            .map(|(mut m, observation)| {
+                if observation {
+                    m.role = Role::User;
+                    m.tool_call_id = None;
+                }
+                m
+            })
+            .collect()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CompactionConfig {
+        &self.config
+    }
+
+    /// The model's input budget: its window minus its maximum output.
+    pub fn budget(&self) -> usize {
+        self.profile.input_budget()
+    }
+
+    /// The token threshold of the token trigger.
+    pub fn threshold(&self) -> usize {
+        let budget = self.budget() as f64;
+        (budget * self.config.window_fraction.clamp(0.0, 1.0)) as usize
+    }
+
+    /// The model input, in order: system prompt, goal, epoch summary, milestones, raw
+    /// buffer. Between compaction events each call returns the previous prompt plus new
+    /// messages at its end (invariant 8).
+    pub fn assemble(&self, state: &mut ContextState) -> Vec<Message> {
+        self.prompt(state).cloned().collect()
+    }
+
+    /// The model input as references (no copies).
+    pub fn prompt<'a>(&self, state: &'a ContextState) -> impl Iterator<Item = &'a Message> {
+        state
+            .system
+            .iter()
+            .chain(std::iter::once(state.goal.message()))
+            .chain(state.layers().map(|l| &l.message))
+            .chain(&state.raw)
+    }
+
+    /// Tokens of each layer of the prompt (and of `tools`). Counts only messages it has
+    /// not counted before, so a step costs O(new messages).
+    pub fn tokens(&self, state: &mut ContextState, tools: &[ToolSpec]) -> LayerTokens {
+        let c = &*self.counter;
+        let ledger = &mut state.ledger;
+        if ledger.fixed.is_none() {
+            ledger.fixed = Some((
+                state.system.as_ref().map_or(0, |m| c.count_message(m)),
+                c.count_message(state.goal.message()),
+                c.count_messages(&[]),
+            ));
+        }
+        while ledger.raw.len() < state.raw.len() {
+            let n = c.count_message(&state.raw[ledger.raw.len()]);
+            ledger.raw.push(n);
+            ledger.raw_total += n;
+        }
+        if ledger.raw.len() > state.raw.len() {
+            // Messages were removed behind the ledger's back: recount.
+            ledger.raw.clear();
+            ledger.raw_total = 0;
+            return self.tokens(state, tools);
+        }
+        let (system, goal, priming) = ledger.fixed.unwrap_or_default();
+        let epoch = state.epoch.as_ref().map_or(0, |l| l.tokens);
+        let milestones = state.milestones.iter().map(|l| l.tokens).sum();
+        let tools = if tools.is_empty() {
+            0
+        } else {
+            c.count_tools(tools)
+        };
+        let raw = ledger.raw_total;
+        LayerTokens {
+            system,
+            goal,
+            epoch,
+            milestones,
+            raw,
+            tools,
+            total: system + goal + epoch + milestones + raw + tools + priming,
+        }
+    }
+
+    /// Whether to compact now, and why.
+    pub fn check(&self, state: &mut ContextState, tools: &[ToolSpec]) -> Option<Trigger> {
+        if state.step >= self.config.max_steps {
+            return Some(Trigger::StepCeiling);
+        }
+        if self.config.force && !state.raw.is_empty() {
+            return Some(Trigger::Force);
+        }
+        if self.tokens(state, tools).total >= self.threshold() && state.raw.len() > 1 {
+            return Some(Trigger::Tokens);
+        }
+        if self.config.strategy == Strategy::Hierarchical
+            && let Some(n) = self.config.every_steps
+            && state.steps_since_compaction() >= n as u64
+        {
+            return Some(Trigger::Steps);
+        }
+        None
+    }
+
+    /// Checks and compacts until no trigger fires (at most a few rounds). Call it after
+    /// every step. Returns the events of this call; a failed compaction is an event
+    /// with an error, and the context is unchanged by it.
+    pub async fn after_step(
+        &self,
+        state: &mut ContextState,
+        tools: &[ToolSpec],
+    ) -> Result<Vec<CompactionEvent>, CompactionError> {
+        let mut events = Vec::new();
+        for _ in 0..4 {
+            let Some(trigger) = self.check(state, tools) else {
+                break;
+            };
+            if trigger == Trigger::StepCeiling {
+                return Err(CompactionError::StepCeiling {
+                    steps: state.step,
+                    max: self.config.max_steps,
+                });
+            }
+            match self.compact(state, trigger, tools).await {
+                Ok(e) => events.push(e),
+                Err(CompactionError::NothingToCompact) => break,
+                Err(e) => return Err(e),
+            }
+            if matches!(trigger, Trigger::Force) {
+                break;
+            }
+        }
+        Ok(events)
+    }
+
+    /// Compacts for `trigger`: masks old observations, or summarizes the raw buffer
+    /// into a milestone (and folds milestones into an epoch). On failure the context is
+    /// unchanged and the failed event is recorded.
+    pub async fn compact(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<CompactionEvent, CompactionError> {
+        let started = Instant::now();
+        let before = self.tokens(state, tools).total;
+        let result = match self.config.strategy {
+            Strategy::Hierarchical => self.milestone(state, trigger, tools).await,
+            Strategy::Masking { .. } | Strategy::Hybrid { .. } => {
+                self.relieve(state, trigger, tools).await
+            }
+        };
+        let kind = match &result {
+            Ok(d) => d.kind,
+            Err(_) => EventKind::Milestone,
+        };
+        let after = self.tokens(state, tools).total;
+        let event = CompactionEvent {
+            step: state.step,
+            trigger,
+            kind,
+            tokens_before: before,
+            tokens_after: after,
+            messages_archived: result.as_ref().map_or(0, |d| d.archived),
+            prompt_version: result
+                .as_ref()
+                .map(|d| d.prompt_version.clone())
+                .unwrap_or_default(),
+            summarizer_model: result.as_ref().map(|d| d.model.clone()).unwrap_or_default(),
+            fallback: result.as_ref().is_ok_and(|d| d.fallback),
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            error: result.as_ref().err().map(ToString::to_string),
+        };
+        event.emit();
+        if !matches!(result, Err(CompactionError::NothingToCompact)) {
+            state.events.push(event.clone());
+        }
+        result.map(|_| event)
+    }
+
+    /// Masking strategies under pressure: mask old tool results first; summarize only
+    /// if that is not enough (for [`Strategy::Hybrid`], back under the threshold; for
+    /// [`Strategy::Masking`], under the budget, after masking all but the last turn).
+    async fn relieve(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<Done, CompactionError> {
+        let hybrid = matches!(self.config.strategy, Strategy::Hybrid { .. });
+        let mut masked = self.mask(state, None)?;
+        if !hybrid && masked.archived == 0 {
+            masked = self.mask(state, Some(1))?;
+        }
+        let tokens = self.tokens(state, tools).total;
+        let enough = if hybrid {
+            tokens < self.threshold()
+        } else {
+            tokens < self.budget()
+        };
+        if masked.archived > 0 && enough {
+            return Ok(masked);
+        }
+        if !hybrid && enough && trigger != Trigger::Overflow && trigger != Trigger::Force {
+            return Err(CompactionError::NothingToCompact);
+        }
+        let mut done = self.milestone(state, trigger, tools).await?;
+        done.archived += masked.archived;
+        Ok(done)
+    }
+
+    /// Where the masking boundary should be: turns whose results are masked.
+    fn mask_boundary(&self, state: &ContextState, keep: usize, block: usize) -> u64 {
+        let eligible = state.step.saturating_sub(keep as u64);
+        eligible - eligible % block as u64
+    }
+
+    /// Masks tool results of turns up to the boundary (or, with `keep_override`, all
+    /// but the last `keep_override` turns). Returns how many messages were masked.
+    fn mask(
+        &self,
+        state: &mut ContextState,
+        keep_override: Option<usize>,
+    ) -> Result<Done, CompactionError> {
+        let (keep, block) = self.config.strategy.mask_params().unwrap_or((1, 1));
+        let boundary = match keep_override {
+            Some(k) => state.step.saturating_sub(k as u64),
+            None => self.mask_boundary(state, keep, block),
+        };
+        if boundary <= state.masked_turns && keep_override.is_none() {
+            return Ok(Done::masked(0));
+        }
+        // The turn of each raw message: the raw buffer ends at turn `state.step`.
+        let assistants = state
+            .raw
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .count() as u64;
+        let mut turn = state.step.saturating_sub(assistants);
+        let mut targets = Vec::new();
+        for (i, m) in state.raw.iter().enumerate() {
+            if m.role == Role::Assistant {
+                turn += 1;
+            }
+            if turn <= boundary
+                && is_observation(m)
+                && !m.metadata.contains_key(MASKED_METADATA_KEY)
+            {
+                targets.push(i);
+            }
+        }
+        if targets.is_empty() {
+            state.masked_turns = state.masked_turns.max(boundary);
+            return Ok(Done::masked(0));
+        }
+        let originals: Vec<Message> = targets.iter().map(|&i| state.raw[i].clone()).collect();
+        let appended = self
+            .archive
+            .append(&self.thread, &originals)
+            .map_err(CompactionError::Archive)?;
+        for (k, &i) in targets.iter().enumerate() {
+            let seq = appended.seqs.get(k).copied().unwrap_or_default();
+            let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
+            let m = &mut state.raw[i];
+            let id = m.id.clone().unwrap_or_else(|| format!("#{seq}"));
+            m.content = format!(
+                "[tool result masked: {tokens} tokens, archived as message {id} (archive seq {seq}); \
+                 search the archive to read it again]"
+            )
+            .into();
+            m.metadata
+                .insert(MASKED_METADATA_KEY.to_owned(), seq.into());
+            if let Some(slot) = state.ledger.raw.get_mut(i) {
+                let n = self.counter.count_message(m);
+                state.ledger.raw_total = state.ledger.raw_total - *slot + n;
+                *slot = n;
+            }
+        }
+        state.masked_turns = state.masked_turns.max(boundary);
+        Ok(Done::masked(appended.written))
+    }
+
+    /// Archives and summarizes the older part of the raw buffer into a milestone, then
+    /// folds milestones into an epoch when there are enough.
+    async fn milestone(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<Done, CompactionError> {
+        self.truncate_arguments(state, tools);
+
+        // Keep a recent tail of about `keep_recent_tokens`, cut where no tool call is
+        // separated from its results.
+        let mut tail = 0usize;
+        let mut target = state.raw.len();
+        while target > 0 {
+            let n = state
+                .ledger
+                .raw
+                .get(target - 1)
+                .copied()
+                .unwrap_or_default();
+            if tail + n > self.config.keep_recent(self.budget()) {
+                break;
+            }
+            tail += n;
+            target -= 1;
+        }
+        let overflowing =
+            trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
+        // When overflowing, at least the oldest step must go even if the tail is large.
+        let target = if target == 0 && overflowing {
+            state.raw.len().saturating_sub(1)
+        } else {
+            target
+        };
+        let cut =
+            safe_cut_at_or_before(&state.raw, target).ok_or(CompactionError::NothingToCompact)?;
+        let leaving = &state.raw[..cut];
+
+        // Invariant 2: archive before anything leaves. Masked stubs are not archived:
+        // their originals already are.
+        let to_archive: Vec<Message> = leaving
+            .iter()
+            .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
+            .cloned()
+            .collect();
+        let appended = self
+            .archive
+            .append(&self.thread, &to_archive)
+            .map_err(CompactionError::Archive)?;
+
+        let summary = self
+            .summarize(
+                SummaryRequest::milestone(leaving, self.config.milestone_budget(self.budget())),
+                overflowing,
+            )
+            .await?;
+        let first_step = state.step_at_compaction + 1;
+        let number = state
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Milestone && e.error.is_none())
+            .count()
+            + 1;
+        let layer = self.layer(
+            LayerLevel::Milestone,
+            format!("[Milestone {number}: steps {first_step}–{}]", state.step),
+            (summary.0, summary.1.clone()),
+            first_step,
+            state.step,
+            format!("keel-milestone-{number}"),
+        );
+        // From here nothing can fail: flush.
+        state.raw.drain(..cut);
+        let removed: usize = state
+            .ledger
+            .raw
+            .drain(..cut.min(state.ledger.raw.len()))
+            .sum();
+        state.ledger.raw_total -= removed;
+        state.milestones.push(layer);
+        state.step_at_compaction = state.step;
+        let mut done = Done {
+            kind: EventKind::Milestone,
+            archived: appended.written,
+            prompt_version: summary.1.prompt_version.clone(),
+            model: summary.1.model.clone(),
+            fallback: summary.2,
+        };
+
+        if state.milestones.len() >= self.config.epoch_every.max(1) {
+            // A failed epoch keeps the milestones; it is retried at the next milestone.
+            match self.epoch(state, overflowing).await {
+                Ok(()) => done.kind = EventKind::Epoch,
+                Err(e) => tracing::warn!(error = %e, "epoch summary failed; milestones kept"),
+            }
+        }
+        Ok(done)
+    }
+
+    async fn epoch(
+        &self,
+        state: &mut ContextState,
+        overflowing: bool,
+    ) -> Result<(), CompactionError> {
+        let inputs: Vec<Message> = state.milestones.iter().map(|l| l.message.clone()).collect();
+        let previous = state.epoch.as_ref().map(|l| l.text.clone());
+        let mut request = SummaryRequest::epoch(&inputs, self.config.epoch_budget(self.budget()));
+        if let Some(p) = &previous {
+            request = request.previous(p);
+        }
+        let (text, summary, _) = self.summarize(request, overflowing).await?;
+        let last_step = state.milestones.last().map_or(state.step, |l| l.last_step);
+        let number = state
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Epoch && e.error.is_none())
+            .count()
+            + 1;
+        let layer = self.layer(
+            LayerLevel::Epoch,
+            format!("[Progress summary: steps 1–{last_step}]"),
+            (text, summary),
+            1,
+            last_step,
+            format!("keel-epoch-{number}"),
+        );
+        state.epoch = Some(layer);
+        state.milestones.clear();
+        Ok(())
+    }
+
+    fn layer(
+        &self,
+        level: LayerLevel,
+        heading: String,
+        (text, summary): (String, keel_summarize::Summary),
+        first_step: u64,
+        last_step: u64,
+        id: String,
+    ) -> Layer {
+        let mut message = Message::user(format!("{heading}\n{text}")).with_id(id);
+        let name = match level {
+            LayerLevel::Milestone => "milestone",
+            LayerLevel::Epoch => "epoch",
+        };
+        message
+            .metadata
+            .insert(LAYER_METADATA_KEY.to_owned(), name.into());
+        let tokens = self.counter.count_message(&message);
+        Layer {
+            level,
+            text,
+            message,
+            first_step,
+            last_step,
+            prompt_version: summary.prompt_version,
+            model: summary.model,
+            tokens,
+        }
+    }
+
+    /// Runs the summarizer with retries; when it keeps failing and the context would
+    /// overflow, the fallback writes the summary. Returns (text, summary, fallback used).
+    async fn summarize(
+        &self,
+        request: SummaryRequest<'_>,
+        overflowing: bool,
+    ) -> Result<(String, keel_summarize::Summary, bool), CompactionError> {
+        let attempts = self.config.summarize_attempts.max(1);
+        let mut wait = self.config.retry_backoff;
+        let mut last_error = None;
+        for attempt in 1..=attempts {
+            match self.summarizer.summarize(&request).await {
+                Ok(s) if !s.text.trim().is_empty() => return Ok((s.text.clone(), s, false)),
+                Ok(_) => last_error = Some(keel_summarize::SummarizeError::EmptyInput),
+                Err(e) => last_error = Some(e),
+            }
+            if attempt < attempts {
+                tokio::time::sleep(wait).await;
+                wait = wait.saturating_mul(2);
+            }
+        }
+        if overflowing {
+            let s = self
+                .fallback
+                .summarize(&request)
+                .await
+                .map_err(CompactionError::Summarize)?;
+            return Ok((s.text.clone(), s, true));
+        }
+        Err(CompactionError::Summarize(
+            last_error.unwrap_or(keel_summarize::SummarizeError::EmptyInput),
+        ))
+    }
+
+    /// Replaces long string arguments of old write/edit calls with pointers (stored
+    /// once), when the context passes the policy's fraction of the window.
+    fn truncate_arguments(&self, state: &mut ContextState, tools: &[ToolSpec]) {
+        let Some(policy) = &self.truncate else {
+            return;
+        };
+        let used = self.tokens(state, tools).total;
+        if !policy.triggered(used, self.budget()) {
+            return;
+        }
+        let env = PolicyEnv::new(self.archive.store().as_ref(), &self.thread, &*self.counter);
+        let raw = std::mem::take(&mut state.raw);
+        let outcome = policy.apply_with_usage(raw, &env, used, self.budget());
+        for f in &outcome.failures {
+            tracing::warn!(error = %f.error, "truncating old arguments failed; message kept");
+        }
+        let changed: Vec<usize> = outcome.stored.iter().map(|s| s.index).collect();
+        state.raw = outcome.messages;
+        for i in changed {
+            if let (Some(slot), Some(m)) = (state.ledger.raw.get_mut(i), state.raw.get(i)) {
+                let n = self.counter.count_message(m);
+                state.ledger.raw_total = state.ledger.raw_total - *slot + n;
+                *slot = n;
+            }
+        }
+    }
+}
+
+/// A name for observations without an id: the reply's id, if any.
+fn state_step(reply: &Message) -> String {
+    reply.id.clone().unwrap_or_default()
+}
+
+/// A tool result, or a user message flagged as an observation.
+fn is_observation(m: &Message) -> bool {
+    m.role == Role::Tool
+        || (m.role == Role::User
+            && m.metadata
+                .get(OBSERVATION_METADATA_KEY)
+                .is_some_and(|v| v.as_bool() == Some(true)))
+}
+
+struct Done {
+    kind: EventKind,
+    archived: usize,
+    prompt_version: String,
+    model: String,
+    fallback: bool,
+}
+
+impl Done {
+    fn masked(archived: usize) -> Self {
+        Done {
+            kind: EventKind::Mask,
+            archived,
+            prompt_version: String::new(),
+            model: String::new(),
+            fallback: false,
+        }
+    }
+}

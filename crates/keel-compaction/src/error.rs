@@ -1,0 +1,26 @@
+use keel_offload::OffloadError;
+use keel_summarize::SummarizeError;
+
+/// Why a compaction did not happen. The context is unchanged in every case.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompactionError {
+    /// Nothing can leave the context: the raw buffer is all recent tail, or no cut
+    /// keeps tool calls with their results.
+    #[error("nothing to compact")]
+    NothingToCompact,
+    /// The archive write failed, so nothing left the context.
+    #[error("archiving failed: {0}")]
+    Archive(#[source] OffloadError),
+    /// The summarizer failed (after retries, and the fallback when it applied).
+    #[error("summarizing failed: {0}")]
+    Summarize(#[source] SummarizeError),
+    /// The run reached the hard step ceiling.
+    #[error("step ceiling reached: {steps} model calls (max {max})")]
+    StepCeiling {
+        /// Model calls made.
+        steps: u64,
+        /// The ceiling.
+        max: u64,
+    },
+}

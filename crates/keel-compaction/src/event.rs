@@ -1,0 +1,88 @@
+//! Compaction events: what happened, when, and what it cost.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a compaction ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// `every_steps` steps since the last compaction.
+    Steps,
+    /// The prompt reached `window_fraction` of the input budget.
+    Tokens,
+    /// The provider answered that the context is too long.
+    Overflow,
+    /// `force` is set.
+    Force,
+    /// The run reached `max_steps`: the caller should stop.
+    StepCeiling,
+}
+
+/// What a compaction did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// Raw steps became a milestone.
+    Milestone,
+    /// Milestones (and the previous epoch) became an epoch summary.
+    Epoch,
+    /// Old tool results were masked.
+    Mask,
+}
+
+/// One compaction, successful or not. Emitted through `tracing` and kept in
+/// [`crate::ContextState::events`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompactionEvent {
+    /// The step at which it ran.
+    pub step: u64,
+    /// Why it ran.
+    pub trigger: Trigger,
+    /// What it did (or tried to do).
+    pub kind: EventKind,
+    /// Prompt tokens before.
+    pub tokens_before: usize,
+    /// Prompt tokens after (equal to `tokens_before` on failure).
+    pub tokens_after: usize,
+    /// Messages written to the archive.
+    pub messages_archived: usize,
+    /// The summarizer's prompt version (empty for masking).
+    pub prompt_version: String,
+    /// The summarizer's model (empty for masking).
+    pub summarizer_model: String,
+    /// Whether the fallback summarizer wrote the summary.
+    pub fallback: bool,
+    /// Wall time in milliseconds.
+    pub duration_ms: u64,
+    /// The error, if it failed (nothing was changed then).
+    pub error: Option<String>,
+}
+
+impl CompactionEvent {
+    pub(crate) fn emit(&self) {
+        match &self.error {
+            None => tracing::info!(
+                step = self.step,
+                trigger = ?self.trigger,
+                kind = ?self.kind,
+                tokens_before = self.tokens_before,
+                tokens_after = self.tokens_after,
+                archived = self.messages_archived,
+                prompt_version = %self.prompt_version,
+                model = %self.summarizer_model,
+                fallback = self.fallback,
+                duration_ms = self.duration_ms,
+                "compaction"
+            ),
+            Some(error) => tracing::warn!(
+                step = self.step,
+                trigger = ?self.trigger,
+                kind = ?self.kind,
+                tokens = self.tokens_before,
+                duration_ms = self.duration_ms,
+                %error,
+                "compaction failed; context unchanged"
+            ),
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Loading recorded trajectories.
+
+use std::path::{Path, PathBuf};
+
+use keel_message::{FormatError, Message, Role, openai};
+use serde_json::Value;
+
+use crate::state::OBSERVATION_METADATA_KEY;
+
+/// One recorded run: its messages in order, with ids assigned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trajectory {
+    /// The dataset it came from (`tau-bench`, `swe-agent`).
+    pub dataset: String,
+    /// A name unique within the dataset.
+    pub id: String,
+    /// The messages, each with an id.
+    pub messages: Vec<Message>,
+}
+
+impl Trajectory {
+    /// Assistant turns (model calls).
+    pub fn turns(&self) -> usize {
+        self.messages
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .count()
+    }
+}
+
+/// Why a trajectory file could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not the expected JSON shape.
+    #[error("{path}: {reason}")]
+    Shape {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A message did not import.
+    #[error("{path}, run {run}: {source}")]
+    Message {
+        /// The file.
+        path: PathBuf,
+        /// The run within the file.
+        run: String,
+        /// The import error.
+        #[source]
+        source: Box<FormatError>,
+    },
+}
+
+fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| LoadError::Shape {
+        path: path.to_owned(),
+        reason: format!("not JSON: {e}"),
+    })
+}
+
+fn with_ids(prefix: &str, mut messages: Vec<Message>) -> Vec<Message> {
+    for (i, m) in messages.iter_mut().enumerate() {
+        if m.id.is_none() {
+            m.id = Some(format!("{prefix}-{i}"));
+        }
+    }
+    messages
+}
+
+/// Reads tau-bench's `historical_trajectories` file: a JSON list of runs, each with a
+/// `traj` of OpenAI chat messages. Runs are named `<task_id>-<trial>` (or by index).
+pub fn load_tau_bench(path: &Path) -> Result<Vec<Trajectory>, LoadError> {
+    let file = read_json(path)?;
+    let runs = file.as_array().ok_or_else(|| LoadError::Shape {
+        path: path.to_owned(),
+        reason: "expected a JSON list of runs".into(),
+    })?;
+    runs.iter()
+        .enumerate()
+        .map(|(i, run)| {
+            let id = match (run.get("task_id"), run.get("trial")) {
+                (Some(t), Some(k)) => format!("task{t}-trial{k}-{i}"),
+                _ => format!("run{i}"),
+            };
+            let traj =
+                run.get("traj")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| LoadError::Shape {
+                        path: path.to_owned(),
+                        reason: format!("run {i} has no `traj` list"),
+                    })?;
+            let messages = openai::from_values(traj).map_err(|source| LoadError::Message {
+                path: path.to_owned(),
+                run: id.clone(),
+                source: Box::new(source),
+            })?;
+            Ok(Trajectory {
+                dataset: "tau-bench".into(),
+                messages: with_ids(&id, messages),
+                id,
+            })
+        })
+        .collect()
+}
+
+/// Reads one SWE-agent `.traj` file: its `history` of role/content messages. User
+/// messages after the first are environment observations and are flagged with
+/// [`OBSERVATION_METADATA_KEY`]; `tool_call_ids` lists become `tool_call_id`.
+pub fn load_swe_agent(path: &Path) -> Result<Trajectory, LoadError> {
+    let file = read_json(path)?;
+    let history = file
+        .get("history")
+        .and_then(Value::as_array)
+        .ok_or_else(|| LoadError::Shape {
+            path: path.to_owned(),
+            reason: "expected an object with a `history` list".into(),
+        })?;
+    let id = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut messages = Vec::with_capacity(history.len());
+    let mut seen_user = false;
+    for (i, raw) in history.iter().enumerate() {
+        let mut v = raw.clone();
+        if let Some(obj) = v.as_object_mut() {
+            // SWE-agent's own keys; not part of the chat.
+            for k in [
+                "agent",
+                "message_type",
+                "thought",
+                "action",
+                "is_demo",
+                "cache_control",
+            ] {
+                obj.remove(k);
+            }
+            if let Some(ids) = obj.remove("tool_call_ids")
+                && let Some(first) = ids.as_array().and_then(|a| a.first()).cloned()
+            {
+                obj.insert("tool_call_id".into(), first);
+            }
+            if let Some(Value::Array(parts)) = obj.get("content") {
+                // Content parts: keep the text.
+                let text: String = parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect();
+                obj.insert("content".into(), Value::String(text));
+            }
+        }
+        let mut m = openai::from_value(&v).map_err(|source| LoadError::Message {
+            path: path.to_owned(),
+            run: id.clone(),
+            source: Box::new(source.at_index(i)),
+        })?;
+        if m.role == Role::User {
+            if seen_user {
+                m.metadata
+                    .insert(OBSERVATION_METADATA_KEY.to_owned(), Value::Bool(true));
+            }
+            seen_user = true;
+        }
+        m.metadata.remove("openai");
+        messages.push(m);
+    }
+    Ok(Trajectory {
+        dataset: "swe-agent".into(),
+        messages: with_ids(&id, messages),
+        id,
+    })
+}
+
+/// Reads every `.traj` file of a directory, sorted by name.
+pub fn load_swe_agent_dir(dir: &Path) -> Result<Vec<Trajectory>, LoadError> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| LoadError::Io {
+            path: dir.to_owned(),
+            source,
+        })?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "traj"))
+        .collect();
+    paths.sort();
+    paths.iter().map(|p| load_swe_agent(p)).collect()
+}

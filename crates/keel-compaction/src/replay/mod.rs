@@ -1,0 +1,19 @@
+//! Replay: feed a recorded trajectory through a compaction strategy, turn by turn, and
+//! measure what the model would have been sent.
+//!
+//! Each recorded assistant turn is taken as the model's answer. Before it, the replay
+//! records the prompt a model would have received: the full history (the baseline)
+//! and the assembled prompt of the strategy under test. For each turn it records the
+//! input tokens, the prefix the prompt shares with the previous turn's prompt (what a
+//! provider's prompt cache would reuse), whether the goal was byte-identical, and the
+//! compaction events. Needles — facts planted in early tool results — must be found in
+//! the archive after they were compacted away.
+//!
+//! Loaders read the two formats users bring: OpenAI chat messages
+//! ([`load_tau_bench`]) and SWE-agent `.traj` files ([`load_swe_agent`]).
+
+mod load;
+mod run;
+
+pub use load::{LoadError, Trajectory, load_swe_agent, load_swe_agent_dir, load_tau_bench};
+pub use run::{Needle, ReplayConfig, Report, RunReport, TurnRecord, replay_all, replay_trajectory};

@@ -1,0 +1,460 @@
+//! The replay driver and its report.
+
+use std::fmt;
+use std::sync::Arc;
+
+use keel_message::{Message, Role};
+use keel_offload::{Archive, EvictLargeResults, MemoryStore, OffloadStore, Pattern, ThreadId};
+use keel_summarize::ExtractiveSummarizer;
+use keel_token::{Encoding, ModelProfile, TokenCounter};
+
+use super::load::Trajectory;
+use crate::compactor::Compactor;
+use crate::config::{CompactionConfig, Strategy};
+use crate::error::CompactionError;
+use crate::event::CompactionEvent;
+use crate::goal::GoalAnchor;
+use crate::state::{ContextState, OBSERVATION_METADATA_KEY};
+
+/// Price of a prompt token served from the provider's cache, relative to an uncached one.
+pub const CACHED_TOKEN_PRICE: f64 = 0.1;
+
+/// How to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// The model window to enforce (a profile override, as Deep Agents' evals do).
+    pub window: usize,
+    /// Tokens reserved for the reply (the profile's maximum output).
+    pub reserve_output: usize,
+    /// How tokens are counted.
+    pub encoding: Encoding,
+    /// The compaction settings under test.
+    pub compaction: CompactionConfig,
+    /// Tool results over this many tokens are offloaded on arrival (`None`: the
+    /// default, the smaller of 20,000 and a quarter of the input budget).
+    pub evict_threshold: Option<usize>,
+    /// Needles planted per run (in the first tool results).
+    pub needles: usize,
+}
+
+impl ReplayConfig {
+    /// A replay at `window` tokens with `strategy` and keel's defaults otherwise; a
+    /// tenth of the window is reserved for the reply.
+    pub fn new(window: usize, strategy: Strategy) -> Self {
+        ReplayConfig {
+            window,
+            reserve_output: window / 10,
+            encoding: Encoding::O200kBase,
+            compaction: CompactionConfig::default().with_strategy(strategy),
+            evict_threshold: None,
+            needles: 2,
+        }
+    }
+
+    fn profile(&self) -> ModelProfile {
+        ModelProfile::new(
+            format!("replay-{}", self.window),
+            self.window,
+            self.reserve_output,
+            self.encoding,
+        )
+    }
+}
+
+/// One model call of a replayed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnRecord {
+    /// Prompt tokens with the full history.
+    pub full_tokens: usize,
+    /// Prompt tokens with the strategy under test.
+    pub tokens: usize,
+    /// Tokens of the longest run of leading messages shared with the previous prompt.
+    pub shared_prefix: usize,
+    /// The same for the full history: every message of the previous prompt.
+    pub full_shared_prefix: usize,
+    /// The previous prompt is a prefix of this one (a provider cache hits all of it).
+    pub extends_previous: bool,
+    /// The goal message is byte-identical at its place.
+    pub goal_intact: bool,
+}
+
+/// A fact planted in an early tool result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Needle {
+    /// The planted text.
+    pub text: String,
+    /// It was compacted out of the prompt by the end of the run.
+    pub left_context: bool,
+    /// A search of the archive finds it.
+    pub found_in_archive: bool,
+}
+
+/// The replay of one trajectory.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// Dataset.
+    pub dataset: String,
+    /// Run id.
+    pub id: String,
+    /// One record per model call.
+    pub turns: Vec<TurnRecord>,
+    /// Compaction events.
+    pub events: Vec<CompactionEvent>,
+    /// Planted needles.
+    pub needles: Vec<Needle>,
+}
+
+/// Replays one trajectory. `counter` should be a memoizing counter shared across runs.
+pub async fn replay_trajectory(
+    trajectory: &Trajectory,
+    config: &ReplayConfig,
+    counter: Arc<dyn TokenCounter>,
+) -> Result<RunReport, CompactionError> {
+    let mut messages = trajectory.messages.clone();
+    let planted = plant_needles(&mut messages, &trajectory.id, config.needles);
+
+    let system_at = messages.iter().position(|m| m.role == Role::System);
+    let Some(goal_at) = messages.iter().position(|m| m.role == Role::User) else {
+        return Ok(RunReport {
+            dataset: trajectory.dataset.clone(),
+            id: trajectory.id.clone(),
+            turns: Vec::new(),
+            events: Vec::new(),
+            needles: Vec::new(),
+        });
+    };
+    let goal = GoalAnchor::from_message(&messages[goal_at]);
+    let mut state = ContextState::new(goal.clone());
+    if let Some(s) = system_at {
+        state = state.with_system(messages[s].clone());
+    }
+    let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
+    let archive = Arc::new(Archive::new(Arc::clone(&store)));
+    let thread = ThreadId::new(keel_offload::safe_component(&trajectory.id))
+        .map_err(CompactionError::Archive)?;
+    let summarizer = ExtractiveSummarizer::new().with_counter(Arc::clone(&counter));
+    let compactor = Compactor::new(
+        Arc::new(summarizer),
+        archive.clone(),
+        thread.clone(),
+        Arc::clone(&counter),
+        config.profile(),
+    )
+    .with_config(config.compaction.clone());
+    let compactor = match config.evict_threshold {
+        Some(t) => compactor.with_evict(Some(EvictLargeResults::new().with_threshold(t))),
+        None => compactor,
+    };
+
+    let goal_pos = usize::from(state.system.is_some());
+    let priming = counter.count_messages(&[]);
+    let mut full_running = priming;
+    let mut full_previous = 0;
+    let mut turns = Vec::new();
+    let mut previous: Vec<Message> = Vec::new();
+    let mut i = 0;
+    while i < messages.len() {
+        let m = &messages[i];
+        if m.role != Role::Assistant {
+            // Before the first model call: the system prompt and goal have their
+            // places; anything else goes to the raw buffer.
+            full_running += counter.count_message(m);
+            if Some(i) != system_at && i != goal_at {
+                state.push([m.clone()]);
+            }
+            i += 1;
+            continue;
+        }
+        // The model is called here.
+        let prompt = compactor.assemble(&mut state);
+        let tokens = compactor.tokens(&mut state, &[]).total;
+        let common = prompt
+            .iter()
+            .zip(&previous)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let shared_prefix = prompt[..common]
+            .iter()
+            .map(|m| counter.count_message(m))
+            .sum();
+        turns.push(TurnRecord {
+            full_tokens: full_running,
+            tokens,
+            shared_prefix,
+            full_shared_prefix: full_previous,
+            extends_previous: !previous.is_empty() && common == previous.len(),
+            goal_intact: prompt
+                .get(goal_pos)
+                .is_some_and(|g| g == goal.message() && g.text() == goal.text()),
+        });
+        previous = prompt;
+        full_previous = full_running - priming;
+
+        // The step: this reply and everything up to the next model call.
+        let end = messages[i + 1..]
+            .iter()
+            .position(|m| m.role == Role::Assistant)
+            .map_or(messages.len(), |p| i + 1 + p);
+        for m in &messages[i..end] {
+            full_running += counter.count_message(m);
+        }
+        let results = messages[i + 1..end].to_vec();
+        compactor.push_step(&mut state, messages[i].clone(), results);
+        compactor.after_step(&mut state, &[]).await?;
+        i = end;
+    }
+
+    let final_prompt = compactor.assemble(&mut state);
+    let mut needles = Vec::new();
+    for text in planted {
+        let in_context = final_prompt.iter().any(|m| m.text().contains(&text));
+        let pattern = Pattern::literal(&text).map_err(CompactionError::Archive)?;
+        let found = archive
+            .grep(&thread, &pattern, 1)
+            .map_err(CompactionError::Archive)?
+            .messages
+            .len()
+            + store
+                .grep(&thread, None, &pattern, &Default::default())
+                .map_err(CompactionError::Archive)?
+                .matches
+                .len();
+        needles.push(Needle {
+            text,
+            left_context: !in_context,
+            found_in_archive: found > 0,
+        });
+    }
+    Ok(RunReport {
+        dataset: trajectory.dataset.clone(),
+        id: trajectory.id.clone(),
+        turns,
+        events: state.events,
+        needles,
+    })
+}
+
+/// Plants `n` needles in the first tool results (or observations) of a run and
+/// returns their texts.
+fn plant_needles(messages: &mut [Message], run: &str, n: usize) -> Vec<String> {
+    let mut planted = Vec::new();
+    for m in messages.iter_mut() {
+        if planted.len() >= n {
+            break;
+        }
+        let observation = m.role == Role::Tool
+            || m.metadata
+                .get(OBSERVATION_METADATA_KEY)
+                .is_some_and(|v| v.as_bool() == Some(true));
+        if !observation {
+            continue;
+        }
+        let code = xxhash(run, planted.len());
+        let text = format!("NEEDLE-{code:016x}");
+        let note = format!("\n(note: verification code {text})");
+        m.content = format!("{}{note}", m.text()).into();
+        planted.push(text);
+    }
+    planted
+}
+
+fn xxhash(run: &str, k: usize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (run, k).hash(&mut h);
+    h.finish()
+}
+
+/// Totals over many runs of one dataset, window and strategy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// Dataset.
+    pub dataset: String,
+    /// Strategy name.
+    pub strategy: String,
+    /// Window.
+    pub window: usize,
+    /// Runs replayed.
+    pub runs: usize,
+    /// Model calls.
+    pub turns: usize,
+    /// Input tokens with the full history.
+    pub full_tokens: usize,
+    /// Input tokens with the strategy.
+    pub tokens: usize,
+    /// Cache-weighted cost of the full history (shared-prefix tokens at 0.1).
+    pub full_cost: f64,
+    /// Cache-weighted cost with the strategy.
+    pub cost: f64,
+    /// Turns whose prompt extends the previous turn's, among turns with a previous one.
+    pub cacheable_turns: usize,
+    /// Turns with a previous turn in the same run.
+    pub followup_turns: usize,
+    /// Largest prompt with the full history.
+    pub full_peak: usize,
+    /// Largest prompt with the strategy.
+    pub peak: usize,
+    /// Turns whose full-history prompt exceeds the window.
+    pub full_over_window: usize,
+    /// Turns whose prompt exceeds the window with the strategy.
+    pub over_window: usize,
+    /// Prompts with the goal byte-identical.
+    pub goal_intact: usize,
+    /// Successful compactions.
+    pub compactions: usize,
+    /// Failed compactions.
+    pub failed_compactions: usize,
+    /// Needles planted.
+    pub needles: usize,
+    /// Needles compacted out of the prompt.
+    pub needles_left: usize,
+    /// Of those, found in the archive.
+    pub needles_found: usize,
+}
+
+impl Report {
+    /// Summarizes run reports.
+    pub fn from_runs(dataset: &str, strategy: &str, window: usize, runs: &[RunReport]) -> Self {
+        let mut r = Report {
+            dataset: dataset.to_owned(),
+            strategy: strategy.to_owned(),
+            window,
+            runs: runs.len(),
+            turns: 0,
+            full_tokens: 0,
+            tokens: 0,
+            full_cost: 0.0,
+            cost: 0.0,
+            cacheable_turns: 0,
+            followup_turns: 0,
+            full_peak: 0,
+            peak: 0,
+            full_over_window: 0,
+            over_window: 0,
+            goal_intact: 0,
+            compactions: 0,
+            failed_compactions: 0,
+            needles: 0,
+            needles_left: 0,
+            needles_found: 0,
+        };
+        for run in runs {
+            for (k, t) in run.turns.iter().enumerate() {
+                r.turns += 1;
+                r.full_tokens += t.full_tokens;
+                r.tokens += t.tokens;
+                r.full_cost += weighted(t.full_tokens, t.full_shared_prefix);
+                r.cost += weighted(t.tokens, t.shared_prefix);
+                if k > 0 {
+                    r.followup_turns += 1;
+                    r.cacheable_turns += usize::from(t.extends_previous);
+                }
+                r.full_peak = r.full_peak.max(t.full_tokens);
+                r.peak = r.peak.max(t.tokens);
+                r.full_over_window += usize::from(t.full_tokens > window);
+                r.over_window += usize::from(t.tokens > window);
+                r.goal_intact += usize::from(t.goal_intact);
+            }
+            r.compactions += run.events.iter().filter(|e| e.error.is_none()).count();
+            r.failed_compactions += run.events.iter().filter(|e| e.error.is_some()).count();
+            r.needles += run.needles.len();
+            r.needles_left += run.needles.iter().filter(|n| n.left_context).count();
+            r.needles_found += run
+                .needles
+                .iter()
+                .filter(|n| n.left_context && n.found_in_archive)
+                .count();
+        }
+        r
+    }
+
+    /// Fewer input tokens than the full history, as a fraction (0.35 = 35% fewer).
+    pub fn token_reduction(&self) -> f64 {
+        1.0 - ratio(self.tokens as f64, self.full_tokens as f64)
+    }
+
+    /// Lower cache-weighted cost than the full history, as a fraction.
+    pub fn cost_reduction(&self) -> f64 {
+        1.0 - ratio(self.cost, self.full_cost)
+    }
+
+    /// Share of follow-up turns whose prompt extends the previous one.
+    pub fn cacheable_share(&self) -> f64 {
+        ratio(self.cacheable_turns as f64, self.followup_turns as f64)
+    }
+
+    /// Share of prompts with the goal byte-identical.
+    pub fn goal_share(&self) -> f64 {
+        ratio(self.goal_intact as f64, self.turns as f64)
+    }
+
+    /// Share of compacted-away needles found in the archive (1.0 when none left).
+    pub fn needle_share(&self) -> f64 {
+        if self.needles_left == 0 {
+            1.0
+        } else {
+            ratio(self.needles_found as f64, self.needles_left as f64)
+        }
+    }
+
+    /// The column headings of [`Report`]'s `Display` rows.
+    pub const HEADER: &'static str = "dataset    window strategy      runs turns  tokens(full→keel)      saved  cache-weighted(full→keel)  saved  cacheable  peak(full→keel) over(full→keel) goal  needles";
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<10} {:>6} {:<12} {:>5} {:>5} {:>9}→{:<9} {:>6.1}% {:>11.0}→{:<11.0} {:>6.1}% {:>8.1}% {:>6}→{:<6} {:>5}→{:<5} {:>4.0}% {}/{} ({} left)",
+            self.dataset,
+            self.window,
+            self.strategy,
+            self.runs,
+            self.turns,
+            self.full_tokens,
+            self.tokens,
+            100.0 * self.token_reduction(),
+            self.full_cost,
+            self.cost,
+            100.0 * self.cost_reduction(),
+            100.0 * self.cacheable_share(),
+            self.full_peak,
+            self.peak,
+            self.full_over_window,
+            self.over_window,
+            100.0 * self.goal_share(),
+            self.needles_found,
+            self.needles_left,
+            self.needles_left,
+        )
+    }
+}
+
+fn weighted(tokens: usize, shared: usize) -> f64 {
+    let shared = shared.min(tokens);
+    CACHED_TOKEN_PRICE * shared as f64 + (tokens - shared) as f64
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b == 0.0 { 0.0 } else { a / b }
+}
+
+/// Replays every trajectory with one config and sums the result.
+pub async fn replay_all(
+    trajectories: &[Trajectory],
+    config: &ReplayConfig,
+    counter: Arc<dyn TokenCounter>,
+) -> Result<(Report, Vec<RunReport>), CompactionError> {
+    let mut runs = Vec::with_capacity(trajectories.len());
+    for t in trajectories {
+        runs.push(replay_trajectory(t, config, Arc::clone(&counter)).await?);
+    }
+    let dataset = trajectories.first().map_or("", |t| t.dataset.as_str());
+    let report = Report::from_runs(
+        dataset,
+        config.compaction.strategy.name(),
+        config.window,
+        &runs,
+    );
+    Ok((report, runs))
+}

@@ -1,0 +1,139 @@
+//! What the compaction engine keeps: the layers of an agent's memory.
+
+use keel_message::Message;
+use serde::{Deserialize, Serialize};
+
+use crate::event::CompactionEvent;
+use crate::goal::GoalAnchor;
+
+/// The metadata key on summary messages naming their layer (`"milestone"` or `"epoch"`).
+pub const LAYER_METADATA_KEY: &str = "keel.layer";
+/// The metadata key on a masked tool result: the archive position of the original.
+pub const MASKED_METADATA_KEY: &str = "keel.masked";
+/// The metadata key that marks a user message as an observation (a tool result that
+/// arrived as a user turn, as in SWE-agent), so masking treats it like a tool result.
+pub const OBSERVATION_METADATA_KEY: &str = "keel.observation";
+
+/// Which summary layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerLevel {
+    /// Level 1: a summary of raw steps.
+    Milestone,
+    /// Level 2: a summary of milestones and the previous epoch.
+    Epoch,
+}
+
+/// One summary in the context, with the exact message it renders to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Layer {
+    /// Milestone or epoch.
+    pub level: LayerLevel,
+    /// The summary text.
+    pub text: String,
+    /// The message placed in the prompt (rendered once, so its bytes never change).
+    pub message: Message,
+    /// First step covered.
+    pub first_step: u64,
+    /// Last step covered.
+    pub last_step: u64,
+    /// The summarizer's prompt version.
+    pub prompt_version: String,
+    /// The summarizer's model.
+    pub model: String,
+    /// Tokens of `message`.
+    pub tokens: usize,
+}
+
+/// An agent's memory as keel-compaction keeps it: the system prompt, the goal anchor
+/// (level ∞), the epoch summary (level 2), the milestones since that epoch (level 1)
+/// and the raw buffer (level 0), plus the compaction events so far.
+///
+/// It is plain data (serde), so a graph can keep it as a state channel and a
+/// checkpointer stores it with the thread.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContextState {
+    /// The system prompt, if any.
+    pub system: Option<Message>,
+    /// The goal anchor.
+    pub goal: GoalAnchor,
+    /// The epoch summary.
+    pub epoch: Option<Layer>,
+    /// Milestones since the epoch summary, oldest first.
+    pub milestones: Vec<Layer>,
+    /// Recent messages in full.
+    pub raw: Vec<Message>,
+    /// Model calls so far.
+    pub step: u64,
+    /// `step` at the last milestone (or masking move).
+    pub step_at_compaction: u64,
+    /// Turns (model calls) of the raw buffer whose tool results are masked, counted from
+    /// the start of the run.
+    pub masked_turns: u64,
+    /// Every compaction, successful or not.
+    pub events: Vec<CompactionEvent>,
+    /// Token counts of what the compactor has seen (recounted lazily after a load).
+    #[serde(skip)]
+    pub(crate) ledger: Ledger,
+}
+
+/// Token counts kept beside the state so a step costs O(new messages).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Ledger {
+    /// (system, goal, reply priming).
+    pub(crate) fixed: Option<(usize, usize, usize)>,
+    /// One count per raw message counted so far.
+    pub(crate) raw: Vec<usize>,
+    pub(crate) raw_total: usize,
+}
+
+impl ContextState {
+    /// A fresh context for `goal`.
+    pub fn new(goal: GoalAnchor) -> Self {
+        ContextState {
+            system: None,
+            goal,
+            epoch: None,
+            milestones: Vec::new(),
+            raw: Vec::new(),
+            step: 0,
+            step_at_compaction: 0,
+            masked_turns: 0,
+            events: Vec::new(),
+            ledger: Ledger::default(),
+        }
+    }
+
+    /// Sets the system prompt.
+    #[must_use]
+    pub fn with_system(mut self, system: Message) -> Self {
+        self.system = Some(system);
+        self.ledger.fixed = None;
+        self
+    }
+
+    /// Appends one step: the model's reply and what followed it (tool results, the
+    /// user's answer). Counts one model call if `reply` is an assistant message.
+    pub fn push_step(&mut self, reply: Message, results: impl IntoIterator<Item = Message>) {
+        if reply.role == keel_message::Role::Assistant {
+            self.step += 1;
+        }
+        self.raw.push(reply);
+        self.raw.extend(results);
+    }
+
+    /// Appends messages without counting a step (user turns between model calls).
+    pub fn push(&mut self, messages: impl IntoIterator<Item = Message>) {
+        self.raw.extend(messages);
+    }
+
+    /// Steps since the last compaction.
+    pub fn steps_since_compaction(&self) -> u64 {
+        self.step.saturating_sub(self.step_at_compaction)
+    }
+
+    /// The summary layers in prompt order: the epoch, then the milestones.
+    pub fn layers(&self) -> impl Iterator<Item = &Layer> {
+        self.epoch.iter().chain(&self.milestones)
+    }
+}

@@ -1,0 +1,468 @@
+//! The compaction contract: invariants 1–4 and 8 of DESIGN.md, over hand-made and
+//! random conversations.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use keel_compaction::{
+    CompactionConfig, CompactionError, Compactor, ContextState, EventKind, GoalAnchor,
+    LAYER_METADATA_KEY, Strategy, Trigger,
+};
+use keel_message::{Message, Role, ToolCall};
+use keel_offload::{Archive, MemoryStore, ThreadId};
+use keel_summarize::{
+    ExtractiveSummarizer, Level, SummarizeError, Summarizer, Summary, SummaryRequest, is_goal,
+};
+use keel_token::{ApproxCounter, Encoding, ModelProfile, TokenCounter};
+use proptest::prelude::*;
+use serde_json::json;
+
+/// Records every request, then delegates to the extractive summarizer (or fails).
+#[derive(Default)]
+struct Recording {
+    requests: Mutex<Vec<(Level, Vec<Message>)>>,
+    fail: bool,
+}
+
+#[async_trait]
+impl Summarizer for Recording {
+    async fn summarize(&self, request: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
+        self.requests
+            .lock()
+            .unwrap()
+            .push((request.level, request.messages.to_vec()));
+        if self.fail {
+            return Err(SummarizeError::EmptyInput);
+        }
+        ExtractiveSummarizer::new().summarize(request).await
+    }
+}
+
+struct Rig {
+    compactor: Compactor,
+    archive: Arc<Archive>,
+    thread: ThreadId,
+    summarizer: Arc<Recording>,
+}
+
+fn rig(config: CompactionConfig, window: usize, fail: bool) -> Rig {
+    let archive = Arc::new(Archive::new(Arc::new(MemoryStore::new())));
+    let thread = ThreadId::new("t").unwrap();
+    let summarizer = Arc::new(Recording {
+        fail,
+        ..Default::default()
+    });
+    let counter: Arc<dyn TokenCounter> = Arc::new(ApproxCounter::new());
+    let compactor = Compactor::new(
+        summarizer.clone(),
+        archive.clone(),
+        thread.clone(),
+        counter,
+        ModelProfile::new("test", window, window / 10, Encoding::Approximate),
+    )
+    .with_config(config);
+    Rig {
+        compactor,
+        archive,
+        thread,
+        summarizer,
+    }
+}
+
+fn goal() -> GoalAnchor {
+    GoalAnchor::new("Fix the failing build in crates/app without touching the public API.")
+        .with_constraints(["Do not push to main."])
+}
+
+/// Step `i`: an assistant turn with `calls` tool calls and their results.
+fn step(i: usize, calls: usize, result_len: usize) -> (Message, Vec<Message>) {
+    let tool_calls: Vec<ToolCall> = (0..calls)
+        .map(|k| {
+            ToolCall::new(
+                format!("c{i}-{k}"),
+                "sh",
+                json!({"cmd": format!("make {i}")}),
+            )
+        })
+        .collect();
+    let reply = Message::assistant(format!("step {i}: trying make"))
+        .with_id(format!("a{i}"))
+        .with_tool_calls(tool_calls);
+    let results = (0..calls)
+        .map(|k| {
+            Message::tool(
+                format!("c{i}-{k}"),
+                format!("exit {k}: {}", "x".repeat(result_len)),
+            )
+            .with_id(format!("r{i}-{k}"))
+        })
+        .collect();
+    (reply, results)
+}
+
+/// Every prompt property the engine promises, checked on one assembled prompt.
+fn check_prompt(prompt: &[Message], anchor: &GoalAnchor) {
+    // Invariant 1: the goal is the first message, byte-identical.
+    assert_eq!(&prompt[0], anchor.message());
+    assert_eq!(prompt[0].text(), anchor.text());
+    // Invariant 3: no orphans: every result has its call before it, every call its result.
+    let mut calls = HashSet::new();
+    for m in prompt {
+        for c in &m.tool_calls {
+            calls.insert(c.id.clone());
+        }
+        if m.role == Role::Tool {
+            let id = m.tool_call_id.clone().unwrap();
+            assert!(calls.contains(&id), "orphaned result {id}");
+        }
+    }
+    let answered: HashSet<_> = prompt
+        .iter()
+        .filter_map(|m| m.tool_call_id.clone())
+        .collect();
+    for id in &calls {
+        assert!(answered.contains(id), "call {id} lost its result");
+    }
+}
+
+async fn run_steps(
+    rig: &Rig,
+    state: &mut ContextState,
+    steps: &[(usize, usize)],
+) -> Vec<Vec<Message>> {
+    let mut prompts = Vec::new();
+    for (i, &(calls, len)) in steps.iter().enumerate() {
+        prompts.push(rig.compactor.assemble(state));
+        let (reply, results) = step(i, calls, len);
+        rig.compactor.push_step(state, reply, results);
+        rig.compactor.after_step(state, &[]).await.unwrap();
+    }
+    prompts.push(rig.compactor.assemble(state));
+    prompts
+}
+
+#[tokio::test]
+async fn goal_heads_every_prompt_and_is_never_summarized() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_every_steps(Some(3))
+            .with_keep_recent_tokens(40),
+        8_000,
+        false,
+    );
+    let anchor = goal();
+    let mut state = ContextState::new(anchor.clone());
+    let prompts = run_steps(&rig, &mut state, &[(1, 50); 40]).await;
+    for p in &prompts {
+        check_prompt(p, &anchor);
+    }
+    let requests = rig.summarizer.requests.lock().unwrap();
+    assert!(requests.len() > 10);
+    for (_, msgs) in requests.iter() {
+        assert!(
+            msgs.iter().all(|m| !is_goal(m)),
+            "the goal reached a summarizer"
+        );
+    }
+    // Epochs are summaries of summaries: their input is milestone messages only.
+    let epochs: Vec<_> = requests
+        .iter()
+        .filter(|(l, _)| *l == Level::Epoch)
+        .collect();
+    assert!(!epochs.is_empty());
+    for (_, msgs) in epochs {
+        assert!(
+            msgs.iter()
+                .all(|m| m.metadata.get(LAYER_METADATA_KEY) == Some(&json!("milestone")))
+        );
+    }
+    assert!(state.epoch.is_some());
+    assert!(state.milestones.len() < 5);
+}
+
+#[tokio::test]
+async fn everything_that_leaves_is_archived_exactly_once() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_every_steps(Some(4))
+            .with_keep_recent_tokens(60),
+        8_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    let steps: Vec<(usize, usize)> = (0..30).map(|i| (i % 3, 20 + i)).collect();
+    run_steps(&rig, &mut state, &steps).await;
+    let pushed: Vec<String> = (0..30)
+        .flat_map(|i| {
+            let (reply, results) = step(i, i % 3, 0);
+            std::iter::once(reply).chain(results).map(|m| m.id.unwrap())
+        })
+        .collect();
+    let in_context: HashSet<String> = state.raw.iter().filter_map(|m| m.id.clone()).collect();
+    let left: Vec<&String> = pushed
+        .iter()
+        .filter(|id| !in_context.contains(*id))
+        .collect();
+    assert!(left.len() > 40, "{}", left.len());
+    assert_eq!(rig.archive.len(&rig.thread).unwrap(), left.len() as u64);
+    for id in left {
+        assert!(
+            rig.archive.get(&rig.thread, id).unwrap().is_some(),
+            "{id} not archived"
+        );
+    }
+}
+
+#[tokio::test]
+async fn between_compactions_the_prompt_only_grows_at_its_end() {
+    let rig = rig(
+        CompactionConfig::default().with_every_steps(Some(5)),
+        8_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    let mut previous: Option<Vec<Message>> = None;
+    let mut events = 0;
+    for i in 0..30 {
+        let prompt = rig.compactor.assemble(&mut state);
+        if let Some(prev) = &previous
+            && state.events.len() == events
+        {
+            assert!(
+                prompt.starts_with(prev),
+                "prefix changed without a compaction at step {i}"
+            );
+        }
+        events = state.events.len();
+        previous = Some(prompt);
+        let (reply, results) = step(i, 1, 30);
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    assert!(events >= 5);
+}
+
+#[tokio::test]
+async fn a_failed_compaction_changes_nothing() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_every_steps(Some(2))
+            .with_keep_recent_tokens(0),
+        100_000,
+        true,
+    );
+    let mut state = ContextState::new(goal());
+    for i in 0..2 {
+        let (reply, results) = step(i, 1, 10);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    let before = state.clone();
+    let err = rig
+        .compactor
+        .compact(&mut state, Trigger::Steps, &[])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CompactionError::Summarize(_)), "{err}");
+    assert_eq!(state.raw, before.raw);
+    assert!(state.milestones.is_empty());
+    assert_eq!(state.events.len(), 1);
+    let event = &state.events[0];
+    assert!(event.error.is_some());
+    assert_eq!(event.tokens_before, event.tokens_after);
+    // Retried before giving up.
+    assert_eq!(rig.summarizer.requests.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn when_the_context_would_overflow_the_fallback_summarizer_steps_in() {
+    let rig = rig(
+        CompactionConfig::default().with_every_steps(None),
+        4_000,
+        true,
+    );
+    let mut state = ContextState::new(goal());
+    for i in 0..12 {
+        let (reply, results) = step(i, 1, 1_000);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert!(event.fallback);
+    assert_eq!(event.kind, EventKind::Milestone);
+    assert!(event.tokens_after < event.tokens_before);
+    assert!(
+        !state.milestones[0]
+            .text
+            .to_lowercase()
+            .contains("error: nothing")
+    );
+}
+
+#[tokio::test]
+async fn token_trigger_fires_at_the_fraction_and_compaction_fits_the_budget() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_every_steps(None)
+            .with_window_fraction(0.5),
+        4_000,
+        false,
+    );
+    let anchor = goal();
+    let mut state = ContextState::new(anchor.clone());
+    let budget = rig.compactor.budget();
+    for i in 0..60 {
+        let (reply, results) = step(i, 1, 400);
+        rig.compactor.push_step(&mut state, reply, results);
+        let events = rig.compactor.after_step(&mut state, &[]).await.unwrap();
+        let tokens = rig.compactor.tokens(&mut state, &[]).total;
+        assert!(tokens <= budget, "step {i}: {tokens} > {budget}");
+        for e in events {
+            assert_eq!(e.trigger, Trigger::Tokens);
+        }
+        check_prompt(&rig.compactor.assemble(&mut state), &anchor);
+    }
+    assert!(state.events.len() >= 3);
+}
+
+#[tokio::test]
+async fn the_step_ceiling_stops_the_run() {
+    let config = CompactionConfig {
+        max_steps: 3,
+        ..Default::default()
+    };
+    let rig = rig(config, 100_000, false);
+    let mut state = ContextState::new(goal());
+    for i in 0..3 {
+        let (reply, results) = step(i, 1, 1);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    assert_eq!(
+        rig.compactor.check(&mut state, &[]),
+        Some(Trigger::StepCeiling)
+    );
+    let err = rig.compactor.after_step(&mut state, &[]).await.unwrap_err();
+    assert!(matches!(
+        err,
+        CompactionError::StepCeiling { steps: 3, max: 3 }
+    ));
+}
+
+#[tokio::test]
+async fn masking_replaces_old_results_with_pointers_to_the_archive() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_strategy(Strategy::Masking {
+                keep_turns: 2,
+                block: 2,
+            })
+            .with_window_fraction(0.3),
+        4_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    for i in 0..16 {
+        let (reply, results) = step(i, 1, 400);
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    let masked: Vec<&Message> = state
+        .raw
+        .iter()
+        .filter(|m| {
+            m.metadata
+                .contains_key(keel_compaction::MASKED_METADATA_KEY)
+        })
+        .collect();
+    assert!(!masked.is_empty());
+    for m in masked {
+        let id = m.id.clone().unwrap();
+        assert!(m.text().contains(&id));
+        let original = rig.archive.get(&rig.thread, &id).unwrap().unwrap();
+        assert!(original.message.text().len() > 200);
+    }
+    // The last turns keep their results in full.
+    let last = state.raw.last().unwrap();
+    assert!(
+        !last
+            .metadata
+            .contains_key(keel_compaction::MASKED_METADATA_KEY)
+    );
+    assert!(state.events.iter().any(|e| e.kind == EventKind::Mask));
+}
+
+#[tokio::test]
+async fn large_results_are_offloaded_on_arrival() {
+    // The default threshold is the smaller of 20,000 tokens and a quarter of the budget.
+    let rig = rig(CompactionConfig::default(), 8_000, false);
+    let mut state = ContextState::new(goal());
+    let (reply, mut results) = step(0, 1, 0);
+    results[0].content = (0..2_000)
+        .map(|i| format!("line {i}\n"))
+        .collect::<String>()
+        .into();
+    rig.compactor.push_step(&mut state, reply, results);
+    let stub = state.raw[1].text();
+    assert!(stub.len() < 2_000, "{}", stub.len());
+    assert!(stub.contains("line 0") && stub.contains("line 1999"));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
+
+    /// Random step sequences: the goal is byte-identical in every prompt, nothing is
+    /// orphaned, whatever left the context is in the archive exactly once, and two runs
+    /// with the same input give the same state.
+    #[test]
+    fn random_runs_keep_every_invariant(
+        steps in prop::collection::vec((0usize..4, 0usize..300), 1..60),
+        every in prop::option::of(1usize..8),
+        keep in 0usize..300,
+        masking in any::<bool>(),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let config = CompactionConfig::default()
+            .with_every_steps(every)
+            .with_keep_recent_tokens(keep)
+            .with_window_fraction(0.4)
+            .with_strategy(if masking { Strategy::Hybrid { keep_turns: 2, block: 1 } } else { Strategy::Hierarchical });
+        let anchor = goal();
+        let run = || {
+            let rig = rig(config.clone(), 6_000, false);
+            let mut state = ContextState::new(anchor.clone());
+            let prompts = rt.block_on(run_steps(&rig, &mut state, &steps));
+            (rig, state, prompts)
+        };
+        let (rig, state, prompts) = run();
+        for p in &prompts {
+            check_prompt(p, &anchor);
+        }
+        // A masked result left the context too: only its pointer stayed.
+        let in_context: HashSet<String> = state
+            .raw
+            .iter()
+            .filter(|m| !m.metadata.contains_key(keel_compaction::MASKED_METADATA_KEY))
+            .filter_map(|m| m.id.clone())
+            .collect();
+        let left: usize = steps
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &(calls, _))| {
+                std::iter::once(format!("a{i}")).chain((0..calls).map(move |k| format!("r{i}-{k}")))
+            })
+            .filter(|id| !in_context.contains(id))
+            .count();
+        prop_assert_eq!(rig.archive.len(&rig.thread).unwrap(), left as u64);
+        let (_, again, _) = run();
+        prop_assert_eq!(again.raw, state.raw);
+        prop_assert_eq!(
+            again.milestones.iter().map(|l| &l.text).collect::<Vec<_>>(),
+            state.milestones.iter().map(|l| &l.text).collect::<Vec<_>>()
+        );
+        prop_assert_eq!(again.epoch.map(|l| l.text), state.epoch.map(|l| l.text));
+    }
+}

@@ -1,0 +1,106 @@
+//! The replay targets on real trajectories from `../shared/data` (skipped, with the
+//! reason, when that folder is absent).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keel_compaction::Strategy;
+use keel_compaction::replay::{
+    ReplayConfig, Report, RunReport, Trajectory, load_swe_agent_dir, load_tau_bench, replay_all,
+};
+use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
+
+fn data() -> Option<PathBuf> {
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"));
+    if dir.join("tau-bench/gpt-4o-airline.json").exists() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "skipped: {} is absent (the shared trajectories exist only in CI)",
+            dir.display()
+        );
+        None
+    }
+}
+
+fn counter() -> Arc<dyn TokenCounter> {
+    Arc::new(MemoCounter::new(TiktokenCounter::o200k_base().unwrap()))
+}
+
+async fn replay(set: &[Trajectory], window: usize, strategy: Strategy) -> (Report, Vec<RunReport>) {
+    replay_all(set, &ReplayConfig::new(window, strategy), counter())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn tau_bench_meets_the_targets() {
+    let Some(dir) = data() else { return };
+    let long: Vec<Trajectory> = load_tau_bench(&dir.join("tau-bench/gpt-4o-airline.json"))
+        .unwrap()
+        .into_iter()
+        .filter(|t| t.messages.len() >= 40)
+        .collect();
+    // The anchor's sample: 28 runs, 664 assistant turns.
+    assert_eq!(long.len(), 28);
+    assert_eq!(long.iter().map(Trajectory::turns).sum::<usize>(), 664);
+
+    let (r, _) = replay(&long, 8_000, Strategy::Hierarchical).await;
+    eprintln!("{r}");
+    assert!(r.token_reduction() >= 0.35, "{r}");
+    assert!(r.cost_reduction() >= 0.25, "{r}");
+    assert_eq!(r.over_window, 0, "{r}");
+    assert!(
+        r.full_over_window > 0,
+        "the window must be forced below the runs' size"
+    );
+    assert_eq!(r.goal_intact, r.turns, "{r}");
+    assert!(r.needles_left > 0);
+    assert_eq!(r.needles_found, r.needles_left, "{r}");
+    assert_eq!(r.failed_compactions, 0);
+
+    for window in [15_000, 32_000] {
+        for strategy in [
+            Strategy::Hierarchical,
+            Strategy::masking(),
+            Strategy::hybrid(),
+        ] {
+            let (r, _) = replay(&long, window, strategy).await;
+            eprintln!("{r}");
+            assert!(r.cost <= r.full_cost, "{r}");
+            assert_eq!(r.goal_intact, r.turns);
+            assert_eq!(r.needles_found, r.needles_left);
+        }
+    }
+}
+
+#[tokio::test]
+async fn swe_agent_keeps_the_goal_and_loses_nothing() {
+    let Some(dir) = data() else { return };
+    let runs = load_swe_agent_dir(&dir.join("swe-agent")).unwrap();
+    assert_eq!(runs.len(), 22);
+    for strategy in [
+        Strategy::Hierarchical,
+        Strategy::masking(),
+        Strategy::hybrid(),
+    ] {
+        let (r, per_run) = replay(&runs, 8_000, strategy).await;
+        eprintln!("{r}");
+        assert_eq!(r.goal_intact, r.turns);
+        assert_eq!(r.needles_found, r.needles_left);
+        assert!(r.tokens < r.full_tokens);
+        // Turns over the window only where the system prompt and goal alone (which are
+        // never compacted) exceed it.
+        for run in per_run {
+            if run.turns.iter().any(|t| t.tokens > 8_000) {
+                assert!(
+                    run.turns[0].tokens > 8_000 * 9 / 10,
+                    "{}: {:?}",
+                    run.id,
+                    run.turns[0]
+                );
+            }
+        }
+    }
+}
