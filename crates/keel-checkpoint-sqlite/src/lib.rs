@@ -24,8 +24,9 @@
 //! **Durability**: WAL mode with `synchronous=NORMAL` by default: a stored checkpoint
 //! survives the process being killed; on power loss the newest steps may be lost (the
 //! thread resumes from an earlier checkpoint), never the file's consistency.
-//! [`Synchronous::Full`] flushes every commit to the disk instead, at several times the
-//! cost per step. See [`SqliteOptions`].
+//! [`Synchronous::Full`] flushes every commit to the disk instead; each step then waits
+//! for an `fsync`, which is typically an order of magnitude slower (`cargo xtask bench
+//! sqlite` measures both). See [`SqliteOptions`].
 //!
 //! Input is always bound as parameters, never spliced into SQL: thread ids, namespaces,
 //! channel names and metadata are stored verbatim, whatever quotes, Unicode or NUL bytes

@@ -19,7 +19,8 @@ pub enum Synchronous {
     /// one; the write-ahead log is flushed when it is checkpointed into the database.
     /// On power loss the newest steps may be lost (the thread resumes from an earlier
     /// checkpoint and reruns them); the file is never corrupted and fencing still
-    /// holds. Several times faster per step than [`Full`](Self::Full).
+    /// holds. Typically an order of magnitude faster per step than
+    /// [`Full`](Self::Full), whose every commit waits for an `fsync`.
     #[default]
     Normal,
     /// `synchronous=FULL`: every commit is flushed to the disk (an `fsync`) before
