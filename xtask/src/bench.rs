@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 
 mod graph;
+mod model;
 mod offload;
 mod sqlite;
 mod token;
@@ -15,6 +16,7 @@ pub fn bench(target: &str) -> Result<()> {
         "graph" => graph::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
+        "model" => model::run(),
         "all" => {
             token::run()?;
             graph::run()

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod ci;
+mod llm;
 mod python;
 mod vectors;
 
@@ -39,6 +40,8 @@ enum Command {
         #[arg(default_value = "all")]
         target: String,
     },
+    /// Live provider and summarizer tests against OLLAMA_BASE_URL / OPENAI_BASE_URL (skips when neither is set).
+    LlmLive,
     /// Regenerate the differential test vectors from LangGraph's Python `add_messages`.
     GenVectors,
 }
@@ -48,6 +51,7 @@ fn main() -> Result<()> {
         Command::Ci => ci::ci(),
         Command::Test { args } => ci::test(&args),
         Command::Bench { target } => bench::bench(&target),
+        Command::LlmLive => llm::live(),
         Command::GenVectors => vectors::gen_vectors(),
     }
 }
