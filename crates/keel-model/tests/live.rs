@@ -53,6 +53,7 @@ async fn ollama() -> Option<Arc<dyn ChatModel>> {
     ))
 }
 
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 async fn exercise(model: Arc<dyn ChatModel>) {
     let options = ChatOptions::new()
         .temperature(0.0)
