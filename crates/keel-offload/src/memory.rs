@@ -83,13 +83,13 @@ impl MemoryStore {
 
     fn get_arc(&self, key: &Key) -> Result<Arc<Vec<u8>>, OffloadError> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
-        inner
-            .files
-            .get(&map_key(key))
-            .cloned()
-            .ok_or_else(|| OffloadError::NotFound {
-                key: key.to_string(),
-            })
+        if let Some(data) = inner.files.get(&map_key(key)) {
+            return Ok(Arc::clone(data));
+        }
+        check_not_dir(&inner, key)?;
+        Err(OffloadError::NotFound {
+            key: key.to_string(),
+        })
     }
 }
 
@@ -110,6 +110,21 @@ fn under<'a>(
     let lo = (thread.to_owned(), format!("{dir}/"));
     let hi = (thread.to_owned(), format!("{dir}0"));
     files.range(lo..hi)
+}
+
+/// A path that is the directory of other files cannot be read as a file.
+fn check_not_dir(inner: &Inner, key: &Key) -> Result<(), OffloadError> {
+    if under(&inner.files, key.thread().as_str(), key.path().as_str())
+        .next()
+        .is_some()
+    {
+        return Err(OffloadError::io(
+            "open",
+            key,
+            io::Error::new(io::ErrorKind::IsADirectory, "it is a directory"),
+        ));
+    }
+    Ok(())
 }
 
 /// A file may be created at `key` only if no ancestor is a file and it is not a
@@ -133,14 +148,7 @@ fn check_shape(inner: &Inner, key: &Key) -> Result<(), OffloadError> {
             ));
         }
     }
-    if under(&inner.files, thread, path).next().is_some() {
-        return Err(OffloadError::io(
-            "open",
-            key,
-            io::Error::new(io::ErrorKind::IsADirectory, "it is a directory"),
-        ));
-    }
-    Ok(())
+    check_not_dir(inner, key)
 }
 
 impl OffloadStore for MemoryStore {
@@ -192,7 +200,10 @@ impl OffloadStore for MemoryStore {
 
     fn size(&self, key: &Key) -> Result<Option<u64>, OffloadError> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
-        Ok(inner.files.get(&map_key(key)).map(|v| v.len() as u64))
+        match inner.files.get(&map_key(key)) {
+            Some(v) => Ok(Some(v.len() as u64)),
+            None => check_not_dir(&inner, key).map(|()| None),
+        }
     }
 
     fn list(&self, thread: &ThreadId, dir: Option<&StorePath>) -> Result<Vec<Entry>, OffloadError> {

@@ -110,6 +110,13 @@ fn check_contract(store: &dyn OffloadStore) {
     assert!(store.put(&key("t1", "notes/inner"), "x").is_err());
     assert!(store.put(&key("t1", "large_tool_results"), "x").is_err());
     assert!(store.append(&key("t1", "large_tool_results"), "x").is_err());
+    let is_dir = |e: OffloadError| matches!(&e, OffloadError::Io { source, .. } if source.kind() == std::io::ErrorKind::IsADirectory);
+    assert!(is_dir(
+        store.get(&key("t1", "large_tool_results")).unwrap_err()
+    ));
+    assert!(is_dir(
+        store.size(&key("t1", "large_tool_results")).unwrap_err()
+    ));
 
     // grep: in path order, line numbers, offsets, limits
     let p = Pattern::new("^l[24]$").unwrap();

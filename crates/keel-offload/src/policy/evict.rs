@@ -23,7 +23,9 @@ const RECORD: &str = "evicted";
 /// [`read_file`](crate::RetrievalTools) numbers them, each cut to 1,000 characters) and
 /// how to read more. Results of exempt tools (the retrieval tools `ls`, `read_file` and
 /// `grep` by default: evicting what the agent just read back would loop) and results
-/// already evicted are left alone; so are results with non-text parts (images).
+/// already evicted are left alone; so are results with non-text parts (images) and
+/// results without a `tool_call_id`. Multi-part text results are stored joined (which
+/// copies them; plain-text results are not copied).
 ///
 /// The text is written straight from the message and the stub is built in one pass
 /// over its lines, borrowing them; the policy takes the messages by value, so the
