@@ -82,7 +82,9 @@ impl OllamaConfig {
 /// * Options: `temperature`, `top_p`, `seed`, `stop`, `num_ctx`, and `max_tokens` as
 ///   `num_predict` go in `options`; `format` and `keep_alive` at the top level.
 /// * Streaming reads newline-delimited JSON; the final `"done": true` line carries
-///   `prompt_eval_count` and `eval_count`, reported as [`Usage`].
+///   `prompt_eval_count` and `eval_count`, reported as [`Usage`] (Ollama leaves out
+///   `prompt_eval_count` when the whole prompt came from its cache: that is reported
+///   as 0 prompt tokens).
 /// * Tool calls without an id get a fresh one, so results can answer them.
 ///
 /// ```

@@ -163,16 +163,21 @@ const MAX_CANDIDATES: usize = 4096;
 ///
 /// It keeps the lines that carry signal, verbatim, in the four [`SECTIONS`]:
 ///
-/// * SESSION INTENT: the user's asks (the first lines of the first and last user
-///   message of the span);
+/// * SESSION INTENT: the user's asks (the first two lines of the first user message,
+///   and of later user messages that read like a person talking: short, not a tool's
+///   output relayed as a user turn);
 /// * SUMMARY: error lines (the latest, unanswered ones first), decisions ("because",
 ///   "instead", "the fix", ...), successes, and lines with numbers from the assistant;
+///   lines of source code and numbered file listings in tool output are not taken as
+///   errors, however often they say `Error`;
 /// * ARTIFACTS: tool calls and fenced commands, exit status lines, file paths;
 /// * NEXT STEPS: tool calls still waiting for their result, and the last assistant
 ///   message's "next"/"todo"/"pending" lines.
 ///
 /// When the budget is short, higher-priority lines win and later ones beat earlier
-/// ones; the kept lines appear in input order. Long lines are cut to a window around
+/// ones, with each section first limited to a share of the budget (so error lines
+/// cannot crowd out the commands and paths) and the rest filled by priority; the kept
+/// lines appear in input order, each once. Long lines are cut to a window around
 /// their keyword. The previous summary's items (and, at the epoch level, the items of
 /// milestone summaries given as messages) are carried over with lower priority than
 /// new facts, except their error lines, which stay until the budget forces them out.
