@@ -3,7 +3,9 @@
 
 use anyhow::{Result, bail};
 
+mod compaction;
 mod graph;
+mod postgres;
 mod model;
 mod offload;
 mod sqlite;
@@ -14,13 +16,21 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
+        "postgres" => postgres::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
         "model" => model::run(),
+        "compaction" => compaction::run_bench(),
         "all" => {
             token::run()?;
-            graph::run()
+            graph::run()?;
+            sqlite::run()?;
+            offload::run()?;
+            model::run()?;
+            compaction::run_bench()
         }
-        other => bail!("unknown bench target `{other}` (expected token, graph or all)"),
+        other => bail!(
+            "unknown bench target `{other}` (expected token, graph, sqlite, offload, model, compaction or all)"
+        ),
     }
 }

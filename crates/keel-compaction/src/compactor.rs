@@ -4,13 +4,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use keel_message::{Message, Role, ToolSpec};
+use keel_model::{ChatModel, ChatOptions, ChatResponse};
 use keel_offload::{Archive, EvictLargeResults, PolicyEnv, ThreadId, TruncateArguments};
 use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
 use keel_token::{ModelProfile, TokenCounter};
 
 use crate::config::{CompactionConfig, Strategy};
 use crate::cut::safe_cut_at_or_before;
-use crate::error::CompactionError;
+use crate::error::{CallError, CompactionError};
 use crate::event::{CompactionEvent, EventKind, Trigger};
 use crate::state::{
     ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
@@ -383,6 +384,34 @@ impl Compactor {
         result.map(|_| event)
     }
 
+    /// Calls `model` with the assembled prompt. If the provider answers that the
+    /// context is too long, compacts at once ([`Trigger::Overflow`]) and retries, up to
+    /// twice. The reply is not added to the state: push it with
+    /// [`Compactor::push_step`] once its tool calls have run.
+    pub async fn call(
+        &self,
+        model: &dyn ChatModel,
+        state: &mut ContextState,
+        tools: &[ToolSpec],
+        options: &ChatOptions,
+    ) -> Result<ChatResponse, CallError> {
+        let mut retries = 0;
+        loop {
+            let prompt = self.assemble(state);
+            match model.chat(&prompt, tools, options).await {
+                Err(e) if e.is_context_overflow() && retries < 2 => {
+                    retries += 1;
+                    tracing::warn!(error = %e, "provider reports context overflow; compacting");
+                    self.compact(state, Trigger::Overflow, tools)
+                        .await
+                        .map_err(CallError::Compaction)?;
+                }
+                Err(e) => return Err(CallError::Model(e)),
+                Ok(r) => return Ok(r),
+            }
+        }
+    }
+
     /// Masking strategies under pressure: mask old tool results first; summarize only
     /// if that is not enough (for [`Strategy::Hybrid`], back under the threshold; for
     /// [`Strategy::Masking`], under the budget, after masking all but the last turn).
@@ -495,8 +524,13 @@ impl Compactor {
     ) -> Result<Done, CompactionError> {
         self.truncate_arguments(state, tools);
 
-        // Keep a recent tail of about `keep_recent_tokens`, cut where no tool call is
-        // separated from its results.
+        // Keep a recent tail of about `keep_recent_tokens` (a quarter of it after a
+        // provider's overflow: the window is smaller than the profile says), cut where
+        // no tool call is separated from its results.
+        let keep = match trigger {
+            Trigger::Overflow => self.config.keep_recent(self.budget()) / 4,
+            _ => self.config.keep_recent(self.budget()),
+        };
         let mut tail = 0usize;
         let mut target = state.raw.len();
         while target > 0 {
@@ -506,7 +540,7 @@ impl Compactor {
                 .get(target - 1)
                 .copied()
                 .unwrap_or_default();
-            if tail + n > self.config.keep_recent(self.budget()) {
+            if tail + n > keep {
                 break;
             }
             tail += n;

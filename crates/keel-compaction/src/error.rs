@@ -24,3 +24,15 @@ pub enum CompactionError {
         max: u64,
     },
 }
+
+/// Why [`crate::Compactor::call`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// The model call failed (a context overflow only after compacting and retrying).
+    #[error(transparent)]
+    Model(#[from] keel_model::ModelError),
+    /// Compacting after a context overflow failed.
+    #[error(transparent)]
+    Compaction(#[from] CompactionError),
+}

@@ -39,7 +39,7 @@ mod state;
 
 pub use compactor::{Compactor, LayerTokens};
 pub use config::{CompactionConfig, Strategy};
-pub use error::CompactionError;
+pub use error::{CallError, CompactionError};
 pub use event::{CompactionEvent, EventKind, Trigger};
 pub use goal::{GOAL_ID, GoalAnchor};
 pub use state::{

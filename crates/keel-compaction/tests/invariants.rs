@@ -466,3 +466,64 @@ proptest! {
         prop_assert_eq!(again.epoch.map(|l| l.text), state.epoch.map(|l| l.text));
     }
 }
+
+/// A model whose provider refuses prompts over `limit` tokens, as OpenAI's
+/// `context_length_exceeded` does.
+struct Limited {
+    limit: usize,
+    calls: Mutex<Vec<usize>>,
+}
+
+#[async_trait]
+impl keel_model::ChatModel for Limited {
+    fn model_name(&self) -> &str {
+        "limited"
+    }
+
+    async fn chat(
+        &self,
+        messages: &[Message],
+        _tools: &[keel_message::ToolSpec],
+        _options: &keel_model::ChatOptions,
+    ) -> Result<keel_model::ChatResponse, keel_model::ModelError> {
+        let tokens = ApproxCounter::new().count_messages(messages);
+        self.calls.lock().unwrap().push(tokens);
+        if tokens > self.limit {
+            return Err(keel_model::ModelError::ContextOverflow {
+                message: format!("{tokens} tokens > {}", self.limit),
+            });
+        }
+        Ok(keel_model::ChatResponse::new(
+            Message::assistant("ok"),
+            "limited",
+        ))
+    }
+}
+
+#[tokio::test]
+async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
+    let rig = rig(
+        CompactionConfig::default().with_every_steps(None),
+        100_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    for i in 0..20 {
+        let (reply, results) = step(i, 1, 400);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    let model = Limited {
+        limit: 1_500,
+        calls: Mutex::default(),
+    };
+    let reply = rig
+        .compactor
+        .call(&model, &mut state, &[], &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(reply.message.text(), "ok");
+    let calls = model.calls.lock().unwrap();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls[1] <= 1_500);
+    assert_eq!(state.events.last().unwrap().trigger, Trigger::Overflow);
+}
