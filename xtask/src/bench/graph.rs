@@ -16,33 +16,58 @@ pub fn run() -> Result<()> {
     let reps = std::env::var("KEEL_BENCH_REPS").unwrap_or_else(|_| "5".into());
     eprintln!("keel-graph: self-loop, N = 200 / 2,000 / 20,000, {reps} repetitions, median");
     let keel = run_capture(cargo().args([
-        "run", "--release", "--quiet", "-p", "keel-graph", "--example", "bench_loop", "--", &reps,
-        "200", "2000", "20000",
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "keel-graph",
+        "--example",
+        "bench_loop",
+        "--",
+        &reps,
+        "200",
+        "2000",
+        "20000",
     ]))?;
 
     let venv = Venv::ensure(&[LANGGRAPH])?;
     let script = "xtask/peers/langgraph_loop.py";
-    eprintln!("LangGraph {LANGGRAPH}: same workload (20,000 steps only without a saver; its saver's cost grows with N)");
+    eprintln!(
+        "LangGraph {LANGGRAPH}: same workload (20,000 steps only without a saver; its saver's cost grows with N)"
+    );
     let mut peer = run_capture(venv.python().args([script, "none", "3", "200", "2000"]))?;
-    peer.push_str(&run_capture(venv.python().args([script, "none", "1", "20000"]))?);
-    peer.push_str(&run_capture(venv.python().args([script, "memory", "3", "200", "2000"]))?);
+    peer.push_str(&run_capture(
+        venv.python().args([script, "none", "1", "20000"]),
+    )?);
+    peer.push_str(&run_capture(
+        venv.python().args([script, "memory", "3", "200", "2000"]),
+    )?);
 
     let rows = |text: &str| -> Result<BTreeMap<(String, u64), Value>> {
         text.lines()
             .filter(|l| l.starts_with('{'))
             .map(|l| {
                 let v: Value = serde_json::from_str(l).context("bench output is not JSON")?;
-                let key = (v["saver"].as_str().unwrap_or("?").to_owned(), v["n"].as_u64().unwrap_or(0));
+                let key = (
+                    v["saver"].as_str().unwrap_or("?").to_owned(),
+                    v["n"].as_u64().unwrap_or(0),
+                );
                 Ok((key, v))
             })
             .collect()
     };
     let keel = rows(&keel)?;
     let peer = rows(&peer)?;
-    println!("{:<8} {:>7} {:>14} {:>14} {:>9} {:>12}", "saver", "N", "keel steps/s", "LangGraph", "ratio", "keel µs/step");
+    println!(
+        "{:<8} {:>7} {:>14} {:>14} {:>9} {:>12}",
+        "saver", "N", "keel steps/s", "LangGraph", "ratio", "keel µs/step"
+    );
     for ((saver, n), k) in &keel {
         let ks = k["steps_per_s"].as_f64().unwrap_or(0.0);
-        let (ps, ratio) = match peer.get(&(saver.clone(), *n)).and_then(|p| p["steps_per_s"].as_f64()) {
+        let (ps, ratio) = match peer
+            .get(&(saver.clone(), *n))
+            .and_then(|p| p["steps_per_s"].as_f64())
+        {
             Some(p) if p > 0.0 => (format!("{p:.0}"), format!("{:.0}x", ks / p)),
             _ => ("-".into(), "-".into()),
         };
@@ -52,9 +77,15 @@ pub fn run() -> Result<()> {
         );
     }
     for saver in ["none", "memory"] {
-        let us = |n: u64| keel.get(&(saver.to_owned(), n)).and_then(|v| v["us_per_step"].as_f64());
+        let us = |n: u64| {
+            keel.get(&(saver.to_owned(), n))
+                .and_then(|v| v["us_per_step"].as_f64())
+        };
         if let (Some(small), Some(large)) = (us(200), us(20_000)) {
-            println!("keel {saver}: per-step cost at N=20,000 is {:.2}x that at N=200", large / small);
+            println!(
+                "keel {saver}: per-step cost at N=20,000 is {:.2}x that at N=200",
+                large / small
+            );
         }
     }
     Ok(())
