@@ -8,13 +8,14 @@
 //! ```
 //!
 //! It prints each step as it streams, stops at a human-approval interrupt, resumes
-//! with the answer, and then shows the thread's checkpoint history.
+//! with the answer, and then shows the thread's checkpoint history, all stored in a
+//! SQLite file (in a temporary directory, removed at the end).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 
 use futures::StreamExt;
-use keel_checkpoint::MemorySaver;
+use keel_checkpoint_sqlite::SqliteSaver;
 use keel_graph::reducer::{AddMessages, AddMessagesUpdate, MessageOp, Messages};
 use keel_graph::{
     Command, END, Event, NodeContext, RunConfig, START, State, StateGraph, StreamMode,
@@ -59,7 +60,10 @@ fn last_has_tool_calls(s: &Agent) -> bool {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let saver = Arc::new(MemorySaver::new());
+    // The embedded default: one SQLite file, no server.
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("keel.sqlite");
+    let saver = Arc::new(SqliteSaver::open(&path).await?);
     let graph = StateGraph::<Agent>::new()
         .add_node("agent", |s: Arc<Agent>, _ctx| async move {
             Ok(AgentUpdate::default()
@@ -136,10 +140,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let history = graph.state_history(&config).await?;
     let latest = &history[0].values;
     println!(
-        "\n{} messages, {} model calls, {} checkpoints stored; final answer: {}",
+        "\n{} messages, {} model calls, {} checkpoints stored in {}; final answer: {}",
         latest.messages.len(),
         latest.model_calls,
         history.len(),
+        path.display(),
         latest
             .messages
             .iter()
