@@ -5,7 +5,6 @@ use anyhow::{Result, bail};
 
 mod compaction;
 mod graph;
-mod postgres;
 mod model;
 mod offload;
 mod sqlite;
@@ -16,7 +15,6 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
-        "postgres" => postgres::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
         "model" => model::run(),
