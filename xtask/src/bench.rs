@@ -5,6 +5,7 @@ use anyhow::{Result, bail};
 
 mod compaction;
 mod graph;
+mod postgres;
 mod model;
 mod offload;
 mod sqlite;
@@ -15,6 +16,7 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
+        "postgres" => postgres::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
         "model" => model::run(),

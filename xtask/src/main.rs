@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod ci;
+mod pg;
 mod llm;
 mod python;
 mod vectors;

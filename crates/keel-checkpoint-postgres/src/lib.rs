@@ -18,7 +18,7 @@
 //! |---|---|---|
 //! | `keel_heads` | `(thread_id, ns)` | the newest checkpoint id (`head`) and when it was put |
 //! | `keel_checkpoints` | `(thread_id, ns, checkpoint_id)` | parent, `metadata jsonb`, channel versions, versions seen, pending sends |
-//! | `keel_deltas` | `(thread_id, ns, channel, writer)` | `seq`, `base` version, `updates`, optional `snapshot` |
+//! | `keel_deltas` | `(thread_id, ns, writer, channel)` | `seq`, `base` version, `updates`, optional `snapshot` |
 //! | `keel_writes` | `(thread_id, ns, checkpoint_id, task_id, channel, idx)` | tasks' pending writes, in stored order |
 //!
 //! Channel values are stored once per step as deltas (invariant 6): `get` follows each

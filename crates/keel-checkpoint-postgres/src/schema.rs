@@ -71,7 +71,9 @@ CREATE TABLE {s}.keel_deltas (
     channel     text   NOT NULL,
     updates     json   NOT NULL,
     snapshot    json,
-    PRIMARY KEY (thread_id, ns, channel, writer)
+    -- Keyed by (thread, ns, channel, writer); the writer (a UUID v7, increasing) comes
+    -- before the channel so a thread's new deltas append at the end of the index.
+    PRIMARY KEY (thread_id, ns, writer, channel)
 );
 
 -- Tasks' writes saved before their step's checkpoint; `ord` keeps stored order.
@@ -101,7 +103,6 @@ CREATE FUNCTION {s}.keel_put(
 ) RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
     v_head uuid;
-    v_missing record;
 BEGIN
     IF p_expected IS NULL THEN
         INSERT INTO {s}.keel_heads (thread_id, ns, head) VALUES (p_thread, p_ns, NULL)
@@ -119,18 +120,18 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'KL422',
             MESSAGE = format('checkpoint id %s does not sort after the head %s', p_id, v_head);
     END IF;
-    SELECT r.channel, r.writer, r.seq INTO v_missing
-    FROM unnest(r_channel, r_writer, r_seq) AS r(channel, writer, seq)
-    WHERE NOT EXISTS (
-        SELECT 1 FROM {s}.keel_deltas d
+    -- One primary-key lookup per referenced version (a join could be planned as a
+    -- scan of the whole thread's deltas).
+    FOR i IN 1 .. coalesce(cardinality(r_channel), 0) LOOP
+        PERFORM 1 FROM {s}.keel_deltas d
         WHERE d.thread_id = p_thread AND d.ns = p_ns
-          AND d.channel = r.channel AND d.writer = r.writer AND d.seq = r.seq)
-    LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'KL422',
-            MESSAGE = format('channel %s: version %s by %s is not stored',
-                             to_json(v_missing.channel), v_missing.seq, v_missing.writer);
-    END IF;
+          AND d.channel = r_channel[i] AND d.writer = r_writer[i] AND d.seq = r_seq[i];
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = 'KL422',
+                MESSAGE = format('channel %s: version %s by %s is not stored',
+                                 to_json(r_channel[i]), r_seq[i], r_writer[i]);
+        END IF;
+    END LOOP;
     INSERT INTO {s}.keel_deltas
         (thread_id, ns, channel, writer, seq, base_writer, base_seq, updates, snapshot)
     SELECT p_thread, p_ns, d.channel, p_id, d.seq, d.base_writer, d.base_seq, d.updates, d.snapshot

@@ -34,7 +34,9 @@ impl Statements {
                  $11, $12, $13, $14, $15, $16, $17, $18, $19)"
             ),
             // One statement, one snapshot: the checkpoint, the chain of every channel
-            // (followed back to the newest snapshot), and its pending writes.
+            // (followed back to the newest snapshot), and its pending writes. Each link
+            // is a LATERAL primary-key lookup, so no plan can scan the thread's deltas
+            // once per link.
             get: format!(
                 "WITH RECURSIVE
                  cp AS (
@@ -53,16 +55,24 @@ impl Statements {
                  chain AS (
                      SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq,
                             d.updates, d.snapshot
-                     FROM tips t JOIN {s}.keel_deltas d
-                       ON d.thread_id = $1 AND d.ns = $2
-                      AND d.channel = t.channel AND d.writer = t.writer
+                     FROM tips t CROSS JOIN LATERAL (
+                         SELECT x.channel, x.writer, x.seq, x.base_writer, x.base_seq,
+                                x.updates, x.snapshot
+                         FROM {s}.keel_deltas x
+                         WHERE x.thread_id = $1 AND x.ns = $2
+                           AND x.writer = t.writer AND x.channel = t.channel
+                         LIMIT 1) d
                      UNION ALL
                      SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq,
                             d.updates, d.snapshot
-                     FROM chain k JOIN {s}.keel_deltas d
-                       ON d.thread_id = $1 AND d.ns = $2
-                      AND d.channel = k.channel AND d.writer = k.base_writer
-                      AND d.seq < k.seq
+                     FROM chain k CROSS JOIN LATERAL (
+                         SELECT x.channel, x.writer, x.seq, x.base_writer, x.base_seq,
+                                x.updates, x.snapshot
+                         FROM {s}.keel_deltas x
+                         WHERE x.thread_id = $1 AND x.ns = $2
+                           AND x.writer = k.base_writer AND x.channel = k.channel
+                           AND x.seq < k.seq
+                         LIMIT 1) d
                      WHERE k.snapshot IS NULL
                  )
                  SELECT cp.checkpoint_id, cp.parent, cp.created_at, cp.metadata, cp.versions,
@@ -155,16 +165,24 @@ impl Statements {
                      WHERE c.thread_id = $1 AND c.ns = $2
                  ),
                  needed AS (
-                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snapshot IS NOT NULL AS snap
-                     FROM tips t JOIN {s}.keel_deltas d
-                       ON d.thread_id = $1 AND d.ns = $2
-                      AND d.channel = t.channel AND d.writer = t.writer
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snap
+                     FROM tips t CROSS JOIN LATERAL (
+                         SELECT x.channel, x.writer, x.seq, x.base_writer,
+                                x.snapshot IS NOT NULL AS snap
+                         FROM {s}.keel_deltas x
+                         WHERE x.thread_id = $1 AND x.ns = $2
+                           AND x.writer = t.writer AND x.channel = t.channel
+                         LIMIT 1) d
                      UNION
-                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snapshot IS NOT NULL
-                     FROM needed n JOIN {s}.keel_deltas d
-                       ON d.thread_id = $1 AND d.ns = $2
-                      AND d.channel = n.channel AND d.writer = n.base_writer
-                      AND d.seq < n.seq
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snap
+                     FROM needed n CROSS JOIN LATERAL (
+                         SELECT x.channel, x.writer, x.seq, x.base_writer,
+                                x.snapshot IS NOT NULL AS snap
+                         FROM {s}.keel_deltas x
+                         WHERE x.thread_id = $1 AND x.ns = $2
+                           AND x.writer = n.base_writer AND x.channel = n.channel
+                           AND x.seq < n.seq
+                         LIMIT 1) d
                      WHERE NOT n.snap
                  )
                  DELETE FROM {s}.keel_deltas d
