@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod ci;
-mod pg;
 mod llm;
+mod pg;
 mod python;
 mod vectors;
 
