@@ -5,9 +5,9 @@ use anyhow::{Result, bail};
 
 mod compaction;
 mod graph;
-mod postgres;
 mod model;
 mod offload;
+mod reducer;
 mod sqlite;
 mod token;
 
@@ -16,13 +16,14 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
-        "postgres" => postgres::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
         "model" => model::run(),
         "compaction" => compaction::run_bench(),
+        "reducer" => reducer::run_bench(),
         "all" => {
             token::run()?;
+            reducer::run_bench()?;
             graph::run()?;
             sqlite::run()?;
             offload::run()?;
@@ -30,7 +31,7 @@ pub fn bench(target: &str) -> Result<()> {
             compaction::run_bench()
         }
         other => bail!(
-            "unknown bench target `{other}` (expected token, graph, sqlite, offload, model, compaction or all)"
+            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction or all)"
         ),
     }
 }
