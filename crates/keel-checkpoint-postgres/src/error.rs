@@ -27,15 +27,16 @@ pub enum PostgresError {
     NoDatabaseUrl,
     /// No pooled connection could be had (the server is down, refused the login, or
     /// every connection stayed busy past the wait timeout).
-    #[error("no Postgres connection: {0}")]
+    #[error("no Postgres connection: {}", chain(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     /// A query failed.
-    #[error("Postgres query failed: {0}")]
+    #[error("Postgres query failed: {}", chain(.0))]
     Query(#[from] tokio_postgres::Error),
     /// keel's tables are not in the schema: call
     /// [`PostgresSaver::setup`](crate::PostgresSaver::setup) first.
     #[error(
-        "keel's checkpoint tables are missing in schema {schema:?}: call PostgresSaver::setup() first ({source})"
+        "keel's checkpoint tables are missing in schema {schema:?}: call PostgresSaver::setup() first ({})",
+        chain(source)
     )]
     NotSetUp {
         /// The schema looked in.
@@ -57,7 +58,7 @@ pub enum PostgresError {
         known: i32,
     },
     /// A migration failed; it was rolled back.
-    #[error("migration {version} ({name}) failed: {source}")]
+    #[error("migration {version} ({name}) failed: {}", chain(source))]
     Migration {
         /// The migration's version.
         version: i32,
@@ -66,6 +67,22 @@ pub enum PostgresError {
         /// The error Postgres gave.
         source: tokio_postgres::Error,
     },
+}
+
+/// An error and its sources, joined: tokio-postgres says only "db error" at the top and
+/// keeps the server's message in the source.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        let more = inner.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = inner.source();
+    }
+    text
 }
 
 impl From<PostgresError> for CheckpointError {
