@@ -47,6 +47,18 @@
 //! too (they are index keys). Every value travels as a bound parameter of a prepared
 //! statement, never as SQL text.
 //!
+//! # Cost per step
+//!
+//! A step's `put` is one prepared statement, so one round trip and one commit; every
+//! lookup it makes is by primary key, and `get` follows a chain link by link through
+//! the primary key too, so the cost of a step does not grow with the thread's length.
+//! With the server's default `synchronous_commit = on`, each commit waits for a WAL
+//! flush and the disk's fsync latency bounds one thread's steps per second (many
+//! threads share flushes). `synchronous_commit = off` for the session (see
+//! [`PostgresConfig`]) removes that wait at the price of losing the last few commits if
+//! the *database server* crashes; a crashed worker loses nothing either way.
+//! `cargo xtask bench postgres` measures both, beside LangGraph's `PostgresSaver`.
+//!
 //! # Retention
 //!
 //! [`prune`](keel_checkpoint::Checkpointer::prune) keeps a thread's newest checkpoints

@@ -191,3 +191,24 @@ fn report(results: &[Value]) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::async_commit;
+
+    #[test]
+    fn async_commit_adds_the_session_option() {
+        assert_eq!(
+            async_commit("postgres://u@h/db"),
+            "postgres://u@h/db?options=-c%20synchronous_commit%3Doff"
+        );
+        assert_eq!(
+            async_commit("postgresql://u@h/db?sslmode=disable"),
+            "postgresql://u@h/db?sslmode=disable&options=-c%20synchronous_commit%3Doff"
+        );
+        assert_eq!(
+            async_commit("host=h user=u"),
+            "host=h user=u options='-c synchronous_commit=off'"
+        );
+    }
+}
