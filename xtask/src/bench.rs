@@ -7,6 +7,7 @@ mod compaction;
 mod graph;
 mod model;
 mod offload;
+mod postgres;
 mod reducer;
 mod sqlite;
 mod token;
@@ -16,6 +17,7 @@ pub fn bench(target: &str) -> Result<()> {
     match target {
         "token" => token::run(),
         "graph" => graph::run(),
+        "postgres" => postgres::run(),
         "sqlite" => sqlite::run(),
         "offload" => offload::run(),
         "model" => model::run(),
