@@ -1,6 +1,6 @@
 //! `cargo xtask ci` and `cargo xtask test`.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 
 use crate::pg::{self, Database};
 use crate::util::{cargo, has_program, run};
@@ -70,9 +70,29 @@ pub fn ci() -> Result<()> {
     ]))?;
     test(&[])?;
     if has_program("cargo-deny") {
-        run(cargo().args(["deny", "check"]))?;
+        run(cargo().args(["deny", "check", "bans", "licenses", "sources"]))?;
+        advisories()?;
     } else {
         eprintln!("skipped cargo-deny: not installed (cargo install cargo-deny)");
     }
     Ok(())
+}
+
+/// The advisory check needs the RustSec database from GitHub: when it cannot be
+/// fetched (no network), say so instead of failing; any advisory found fails.
+fn advisories() -> Result<()> {
+    let out = cargo()
+        .args(["deny", "check", "advisories"])
+        .output()
+        .context("could not start cargo deny")?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        return Ok(());
+    }
+    if stderr.contains("failed to fetch advisory database") {
+        eprintln!("skipped cargo-deny advisories: the advisory database could not be fetched (no network)");
+        return Ok(());
+    }
+    eprintln!("{stderr}");
+    bail!("cargo deny check advisories failed")
 }
