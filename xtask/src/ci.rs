@@ -90,7 +90,9 @@ fn advisories() -> Result<()> {
         return Ok(());
     }
     if stderr.contains("failed to fetch advisory database") {
-        eprintln!("skipped cargo-deny advisories: the advisory database could not be fetched (no network)");
+        eprintln!(
+            "skipped cargo-deny advisories: the advisory database could not be fetched (no network)"
+        );
         return Ok(());
     }
     eprintln!("{stderr}");

@@ -26,15 +26,17 @@ impl Venv {
             run(cmd(&python).args(["-m", "venv"]).arg(&venv.dir))
                 .context("creating the peer virtualenv (needs python3 with venv)")?;
         }
-        let missing: Vec<&str> = packages
-            .iter()
-            .copied()
-            .filter(|p| !venv.has(p))
-            .collect();
+        let missing: Vec<&str> = packages.iter().copied().filter(|p| !venv.has(p)).collect();
         if !missing.is_empty() {
             run(venv
                 .python()
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
                 .args(&missing))
             .context("installing Python peers with pip")?;
         }
