@@ -9,8 +9,10 @@
 //! `runuser`, in a directory that user owns.
 //!
 //! The tests read `DATABASE_URL`; with a throwaway cluster they also get
-//! `KEEL_PG_DATADIR` and `KEEL_PG_RUNAS`, so a test may stop and start the server
-//! (`pg_ctl -D "$KEEL_PG_DATADIR" stop|start`, as `$KEEL_PG_RUNAS` when set).
+//! `KEEL_PG_DATADIR`, `KEEL_PG_CTL` and `KEEL_PG_RUNAS`, so a test may stop and start
+//! the server (`$KEEL_PG_CTL -D "$KEEL_PG_DATADIR" stop|start`, as `$KEEL_PG_RUNAS` when
+//! set). `initdb` and `pg_ctl` come from PATH, or else from Debian's
+//! `/usr/lib/postgresql/<version>/bin`.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -85,16 +87,14 @@ pub struct Cluster {
     port: u16,
     /// The user PostgreSQL's commands run as (when we are root).
     run_as: Option<String>,
+    /// Where `initdb` and `pg_ctl` are, when not on PATH.
+    bin: Option<PathBuf>,
 }
 
 impl Cluster {
     /// Makes, configures and starts a cluster; `tune` lines go into `postgresql.conf`.
     pub fn start(tune: &[&str]) -> Result<Cluster> {
-        for program in ["initdb", "pg_ctl"] {
-            if !has_program(program) {
-                bail!("`{program}` is not on PATH (install the PostgreSQL server package)");
-            }
-        }
+        let bin = server_bin_dir()?;
         let run_as = if is_root()? {
             let user = std::env::var("KEEL_PG_USER").unwrap_or_else(|_| "postgres".into());
             if !has_program("runuser") {
@@ -127,6 +127,7 @@ impl Cluster {
             dir,
             port: 0,
             run_as,
+            bin,
         };
         // From here on, dropping `cluster` cleans up whatever was made.
         if let Some(user) = &cluster.run_as {
@@ -189,18 +190,28 @@ impl Cluster {
             ("DATABASE_URL", self.url()),
             ("KEEL_PG_DATADIR", self.data.display().to_string()),
             ("KEEL_PG_RUNAS", self.run_as.clone().unwrap_or_default()),
+            ("KEEL_PG_CTL", self.program("pg_ctl")),
         ]
+    }
+
+    /// `program` (a PostgreSQL server program) as a path or a name on PATH.
+    fn program(&self, program: &str) -> String {
+        match &self.bin {
+            Some(dir) => dir.join(program).display().to_string(),
+            None => program.to_owned(),
+        }
     }
 
     /// `program` run as the cluster's owner.
     fn as_owner(&self, program: &str) -> Command {
+        let program = self.program(program);
         match &self.run_as {
             Some(user) => {
                 let mut c = Command::new("runuser");
-                c.args(["-u", user, "--", program]);
+                c.args(["-u", user, "--", &program]);
                 c
             }
-            None => Command::new(program),
+            None => Command::new(&program),
         }
     }
 
@@ -231,6 +242,31 @@ impl Drop for Cluster {
         } else {
             eprintln!("stopped and removed the throwaway PostgreSQL cluster");
         }
+    }
+}
+
+/// `None` when `initdb` and `pg_ctl` are on PATH; else the newest
+/// `/usr/lib/postgresql/<version>/bin` (Debian's layout) that has them.
+fn server_bin_dir() -> Result<Option<PathBuf>> {
+    if has_program("initdb") && has_program("pg_ctl") {
+        return Ok(None);
+    }
+    let mut dirs: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            (bin.join("initdb").exists() && bin.join("pg_ctl").exists()).then_some((version, bin))
+        })
+        .collect();
+    dirs.sort();
+    match dirs.pop() {
+        Some((_, bin)) => Ok(Some(bin)),
+        None => bail!(
+            "`initdb` and `pg_ctl` are not on PATH nor in /usr/lib/postgresql/*/bin (install the PostgreSQL server package)"
+        ),
     }
 }
 

@@ -3,7 +3,7 @@
 //! uninterrupted run's.
 //!
 //! It stops and starts the server with `pg_ctl`, so it needs the throwaway cluster of
-//! `cargo xtask test` (`KEEL_PG_DATADIR`, and `KEEL_PG_RUNAS` as root); with an external
+//! `cargo xtask test` (`KEEL_PG_DATADIR`, `KEEL_PG_CTL`, and `KEEL_PG_RUNAS` as root); with an external
 //! `DATABASE_URL` it is skipped, saying why. It is alone in this test binary because a
 //! restart cuts every connection to the server.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -23,11 +23,12 @@ use common::loop_graph::{self, Loop, LoopUpdate, Options};
 const STEPS: u64 = 1_500;
 
 fn pg_ctl(data: &str, run_as: &str, args: &[&str]) {
+    let program = std::env::var("KEEL_PG_CTL").unwrap_or_else(|_| "pg_ctl".into());
     let mut cmd = if run_as.is_empty() {
-        Process::new("pg_ctl")
+        Process::new(&program)
     } else {
         let mut c = Process::new("runuser");
-        c.args(["-u", run_as, "--", "pg_ctl"]);
+        c.args(["-u", run_as, "--", &program]);
         c
     };
     let status = cmd.arg("-D").arg(data).args(args).status().unwrap();
