@@ -32,6 +32,9 @@ const RESUME: &str = "__resume__";
 const ERROR: &str = "__error__";
 const GOTO: &str = "__goto__";
 const JOIN_PREFIX: &str = "__join__:";
+/// A channel is snapshotted once the deltas since its last snapshot weigh this many
+/// times the snapshot.
+const SNAPSHOT_RATIO: usize = 2;
 /// Capacity of the async writer's queue.
 const ASYNC_QUEUE: usize = 64;
 
@@ -1083,13 +1086,15 @@ impl<S: State> RunState<S> {
             let book = &mut self.books[c];
             let bytes: usize = updates.iter().map(json_size).sum();
             book.delta_bytes += bytes;
-            // Snapshot when the deltas since the last snapshot outweigh it: storage stays
-            // linear in the data written, and rebuilding folds at most about the value's
-            // own size in deltas.
+            // Snapshot when the deltas since the last snapshot outweigh it
+            // SNAPSHOT_RATIO times: snapshots of a growing value then add up to at most
+            // about 1.5x its final size (storage stays linear in
+            // the data written), and rebuilding folds at most twice the value's size in
+            // deltas.
             let snapshot = if snapshot_only.contains(&c)
                 || dirty.contains(&c)
                 || base.is_none()
-                || book.delta_bytes >= book.snapshot_bytes
+                || book.delta_bytes >= SNAPSHOT_RATIO * book.snapshot_bytes
             {
                 let v = self.state.encode_channel(c)?;
                 book.snapshot_bytes = json_size(&v);
@@ -1097,6 +1102,13 @@ impl<S: State> RunState<S> {
                 Some(v)
             } else {
                 None
+            };
+            // A snapshot already holds this step's updates, and a chain starts at its
+            // newest snapshot: storing the updates too would only repeat them.
+            let updates = if snapshot.is_some() {
+                Vec::new()
+            } else {
+                updates
             };
             deltas.push(ChannelDelta {
                 channel: S::CHANNELS[c].to_owned(),
