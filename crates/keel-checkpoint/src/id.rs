@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -33,7 +33,7 @@ use uuid::Uuid;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub struct CheckpointId(String);
+pub struct CheckpointId(Arc<str>);
 
 /// The last id this process made, as a `u128`; new ids are made strictly greater.
 static LAST_ID: Mutex<u128> = Mutex::new(0);
@@ -94,7 +94,7 @@ impl CheckpointId {
         }
         *last = candidate;
         drop(last);
-        Self(Uuid::from_u128(candidate).hyphenated().to_string())
+        Self(Uuid::from_u128(candidate).hyphenated().to_string().into())
     }
 
     /// The id as text (a lowercase hyphenated UUID v7).
@@ -173,7 +173,9 @@ impl FromStr for CheckpointId {
     /// hyphenated form (so string order stays time order).
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         match Uuid::parse_str(text) {
-            Ok(uuid) if uuid.get_version_num() == 7 => Ok(Self(uuid.hyphenated().to_string())),
+            Ok(uuid) if uuid.get_version_num() == 7 => {
+                Ok(Self(uuid.hyphenated().to_string().into()))
+            }
             _ => Err(ParseCheckpointIdError {
                 text: text.to_owned(),
             }),
@@ -191,7 +193,7 @@ impl TryFrom<String> for CheckpointId {
 
 impl From<CheckpointId> for String {
     fn from(id: CheckpointId) -> Self {
-        id.0
+        id.0.to_string()
     }
 }
 
