@@ -697,15 +697,9 @@ impl<S: State> RunState<S> {
                         }
                         results.push((i, r));
                     }
-                    Err(e) => {
-                        results.push((
-                            usize::MAX,
-                            Err(GraphError::NodePanicked {
-                                node: "?".into(),
-                                message: e.to_string(),
-                            }),
-                        ));
-                    }
+                    // Panics are caught inside the task; a join error means the
+                    // task was aborted.
+                    Err(_) => results.push((usize::MAX, Err(GraphError::Cancelled))),
                 }
             }
             results
@@ -1153,10 +1147,7 @@ impl<S: State> RunState<S> {
 impl<S: State> EventSink<S> {
     async fn send(&self, e: Event<S>) -> Result<(), GraphError> {
         // A dropped receiver cancels the run.
-        self.tx
-            .send(Ok(e))
-            .await
-            .map_err(|_| GraphError::WriterStopped)
+        self.tx.send(Ok(e)).await.map_err(|_| GraphError::Cancelled)
     }
 }
 

@@ -86,4 +86,7 @@ pub enum GraphError {
     /// The background checkpoint writer stopped.
     #[error("the background checkpoint writer stopped")]
     WriterStopped,
+    /// The run was cancelled: its event stream was dropped, or a task was aborted.
+    #[error("the run was cancelled")]
+    Cancelled,
 }
