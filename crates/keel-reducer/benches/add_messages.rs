@@ -2,8 +2,8 @@
 //! messages.
 //!
 //! Appending must not copy the history, so the cost per append must not grow with the
-//! history (what does grow is the cache misses of the id index once it no longer fits
-//! in the CPU caches). Each measurement applies a chunk of 64 prepared single-message updates
+//! history. (The id index outgrows the CPU caches in long histories; new ids enter it
+//! in batches so those cache misses overlap.) Each measurement applies a chunk of 64 prepared single-message updates
 //! through `Reducer::reduce` (building the updates, with their UUIDs, is not timed),
 //! then truncates the history back to its size (not timed), so the history stays within
 //! 64 messages of the size named.
