@@ -28,6 +28,7 @@ pub fn bench(target: &str) -> Result<()> {
             reducer::run_bench()?;
             graph::run()?;
             sqlite::run()?;
+            postgres::run()?;
             offload::run()?;
             model::run()?;
             compaction::run_bench()
