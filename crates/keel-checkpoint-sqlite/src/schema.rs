@@ -76,7 +76,25 @@ const MIGRATIONS: &[&str] = &[
 
 /// Opens the writer connection: creates the file if needed, switches it to WAL mode,
 /// and migrates the schema.
+///
+/// Several processes may open a new file at once. Switching the journal mode can fail
+/// at once with "database is locked" while another connection holds the file (SQLite
+/// does not always wait on its busy handler there, to avoid a deadlock), so the whole
+/// opening is retried until the busy timeout has passed.
 pub(crate) fn open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, SqliteError> {
+    let deadline = std::time::Instant::now() + options.busy_timeout;
+    loop {
+        match try_open_writer(path, options) {
+            Err(e) if e.is_busy() && std::time::Instant::now() < deadline => {
+                // A dedicated database thread: sleeping blocks no async task.
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            result => return result,
+        }
+    }
+}
+
+fn try_open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, SqliteError> {
     let conn = Connection::open(path)?;
     configure(&conn, options)?;
     let mode: String = conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
