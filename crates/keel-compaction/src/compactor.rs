@@ -184,10 +184,12 @@ impl Compactor {
             let observation = m.role == Role::User && is_observation(&m);
             if observation {
                 m.role = Role::Tool;
-                m.tool_call_id = Some(
-                    m.id.clone()
-                        .unwrap_or_else(|| format!("observation-{}-{k}", state_step(reply))),
-                );
+                m.tool_call_id = Some(m.id.clone().unwrap_or_else(|| {
+                    format!(
+                        "observation-{}-{k}",
+                        reply.id.as_deref().unwrap_or_default()
+                    )
+                }));
             }
             as_tool.push(observation);
             batch.push(m);
@@ -741,11 +743,6 @@ impl Compactor {
             }
         }
     }
-}
-
-/// A name for observations without an id: the reply's id, if any.
-fn state_step(reply: &Message) -> String {
-    reply.id.clone().unwrap_or_default()
 }
 
 /// A tool result, or a user message flagged as an observation.

@@ -709,6 +709,12 @@ where
     }))
 }
 
+/// A request body as JSON bytes.
+pub(crate) fn encode_body(body: &serde_json::Value) -> Result<Vec<u8>, ModelError> {
+    serde_json::to_vec(body)
+        .map_err(|e| ModelError::Config(format!("request is not serializable: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

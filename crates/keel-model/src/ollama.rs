@@ -215,8 +215,7 @@ impl OllamaModel {
         options: &ChatOptions,
         stream: bool,
     ) -> Result<Vec<u8>, ModelError> {
-        serde_json::to_vec(&self.request_body(messages, tools, options, stream))
-            .map_err(|e| ModelError::Config(format!("request is not serializable: {e}")))
+        http::encode_body(&self.request_body(messages, tools, options, stream))
     }
 }
 

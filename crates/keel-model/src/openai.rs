@@ -244,8 +244,7 @@ impl OpenAiModel {
         options: &ChatOptions,
         stream: bool,
     ) -> Result<Vec<u8>, ModelError> {
-        serde_json::to_vec(&self.request_body(messages, tools, options, stream))
-            .map_err(|e| ModelError::Config(format!("request is not serializable: {e}")))
+        http::encode_body(&self.request_body(messages, tools, options, stream))
     }
 }
 
