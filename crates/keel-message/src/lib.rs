@@ -44,6 +44,7 @@
 //! # Ok::<(), keel_message::FormatError>(())
 //! ```
 
+mod callable;
 mod content;
 mod error;
 pub mod langchain;
@@ -52,6 +53,7 @@ pub mod openai;
 mod tool;
 mod value;
 
+pub use callable::{Tool, ToolContext, ToolError, ToolFuture};
 pub use content::{Content, ContentPart};
 pub use error::{FormatError, Problem};
 pub use message::{Message, Role};

@@ -1,0 +1,1 @@
+//! keel-agent (in progress)
