@@ -1,0 +1,83 @@
+//! keel keeps long-running LLM agents on course.
+//!
+//! This is the facade: every keel crate, re-exported under one name and chosen with
+//! features, as sqlx does for its drivers. Depend on `keel` for a whole runtime, or on
+//! one crate (`keel-compaction`, `keel-token`, `keel-reducer`, ...) for one concept.
+//!
+//! | module | crate | what it is |
+//! |---|---|---|
+//! | [`message`] | keel-message | `Message`, `ToolCall`, `ToolSpec`, the `Tool` contract |
+//! | [`reducer`] | keel-reducer | the `Reducer` trait and the standard reducers |
+//! | [`token`] | keel-token | `TokenCounter`, model profiles |
+//! | [`checkpoint`] | keel-checkpoint | the `Checkpointer` contract, `MemorySaver` |
+//! | [`graph`] | keel-graph | `StateGraph`, `#[derive(State)]`, the superstep engine |
+//! | [`model`] | keel-model | `ChatModel`; providers behind `openai` / `ollama` |
+//! | [`summarize`] | keel-summarize | `Summarizer`: extractive and LLM summaries |
+//! | [`offload`] | keel-offload | `OffloadStore`, the archive, retrieval tools |
+//! | [`compaction`] | keel-compaction | `Compactor`: goal anchor, milestones, epochs |
+//! | [`agent`] | keel-agent | the prebuilt compacting agent (feature `agent`) |
+//! | [`sqlite`] | keel-checkpoint-sqlite | the embedded checkpointer (feature `sqlite`) |
+//! | [`postgres`] | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
+//!
+//! # Features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `sqlite` | yes | [`sqlite::SqliteSaver`]: checkpoints in one SQLite file |
+//! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base) |
+//! | `fs` | yes | the filesystem offload store and the agent's file tools |
+//! | `agent` | yes | [`agent`]: the compacting agent graph |
+//! | `postgres` | no | `postgres::PostgresSaver` |
+//! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
+//! | `ollama` | no | `model::OllamaModel` |
+//! | `proptest` | no | reducer law checks and the checkpointer conformance suite |
+//!
+//! `default-features = false` with any one feature builds; features only add.
+//!
+//! # Example
+//!
+//! A graph with a messages channel, on the facade alone:
+//!
+//! ```
+//! use keel::graph::{END, RunConfig, START, State, StateGraph};
+//! use keel::message::Message;
+//! use keel::reducer::{AddMessages, AddMessagesUpdate, Messages};
+//!
+//! #[derive(Clone, State)]
+//! #[state(crate = keel::graph)]
+//! struct Chat {
+//!     #[reducer(AddMessages)]
+//!     messages: Messages,
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! let graph = StateGraph::<Chat>::new()
+//!     .add_node("greet", |_state, _ctx| async move {
+//!         Ok(ChatUpdate::default().messages(AddMessagesUpdate::append([Message::assistant("hello")])))
+//!     })
+//!     .add_edge(START, "greet")
+//!     .add_edge("greet", END)
+//!     .compile()?;
+//! let run = graph.invoke(ChatUpdate::default(), &RunConfig::default()).await?;
+//! assert_eq!(run.state.messages.len(), 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub use keel_checkpoint as checkpoint;
+pub use keel_compaction as compaction;
+pub use keel_graph as graph;
+pub use keel_message as message;
+pub use keel_model as model;
+pub use keel_offload as offload;
+pub use keel_reducer as reducer;
+pub use keel_summarize as summarize;
+pub use keel_token as token;
+
+#[cfg(feature = "agent")]
+pub use keel_agent as agent;
+#[cfg(feature = "postgres")]
+pub use keel_checkpoint_postgres as postgres;
+#[cfg(feature = "sqlite")]
+pub use keel_checkpoint_sqlite as sqlite;
