@@ -579,12 +579,7 @@ impl Compactor {
             )
             .await?;
         let first_step = state.step_at_compaction + 1;
-        let number = state
-            .events
-            .iter()
-            .filter(|e| e.kind == EventKind::Milestone && e.error.is_none())
-            .count()
-            + 1;
+        let number = state.milestones_made + 1;
         let layer = self.layer(
             LayerLevel::Milestone,
             format!("[Milestone {number}: steps {first_step}–{}]", state.step),
@@ -602,6 +597,7 @@ impl Compactor {
             .sum();
         state.ledger.raw_total -= removed;
         state.milestones.push(layer);
+        state.milestones_made = number;
         state.step_at_compaction = state.step;
         let mut done = Done {
             kind: EventKind::Milestone,
@@ -634,12 +630,7 @@ impl Compactor {
         }
         let (text, summary, _) = self.summarize(request, overflowing).await?;
         let last_step = state.milestones.last().map_or(state.step, |l| l.last_step);
-        let number = state
-            .events
-            .iter()
-            .filter(|e| e.kind == EventKind::Epoch && e.error.is_none())
-            .count()
-            + 1;
+        let number = state.epochs_made + 1;
         let layer = self.layer(
             LayerLevel::Epoch,
             format!("[Progress summary: steps 1–{last_step}]"),
@@ -649,6 +640,7 @@ impl Compactor {
             format!("keel-epoch-{number}"),
         );
         state.epoch = Some(layer);
+        state.epochs_made = number;
         state.milestones.clear();
         Ok(())
     }

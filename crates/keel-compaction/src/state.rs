@@ -70,8 +70,15 @@ pub struct ContextState {
     /// Turns (model calls) of the raw buffer whose tool results are masked, counted from
     /// the start of the run.
     pub masked_turns: u64,
-    /// Every compaction, successful or not.
+    /// Compaction events, successful or not. A runtime that stores the state may keep
+    /// only the latest ones: numbering uses the counters below, not this list.
     pub events: Vec<CompactionEvent>,
+    /// Milestones made so far (numbers them).
+    #[serde(default)]
+    pub milestones_made: u64,
+    /// Epoch summaries made so far (numbers them).
+    #[serde(default)]
+    pub epochs_made: u64,
     /// Token counts of what the compactor has seen (recounted lazily after a load).
     #[serde(skip)]
     pub(crate) ledger: Ledger,
@@ -100,6 +107,8 @@ impl ContextState {
             step_at_compaction: 0,
             masked_turns: 0,
             events: Vec::new(),
+            milestones_made: 0,
+            epochs_made: 0,
             ledger: Ledger::default(),
         }
     }
