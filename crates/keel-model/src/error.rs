@@ -127,6 +127,7 @@ impl ModelError {
 
 /// Phrases providers use when a prompt is longer than the context window. Matched
 /// case-insensitively against error messages that carry no machine-readable code.
+#[cfg(any(feature = "openai", feature = "ollama"))]
 const OVERFLOW_PHRASES: &[&str] = &[
     "context_length_exceeded",
     "context length exceeded",
@@ -143,12 +144,14 @@ const OVERFLOW_PHRASES: &[&str] = &[
 ];
 
 /// True when an error message says the context window was exceeded.
+#[cfg(any(feature = "openai", feature = "ollama"))]
 pub(crate) fn looks_like_overflow(message: &str) -> bool {
     let lower = message.to_ascii_lowercase();
     OVERFLOW_PHRASES.iter().any(|p| lower.contains(p))
 }
 
 /// At most `max` characters of `s`, for error messages built from response bodies.
+#[cfg(any(feature = "openai", feature = "ollama"))]
 pub(crate) fn snippet(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
@@ -161,6 +164,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(any(feature = "openai", feature = "ollama"))]
     fn overflow_phrases_are_recognized() {
         for msg in [
             "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
@@ -205,6 +209,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(any(feature = "openai", feature = "ollama"))]
     fn snippet_cuts_on_char_boundaries() {
         assert_eq!(snippet("héllo", 2), "hé…");
         assert_eq!(snippet("hi", 5), "hi");

@@ -18,6 +18,11 @@ use tokio::time::Instant;
 use crate::error::{looks_like_overflow, snippet};
 use crate::{ChatEvent, ChatStream, ModelError};
 
+/// An environment variable's value, unless unset or blank.
+pub(crate) fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
 /// Transport settings shared by the HTTP providers.
 ///
 /// Each client built from a config gets its own connection pool, concurrency limit

@@ -10,10 +10,10 @@
 //!
 //! Implementations:
 //!
-//! * [`OpenAiModel`]: `/v1/chat/completions` (OpenAI, vLLM, llama.cpp's server, LM
-//!   Studio), SSE streaming, tools, usage.
-//! * [`OllamaModel`]: Ollama's `/api/chat`, NDJSON streaming, tools, `options`
-//!   (`temperature`, `num_ctx`, ...), `keep_alive`, `format`.
+//! * [`OpenAiModel`] (feature `openai`): `/v1/chat/completions` (OpenAI, vLLM,
+//!   llama.cpp's server, LM Studio), SSE streaming, tools, usage.
+//! * [`OllamaModel`] (feature `ollama`): Ollama's `/api/chat`, NDJSON streaming, tools,
+//!   `options` (`temperature`, `num_ctx`, ...), `keep_alive`, `format`.
 //! * [`ScriptedModel`]: answers from a script of turns and records requests (tests,
 //!   demos, examples like the one below).
 //! * [`ReplayModel`]: answers with the assistant turns of a recorded trajectory.
@@ -24,6 +24,14 @@
 //! [`RateLimit`]. Failures are typed ([`ModelError`]); a provider's "context length
 //! exceeded" reply is always [`ModelError::ContextOverflow`], so the runtime can match
 //! on it, compact the history and try again.
+//!
+//! # Features
+//!
+//! `openai` and `ollama` (both on by default) each bring the shared HTTP layer
+//! (reqwest with rustls, tokio timers). With `default-features = false` the crate is the
+//! contract alone (the trait, its types, [`ModelError`], [`ScriptedModel`],
+//! [`ReplayModel`]) and pulls in no HTTP client: what a summarizer or a compactor
+//! written against `dyn ChatModel` needs.
 //!
 //! # Example
 //!
@@ -58,19 +66,32 @@
 //! # Ok::<(), ModelError>(())
 //! ```
 
+// Without a provider the docs above still name them; their links resolve only when the
+// provider's feature is on.
+#![cfg_attr(
+    not(all(feature = "openai", feature = "ollama")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
+
 mod error;
+#[cfg(any(feature = "openai", feature = "ollama"))]
 mod http;
 mod model;
+#[cfg(feature = "ollama")]
 mod ollama;
+#[cfg(feature = "openai")]
 mod openai;
 mod replay;
 mod scripted;
 mod types;
 
 pub use error::ModelError;
+#[cfg(any(feature = "openai", feature = "ollama"))]
 pub use http::{HttpConfig, RateLimit, RetryPolicy};
 pub use model::ChatModel;
+#[cfg(feature = "ollama")]
 pub use ollama::{OllamaConfig, OllamaModel};
+#[cfg(feature = "openai")]
 pub use openai::{OpenAiConfig, OpenAiModel};
 pub use replay::ReplayModel;
 pub use scripted::{RecordedRequest, ScriptedModel, Turn};

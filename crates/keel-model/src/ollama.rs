@@ -8,8 +8,7 @@ use keel_message::{ContentPart, Message, Role, ToolArguments, ToolCall, ToolSpec
 use serde_json::{Map, Value, json};
 
 use crate::error::snippet;
-use crate::http::{self, Decoder, Http, HttpConfig};
-use crate::openai::env;
+use crate::http::{self, Decoder, Http, HttpConfig, env};
 use crate::{
     ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, FinishReason, ModelError,
     ResponseFormat, ToolCallDelta, Usage,

@@ -8,7 +8,7 @@ use keel_message::{Message, ToolCall, ToolSpec, openai};
 use serde_json::{Map, Value, json};
 
 use crate::error::snippet;
-use crate::http::{self, Decoder, Http, HttpConfig};
+use crate::http::{self, Decoder, Http, HttpConfig, env};
 use crate::{
     ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, FinishReason, ModelError,
     ResponseFormat, ToolCallDelta, Usage,
@@ -109,10 +109,6 @@ impl OpenAiConfig {
         self.max_completion_tokens = on;
         self
     }
-}
-
-pub(crate) fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
 /// A client for an OpenAI-compatible `/chat/completions` endpoint (OpenAI, vLLM,

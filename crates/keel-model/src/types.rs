@@ -162,6 +162,7 @@ pub enum KeepAlive {
 }
 
 impl KeepAlive {
+    #[cfg(feature = "ollama")]
     pub(crate) fn to_value(self) -> Value {
         match self {
             KeepAlive::For(d) => Value::from(d.as_secs()),
