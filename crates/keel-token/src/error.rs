@@ -6,11 +6,13 @@ use crate::Encoding;
 /// returns a number for any input.
 ///
 /// ```
+/// # #[cfg(feature = "tiktoken")] {
 /// use keel_token::{Encoding, TiktokenCounter, TokenError};
 ///
 /// let err = TiktokenCounter::new(Encoding::Approximate).unwrap_err();
 /// assert!(matches!(err, TokenError::NotBpe { .. }));
 /// assert_eq!(err.to_string(), "`approximate` is not a BPE encoding");
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]

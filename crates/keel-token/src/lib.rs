@@ -10,9 +10,9 @@
 //!
 //! The counters:
 //!
-//! * [`TiktokenCounter`]: exact counts for OpenAI's `o200k_base` and `cl100k_base`,
-//!   identical to tiktoken's `encode_ordinary(..).len()` and several times faster
-//!   (see the `engine` notes on [`TiktokenCounter`]).
+//! * [`TiktokenCounter`] (feature `tiktoken`, on by default): exact counts for OpenAI's
+//!   `o200k_base` and `cl100k_base`, identical to tiktoken's `encode_ordinary(..).len()`
+//!   and several times faster (see the `engine` notes on [`TiktokenCounter`]).
 //! * [`ApproxCounter`]: characters / 4, for vocabularies keel cannot load.
 //! * [`CalibratedCounter`]: wraps any counter and scales it by a factor learned from
 //!   the usage the provider reports, so estimates converge on the real bill.
@@ -21,6 +21,10 @@
 //!
 //! [`ModelProfiles`] maps model names to their window, output limit and encoding, and
 //! [`ModelProfile::counter`] picks the right counter for a model.
+//!
+//! With `default-features = false` (no `tiktoken`) the crate has no vocabulary and no
+//! `tiktoken-rs`: every counter is an estimate, and [`ModelProfile::counter`] gives an
+//! [`ApproxCounter`] for OpenAI models too (logging a warning once).
 //!
 //! # Example
 //!
@@ -58,14 +62,19 @@
 //! # Ok::<(), keel_token::TokenError>(())
 //! ```
 
+// Without `tiktoken` the docs still name `TiktokenCounter`; the links resolve with it.
+#![cfg_attr(not(feature = "tiktoken"), allow(rustdoc::broken_intra_doc_links))]
+
 mod approx;
 mod calibrated;
 mod counter;
 mod encoding;
+#[cfg(feature = "tiktoken")]
 mod engine;
 mod error;
 mod memo;
 mod profile;
+#[cfg(feature = "tiktoken")]
 mod tiktoken;
 
 pub use approx::ApproxCounter;
@@ -75,4 +84,5 @@ pub use encoding::Encoding;
 pub use error::TokenError;
 pub use memo::{DEFAULT_MEMO_CAPACITY, MemoCounter, MemoStats};
 pub use profile::{ModelProfile, ModelProfiles, builtin_profiles};
+#[cfg(feature = "tiktoken")]
 pub use tiktoken::TiktokenCounter;

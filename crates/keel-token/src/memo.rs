@@ -36,6 +36,7 @@ pub const DEFAULT_MEMO_CAPACITY: usize = 1 << 18;
 /// memo holds raw counts that stay valid when the factor moves.
 ///
 /// ```
+/// # #[cfg(feature = "tiktoken")] {
 /// use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
 /// use keel_message::Message;
 ///
@@ -53,6 +54,7 @@ pub const DEFAULT_MEMO_CAPACITY: usize = 1 << 18;
 /// // Same id, new content: recounted, not served stale.
 /// history[2] = Message::assistant("One test failed: see the log for details.").with_id("m2");
 /// assert!(counter.count_messages(&history) > after);
+/// # }
 /// # Ok::<(), keel_token::TokenError>(())
 /// ```
 pub struct MemoCounter<C> {

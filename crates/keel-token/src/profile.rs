@@ -1,7 +1,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::{ApproxCounter, Encoding, TiktokenCounter, TokenCounter, TokenError};
+#[cfg(feature = "tiktoken")]
+use crate::TiktokenCounter;
+use crate::{ApproxCounter, Encoding, TokenCounter, TokenError};
 
 /// What keel needs to know about a model to budget its context.
 ///
@@ -50,6 +52,10 @@ impl ModelProfile {
     /// GPT-4 and GPT-3.5), an [`ApproxCounter`] for everything else. To count a model
     /// differently, register a profile with another [`Encoding`].
     ///
+    /// Without the `tiktoken` feature there is no vocabulary to count with: OpenAI
+    /// encodings get an [`ApproxCounter`] as well, and a `tracing` warning says so (once
+    /// per process).
+    ///
     /// ```
     /// use keel_token::{ModelProfiles, TokenCounter};
     ///
@@ -62,8 +68,20 @@ impl ModelProfile {
     /// ```
     pub fn counter(&self) -> Result<Arc<dyn TokenCounter>, TokenError> {
         Ok(match self.encoding {
+            #[cfg(feature = "tiktoken")]
             Encoding::O200kBase | Encoding::Cl100kBase => {
                 Arc::new(TiktokenCounter::new(self.encoding)?)
+            }
+            #[cfg(not(feature = "tiktoken"))]
+            Encoding::O200kBase | Encoding::Cl100kBase => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        encoding = %self.encoding,
+                        "keel-token built without feature `tiktoken`: estimating BPE counts with ApproxCounter"
+                    );
+                });
+                Arc::new(ApproxCounter::new())
             }
             Encoding::Approximate => Arc::new(ApproxCounter::new()),
         })

@@ -235,6 +235,7 @@ fn unknown_models_get_the_default_and_overrides_win() {
 }
 
 #[test]
+#[cfg(feature = "tiktoken")]
 fn counters_follow_the_encoding() {
     let p = ModelProfiles::new();
     let text = "I'm sure they'll say it's fine, don't you think?";
@@ -246,4 +247,19 @@ fn counters_follow_the_encoding() {
     assert_eq!(p.lookup("mistral").counter().unwrap().count_text(text), 12);
     assert_eq!(p.lookup("acme").counter().unwrap().count_text(text), 12);
     assert_eq!(p.lookup("gpt-4.1").input_budget(), 1_047_576 - 32_768);
+}
+
+#[test]
+#[cfg(not(feature = "tiktoken"))]
+fn without_tiktoken_every_model_is_estimated() {
+    let p = ModelProfiles::new();
+    let text = "I'm sure they'll say it's fine, don't you think?";
+    // 48 chars / 4, for OpenAI models too: there is no vocabulary to count with.
+    for model in ["gpt-4.1", "gpt-4", "mistral"] {
+        assert_eq!(
+            p.lookup(model).counter().unwrap().count_text(text),
+            12,
+            "{model}"
+        );
+    }
 }
