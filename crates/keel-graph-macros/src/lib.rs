@@ -6,10 +6,13 @@
 //! such a struct, plus the *update* type nodes return: the same fields, each an optional
 //! write of that channel's reducer update type.
 //!
-//! Use it through `keel_graph`, which re-exports it as `keel_graph::State` (the
-//! generated code names `::keel_graph`, so the crate must be a dependency under that
-//! name). See `keel_graph`'s documentation for running graphs; this page is the
-//! reference for the attributes and the generated API.
+//! Use it through `keel_graph`, which re-exports it as `keel_graph::State`. The
+//! generated code names `::keel_graph`, so by default the crate must be a dependency
+//! under that name; with only the facade crate `keel` (which re-exports keel-graph as
+//! `keel::graph`), or under a renamed dependency, say where it is with
+//! `#[state(crate = "keel::graph")]` (see [Attributes](#attributes)). See
+//! `keel_graph`'s documentation for running graphs; this page is the reference for the
+//! attributes and the generated API.
 //!
 //! ```ignore
 //! use std::collections::VecDeque;
@@ -49,8 +52,28 @@
 //! `KeepLast<T>`, `Option<T>` for `Max<T>`); otherwise the derive fails to compile with
 //! a type mismatch at the field's type.
 //!
-//! On the struct: `#[state(update = Name)]` names the update type (default: the
-//! struct's name followed by `Update`).
+//! On the struct, in one `#[state(..)]` or several:
+//!
+//! - `#[state(update = Name)]` names the update type (default: the struct's name
+//!   followed by `Update`).
+//! - `#[state(crate = "path")]` is the path at which keel-graph is reachable from the
+//!   struct's module, used for every keel-graph item in the generated code (default:
+//!   `::keel_graph`), like serde's `#[serde(crate = "..")]`. The path is a string
+//!   literal or written bare (`#[state(crate = keel::graph)]`); it is a module path
+//!   (no generic arguments), relative paths such as `crate::deps::graph` work. With the
+//!   facade crate:
+//!
+//! ```ignore
+//! use keel::graph::State;
+//! use keel::graph::reducer::{AddMessages, Messages};
+//!
+//! #[derive(Clone, State)]
+//! #[state(crate = "keel::graph")]
+//! struct Chat {
+//!     #[reducer(AddMessages)]
+//!     messages: Messages,
+//! }
+//! ```
 //!
 //! The struct must have named fields and no generic parameters. Each field's reducer
 //! update type must implement serde's `Serialize` and `DeserializeOwned`, and so must the
@@ -121,6 +144,18 @@
 //! }
 //! ```
 //!
+//! `crate = ..` needs a path:
+//!
+//! ```compile_fail
+//! use keel_graph_macros::State;
+//!
+//! #[derive(State)]
+//! #[state(crate = "keel graph")]
+//! struct S {
+//!     total: u32,
+//! }
+//! ```
+//!
 //! Generic structs are refused:
 //!
 //! ```compile_fail
@@ -141,7 +176,9 @@ use proc_macro::TokenStream;
 /// type `<Name>Update` and `From<<Name>Update> for Command<Name>`.
 ///
 /// Fields take `#[reducer(Type)]` or `#[reducer(Type, with = expr)]` (default:
-/// `LastValue<FieldType>`); the struct takes `#[state(update = Name)]`. See the
+/// `LastValue<FieldType>`); the struct takes `#[state(update = Name)]` and
+/// `#[state(crate = "path::to::keel_graph")]` (when keel-graph is not a direct
+/// dependency named `keel_graph`, e.g. `"keel::graph"` through the facade crate). See the
 /// [crate documentation](crate) for the generated API.
 #[proc_macro_derive(State, attributes(reducer, state))]
 pub fn derive_state(input: TokenStream) -> TokenStream {

@@ -5,7 +5,9 @@ use quote::format_ident;
 use syn::ext::IdentExt;
 use syn::parse::ParseStream;
 use syn::spanned::Spanned;
-use syn::{Attribute, Data, DeriveInput, Expr, Fields, Ident, Token, Type, Visibility};
+use syn::{
+    Attribute, Data, DeriveInput, Expr, Fields, Ident, LitStr, Path, Token, Type, Visibility,
+};
 
 /// A state struct, validated.
 pub(crate) struct StateDef {
@@ -15,6 +17,9 @@ pub(crate) struct StateDef {
     pub name: Ident,
     /// The update type's name: `#[state(update = ..)]` or `<name>Update`.
     pub update: Ident,
+    /// The path of keel-graph in generated code: `#[state(crate = ..)]` or
+    /// `::keel_graph`.
+    pub krate: Path,
     /// The channels, in declaration order.
     pub channels: Vec<Channel>,
 }
@@ -108,7 +113,7 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
         ));
     }
 
-    let mut update = None;
+    let mut options = StateOptions::default();
     for attr in &input.attrs {
         if attr.path().is_ident("reducer") {
             errors.push(syn::Error::new(
@@ -116,11 +121,14 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
                 "`#[reducer(..)]` goes on a field, not on the struct",
             ));
         } else if attr.path().is_ident("state")
-            && let Err(e) = parse_state_attr(attr, &mut update)
+            && let Err(e) = parse_state_attr(attr, &mut options)
         {
             errors.push(e);
         }
     }
+    let krate = options
+        .krate
+        .unwrap_or_else(|| syn::parse_quote!(::keel_graph));
 
     let mut channels = Vec::new();
     for field in fields.into_iter().flat_map(|f| &f.named) {
@@ -156,7 +164,7 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
         let (reducer, with) = reducer_attr.unwrap_or_else(|| {
             let span = ty.span();
             let default: Type = syn::parse_quote_spanned! {span=>
-                ::keel_graph::reducer::LastValue<#ty>
+                #krate::reducer::LastValue<#ty>
             };
             (default, None)
         });
@@ -172,33 +180,80 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
 
     errors.finish()?;
     let name = input.ident.clone();
-    let update =
-        update.unwrap_or_else(|| format_ident!("{}Update", name.unraw(), span = name.span()));
+    let update = options
+        .update
+        .unwrap_or_else(|| format_ident!("{}Update", name.unraw(), span = name.span()));
     Ok(StateDef {
         vis: input.vis.clone(),
         name,
         update,
+        krate,
         channels,
     })
 }
 
-/// `#[state(update = Name)]`.
-fn parse_state_attr(attr: &Attribute, update: &mut Option<Ident>) -> syn::Result<()> {
+/// The options of `#[state(..)]` on the struct.
+#[derive(Default)]
+struct StateOptions {
+    /// `update = Name`.
+    update: Option<Ident>,
+    /// `crate = "path"` or `crate = path`.
+    krate: Option<Path>,
+}
+
+/// `#[state(update = Name)]`, `#[state(crate = "path")]`, `#[state(crate = path)]`, or
+/// both options in one attribute.
+fn parse_state_attr(attr: &Attribute, options: &mut StateOptions) -> syn::Result<()> {
     attr.parse_nested_meta(|meta| {
         if meta.path.is_ident("update") {
             let name: Ident = meta.value()?.parse()?;
-            if update.is_some() {
+            if options.update.is_some() {
                 return Err(syn::Error::new(
                     meta.path.span(),
                     "`update` is given more than once",
                 ));
             }
-            *update = Some(name);
+            options.update = Some(name);
+            Ok(())
+        } else if meta.path.is_ident("crate") {
+            let path = parse_crate_path(meta.value()?)?;
+            if options.krate.is_some() {
+                return Err(syn::Error::new(
+                    meta.path.span(),
+                    "`crate` is given more than once",
+                ));
+            }
+            options.krate = Some(path);
             Ok(())
         } else {
-            Err(meta.error("unknown `state` option; the only one is `update = NewName`"))
+            Err(meta.error(
+                "unknown `state` option; the options are `update = NewName` and \
+                 `crate = \"path::to::keel_graph\"`",
+            ))
         }
     })
+}
+
+/// The value of `crate = ..`: a path to keel-graph, as a string literal
+/// (`"keel::graph"`, like serde's `#[serde(crate = "..")]`) or bare (`keel::graph`).
+/// A module path: no generic arguments.
+fn parse_crate_path(input: ParseStream<'_>) -> syn::Result<Path> {
+    const EXPECTED: &str = "expected the path keel-graph is reachable at, e.g. \
+                            `crate = \"keel::graph\"` or `crate = keel::graph`";
+    if input.peek(LitStr) {
+        let lit: LitStr = input.parse()?;
+        if lit.value().trim().is_empty() {
+            return Err(syn::Error::new(lit.span(), EXPECTED));
+        }
+        return lit
+            .parse_with(Path::parse_mod_style)
+            .map_err(|e| syn::Error::new(lit.span(), format!("{EXPECTED}: {e}")));
+    }
+    let ahead = input.fork();
+    if ahead.call(Path::parse_mod_style).is_err() {
+        return Err(input.error(EXPECTED));
+    }
+    input.call(Path::parse_mod_style)
 }
 
 /// The inside of `#[reducer(Type)]` or `#[reducer(Type, with = expr)]`.
@@ -307,6 +362,91 @@ mod tests {
         let def = parse_str("#[state(update = Delta)] struct S { a: u8 }")?;
         assert_eq!(def.update, "Delta");
         Ok(())
+    }
+
+    #[test]
+    fn crate_path_defaults_to_keel_graph() -> syn::Result<()> {
+        let def = parse_str("struct S { a: u8 }")?;
+        assert_eq!(tokens(&def.krate), "::keel_graph");
+        Ok(())
+    }
+
+    #[test]
+    fn crate_path_as_string_or_bare_path() -> syn::Result<()> {
+        for (attr, want) in [
+            (r#"#[state(crate = "keel::graph")]"#, "keel::graph"),
+            (r#"#[state(crate = "::keel::graph")]"#, "::keel::graph"),
+            ("#[state(crate = keel::graph)]", "keel::graph"),
+            (
+                r#"#[state(crate = "crate::reexport::graph")]"#,
+                "crate::reexport::graph",
+            ),
+            ("#[state(crate = self::graph)]", "self::graph"),
+        ] {
+            let def = parse_str(&format!("{attr} struct S {{ a: u8 }}"))?;
+            assert_eq!(tokens(&def.krate), want, "{attr}");
+            // The default reducer is named through the path too.
+            assert_eq!(
+                tokens(&def.channels[0].reducer),
+                format!("{want}::reducer::LastValue<u8>"),
+                "{attr}"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn crate_path_with_update_in_one_or_two_attributes() -> syn::Result<()> {
+        let def = parse_str(r#"#[state(update = D, crate = "k::g")] struct S { a: u8 }"#)?;
+        assert_eq!(
+            (def.update.to_string(), tokens(&def.krate)),
+            ("D".into(), "k::g".into())
+        );
+        let def = parse_str("#[state(crate = k::g)] #[state(update = D)] struct S { a: u8 }")?;
+        assert_eq!(
+            (def.update.to_string(), tokens(&def.krate)),
+            ("D".into(), "k::g".into())
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn rejects_malformed_crate_paths() {
+        for (attr, want) in [
+            (
+                r#"#[state(crate = "")]"#,
+                "expected the path keel-graph is reachable at",
+            ),
+            (
+                r#"#[state(crate = "  ")]"#,
+                "expected the path keel-graph is reachable at",
+            ),
+            (
+                r#"#[state(crate = "keel graph")]"#,
+                "expected the path keel-graph is reachable at",
+            ),
+            (
+                r#"#[state(crate = "keel::")]"#,
+                "expected the path keel-graph is reachable at",
+            ),
+            (
+                r#"#[state(crate = "keel::graph<u8>")]"#,
+                "expected the path keel-graph is reachable at",
+            ),
+            (
+                "#[state(crate = 3)]",
+                "expected the path keel-graph is reachable at",
+            ),
+            ("#[state(crate)]", "expected `=`"),
+            (
+                r#"#[state(crate = "a", crate = "b")]"#,
+                "`crate` is given more than once",
+            ),
+            ("#[state(krate = a)]", "unknown `state` option"),
+        ] {
+            let got = err(&format!("{attr} struct S {{ a: u8 }}"));
+            assert!(got.contains(want), "{attr}: {got}");
+        }
     }
 
     #[test]

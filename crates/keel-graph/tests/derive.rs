@@ -382,3 +382,73 @@ fn a_state_without_channels() -> TestResult {
     assert_eq!(format!("{:?}", NothingUpdate::default()), "NothingUpdate");
     Ok(())
 }
+
+/// keel-graph under another path, as the facade crate re-exports it (`keel::graph`).
+mod reexport {
+    pub use keel_graph as graph;
+}
+
+/// States whose generated code reaches keel-graph through `crate::reexport::graph`
+/// (`#[state(crate = ..)]`, as a string and as a bare path), not `::keel_graph`.
+mod through_a_reexport {
+    use crate::reexport::graph;
+    use graph::reducer::Sum;
+
+    #[derive(Clone, Debug, PartialEq, graph::State)]
+    #[state(crate = "crate::reexport::graph")]
+    pub struct Counter {
+        #[reducer(Sum<i64>)]
+        pub total: i64,
+        /// A `LastValue` channel: the default reducer is named through the path too.
+        pub label: String,
+    }
+
+    #[derive(Clone, Debug, PartialEq, graph::State)]
+    #[state(crate = super::reexport::graph, update = Bump)]
+    pub struct Bare {
+        #[reducer(Sum<u8>)]
+        pub n: u8,
+    }
+
+    #[derive(Clone, Debug, PartialEq, graph::State)]
+    #[state(crate = "self::graph")]
+    pub struct Empty {}
+}
+
+#[test]
+fn the_crate_attribute_reaches_keel_graph_through_a_reexport() -> TestResult {
+    use reexport::graph::{END, RunConfig, START, StateGraph};
+    use through_a_reexport::{Bare, Bump, Counter, CounterUpdate, Empty, EmptyUpdate};
+
+    assert_eq!(Counter::CHANNELS, ["total", "label"]);
+    let mut c = Counter::empty();
+    assert_eq!(
+        c.apply(vec![
+            CounterUpdate::default().total(2),
+            CounterUpdate::default().total(3).label("five".into()),
+        ])?,
+        [0, 1]
+    );
+    assert_eq!((c.total, c.label.as_str()), (5, "five"));
+    let mut b = Bare::empty();
+    b.apply(vec![Bump::default().n(4)])?;
+    assert_eq!(b.n, 4);
+    assert!(Empty::CHANNELS.is_empty());
+    let _: Command<Empty> = EmptyUpdate::default().into();
+
+    // And it runs in a graph like any state.
+    let graph = StateGraph::<Counter>::new()
+        .add_node("add", |_s, _c| async {
+            Ok(CounterUpdate::default().total(40).label("done".into()))
+        })
+        .add_edge(START, "add")
+        .add_edge("add", END)
+        .compile()?;
+    let run = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(graph.invoke(CounterUpdate::default().total(2), &RunConfig::default()))?;
+    assert_eq!(run.state.total, 42);
+    assert_eq!(run.state.label, "done");
+    Ok(())
+}
