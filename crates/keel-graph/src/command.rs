@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::State;
 
@@ -163,7 +163,61 @@ impl NodeError {
     }
 }
 
-/// What a running node knows about its task, and how it asks for human input.
+/// What one invocation tells its nodes: the thread, the namespace and the user
+/// configuration of its [`RunConfig`](crate::RunConfig). Made once per invocation and
+/// shared by every task.
+#[derive(Debug, Default)]
+pub(crate) struct InvocationInfo {
+    pub(crate) thread_id: Option<String>,
+    pub(crate) checkpoint_ns: String,
+    pub(crate) configurable: Map<String, Value>,
+}
+
+impl InvocationInfo {
+    pub(crate) fn of(config: &crate::RunConfig) -> Self {
+        InvocationInfo {
+            thread_id: config.thread_id.clone(),
+            checkpoint_ns: config.checkpoint_ns.clone(),
+            configurable: config.configurable.clone(),
+        }
+    }
+}
+
+/// What a running node knows about its task and its invocation, and how it asks for
+/// human input.
+///
+/// Besides the task ([`node`](Self::node), [`step`](Self::step),
+/// [`task_id`](Self::task_id), [`payload`](Self::payload)) a node sees what LangGraph
+/// passes as `config`: the invocation's [`thread_id`](Self::thread_id),
+/// [`checkpoint_ns`](Self::checkpoint_ns) and user configuration
+/// ([`config`](Self::config), from [`RunConfig::with_configurable`](crate::RunConfig::with_configurable)).
+///
+/// ```
+/// use keel_graph::{END, NodeContext, RunConfig, START, State, StateGraph};
+/// use serde_json::json;
+///
+/// #[derive(Clone, State)]
+/// struct Reply {
+///     text: String,
+/// }
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// let graph = StateGraph::<Reply>::new()
+///     .add_node("greet", |_state, ctx: NodeContext| async move {
+///         let user = ctx.config().get("user").and_then(|v| v.as_str()).unwrap_or("stranger");
+///         let thread = ctx.thread_id().unwrap_or("-");
+///         Ok(ReplyUpdate::default().text(format!("hello {user} on {thread}")))
+///     })
+///     .add_edge(START, "greet")
+///     .add_edge("greet", END)
+///     .compile()?;
+/// let config = RunConfig::thread("t-7").with_configurable("user", json!("ada"));
+/// let run = graph.invoke(ReplyUpdate::default(), &config).await?;
+/// assert_eq!(run.state.text, "hello ada on t-7");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct NodeContext {
     pub(crate) node: Arc<str>,
@@ -172,6 +226,7 @@ pub struct NodeContext {
     pub(crate) payload: Option<Value>,
     pub(crate) resume: Arc<Vec<Value>>,
     pub(crate) interrupts: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) invocation: Arc<InvocationInfo>,
 }
 
 impl NodeContext {
@@ -193,6 +248,27 @@ impl NodeContext {
     /// The payload of the [`Send`] that started this task, if any.
     pub fn payload(&self) -> Option<&Value> {
         self.payload.as_ref()
+    }
+
+    /// The invocation's thread id ([`RunConfig::thread_id`](crate::RunConfig::thread_id)),
+    /// as given, whether or not the graph has a checkpointer.
+    pub fn thread_id(&self) -> Option<&str> {
+        self.invocation.thread_id.as_deref()
+    }
+
+    /// The invocation's checkpoint namespace
+    /// ([`RunConfig::checkpoint_ns`](crate::RunConfig::checkpoint_ns); `""` for a root
+    /// graph).
+    pub fn checkpoint_ns(&self) -> &str {
+        &self.invocation.checkpoint_ns
+    }
+
+    /// The invocation's user configuration
+    /// ([`RunConfig::configurable`](crate::RunConfig::configurable), LangGraph's
+    /// `config["configurable"]`): model names, user ids, anything a node should know but
+    /// the state should not hold. Not stored with checkpoints. Empty unless set.
+    pub fn config(&self) -> &Map<String, Value> {
+        &self.invocation.configurable
     }
 
     /// Pauses the thread and asks for a value, or returns the value if the thread was

@@ -44,6 +44,11 @@ pub struct RunConfig {
     pub durability: Durability,
     /// Extra metadata stored with every checkpoint of this invocation.
     pub metadata: Map<String, Value>,
+    /// User configuration for the nodes (LangGraph's `config["configurable"]`), read
+    /// with [`NodeContext::config`](crate::NodeContext::config). Unlike
+    /// [`metadata`](Self::metadata) it is not stored: give it again on every
+    /// invocation that needs it.
+    pub configurable: Map<String, Value>,
 }
 
 impl Default for RunConfig {
@@ -55,6 +60,7 @@ impl Default for RunConfig {
             recursion_limit: DEFAULT_RECURSION_LIMIT,
             durability: Durability::Sync,
             metadata: Map::new(),
+            configurable: Map::new(),
         }
     }
 }
@@ -86,6 +92,25 @@ impl RunConfig {
     #[must_use]
     pub fn with_durability(mut self, durability: Durability) -> Self {
         self.durability = durability;
+        self
+    }
+
+    /// Sets one key of the user configuration ([`configurable`](Self::configurable)),
+    /// replacing an earlier value for the key.
+    ///
+    /// ```
+    /// use keel_graph::RunConfig;
+    /// use serde_json::json;
+    ///
+    /// let config = RunConfig::thread("t-1")
+    ///     .with_configurable("model", json!("small"))
+    ///     .with_configurable("user_id", json!(42));
+    /// assert_eq!(config.configurable["model"], json!("small"));
+    /// assert!(config.metadata.is_empty(), "configuration is not checkpoint metadata");
+    /// ```
+    #[must_use]
+    pub fn with_configurable(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.configurable.insert(key.into(), value.into());
         self
     }
 

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::command::{Command, Goto, NodeContext, NodeError};
+use crate::command::{Command, Goto, InvocationInfo, NodeContext, NodeError};
 use crate::config::{Durability, Interrupt, Run, RunConfig, StateSnapshot};
 use crate::graph::{Join, NodeSpec, RouterSpec};
 use crate::stream::{Event, StreamMode};
@@ -495,6 +495,8 @@ struct RunState<S: State> {
     steps_since_store: usize,
     joins_seen: Vec<BTreeSet<usize>>,
     metadata: serde_json::Map<String, Value>,
+    /// What every task's [`NodeContext`] shares about this invocation.
+    invocation: Arc<InvocationInfo>,
     events: Option<EventSink<S>>,
 }
 
@@ -523,6 +525,7 @@ impl<S: State> RunState<S> {
             steps_since_store: 0,
             joins_seen: vec![BTreeSet::new(); g.joins.len()],
             metadata: config.metadata.clone(),
+            invocation: Arc::new(InvocationInfo::of(config)),
             events,
             graph: g,
         };
@@ -665,6 +668,7 @@ impl<S: State> RunState<S> {
                 payload: t.payload.clone(),
                 resume: Arc::new(resume),
                 interrupts: Arc::new(AtomicUsize::new(0)),
+                invocation: Arc::clone(&self.invocation),
             };
             let g = Arc::clone(&g);
             let state = Arc::clone(&self.state);

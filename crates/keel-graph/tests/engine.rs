@@ -837,3 +837,96 @@ async fn add_messages_state_survives_a_checkpoint_round_trip() {
     assert_eq!(state.messages.as_slice()[99].text(), "reply 99");
     assert!(state.messages.as_slice().iter().all(|m| m.id.is_some()));
 }
+
+/// What a node reads of its invocation, as one log line.
+fn describe(ctx: &keel_graph::NodeContext) -> String {
+    format!(
+        "{} thread={} ns={:?} model={} keys={}",
+        ctx.node(),
+        ctx.thread_id().unwrap_or("-"),
+        ctx.checkpoint_ns(),
+        ctx.config()
+            .get("model")
+            .and_then(|v| v.as_str())
+            .unwrap_or("-"),
+        ctx.config().len()
+    )
+}
+
+#[tokio::test]
+async fn nodes_see_the_thread_namespace_and_configurable_of_their_invocation() {
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("split", |_s, ctx: keel_graph::NodeContext| async move {
+            Ok(log(&describe(&ctx)))
+        })
+        .add_node("work", |_s, ctx: keel_graph::NodeContext| async move {
+            let n = ctx.payload().and_then(|p| p.as_i64()).unwrap();
+            Ok(log(&format!("{} #{n}", describe(&ctx))))
+        })
+        .add_edge(START, "split")
+        .add_conditional_edges(
+            "split",
+            |_s: &S| (1..=2).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            Some(&["work"]),
+        )
+        .add_edge("work", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+
+    // Every task of every step, parallel ones included, sees the same configuration.
+    let mut config = RunConfig::thread("cfg")
+        .with_configurable("model", "small")
+        .with_configurable("user_id", 7);
+    config.checkpoint_ns = "sub".into();
+    let run = g.invoke(SUpdate::default(), &config).await.unwrap();
+    assert_eq!(
+        run.state.log,
+        [
+            r#"split thread=cfg ns="sub" model=small keys=2"#,
+            r#"work thread=cfg ns="sub" model=small keys=2 #1"#,
+            r#"work thread=cfg ns="sub" model=small keys=2 #2"#,
+        ]
+    );
+    // The configuration is not checkpoint metadata: nothing of it is stored.
+    for snap in g.state_history(&config).await.unwrap() {
+        assert!(!snap.metadata.extra.contains_key("model"), "{snap:?}");
+        assert!(!snap.metadata.extra.contains_key("user_id"), "{snap:?}");
+    }
+    // A later invocation sees its own configuration, not an earlier one.
+    let run = g
+        .invoke(log("again"), &RunConfig::thread("cfg2"))
+        .await
+        .unwrap();
+    assert_eq!(
+        run.state.log[1],
+        r#"split thread=cfg2 ns="" model=- keys=0"#
+    );
+
+    // Without a checkpointer the thread id is still the one given, or none.
+    let plain = StateGraph::<S>::new()
+        .add_node("n", |_s, ctx: keel_graph::NodeContext| async move {
+            Ok(log(&describe(&ctx)))
+        })
+        .add_edge(START, "n")
+        .add_edge("n", END)
+        .compile()
+        .unwrap();
+    let run = plain
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, [r#"n thread=- ns="" model=- keys=0"#]);
+    let run = plain
+        .invoke(
+            SUpdate::default(),
+            &RunConfig::thread("no-saver").with_configurable("model", "big"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        run.state.log,
+        [r#"n thread=no-saver ns="" model=big keys=1"#]
+    );
+}
