@@ -3,6 +3,8 @@
 
 use anyhow::{Result, bail};
 
+mod agent;
+mod agent_keel;
 mod compaction;
 mod graph;
 mod model;
@@ -23,6 +25,7 @@ pub fn bench(target: &str) -> Result<()> {
         "model" => model::run(),
         "compaction" => compaction::run_bench(),
         "reducer" => reducer::run_bench(),
+        "agent" => agent::run(),
         "all" => {
             token::run()?;
             reducer::run_bench()?;
@@ -31,10 +34,11 @@ pub fn bench(target: &str) -> Result<()> {
             postgres::run()?;
             offload::run()?;
             model::run()?;
-            compaction::run_bench()
+            compaction::run_bench()?;
+            agent::run()
         }
         other => bail!(
-            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction or all)"
+            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction, agent or all)"
         ),
     }
 }

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod ci;
 mod llm;
+mod node;
 mod pg;
 mod python;
 mod vectors;

@@ -1,0 +1,685 @@
+//! `cargo xtask bench agent`: keel's full compacting agent loop beside the same pattern
+//! written in LangGraph.js (`xtask/peers/langgraphjs-agent/agent.mjs`), in one run, plus
+//! pgbench's single-client commit rate on the same PostgreSQL server.
+//!
+//! Configurations: memory (LangGraph.js's MemorySaver), SQLite (keel only: the peer
+//! has no SQLite saver installed) and PostgreSQL (PostgresSaver), each with sync and
+//! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs below
+//! 10,000, one run at 10,000; a 10,000-step run whose estimate from the 1,000-step one
+//! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
+//! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
+//! sizes and the repetitions, `KEEL_PGBENCH_SECS` pgbench's duration (10 s).
+//! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
+//! without one, the PostgreSQL rows and pgbench are skipped and the reason printed.
+//!
+//! Prints one table and the targets; writes every raw result to `target/bench-agent.json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use super::agent_keel::{self, Config, Measurement};
+use crate::node::NodePeer;
+use crate::pg::Database;
+use crate::util::{has_program, root, run_capture};
+
+/// The Node.js peer's folder under `xtask/peers/`.
+const PEER: &str = "langgraphjs-agent";
+
+/// (backend, durability, whether the LangGraph.js peer runs it), in table order.
+const CONFIGS: &[(&str, &str, bool)] = &[
+    ("memory", "async", true),
+    ("memory", "sync", true),
+    ("sqlite", "async", false),
+    ("sqlite", "sync", false),
+    ("postgres", "async", true),
+    ("postgres", "sync", true),
+];
+
+const DEFAULT_SIZES: &[u64] = &[100, 1_000, 10_000];
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+fn sizes() -> Vec<u64> {
+    match std::env::var("KEEL_BENCH_AGENT_SIZES") {
+        Ok(v) if !v.trim().is_empty() => v
+            .split(',')
+            .filter_map(|s| s.trim().replace('_', "").parse().ok())
+            .collect(),
+        _ => DEFAULT_SIZES.to_vec(),
+    }
+}
+
+/// Repetitions for `n` steps: 3 where a run is cheap, 1 at 10,000 and more.
+fn reps_for(n: u64) -> u32 {
+    let default = if n >= 10_000 { 1 } else { 3 };
+    match std::env::var("KEEL_BENCH_AGENT_REPS") {
+        Ok(v) if n < 10_000 => v.trim().parse().unwrap_or(default),
+        _ => default,
+    }
+}
+
+/// Runs the benchmark and prints the comparison.
+pub fn run() -> Result<()> {
+    let sizes = sizes();
+    if sizes.is_empty() {
+        bail!("KEEL_BENCH_AGENT_SIZES has no sizes");
+    }
+    let max_secs = env_u64("KEEL_BENCH_AGENT_MAX_SECS", 240) as f64;
+    let mut skipped: Vec<String> = Vec::new();
+
+    let db = Database::get(&[]);
+    eprintln!("agent bench: {}", db.describe());
+    let url = db.url();
+    if url.is_none() {
+        skipped.push(format!("PostgreSQL rows and pgbench: {}", db.describe()));
+    }
+
+    let pgbench = match &url {
+        Some(url) => match pgbench(url, env_u64("KEEL_PGBENCH_SECS", 10)) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                skipped.push(format!("pgbench: {e:#}"));
+                None
+            }
+        },
+        None => None,
+    };
+
+    let peer = NodePeer::ensure(PEER)?;
+    let scratch = root().join("target").join("bench-agent-scratch");
+    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
+
+    let mut peer_rows: Vec<Value> = Vec::new();
+    let mut keel_rows: Vec<Value> = Vec::new();
+    let mut keel_errors: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for &(backend, durability, has_peer) in CONFIGS {
+        if backend == "postgres" && url.is_none() {
+            continue;
+        }
+        // Wall seconds of the last size run, per side, to judge whether the next fits.
+        let mut last_peer: Option<(u64, f64)> = None;
+        let mut last_keel: Option<(u64, f64)> = None;
+        for &n in &sizes {
+            let reps = reps_for(n);
+            let too_long = |last: Option<(u64, f64)>| {
+                last.map(|(m, secs)| secs * n as f64 / m as f64)
+                    .filter(|est| *est > max_secs)
+            };
+            if has_peer {
+                if let Some(est) = too_long(last_peer) {
+                    skipped.push(format!(
+                        "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
+                        thousands(n)
+                    ));
+                } else {
+                    eprintln!(
+                        "LangGraph.js {backend}/{durability}: N = {}, {reps} repetition(s)",
+                        thousands(n)
+                    );
+                    let rows = run_peer(&peer, url.as_deref(), backend, durability, n, reps)?;
+                    last_peer = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
+                    peer_rows.extend(rows);
+                }
+            }
+            if let Some(est) = too_long(last_keel) {
+                skipped.push(format!(
+                    "keel {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s)",
+                    thousands(n)
+                ));
+                continue;
+            }
+            let config = Config {
+                backend: backend.to_owned(),
+                durability: durability.to_owned(),
+                steps: n,
+                reps,
+                repo: root(),
+                database_url: if backend == "postgres" {
+                    url.clone()
+                } else {
+                    None
+                },
+                scratch: scratch.clone(),
+            };
+            eprintln!(
+                "keel {backend}/{durability}: N = {}, {reps} repetition(s)",
+                thousands(n)
+            );
+            match agent_keel::run(&config) {
+                Ok(ms) => {
+                    let rows: Vec<Value> = ms.iter().map(measurement_json).collect();
+                    last_keel = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
+                    keel_rows.extend(rows);
+                }
+                Err(e) => keel_errors
+                    .entry(format!("{e:#}"))
+                    .or_default()
+                    .push(format!("{backend}/{durability} N={n}")),
+            }
+        }
+    }
+    drop(db);
+
+    let report = Report {
+        peer: summarize(&peer_rows),
+        keel: summarize(&keel_rows),
+        pgbench: pgbench.as_ref(),
+    };
+    report.print();
+    for (error, configs) in &keel_errors {
+        println!("keel side failed ({}): {error}", configs.join(", "));
+    }
+    for s in &skipped {
+        println!("skipped: {s}");
+    }
+
+    let out = root().join("target").join("bench-agent.json");
+    let raw = json!({
+        "sizes": sizes,
+        "pgbench": pgbench.as_ref().map(PgBench::to_json),
+        "langgraphjs": peer_rows,
+        "keel": keel_rows,
+        "keel_errors": keel_errors,
+        "skipped": skipped,
+    });
+    std::fs::write(&out, format!("{raw:#}\n"))
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("raw results: {}", out.display());
+    Ok(())
+}
+
+fn run_peer(
+    peer: &NodePeer,
+    url: Option<&str>,
+    backend: &str,
+    durability: &str,
+    n: u64,
+    reps: u32,
+) -> Result<Vec<Value>> {
+    let mut c = peer.node("agent.mjs");
+    c.arg("--repo")
+        .arg(root())
+        .args(["--saver", backend, "--durability", durability])
+        .args(["--steps", &n.to_string(), "--reps", &reps.to_string()]);
+    if let Some(url) = url.filter(|_| backend == "postgres") {
+        c.args(["--url", url]);
+    }
+    let text = run_capture(&mut c)?;
+    text.lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            serde_json::from_str(l).context("the LangGraph.js peer printed a line that is not JSON")
+        })
+        .collect()
+}
+
+fn measurement_json(m: &Measurement) -> Value {
+    json!({
+        "impl": "keel",
+        "backend": m.backend,
+        "durability": m.durability,
+        "steps": m.steps,
+        "wall_s": m.wall_s,
+        "steps_per_s": m.steps_per_s,
+        "us_per_step": if m.steps_per_s > 0.0 { 1e6 / m.steps_per_s } else { 0.0 },
+        "overhead_us_per_step": m.overhead_us_per_step,
+        "bytes_per_step": m.bytes_per_step,
+        "peak_rss_bytes": m.peak_rss_bytes,
+        "supersteps": m.supersteps,
+    })
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    })
+}
+
+/// Medians over the repetitions of one (backend, durability, N).
+struct Summary {
+    reps: usize,
+    steps_per_s: f64,
+    overhead_us: Option<f64>,
+    bytes_per_step: Option<f64>,
+    peak_rss: Option<f64>,
+    supersteps: Option<f64>,
+    /// LangGraph.js only: saver transactions (put + putWrites) per agent step.
+    commits_per_step: Option<f64>,
+}
+
+type Key = (usize, u64);
+
+fn config_index(backend: &str, durability: &str) -> usize {
+    CONFIGS
+        .iter()
+        .position(|(b, d, _)| *b == backend && *d == durability)
+        .unwrap_or(CONFIGS.len())
+}
+
+fn summarize(rows: &[Value]) -> BTreeMap<Key, Summary> {
+    let mut groups: BTreeMap<Key, Vec<&Value>> = BTreeMap::new();
+    for r in rows {
+        let key = (
+            config_index(
+                r["backend"].as_str().unwrap_or("?"),
+                r["durability"].as_str().unwrap_or("?"),
+            ),
+            r["steps"].as_u64().unwrap_or(0),
+        );
+        groups.entry(key).or_default().push(r);
+    }
+    groups
+        .into_iter()
+        .map(|(key, rs)| {
+            let med = |k: &str| median(rs.iter().map(|r| num(r, k)));
+            let commits = median(
+                rs.iter()
+                    .map(|r| (num(r, "checkpoint_puts") + num(r, "put_writes")) / num(r, "steps")),
+            );
+            let summary = Summary {
+                reps: rs.len(),
+                steps_per_s: med("steps_per_s").unwrap_or(0.0),
+                overhead_us: med("overhead_us_per_step"),
+                bytes_per_step: med("bytes_per_step"),
+                peak_rss: rs
+                    .iter()
+                    .map(|r| num(r, "peak_rss_bytes"))
+                    .filter(|x| x.is_finite())
+                    .reduce(f64::max),
+                supersteps: med("supersteps"),
+                commits_per_step: commits,
+            };
+            (key, summary)
+        })
+        .collect()
+}
+
+struct Report<'a> {
+    peer: BTreeMap<Key, Summary>,
+    keel: BTreeMap<Key, Summary>,
+    pgbench: Option<&'a PgBench>,
+}
+
+impl Report<'_> {
+    fn print(&self) {
+        let mut keys: Vec<Key> = self.peer.keys().chain(self.keel.keys()).copied().collect();
+        keys.sort();
+        keys.dedup();
+        println!();
+        println!(
+            "agent loop (fake model, real tools, compaction every 10 steps, epoch every 5 milestones): medians"
+        );
+        println!(
+            "{:<8} {:<5} {:>6} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8}",
+            "backend",
+            "dur",
+            "N",
+            "reps",
+            "keel st/s",
+            "LG.js st/s",
+            "ratio",
+            "keel ovh",
+            "LG.js ovh",
+            "keel B/st",
+            "LG.js B/st",
+            "keel MB",
+            "LG.js MB"
+        );
+        let opt = |v: Option<f64>, scale: f64, prec: usize| match v {
+            Some(x) => format!("{:.prec$}", x / scale),
+            None => "-".into(),
+        };
+        for key in &keys {
+            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let k = self.keel.get(key);
+            let p = self.peer.get(key);
+            let reps = k.or(p).map_or(0, |s| s.reps);
+            println!(
+                "{backend:<8} {durability:<5} {:>6} {reps:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8}",
+                key.1,
+                opt(k.map(|s| s.steps_per_s), 1.0, 0),
+                opt(p.map(|s| s.steps_per_s), 1.0, 0),
+                ratio(k, p).map_or("-".into(), |r| format!("{r:.1}x")),
+                opt(k.and_then(|s| s.overhead_us), 1.0, 1),
+                opt(p.and_then(|s| s.overhead_us), 1.0, 1),
+                opt(k.and_then(|s| s.bytes_per_step), 1.0, 0),
+                opt(p.and_then(|s| s.bytes_per_step), 1.0, 0),
+                opt(k.and_then(|s| s.peak_rss), 1e6, 0),
+                opt(p.and_then(|s| s.peak_rss), 1e6, 0),
+            );
+        }
+        println!(
+            "(st/s: agent steps, i.e. model calls, per second; ovh: runtime µs per step outside the fake model and the tools; \
+             B/st: bytes the thread holds in the saver at the end / N; MB: peak RSS)"
+        );
+        println!(
+            "LangGraph.js async PostgresSaver commits trail the graph, so its prune after each compaction finds few committed checkpoints to delete"
+        );
+        self.print_pgbench();
+        self.print_targets(&keys);
+    }
+
+    fn print_pgbench(&self) {
+        let Some(pg) = self.pgbench else {
+            return;
+        };
+        println!();
+        println!(
+            "pgbench ({}), one client, {} s: {:.0} tps with one small INSERT per transaction (a checkpoint-like commit){}",
+            pg.program,
+            pg.secs,
+            pg.insert_tps,
+            pg.simple_update_tps.map_or(String::new(), |t| format!(
+                "; {t:.0} tps on -N (simple update)"
+            )),
+        );
+        for (key, p) in &self.peer {
+            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            if backend != "postgres" {
+                continue;
+            }
+            if let Some(c) = p.commits_per_step {
+                let allowed = pg.insert_tps / c;
+                println!(
+                    "  LangGraph.js {backend}/{durability} N={}: {c:.2} saver transactions per step (a put and a putWrites per superstep) \
+                     -> pgbench allows {allowed:.0} steps/s; it ran {:.0} ({:.0}% of that)",
+                    key.1,
+                    p.steps_per_s,
+                    100.0 * p.steps_per_s / allowed
+                );
+            }
+        }
+    }
+
+    fn print_targets(&self, keys: &[Key]) {
+        println!();
+        println!("targets:");
+        let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };
+        for key in keys {
+            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let k = self.keel.get(key);
+            let p = self.peer.get(key);
+            let target = match backend {
+                "memory" => 30.0,
+                "postgres" if durability == "sync" => 6.0,
+                _ => continue,
+            };
+            let what = format!(
+                "{backend}/{durability} N={}: keel >= {target:.0}x LangGraph.js",
+                key.1
+            );
+            match ratio(k, p) {
+                Some(r) => println!("  [{}] {what}: {r:.1}x", verdict(r >= target)),
+                None => println!("  [ -- ] {what}: {}", missing(k, p)),
+            }
+        }
+        // Postgres (sync) within 2x of what pgbench allows.
+        for key in keys {
+            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            if backend != "postgres" || durability != "sync" {
+                continue;
+            }
+            let what = format!(
+                "{backend}/{durability} N={}: keel within 2x of what pgbench allows",
+                key.1
+            );
+            let Some(pg) = self.pgbench else {
+                println!("  [ -- ] {what}: no pgbench result");
+                continue;
+            };
+            let k = self.keel.get(key);
+            // Same workload on both sides: the peer's superstep count stands in when
+            // keel's is not there.
+            let supersteps = k
+                .and_then(|s| s.supersteps)
+                .or_else(|| self.peer.get(key).and_then(|s| s.supersteps));
+            let Some(supersteps) = supersteps else {
+                println!("  [ -- ] {what}: no superstep count");
+                continue;
+            };
+            let per_step = supersteps / key.1 as f64;
+            let allowed = pg.insert_tps / per_step;
+            let derivation = format!(
+                "one agent step = 2 supersteps (agent, tools) plus its share of compact and epoch ones = {supersteps:.0} supersteps / {} steps \
+                 = {per_step:.3} checkpoint commits per step (one commit per superstep), so pgbench's {:.0} tps allows {allowed:.0} steps/s",
+                key.1, pg.insert_tps
+            );
+            match k {
+                Some(k) => println!(
+                    "  [{}] {what}: {:.0} steps/s = {:.2}x below the bound ({derivation})",
+                    verdict(k.steps_per_s * 2.0 >= allowed),
+                    k.steps_per_s,
+                    allowed / k.steps_per_s
+                ),
+                None => println!("  [ -- ] {what}: keel not measured ({derivation})"),
+            }
+        }
+        // Per-step cost at 10,000 within 1.3x of that at 100.
+        let mut configs: Vec<usize> = keys.iter().map(|k| k.0).collect();
+        configs.dedup();
+        for c in configs {
+            let (backend, durability, _) = CONFIGS.get(c).copied().unwrap_or(("?", "?", false));
+            let what = format!(
+                "{backend}/{durability}: keel's per-step cost at N=10,000 within 1.3x of N=100"
+            );
+            let cost = |side: &BTreeMap<Key, Summary>, n: u64| {
+                side.get(&(c, n))
+                    .filter(|s| s.steps_per_s > 0.0)
+                    .map(|s| 1e6 / s.steps_per_s)
+            };
+            let peer_growth = match (cost(&self.peer, 100), cost(&self.peer, 10_000)) {
+                (Some(a), Some(b)) => format!(" (LangGraph.js: {:.2}x)", b / a),
+                _ => String::new(),
+            };
+            match (cost(&self.keel, 100), cost(&self.keel, 10_000)) {
+                (Some(a), Some(b)) => println!(
+                    "  [{}] {what}: {a:.1} -> {b:.1} µs/step = {:.2}x{peer_growth}",
+                    verdict(b / a <= 1.3),
+                    b / a
+                ),
+                _ => println!("  [ -- ] {what}: keel not measured at both sizes{peer_growth}"),
+            }
+        }
+    }
+}
+
+fn ratio(k: Option<&Summary>, p: Option<&Summary>) -> Option<f64> {
+    match (k, p) {
+        (Some(k), Some(p)) if p.steps_per_s > 0.0 => Some(k.steps_per_s / p.steps_per_s),
+        _ => None,
+    }
+}
+
+fn missing(k: Option<&Summary>, p: Option<&Summary>) -> &'static str {
+    match (k, p) {
+        (None, None) => "neither side measured",
+        (None, _) => "keel not measured",
+        _ => "LangGraph.js not measured",
+    }
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// pgbench's single-client commit rates.
+struct PgBench {
+    program: String,
+    secs: u64,
+    /// One small INSERT (a ~1 kB row) per transaction.
+    insert_tps: f64,
+    /// pgbench's built-in `-N` (simple update) script, when `pgbench -i` worked.
+    simple_update_tps: Option<f64>,
+}
+
+impl PgBench {
+    fn to_json(&self) -> Value {
+        json!({
+            "program": self.program,
+            "seconds": self.secs,
+            "insert_tps": self.insert_tps,
+            "simple_update_tps": self.simple_update_tps,
+        })
+    }
+}
+
+/// `pgbench` on PATH, else the newest `/usr/lib/postgresql/<version>/bin/pgbench`.
+fn find_pgbench() -> Result<String> {
+    if has_program("pgbench") {
+        return Ok("pgbench".into());
+    }
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let program = e.path().join("bin").join("pgbench");
+            program.exists().then_some((version, program))
+        })
+        .collect();
+    found.sort();
+    match found.pop() {
+        Some((_, p)) => Ok(p.display().to_string()),
+        None => bail!(
+            "pgbench is not on PATH nor in /usr/lib/postgresql/*/bin (it comes with the PostgreSQL client package)"
+        ),
+    }
+}
+
+/// Measures the server's single-client commit rate in a scratch schema, then drops it.
+fn pgbench(url: &str, secs: u64) -> Result<PgBench> {
+    let program = find_pgbench()?;
+    let dir = root().join("target").join("bench-agent-pgbench");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let schema = format!("keel_pgbench_{}", std::process::id());
+    let script = |name: &str, sql: String| -> Result<PathBuf> {
+        let path = dir.join(name);
+        std::fs::write(&path, sql).with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    };
+    let setup = script(
+        "setup.sql",
+        format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE;\nCREATE SCHEMA {schema};\n\
+             CREATE TABLE {schema}.commit_probe (id bigserial PRIMARY KEY, thread text NOT NULL, payload bytea NOT NULL);\n"
+        ),
+    )?;
+    let insert = script(
+        "insert.sql",
+        format!(
+            "INSERT INTO {schema}.commit_probe (thread, payload) VALUES ('bench', convert_to(repeat('x', 1000), 'UTF8'));\n"
+        ),
+    )?;
+    let teardown = script(
+        "teardown.sql",
+        format!("DROP SCHEMA IF EXISTS {schema} CASCADE;\n"),
+    )?;
+    let once = |file: &PathBuf| -> Result<()> {
+        run_capture(
+            Command::new(&program)
+                .args(["-n", "-t", "1", "-f"])
+                .arg(file)
+                .arg(url),
+        )
+        .map(drop)
+    };
+    let timed = |args: &[&str], search_path: bool| -> Result<f64> {
+        let mut c = Command::new(&program);
+        c.args(["-n", "-c", "1", "-j", "1", "-T", &secs.to_string()])
+            .args(args)
+            .arg(url);
+        if search_path {
+            c.env("PGOPTIONS", format!("-c search_path={schema}"));
+        }
+        parse_tps(&run_capture(&mut c)?)
+    };
+    once(&setup).context("pgbench: creating the scratch schema")?;
+    let insert_file = insert.display().to_string();
+    let result = timed(&["-f", &insert_file], false).map(|insert_tps| {
+        let init = run_capture(
+            Command::new(&program)
+                .args(["-i", "-q", "-s", "1"])
+                .arg(url)
+                .env("PGOPTIONS", format!("-c search_path={schema}")),
+        );
+        let simple_update_tps = match init {
+            Ok(_) => timed(&["-N"], true)
+                .map_err(|e| eprintln!("pgbench -N failed: {e:#}"))
+                .ok(),
+            Err(e) => {
+                eprintln!("pgbench -i failed: {e:#}");
+                None
+            }
+        };
+        PgBench {
+            program: program.clone(),
+            secs,
+            insert_tps,
+            simple_update_tps,
+        }
+    });
+    if let Err(e) = once(&teardown) {
+        eprintln!("warning: could not drop the pgbench scratch schema {schema}: {e:#}");
+    }
+    result
+}
+
+fn parse_tps(out: &str) -> Result<f64> {
+    out.lines()
+        .find_map(|l| {
+            let rest = l.trim().strip_prefix("tps = ")?;
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .context("pgbench printed no `tps = ` line")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, parse_tps, thousands};
+
+    #[test]
+    fn parses_pgbench_tps() {
+        let out = "latency average = 0.429 ms\ninitial connection time = 5.985 ms\ntps = 2331.673911 (without initial connection time)\n";
+        assert!((parse_tps(out).unwrap() - 2331.673911).abs() < 1e-9);
+        assert!(parse_tps("nothing").is_err());
+    }
+
+    #[test]
+    fn medians_and_thousands() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), Some(2.0));
+        assert_eq!(median([4.0, 1.0].into_iter()), Some(2.5));
+        assert_eq!(median(std::iter::empty()), None);
+        assert_eq!(thousands(10_000), "10,000");
+        assert_eq!(thousands(100), "100");
+    }
+}
