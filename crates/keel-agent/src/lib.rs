@@ -1,1 +1,72 @@
-//! keel-agent (in progress)
+//! The compacting agent, ready to use: keel's graph runtime, context compaction,
+//! offload store and model contract composed into one durable agent.
+//!
+//! An [`Agent`] is a graph over [`AgentState`] with four nodes:
+//!
+//! ```text
+//! START → agent ─(tool calls)→ tools ─(trigger fires)→ compact ─(M milestones)→ epoch
+//!           ▲  └─(answer)→ END     │                     │                        │
+//!           └──────────────────────┴─────────────────────┴────────────────────────┘
+//! ```
+//!
+//! - `agent` sends the assembled prompt — system, goal, epoch summary, milestones, raw
+//!   tail — to the [`keel_model::ChatModel`]; on a provider context overflow it compacts
+//!   and retries once; at the step ceiling it stops with a resumable [`Stop`].
+//! - `tools` runs the reply's tool calls concurrently, each with a timeout; an unknown
+//!   tool, bad arguments, a tool error, a panic or a timeout becomes a tool message the
+//!   model can act on. Large results go to the offload store, a stub stays.
+//! - `compact` turns older raw steps into a milestone (archived first, so nothing is
+//!   lost) when a trigger fires: the step count, the token fraction of the model's
+//!   window, or an overflow. `epoch` folds milestones into an epoch summary. After each
+//!   compaction old checkpoints are pruned to the last few.
+//!
+//! Every step is checkpointed as deltas ([`AgentState`] is designed for it), so a
+//! thread resumes after a crash on any worker that shares the checkpointer.
+//!
+//! The tools follow the [`keel_message::Tool`] contract. The offload retrieval tools
+//! (`ls`, `read_file`, `grep` over what left the context) are registered by default;
+//! with the `fs` feature, [`tools::FileTools`] adds file tools rooted in one directory
+//! that read the offload store too.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use keel_agent::{Agent, AgentInput};
+//! use keel_compaction::CompactionConfig;
+//! use keel_message::ToolCall;
+//! use keel_model::{ScriptedModel, Turn};
+//! use serde_json::json;
+//!
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+//! // 30 tool calls, then an answer; a milestone every 10 steps.
+//! let mut turns: Vec<Turn> = (0..30)
+//!     .map(|i| Turn::tool_calls(format!("step {i}"), vec![ToolCall::new(format!("c{i}"), "ls", json!({}))]))
+//!     .collect();
+//! turns.push(Turn::text("done"));
+//! let agent = Agent::builder()
+//!     .model(Arc::new(ScriptedModel::new(turns)))
+//!     .goal("List the store thirty times.")
+//!     .compaction(CompactionConfig::default().with_every_steps(Some(10)))
+//!     .build()?;
+//! let run = agent.run("t", AgentInput::new()).await?;
+//! assert_eq!(run.answer.as_deref(), Some("done"));
+//! assert_eq!(run.state.milestones_made, 3);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod agent;
+mod error;
+mod event;
+mod nodes;
+mod state;
+pub mod tools;
+
+pub use agent::{Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, DEFAULT_KEEP_CHECKPOINTS};
+pub use error::{AgentError, BuildError};
+pub use event::AgentEvent;
+pub use nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS};
+pub use state::{
+    AgentState, AgentStateUpdate, MilestoneOp, Milestones, RECENT_COMPACTIONS, RECENT_EVENTS, Stop,
+    WriteOnce,
+};

@@ -607,7 +607,7 @@ impl Compactor {
             fallback: summary.2,
         };
 
-        if state.milestones.len() >= self.config.epoch_every.max(1) {
+        if self.config.epoch_inline && self.epoch_due(state) {
             // A failed epoch keeps the milestones; it is retried at the next milestone.
             match self.epoch(state, overflowing).await {
                 Ok(()) => done.kind = EventKind::Epoch,
@@ -615,6 +615,51 @@ impl Compactor {
             }
         }
         Ok(done)
+    }
+
+    /// Whether there are enough milestones to fold into an epoch summary.
+    pub fn epoch_due(&self, state: &ContextState) -> bool {
+        state.milestones.len() >= self.config.epoch_every.max(1)
+    }
+
+    /// Folds the milestones (and the previous epoch summary) into a new epoch summary,
+    /// for runtimes that run epochs as their own step
+    /// ([`CompactionConfig::epoch_inline`] off). On failure the state is unchanged
+    /// except for the failed event it records.
+    pub async fn fold_epoch(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<CompactionEvent, CompactionError> {
+        if state.milestones.is_empty() {
+            return Err(CompactionError::NothingToCompact);
+        }
+        let started = Instant::now();
+        let before = self.tokens(state, tools).total;
+        let overflowing = trigger == Trigger::Overflow || before >= self.budget();
+        let result = self.epoch(state, overflowing).await;
+        let after = self.tokens(state, tools).total;
+        let (prompt_version, model) = match (&result, &state.epoch) {
+            (Ok(()), Some(l)) => (l.prompt_version.clone(), l.model.clone()),
+            _ => (String::new(), String::new()),
+        };
+        let event = CompactionEvent {
+            step: state.step,
+            trigger,
+            kind: EventKind::Epoch,
+            tokens_before: before,
+            tokens_after: after,
+            messages_archived: 0,
+            prompt_version,
+            summarizer_model: model,
+            fallback: false,
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            error: result.as_ref().err().map(ToString::to_string),
+        };
+        event.emit();
+        state.events.push(event.clone());
+        result.map(|()| event)
     }
 
     async fn epoch(

@@ -92,6 +92,10 @@ pub struct CompactionConfig {
     pub window_fraction: f64,
     /// Fold the milestones into an epoch summary once there are this many.
     pub epoch_every: usize,
+    /// Fold milestones into the epoch within the compaction that made the last one
+    /// (the default). A runtime with its own epoch step (keel-agent's `epoch` node)
+    /// turns this off and calls [`crate::Compactor::fold_epoch`] itself.
+    pub epoch_inline: bool,
     /// Tokens of the most recent raw history kept in full at a compaction (`None`:
     /// 2.5% of the input budget, at most 2,000). The cut never separates a tool call
     /// from its results, so the tail may be longer.
@@ -120,6 +124,7 @@ impl Default for CompactionConfig {
             every_steps: Some(10),
             window_fraction: 0.85,
             epoch_every: 5,
+            epoch_inline: true,
             keep_recent_tokens: None,
             milestone_budget_tokens: None,
             epoch_budget_tokens: None,
@@ -150,6 +155,28 @@ impl CompactionConfig {
     #[must_use]
     pub fn with_window_fraction(mut self, fraction: f64) -> Self {
         self.window_fraction = fraction;
+        self
+    }
+
+    /// Sets how many milestones are folded into an epoch summary.
+    #[must_use]
+    pub fn with_epoch_every(mut self, milestones: usize) -> Self {
+        self.epoch_every = milestones;
+        self
+    }
+
+    /// Sets the hard step ceiling.
+    #[must_use]
+    pub fn with_max_steps(mut self, steps: u64) -> Self {
+        self.max_steps = steps;
+        self
+    }
+
+    /// Sets whether epochs are folded within the compaction that made the last
+    /// milestone ([`CompactionConfig::epoch_inline`]).
+    #[must_use]
+    pub fn with_epoch_inline(mut self, inline: bool) -> Self {
+        self.epoch_inline = inline;
         self
     }
 

@@ -99,3 +99,15 @@ impl GoalAnchor {
         &self.message
     }
 }
+
+impl From<&str> for GoalAnchor {
+    fn from(request: &str) -> Self {
+        GoalAnchor::new(request)
+    }
+}
+
+impl From<String> for GoalAnchor {
+    fn from(request: String) -> Self {
+        GoalAnchor::new(request)
+    }
+}

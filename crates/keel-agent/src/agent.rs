@@ -1,0 +1,768 @@
+//! The agent: a builder over the nodes, and the run API.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use keel_checkpoint::{CheckpointId, Checkpointer, ListOptions, ThreadKey};
+use keel_compaction::{CompactionConfig, GoalAnchor};
+use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
+use keel_graph::{
+    Command, CompiledGraph, Durability, END, Event, Interrupt, NodeContext, NodeError, RunConfig,
+    START, StateGraph, StreamMode,
+};
+use keel_message::{Message, Tool};
+use keel_model::{ChatModel, ChatOptions};
+use keel_offload::{Archive, EvictLargeResults, MemoryStore, OffloadStore, ThreadId, ToolLimits};
+use keel_summarize::{ExtractiveSummarizer, Summarizer};
+use keel_token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
+use serde_json::Value;
+
+use crate::error::{AgentError, BuildError};
+use crate::event::AgentEvent;
+use crate::nodes::{AGENT, AgentNodes, COMPACT, EPOCH, Parts, TOOLS};
+use crate::state::{AgentState, AgentStateUpdate, Stop};
+use crate::tools::{Toolbox, retrieval_tools};
+
+/// Checkpoints kept after each compaction by default.
+pub const DEFAULT_KEEP_CHECKPOINTS: usize = 5;
+
+type BoxedNode = Arc<
+    dyn Fn(
+            Arc<AgentState>,
+            NodeContext,
+        ) -> futures::future::BoxFuture<'static, Result<Command<AgentState>, NodeError>>
+        + Send
+        + Sync,
+>;
+
+type Customize = Box<dyn FnOnce(StateGraph<AgentState>) -> StateGraph<AgentState> + Send>;
+
+/// A durable agent that keeps its context small: the compacting agent graph
+/// (`agent` ⇄ `tools`, with `compact` and `epoch` when the triggers fire) over a
+/// checkpointer.
+///
+/// ```
+/// use std::sync::Arc;
+/// use keel_agent::{Agent, AgentInput};
+/// use keel_checkpoint::MemorySaver;
+/// use keel_message::ToolCall;
+/// use keel_model::{ScriptedModel, Turn};
+/// use serde_json::json;
+///
+/// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+/// // A scripted model: it greps the archive once, then answers.
+/// let model = ScriptedModel::new([
+///     Turn::tool_calls("Looking.", vec![ToolCall::new("c1", "grep", json!({"pattern": "x", "path": "archive"}))]),
+///     Turn::text("Nothing archived yet."),
+/// ]);
+/// let agent = Agent::builder()
+///     .model(Arc::new(model))
+///     .goal("Say what the archive holds.")
+///     .checkpointer(Arc::new(MemorySaver::new()))
+///     .build()?;
+/// let run = agent.run("thread-1", AgentInput::new()).await?;
+/// assert_eq!(run.answer.as_deref(), Some("Nothing archived yet."));
+/// assert_eq!(run.state.step, 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Agent {
+    graph: CompiledGraph<AgentState>,
+    nodes: AgentNodes,
+    goal: Option<GoalAnchor>,
+    system: Option<Message>,
+    checkpointer: Option<Arc<dyn Checkpointer>>,
+    durability: Durability,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("nodes", &self.nodes)
+            .field("durability", &self.durability)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a run adds to a thread.
+///
+/// ```
+/// use keel_agent::AgentInput;
+/// let input = AgentInput::new().goal("Fix the failing test.").message(keel_message::Message::user("It is in tests/io.rs."));
+/// assert!(input.has_goal());
+/// ```
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct AgentInput {
+    goal: Option<GoalAnchor>,
+    system: Option<Message>,
+    messages: Vec<Message>,
+    resume: Option<Value>,
+}
+
+impl AgentInput {
+    /// Nothing new: start the thread with the builder's goal, or continue it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The goal of a new thread (a thread's goal is written once).
+    #[must_use]
+    pub fn goal(mut self, goal: impl Into<GoalAnchor>) -> Self {
+        self.goal = Some(goal.into());
+        self
+    }
+
+    /// The system prompt of a new thread (overrides the builder's).
+    #[must_use]
+    pub fn system(mut self, system: impl Into<String>) -> Self {
+        self.system = Some(Message::system(system.into()));
+        self
+    }
+
+    /// A message to append before the model is called (a user's follow-up).
+    #[must_use]
+    pub fn message(mut self, message: Message) -> Self {
+        self.messages.push(message);
+        self
+    }
+
+    /// The answer to a pending interrupt (tool approval).
+    #[must_use]
+    pub fn resume(mut self, answer: impl Into<Value>) -> Self {
+        self.resume = Some(answer.into());
+        self
+    }
+
+    /// Whether a goal is set.
+    pub fn has_goal(&self) -> bool {
+        self.goal.is_some()
+    }
+}
+
+/// The result of a run.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AgentRun {
+    /// The thread's state when the run stopped.
+    pub state: AgentState,
+    /// The model's final answer, if it gave one.
+    pub answer: Option<String>,
+    /// Why the run stopped early (a step ceiling, empty replies), if it did. Run the
+    /// thread again to continue.
+    pub stop: Option<Stop>,
+    /// Pending interrupts (tools awaiting approval): answer with [`AgentInput::resume`].
+    pub interrupts: Vec<Interrupt>,
+    /// The last checkpoint stored.
+    pub checkpoint_id: Option<CheckpointId>,
+    /// Supersteps this run made.
+    pub supersteps: usize,
+}
+
+/// One item of [`Agent::stream`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AgentUpdate {
+    /// Something happened (a model call, a tool call, an offload, a compaction).
+    Event(AgentEvent),
+    /// A message entered the raw buffer.
+    Message(Message),
+    /// The run ended, paused at an interrupt, or stopped.
+    Done {
+        /// Nodes that would run next (empty at the end).
+        next: Vec<String>,
+        /// Pending interrupts.
+        interrupts: Vec<Interrupt>,
+    },
+}
+
+impl Agent {
+    /// A builder.
+    pub fn builder() -> AgentBuilder {
+        AgentBuilder::default()
+    }
+
+    /// The compiled graph (for `get_state`, `state_history`, time travel).
+    pub fn graph(&self) -> &CompiledGraph<AgentState> {
+        &self.graph
+    }
+
+    /// The nodes and routers, to build a graph of your own.
+    pub fn nodes(&self) -> &AgentNodes {
+        &self.nodes
+    }
+
+    fn config(&self, thread_id: &str) -> RunConfig {
+        // Four supersteps per model call at most (agent, tools, compact, epoch).
+        let limit = usize::try_from(self.nodes.compaction().max_steps)
+            .unwrap_or(usize::MAX / 8)
+            .saturating_mul(4)
+            .saturating_add(16);
+        RunConfig::thread(thread_id)
+            .with_durability(self.durability)
+            .with_recursion_limit(limit)
+    }
+
+    /// Runs a thread until the model answers without calling a tool, a tool awaits
+    /// approval, or the run stops early ([`AgentRun::stop`]).
+    ///
+    /// A new thread starts from its goal (the input's or the builder's). A thread that
+    /// was interrupted mid-step (a crash, a cancelled run) continues from its last
+    /// checkpoint; a thread that had finished or stopped runs again with the input's
+    /// messages.
+    pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
+        let command = self.command(thread_id, input).await?;
+        let run = self.graph.invoke(command, &self.config(thread_id)).await?;
+        Ok(AgentRun {
+            answer: if run.next.is_empty() && run.state.stop.is_none() {
+                run.state.answer()
+            } else {
+                None
+            },
+            stop: run.state.stop.clone(),
+            interrupts: run.interrupts,
+            checkpoint_id: run.checkpoint_id,
+            supersteps: run.steps,
+            state: run.state,
+        })
+    }
+
+    /// Runs a thread like [`Agent::run`], yielding its events and new messages as they
+    /// happen. Dropping the stream cancels the run after the current step's tasks are
+    /// dropped; the thread continues from its last checkpoint on the next run.
+    pub fn stream(
+        &self,
+        thread_id: &str,
+        input: AgentInput,
+    ) -> impl Stream<Item = Result<AgentUpdate, AgentError>> + Send + 'static {
+        let agent = self.clone();
+        let thread = thread_id.to_owned();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<AgentUpdate, AgentError>>(64);
+        // The run is driven by its own task; dropping the receiver ends it (the graph's
+        // stream is dropped with it, which cancels the run).
+        tokio::spawn(async move {
+            let command = match agent.command(&thread, input).await {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            let mut events = Box::pin(agent.graph.stream(
+                command,
+                agent.config(&thread),
+                StreamMode::updates(),
+            ));
+            while let Some(e) = events.next().await {
+                let items = match e {
+                    Ok(e) => updates_of(e).into_iter().map(Ok).collect::<Vec<_>>(),
+                    Err(e) => vec![Err(AgentError::from(e))],
+                };
+                for item in items {
+                    if tx.send(item).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        })
+    }
+
+    /// The thread's latest state, if it has one.
+    pub async fn state(&self, thread_id: &str) -> Result<Option<AgentState>, AgentError> {
+        if self.checkpointer.is_none() {
+            return Ok(None);
+        }
+        Ok(self
+            .graph
+            .get_state(&RunConfig::thread(thread_id))
+            .await?
+            .map(|s| s.values))
+    }
+
+    /// Keeps the newest `keep` checkpoints of a thread; returns how many were removed.
+    pub async fn prune(&self, thread_id: &str, keep: usize) -> Result<usize, AgentError> {
+        let Some(cp) = &self.checkpointer else {
+            return Ok(0);
+        };
+        Ok(cp
+            .prune(&ThreadKey::new(thread_id.to_owned()), keep)
+            .await
+            .map_err(keel_graph::GraphError::from)?)
+    }
+
+    /// The newest checkpoint of a thread written by `node` (e.g. [`crate::COMPACT`]):
+    /// a lookup by checkpoint metadata, which records the nodes that wrote each step.
+    /// With `before`, only checkpoints older than it count, so "the last checkpoint
+    /// before compaction N" is the checkpoint before the one this returns for N.
+    pub async fn last_checkpoint_by(
+        &self,
+        thread_id: &str,
+        node: &str,
+        before: Option<CheckpointId>,
+    ) -> Result<Option<CheckpointId>, AgentError> {
+        let Some(cp) = &self.checkpointer else {
+            return Ok(None);
+        };
+        let thread = ThreadKey::new(thread_id.to_owned());
+        let mut options = ListOptions::default();
+        options.before = before;
+        let mut list = cp.list(&thread, options);
+        while let Some(s) = list.next().await {
+            let s = s.map_err(keel_graph::GraphError::from)?;
+            if wrote(&s.metadata, node) {
+                return Ok(Some(s.checkpoint.id));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn command(
+        &self,
+        thread_id: &str,
+        input: AgentInput,
+    ) -> Result<Command<AgentState>, AgentError> {
+        ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
+            thread_id: thread_id.to_owned(),
+            reason: e.to_string(),
+        })?;
+        if let Some(answer) = input.resume {
+            return Ok(Command::resume(answer));
+        }
+        let existing = match &self.checkpointer {
+            Some(_) => self.graph.get_state(&RunConfig::thread(thread_id)).await?,
+            None => None,
+        };
+        let mut update = AgentStateUpdate::default();
+        match &existing {
+            Some(snap) if snap.values.goal.is_some() => {
+                if input.goal.is_some() {
+                    return Err(AgentError::GoalAlreadySet {
+                        thread_id: thread_id.to_owned(),
+                    });
+                }
+                if !snap.next.is_empty() && input.messages.is_empty() {
+                    // Interrupted mid-run: continue where it stopped.
+                    return Ok(Command::none());
+                }
+            }
+            _ => {
+                let goal =
+                    input
+                        .goal
+                        .or_else(|| self.goal.clone())
+                        .ok_or_else(|| AgentError::NoGoal {
+                            thread_id: thread_id.to_owned(),
+                        })?;
+                update = update.goal(goal);
+                if let Some(system) = input.system.or_else(|| self.system.clone()) {
+                    update = update.system(Some(system));
+                }
+            }
+        }
+        if !input.messages.is_empty() {
+            update = update.messages(AddMessagesUpdate::append(input.messages));
+        }
+        Ok(update.stop(None).into())
+    }
+}
+
+fn wrote(meta: &keel_checkpoint::CheckpointMetadata, node: &str) -> bool {
+    meta.writes.iter().any(|w| w == node)
+}
+
+fn updates_of(e: Event<AgentState>) -> Vec<AgentUpdate> {
+    match e {
+        Event::Updates { update, .. } => {
+            let mut out = Vec::new();
+            for (channel, value) in update {
+                match channel {
+                    "events" => {
+                        if let Ok(events) = serde_json::from_value::<Vec<AgentEvent>>(value) {
+                            out.extend(events.into_iter().map(AgentUpdate::Event));
+                        }
+                    }
+                    "messages" => {
+                        if let Ok(u) = serde_json::from_value::<AddMessagesUpdate>(value) {
+                            for op in u.into_ops() {
+                                if let MessageOp::Upsert(m) = op {
+                                    out.push(AgentUpdate::Message(m));
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            out
+        }
+        Event::Done { next, interrupts } => vec![AgentUpdate::Done { next, interrupts }],
+        _ => Vec::new(),
+    }
+}
+
+/// Builds an [`Agent`]. Only the model is required; everything else has a default
+/// that suits a production agent.
+#[must_use]
+pub struct AgentBuilder {
+    model: Option<Arc<dyn ChatModel>>,
+    options: ChatOptions,
+    tools: Vec<Arc<dyn Tool>>,
+    retrieval: bool,
+    #[cfg(feature = "fs")]
+    file: Option<crate::tools::FileTools>,
+    goal: Option<GoalAnchor>,
+    system: Option<Message>,
+    compaction: CompactionConfig,
+    profile: Option<ModelProfile>,
+    counter: Option<Arc<dyn TokenCounter>>,
+    summarizer: Option<Arc<dyn Summarizer>>,
+    store: Option<Arc<dyn OffloadStore>>,
+    checkpointer: Option<Arc<dyn Checkpointer>>,
+    keep_checkpoints: Option<usize>,
+    tool_timeout: Option<Duration>,
+    evict: Option<Option<EvictLargeResults>>,
+    limits: ToolLimits,
+    approve: BTreeSet<String>,
+    durability: Durability,
+    replaced: BTreeMap<String, BoxedNode>,
+    customize: Vec<Customize>,
+}
+
+impl Default for AgentBuilder {
+    fn default() -> Self {
+        AgentBuilder {
+            model: None,
+            options: ChatOptions::default(),
+            tools: Vec::new(),
+            retrieval: true,
+            #[cfg(feature = "fs")]
+            file: None,
+            goal: None,
+            system: None,
+            compaction: CompactionConfig::default(),
+            profile: None,
+            counter: None,
+            summarizer: None,
+            store: None,
+            checkpointer: None,
+            keep_checkpoints: Some(DEFAULT_KEEP_CHECKPOINTS),
+            tool_timeout: None,
+            evict: None,
+            limits: ToolLimits::default(),
+            approve: BTreeSet::new(),
+            durability: Durability::Sync,
+            replaced: BTreeMap::new(),
+            customize: Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AgentBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentBuilder")
+            .field(
+                "model",
+                &self.model.as_ref().map(|m| m.model_name().to_owned()),
+            )
+            .field("tools", &self.tools.len())
+            .field("compaction", &self.compaction)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentBuilder {
+    /// The chat model (required).
+    pub fn model(mut self, model: Arc<dyn ChatModel>) -> Self {
+        self.model = Some(model);
+        self
+    }
+
+    /// Options of every model call (model name, temperature, max tokens, timeout).
+    pub fn options(mut self, options: ChatOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Adds tools.
+    pub fn tools(mut self, tools: impl IntoIterator<Item = Arc<dyn Tool>>) -> Self {
+        self.tools.extend(tools);
+        self
+    }
+
+    /// Adds one tool.
+    pub fn tool(mut self, tool: Arc<dyn Tool>) -> Self {
+        self.tools.push(tool);
+        self
+    }
+
+    /// Adds the file tools (`ls`, `read_file`, `grep`, `write_file`, `edit_file`) rooted
+    /// in `tools`' directory. They also read the offload store (`large_tool_results/`,
+    /// `archive/`), so they replace the default retrieval tools.
+    #[cfg(feature = "fs")]
+    pub fn file_tools(mut self, tools: crate::tools::FileTools) -> Self {
+        self.retrieval = false;
+        self.file = Some(tools);
+        self
+    }
+
+    /// Whether `ls`, `read_file` and `grep` over the offload store are registered
+    /// (default on; off when file tools are added, which read the store themselves).
+    pub fn retrieval_tools(mut self, on: bool) -> Self {
+        self.retrieval = on;
+        self
+    }
+
+    /// The goal of new threads (a run's [`AgentInput::goal`] takes precedence).
+    pub fn goal(mut self, goal: impl Into<GoalAnchor>) -> Self {
+        self.goal = Some(goal.into());
+        self
+    }
+
+    /// The system prompt of new threads.
+    pub fn system(mut self, system: impl Into<String>) -> Self {
+        self.system = Some(Message::system(system.into()));
+        self
+    }
+
+    /// Compaction settings: triggers, strategy, budgets, step ceiling.
+    pub fn compaction(mut self, config: CompactionConfig) -> Self {
+        self.compaction = config;
+        self
+    }
+
+    /// The model's window and output limits (default: the builtin profile for the
+    /// model's name; an unknown name gets the conservative default, reported by an
+    /// [`AgentEvent::ProfileFallback`] at the first step).
+    pub fn profile(mut self, profile: ModelProfile) -> Self {
+        self.profile = Some(profile);
+        self
+    }
+
+    /// How tokens are counted (default: the profile's counter, memoized per message).
+    pub fn counter(mut self, counter: Arc<dyn TokenCounter>) -> Self {
+        self.counter = Some(counter);
+        self
+    }
+
+    /// Who writes milestones and epochs (default: the offline extractive summarizer).
+    pub fn summarizer(mut self, summarizer: Arc<dyn Summarizer>) -> Self {
+        self.summarizer = Some(summarizer);
+        self
+    }
+
+    /// Where large results and the archive go (default: in memory, for this process
+    /// only; give a `keel_offload::FsStore` for a durable agent).
+    pub fn offload_store(mut self, store: Arc<dyn OffloadStore>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// The checkpointer (default: none; each run is then a fresh, unsaved thread).
+    pub fn checkpointer(mut self, checkpointer: Arc<dyn Checkpointer>) -> Self {
+        self.checkpointer = Some(checkpointer);
+        self
+    }
+
+    /// Checkpoints kept after each successful compaction (default 5; `None` keeps all).
+    pub fn keep_checkpoints(mut self, keep: Option<usize>) -> Self {
+        self.keep_checkpoints = keep;
+        self
+    }
+
+    /// The time one tool call may take (default 120 s).
+    pub fn tool_timeout(mut self, timeout: Duration) -> Self {
+        self.tool_timeout = Some(timeout);
+        self
+    }
+
+    /// The policy for large tool results (default: results over the smaller of 20,000
+    /// tokens and a quarter of the input budget go to the offload store); `None` keeps
+    /// every result in full.
+    pub fn evict(mut self, policy: Option<EvictLargeResults>) -> Self {
+        self.evict = Some(policy);
+        self
+    }
+
+    /// Output limits of the retrieval tools.
+    pub fn tool_limits(mut self, limits: ToolLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Asks before running these tools: the run pauses with an interrupt listing the
+    /// calls; answer with [`AgentInput::resume`] (`true`/`"yes"` for all, `false` for
+    /// none, or `{"<call id>": true, ..}` per call).
+    pub fn approve(mut self, tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.approve.extend(tools.into_iter().map(Into::into));
+        self
+    }
+
+    /// When checkpoints are written (default [`Durability::Sync`]).
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+
+    /// Replaces one of the nodes (`agent`, `tools`, `compact`, `epoch`) with your own;
+    /// the others and the routing stay.
+    pub fn node<F, Fut, R>(mut self, name: &str, node: F) -> Self
+    where
+        F: Fn(Arc<AgentState>, NodeContext) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<R, NodeError>> + Send + 'static,
+        R: Into<Command<AgentState>>,
+    {
+        let node = Arc::new(node);
+        let boxed: BoxedNode = Arc::new(move |s, ctx| {
+            let fut = node(s, ctx);
+            Box::pin(async move { fut.await.map(Into::into) })
+        });
+        self.replaced.insert(name.to_owned(), boxed);
+        self
+    }
+
+    /// Changes the graph before it is compiled: add nodes and edges of your own.
+    pub fn customize(
+        mut self,
+        f: impl FnOnce(StateGraph<AgentState>) -> StateGraph<AgentState> + Send + 'static,
+    ) -> Self {
+        self.customize.push(Box::new(f));
+        self
+    }
+
+    /// Builds the agent.
+    pub fn build(self) -> Result<Agent, BuildError> {
+        let model = self.model.ok_or(BuildError::NoModel)?;
+        let (profile, profile_fallback) = match self.profile {
+            Some(p) => (p, false),
+            None => {
+                let profiles = ModelProfiles::new();
+                let name = self.options.model.as_deref().unwrap_or(model.model_name());
+                match profiles.get(name) {
+                    Some(p) => (p.clone(), false),
+                    None => (profiles.default_profile().clone(), true),
+                }
+            }
+        };
+        let counter: Arc<dyn TokenCounter> = match self.counter {
+            Some(c) => c,
+            None => Arc::new(MemoCounter::new(profile.counter().map_err(|e| {
+                BuildError::Counter {
+                    model: profile.name.clone(),
+                    reason: e.to_string(),
+                }
+            })?)),
+        };
+        let store: Arc<dyn OffloadStore> =
+            self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
+        let mut toolbox = Toolbox::new();
+        if let Some(t) = self.tool_timeout {
+            toolbox.set_timeout(t);
+        }
+        #[allow(unused_mut)]
+        let mut tools = self.tools;
+        #[cfg(feature = "fs")]
+        if let Some(file) = self.file {
+            tools.extend(file.with_offload(store.clone()).tools());
+        }
+        for t in tools {
+            toolbox
+                .add(t)
+                .map_err(|name| BuildError::DuplicateTool { name })?;
+        }
+        if self.retrieval {
+            for t in retrieval_tools(store.clone(), self.limits) {
+                let name = t.spec().name;
+                if !toolbox.contains(&name) {
+                    toolbox
+                        .add(t)
+                        .map_err(|name| BuildError::DuplicateTool { name })?;
+                }
+            }
+        }
+        let evict = self.evict.unwrap_or_else(|| {
+            Some(
+                EvictLargeResults::new()
+                    .with_threshold((profile.input_budget() / 4).clamp(1, 20_000)),
+            )
+        });
+        let compaction = self.compaction.with_epoch_inline(false);
+        let parts = Parts {
+            model,
+            options: self.options,
+            tools: toolbox,
+            summarizer: self
+                .summarizer
+                .unwrap_or_else(|| Arc::new(ExtractiveSummarizer::new())),
+            archive: Arc::new(Archive::new(store.clone())),
+            store,
+            counter,
+            profile,
+            profile_fallback,
+            compaction,
+            evict,
+            keep_checkpoints: self.keep_checkpoints.filter(|k| *k > 0),
+            checkpointer: self.checkpointer.clone(),
+            approve: self.approve,
+        };
+        let nodes = AgentNodes {
+            parts: Arc::new(parts),
+        };
+        let mut replaced = self.replaced;
+        let mut graph = StateGraph::<AgentState>::new();
+        for (name, standard) in [
+            (AGENT, boxed(nodes.agent())),
+            (TOOLS, boxed(nodes.tools())),
+            (COMPACT, boxed(nodes.compact())),
+            (EPOCH, boxed(nodes.epoch())),
+        ] {
+            let node = replaced.remove(name).unwrap_or(standard);
+            graph = graph.add_node(name, move |s, ctx| node(s, ctx));
+        }
+        for (name, node) in replaced {
+            graph = graph.add_node(name, move |s, ctx| node(s, ctx));
+        }
+        graph = graph
+            .add_edge(START, AGENT)
+            .add_conditional_edges(AGENT, nodes.route_after_agent(), Some(&[TOOLS, AGENT, END]))
+            .add_conditional_edges(TOOLS, nodes.route_after_tools(), Some(&[COMPACT, AGENT]))
+            .add_conditional_edges(COMPACT, nodes.route_after_compact(), Some(&[EPOCH, AGENT]))
+            .add_edge(EPOCH, AGENT);
+        if let Some(cp) = &self.checkpointer {
+            graph = graph.with_checkpointer(cp.clone());
+        }
+        for f in self.customize {
+            graph = f(graph);
+        }
+        Ok(Agent {
+            graph: graph.compile()?,
+            nodes,
+            goal: self.goal,
+            system: self.system,
+            checkpointer: self.checkpointer,
+            durability: self.durability,
+        })
+    }
+}
+
+fn boxed<F>(f: F) -> BoxedNode
+where
+    F: Fn(
+            Arc<AgentState>,
+            NodeContext,
+        ) -> futures::future::BoxFuture<'static, Result<AgentStateUpdate, NodeError>>
+        + Send
+        + Sync
+        + 'static,
+{
+    Arc::new(move |s, ctx| {
+        let fut = f(s, ctx);
+        Box::pin(async move { fut.await.map(Into::into) })
+    })
+}

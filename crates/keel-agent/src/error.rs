@@ -1,0 +1,61 @@
+use keel_graph::{BuildError as GraphBuildError, GraphError};
+
+/// Why an agent could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// No model was given.
+    #[error("an agent needs a model: call `.model(..)` on the builder")]
+    NoModel,
+    /// Two tools have the same name.
+    #[error("two tools are named `{name}`: tool names must be unique")]
+    DuplicateTool {
+        /// The name.
+        name: String,
+    },
+    /// The model's token counter could not be made.
+    #[error("no token counter for model `{model}`: {reason}")]
+    Counter {
+        /// The model.
+        model: String,
+        /// Why.
+        reason: String,
+    },
+    /// The graph did not compile (a replaced node or a custom edge is wrong).
+    #[error(transparent)]
+    Graph(#[from] GraphBuildError),
+}
+
+/// Why an agent run failed. The thread stays at its last checkpoint and can be run
+/// again.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// A new thread needs a goal: none was given to the builder or the run.
+    #[error(
+        "thread `{thread_id}` has no goal: give one with `.goal(..)` on the builder or `AgentInput::goal`"
+    )]
+    NoGoal {
+        /// The thread.
+        thread_id: String,
+    },
+    /// The thread already has a goal, and the goal is written once.
+    #[error(
+        "thread `{thread_id}` already has a goal and a goal is written once; start a new thread for a new goal"
+    )]
+    GoalAlreadySet {
+        /// The thread.
+        thread_id: String,
+    },
+    /// The thread id is not usable as an offload namespace.
+    #[error("thread id `{thread_id}` is not valid: {reason}")]
+    BadThreadId {
+        /// The id.
+        thread_id: String,
+        /// Why.
+        reason: String,
+    },
+    /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}

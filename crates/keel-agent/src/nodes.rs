@@ -1,0 +1,686 @@
+//! The agent's nodes and routers, usable in a graph of your own.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use keel_checkpoint::{Checkpointer, ThreadKey};
+use keel_compaction::{CompactionConfig, CompactionError, Compactor, ContextState, Trigger};
+use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
+use keel_graph::{END, NodeContext, NodeError};
+use keel_message::{Message, Role, ToolCall};
+use keel_model::{ChatModel, ChatOptions};
+use keel_offload::{Archive, EvictLargeResults, OffloadStore, PolicyEnv, StoredWhat, ThreadId};
+use keel_summarize::Summarizer;
+use keel_token::{ModelProfile, TokenCounter};
+use serde_json::{Value, json};
+use tracing::Instrument;
+
+use crate::event::AgentEvent;
+use crate::state::{AgentState, AgentStateUpdate, MilestoneOp, Stop};
+use crate::tools::Toolbox;
+
+/// The agent node's name.
+pub const AGENT: &str = "agent";
+/// The tools node's name.
+pub const TOOLS: &str = "tools";
+/// The milestone compaction node's name.
+pub const COMPACT: &str = "compact";
+/// The epoch node's name.
+pub const EPOCH: &str = "epoch";
+
+/// The metadata key of the reminder the agent adds after an empty model reply.
+pub const NUDGE_METADATA_KEY: &str = "keel.nudge";
+
+/// The thread used for the offload namespace when a graph runs without a thread.
+const NO_THREAD: &str = "no-thread";
+
+/// What every node of the agent shares: the model, the tools, and how to compact.
+pub(crate) struct Parts {
+    pub(crate) model: Arc<dyn ChatModel>,
+    pub(crate) options: ChatOptions,
+    pub(crate) tools: Toolbox,
+    pub(crate) summarizer: Arc<dyn Summarizer>,
+    pub(crate) store: Arc<dyn OffloadStore>,
+    pub(crate) archive: Arc<Archive>,
+    pub(crate) counter: Arc<dyn TokenCounter>,
+    pub(crate) profile: ModelProfile,
+    pub(crate) profile_fallback: bool,
+    pub(crate) compaction: CompactionConfig,
+    pub(crate) evict: Option<EvictLargeResults>,
+    pub(crate) keep_checkpoints: Option<usize>,
+    pub(crate) checkpointer: Option<Arc<dyn Checkpointer>>,
+    pub(crate) approve: BTreeSet<String>,
+}
+
+/// The agent's nodes (`agent`, `tools`, `compact`, `epoch`) and its routers, for a
+/// graph of your own over [`AgentState`]: replace one, add your own between them, or
+/// reuse the compaction nodes in a loop that is not an agent at all.
+///
+/// Get them from a built agent with [`crate::Agent::nodes`]; each method returns a
+/// closure to pass to `StateGraph::add_node` or `add_conditional_edges`.
+#[derive(Clone)]
+pub struct AgentNodes {
+    pub(crate) parts: Arc<Parts>,
+}
+
+impl std::fmt::Debug for AgentNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentNodes")
+            .field("model", &self.parts.model.model_name())
+            .field("tools", &self.parts.tools)
+            .field("profile", &self.parts.profile)
+            .finish_non_exhaustive()
+    }
+}
+
+type NodeResult = Result<AgentStateUpdate, NodeError>;
+
+fn thread_of(ctx: &NodeContext) -> String {
+    ctx.thread_id().unwrap_or(NO_THREAD).to_owned()
+}
+
+fn ms(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+impl AgentNodes {
+    /// The compactor for `thread` (cheap: shared parts).
+    pub fn compactor(&self, thread: &str) -> Result<Compactor, NodeError> {
+        let p = &self.parts;
+        let thread = ThreadId::new(thread).map_err(NodeError::new)?;
+        Ok(Compactor::new(
+            p.summarizer.clone(),
+            p.archive.clone(),
+            thread,
+            p.counter.clone(),
+            p.profile.clone(),
+        )
+        .with_config(p.compaction.clone())
+        .with_evict(None))
+    }
+
+    /// The compaction settings (with `epoch_inline` off: epochs are the `epoch` node's).
+    pub fn compaction(&self) -> &CompactionConfig {
+        &self.parts.compaction
+    }
+
+    /// The model profile in use (window and output limits).
+    pub fn profile(&self) -> &ModelProfile {
+        &self.parts.profile
+    }
+
+    /// The tools the model is offered.
+    pub fn toolbox(&self) -> &Toolbox {
+        &self.parts.tools
+    }
+
+    /// The `agent` node: sends the assembled prompt (system, goal, epoch, milestones,
+    /// raw tail) to the model and appends its reply. On a provider context overflow it
+    /// compacts once and retries. At the step ceiling it stops the run with
+    /// [`Stop::StepCeiling`] instead of calling the model.
+    pub fn agent(
+        &self,
+    ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
+    + Send
+    + Sync
+    + 'static {
+        let nodes = self.clone();
+        move |s, ctx| {
+            let nodes = nodes.clone();
+            Box::pin(async move { nodes.run_agent(s, ctx).await })
+        }
+    }
+
+    /// The `tools` node: runs the last reply's tool calls concurrently, each with the
+    /// toolbox's timeout; passes every result through the offload policy; appends the
+    /// results. Tools named in the approval list are asked about first (an interrupt).
+    pub fn tools(
+        &self,
+    ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
+    + Send
+    + Sync
+    + 'static {
+        let nodes = self.clone();
+        move |s, ctx| {
+            let nodes = nodes.clone();
+            Box::pin(async move { nodes.run_tools(s, ctx).await })
+        }
+    }
+
+    /// The `compact` node: archives the older raw steps and summarizes them into a
+    /// milestone, keeping a recent tail; then prunes old checkpoints.
+    pub fn compact(
+        &self,
+    ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
+    + Send
+    + Sync
+    + 'static {
+        let nodes = self.clone();
+        move |s, ctx| {
+            let nodes = nodes.clone();
+            Box::pin(async move { nodes.run_compact(s, ctx).await })
+        }
+    }
+
+    /// The `epoch` node: folds the milestones and the previous epoch into a new epoch
+    /// summary; then prunes old checkpoints.
+    pub fn epoch(
+        &self,
+    ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
+    + Send
+    + Sync
+    + 'static {
+        let nodes = self.clone();
+        move |s, ctx| {
+            let nodes = nodes.clone();
+            Box::pin(async move { nodes.run_epoch(s, ctx).await })
+        }
+    }
+
+    /// After `agent`: to `tools` when the reply calls tools, back to `agent` after an
+    /// empty reply (once), else to `END`.
+    pub fn route_after_agent(
+        &self,
+    ) -> impl Fn(&AgentState) -> &'static str + Send + Sync + 'static {
+        |s| {
+            if s.stop.is_some() {
+                return END;
+            }
+            match s.last_message() {
+                Some(m) if m.role == Role::Assistant && !m.tool_calls.is_empty() => TOOLS,
+                Some(m) if m.metadata.contains_key(NUDGE_METADATA_KEY) => AGENT,
+                _ => END,
+            }
+        }
+    }
+
+    /// After `tools`: to `compact` when a trigger fires (step count, token fraction of
+    /// the window, forced), else to `agent` (which stops at the step ceiling).
+    pub fn route_after_tools(
+        &self,
+    ) -> impl Fn(&AgentState) -> &'static str + Send + Sync + 'static {
+        let nodes = self.clone();
+        move |s| match nodes.trigger(s) {
+            Some(Trigger::StepCeiling) | None => AGENT,
+            Some(_) => COMPACT,
+        }
+    }
+
+    /// After `compact`: to `epoch` when enough milestones wait, else to `agent`.
+    pub fn route_after_compact(
+        &self,
+    ) -> impl Fn(&AgentState) -> &'static str + Send + Sync + 'static {
+        let every = self.parts.compaction.epoch_every.max(1);
+        move |s| {
+            if s.milestones.len() >= every {
+                EPOCH
+            } else {
+                AGENT
+            }
+        }
+    }
+
+    /// Which compaction trigger fires for `state`, if any.
+    pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
+        let mut c = state.context()?;
+        let compactor = self.compactor(NO_THREAD).ok()?;
+        compactor.check(&mut c, self.parts.tools.specs())
+    }
+
+    async fn run_agent(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        let thread = thread_of(&ctx);
+        let span = tracing::info_span!(
+            "keel.agent",
+            node = AGENT,
+            thread = %thread,
+            step = s.step + 1,
+            prompt_tokens = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
+            tool_calls = tracing::field::Empty,
+        );
+        async move {
+            let p = &self.parts;
+            let mut c = context(&s)?;
+            let mut events = Vec::new();
+            if p.profile_fallback && s.step == 0 {
+                events.push(AgentEvent::ProfileFallback {
+                    model: p.model.model_name().to_owned(),
+                    window: p.profile.context_window as u64,
+                });
+            }
+            let max = p.compaction.max_steps;
+            if c.step >= max {
+                tracing::warn!(steps = c.step, max, "step ceiling reached; the run stops");
+                events.push(AgentEvent::StepCeiling { steps: c.step, max });
+                return Ok(AgentStateUpdate::default()
+                    .stop(Some(Stop::StepCeiling { steps: c.step, max }))
+                    .events(events));
+            }
+            let compactor = self.compactor(&thread)?;
+            let specs = p.tools.specs();
+            let mut retries = 0u32;
+            let (response, prompt_tokens, started) = loop {
+                let prompt_tokens = compactor.tokens(&mut c, specs).total as u64;
+                let prompt: Vec<Message> = compactor.prompt(&c).cloned().collect();
+                let started = Instant::now();
+                match p.model.chat(&prompt, specs, &p.options).await {
+                    Err(e) if e.is_context_overflow() && retries == 0 => {
+                        retries += 1;
+                        tracing::warn!(error = %e, "provider reports context overflow; compacting");
+                        if let Err(ce) = compactor.compact(&mut c, Trigger::Overflow, specs).await {
+                            return Err(NodeError::msg(format!(
+                                "the model's context overflowed ({e}) and compacting failed ({ce})"
+                            )));
+                        }
+                    }
+                    Err(e) => return Err(NodeError::new(e)),
+                    Ok(r) => break (r, prompt_tokens, started),
+                }
+            };
+            let mut update = diff(&s, &c);
+            for e in std::mem::take(&mut c.events) {
+                events.push(AgentEvent::Compaction(e.clone()));
+                update.compactions.get_or_insert_with(Vec::new).push(e);
+            }
+            let mut reply = response.message;
+            reply.role = Role::Assistant;
+            let usage = response.usage;
+            let step = c.step + 1;
+            let span = tracing::Span::current();
+            span.record("prompt_tokens", prompt_tokens);
+            span.record("tool_calls", reply.tool_calls.len());
+            if let Some(u) = usage {
+                span.record("completion_tokens", u.completion_tokens);
+            }
+            events.push(AgentEvent::ModelCall {
+                step,
+                model: if response.model.is_empty() {
+                    p.model.model_name().to_owned()
+                } else {
+                    response.model
+                },
+                prompt_tokens,
+                provider_prompt_tokens: usage.map(|u| u.prompt_tokens),
+                completion_tokens: usage.map(|u| u.completion_tokens),
+                cached_tokens: None,
+                tool_calls: reply.tool_calls.len(),
+                duration_ms: ms(started),
+                overflow_retries: retries,
+            });
+            let mut new = vec![];
+            let empty = reply.tool_calls.is_empty() && reply.text().trim().is_empty();
+            let nudged = s
+                .last_message()
+                .is_some_and(|m| m.metadata.contains_key(NUDGE_METADATA_KEY));
+            new.push(reply);
+            let mut stop = None;
+            if empty {
+                if nudged {
+                    stop = Some(Stop::EmptyReply { steps: step });
+                } else {
+                    let mut nudge = Message::user(
+                        "Your last reply was empty. Continue with the task: call a tool, or give your final answer.",
+                    );
+                    nudge.metadata.insert(NUDGE_METADATA_KEY.to_owned(), Value::Bool(true));
+                    new.push(nudge);
+                }
+            }
+            let append = AddMessagesUpdate::append(new);
+            update.messages = Some(match update.messages.take() {
+                Some(d) => d.then(append),
+                None => append,
+            });
+            update.step = Some(step);
+            if stop.is_some() {
+                update.stop = Some(stop);
+            }
+            update.events = Some(events);
+            Ok(update)
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn run_tools(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        let thread = thread_of(&ctx);
+        let span = tracing::info_span!(
+            "keel.agent",
+            node = TOOLS,
+            thread = %thread,
+            step = s.step,
+            calls = tracing::field::Empty,
+            failed = tracing::field::Empty,
+            offloaded = tracing::field::Empty,
+        );
+        async move {
+            let p = &self.parts;
+            let Some(reply) = s
+                .last_message()
+                .filter(|m| m.role == Role::Assistant && !m.tool_calls.is_empty())
+                .cloned()
+            else {
+                return Ok(AgentStateUpdate::default());
+            };
+            let calls = &reply.tool_calls;
+            let denied = self.approval(calls, &ctx)?;
+            let runs = calls.iter().map(|c| {
+                let denied = denied.contains(&c.id);
+                let thread = thread.clone();
+                async move {
+                    if denied {
+                        let mut m = Message::tool(
+                            c.id.clone(),
+                            "The user did not approve this call; it was not run. Ask them or try another way.",
+                        );
+                        m.name = Some(c.name.clone());
+                        crate::tools::ToolOutcome {
+                            message: m,
+                            error: Some("not approved".to_owned()),
+                            result_chars: 0,
+                            duration: std::time::Duration::ZERO,
+                        }
+                    } else {
+                        p.tools.run(c, Some(&thread)).await
+                    }
+                }
+            });
+            let outcomes = futures::future::join_all(runs).await;
+            let mut events = Vec::with_capacity(outcomes.len());
+            let mut failed = 0;
+            for (c, o) in calls.iter().zip(&outcomes) {
+                failed += usize::from(o.error.is_some());
+                events.push(AgentEvent::ToolCall {
+                    step: s.step,
+                    call_id: c.id.clone(),
+                    name: c.name.clone(),
+                    ok: o.error.is_none(),
+                    error: o.error.clone(),
+                    result_chars: o.result_chars,
+                    duration_ms: u64::try_from(o.duration.as_millis()).unwrap_or(u64::MAX),
+                });
+            }
+            let results: Vec<Message> = outcomes.into_iter().map(|o| o.message).collect();
+            let (results, offloads) = self.offload(&thread, reply.clone(), results).await;
+            let span = tracing::Span::current();
+            span.record("calls", calls.len());
+            span.record("failed", failed);
+            span.record("offloaded", offloads.len());
+            for (call_id, path, tokens) in offloads {
+                events.push(AgentEvent::Offload {
+                    step: s.step,
+                    call_id,
+                    path,
+                    tokens,
+                });
+            }
+            Ok(AgentStateUpdate::default()
+                .messages(AddMessagesUpdate::append(results))
+                .events(events))
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Asks about calls to tools that need approval; returns the ids of denied calls.
+    fn approval(
+        &self,
+        calls: &[ToolCall],
+        ctx: &NodeContext,
+    ) -> Result<BTreeSet<String>, NodeError> {
+        let asked: Vec<&ToolCall> = calls
+            .iter()
+            .filter(|c| self.parts.approve.contains(&c.name))
+            .collect();
+        if asked.is_empty() {
+            return Ok(BTreeSet::new());
+        }
+        let question = json!({
+            "approve": asked.iter().map(|c| json!({
+                "id": c.id,
+                "name": c.name,
+                "arguments": c.arguments.to_json_string(),
+            })).collect::<Vec<_>>(),
+        });
+        let answer = ctx.interrupt(question)?;
+        Ok(asked
+            .iter()
+            .filter(|c| !approved(&answer, &c.id))
+            .map(|c| c.id.clone())
+            .collect())
+    }
+
+    /// Runs the evict policy over fresh results on the blocking pool. Returns the
+    /// results (large ones as stubs) and `(call id, path, tokens)` per offload.
+    async fn offload(
+        &self,
+        thread: &str,
+        reply: Message,
+        results: Vec<Message>,
+    ) -> (Vec<Message>, Vec<(String, String, u64)>) {
+        let Some(policy) = self.parts.evict.clone() else {
+            return (results, Vec::new());
+        };
+        let Ok(thread_id) = ThreadId::new(thread) else {
+            return (results, Vec::new());
+        };
+        let store = self.parts.store.clone();
+        let counter = self.parts.counter.clone();
+        let fallback = results.clone();
+        let job = tokio::task::spawn_blocking(move || {
+            let mut batch = Vec::with_capacity(results.len() + 1);
+            batch.push(reply);
+            batch.extend(results);
+            let env = PolicyEnv::new(store.as_ref(), &thread_id, &*counter);
+            let outcome = policy.apply(batch, &env);
+            for f in &outcome.failures {
+                tracing::warn!(error = %f.error, "offloading a large tool result failed; kept in full");
+            }
+            let offloads = outcome
+                .stored
+                .iter()
+                .filter_map(|s| match &s.what {
+                    StoredWhat::ToolResult {
+                        tool_call_id,
+                        tokens,
+                        ..
+                    } => Some((tool_call_id.clone(), s.path.to_string(), *tokens as u64)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>();
+            let messages: Vec<Message> = outcome.messages.into_iter().skip(1).collect();
+            (messages, offloads)
+        });
+        match job.await {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(error = %e, "the offload policy did not finish; results kept in full");
+                (fallback, Vec::new())
+            }
+        }
+    }
+
+    async fn run_compact(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        let thread = thread_of(&ctx);
+        let span = tracing::info_span!(
+            "keel.agent",
+            node = COMPACT,
+            thread = %thread,
+            step = s.step,
+            tokens_before = tracing::field::Empty,
+            tokens_after = tracing::field::Empty,
+            prompt_version = tracing::field::Empty,
+        );
+        async move {
+            let mut c = context(&s)?;
+            let compactor = self.compactor(&thread)?;
+            let specs = self.parts.tools.specs();
+            let trigger = match compactor.check(&mut c, specs) {
+                Some(Trigger::StepCeiling) | None => Trigger::Force,
+                Some(t) => t,
+            };
+            let result = compactor.compact(&mut c, trigger, specs).await;
+            self.finish(&s, &ctx, c, result).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn run_epoch(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        let thread = thread_of(&ctx);
+        let span = tracing::info_span!(
+            "keel.agent",
+            node = EPOCH,
+            thread = %thread,
+            step = s.step,
+            tokens_before = tracing::field::Empty,
+            tokens_after = tracing::field::Empty,
+            prompt_version = tracing::field::Empty,
+        );
+        async move {
+            let mut c = context(&s)?;
+            let compactor = self.compactor(&thread)?;
+            let trigger = s.compactions.back().map_or(Trigger::Steps, |e| e.trigger);
+            let result = compactor
+                .fold_epoch(&mut c, trigger, self.parts.tools.specs())
+                .await;
+            self.finish(&s, &ctx, c, result).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Turns a compaction's outcome into the state update; prunes on success.
+    async fn finish(
+        &self,
+        s: &AgentState,
+        ctx: &NodeContext,
+        mut c: ContextState,
+        result: Result<keel_compaction::CompactionEvent, CompactionError>,
+    ) -> NodeResult {
+        let mut update = match &result {
+            Ok(_) => diff(s, &c),
+            // Nothing changed (invariant 4); only the failed event is recorded.
+            Err(_) => AgentStateUpdate::default(),
+        };
+        let events: Vec<_> = std::mem::take(&mut c.events);
+        if let Ok(e) = &result {
+            let span = tracing::Span::current();
+            span.record("tokens_before", e.tokens_before);
+            span.record("tokens_after", e.tokens_after);
+            span.record("prompt_version", e.prompt_version.as_str());
+        }
+        if !events.is_empty() {
+            update.events = Some(events.iter().cloned().map(AgentEvent::Compaction).collect());
+            update.compactions = Some(events);
+        }
+        if result.is_ok() {
+            self.prune_after_compaction(ctx).await;
+        }
+        Ok(update)
+    }
+
+    async fn prune_after_compaction(&self, ctx: &NodeContext) {
+        let (Some(keep), Some(cp), Some(thread)) = (
+            self.parts.keep_checkpoints,
+            self.parts.checkpointer.as_ref(),
+            ctx.thread_id(),
+        ) else {
+            return;
+        };
+        let key = ThreadKey::new(thread.to_owned()).with_ns(ctx.checkpoint_ns().to_owned());
+        // The step running now has not been stored yet: keep one more than asked, so
+        // the checkpoint this step continues from stays.
+        match cp.prune(&key, keep.max(1)).await {
+            Ok(n) => tracing::debug!(removed = n, keep, "pruned checkpoints after compaction"),
+            Err(e) => tracing::warn!(error = %e, "pruning checkpoints after compaction failed"),
+        }
+    }
+}
+
+fn context(s: &AgentState) -> Result<ContextState, NodeError> {
+    s.context().ok_or_else(|| {
+        NodeError::msg("the thread has no goal: write one with the input of its first run")
+    })
+}
+
+fn approved(answer: &Value, id: &str) -> bool {
+    match answer {
+        Value::Bool(b) => *b,
+        Value::String(s) => matches!(
+            s.trim().to_ascii_lowercase().as_str(),
+            "y" | "yes" | "approve" | "ok"
+        ),
+        Value::Object(m) => m.get(id).is_some_and(|v| approved(v, id)),
+        Value::Array(ids) => ids.iter().any(|v| v.as_str() == Some(id)),
+        _ => false,
+    }
+}
+
+/// The update that turns `before` into the compaction engine's `after`: the flushed
+/// messages removed, rewritten ones (masked, truncated) replaced in place, new
+/// milestones pushed (or all replaced after an epoch), and the changed counters.
+pub(crate) fn diff(before: &AgentState, after: &ContextState) -> AgentStateUpdate {
+    let mut u = AgentStateUpdate::default();
+    let kept: HashMap<&str, &Message> = after
+        .raw
+        .iter()
+        .filter_map(|m| m.id.as_deref().map(|id| (id, m)))
+        .collect();
+    let mut ops = Vec::new();
+    for m in before.messages.iter() {
+        if let Some(id) = m.id.as_deref()
+            && !kept.contains_key(id)
+        {
+            ops.push(MessageOp::Remove(id.to_owned()));
+        }
+    }
+    for m in &after.raw {
+        let same =
+            m.id.as_deref()
+                .and_then(|id| before.messages.get(id))
+                .is_some_and(|old| old == m);
+        if !same {
+            ops.push(MessageOp::Upsert(m.clone()));
+        }
+    }
+    if !ops.is_empty() {
+        u.messages = Some(AddMessagesUpdate::from_ops(ops));
+    }
+    let old = &before.milestones;
+    if after.milestones.len() >= old.len()
+        && after.milestones.get(..old.len()) == Some(old.as_slice())
+    {
+        let pushed: Vec<MilestoneOp> = after
+            .milestones
+            .iter()
+            .skip(old.len())
+            .cloned()
+            .map(MilestoneOp::Push)
+            .collect();
+        if !pushed.is_empty() {
+            u.milestones = Some(pushed);
+        }
+    } else {
+        let mut all = vec![MilestoneOp::Clear];
+        all.extend(after.milestones.iter().cloned().map(MilestoneOp::Push));
+        u.milestones = Some(all);
+    }
+    if after.epoch != before.epoch {
+        u.epoch = Some(after.epoch.clone());
+    }
+    if after.step_at_compaction != before.step_at_compaction {
+        u.step_at_compaction = Some(after.step_at_compaction);
+    }
+    if after.masked_turns != before.masked_turns {
+        u.masked_turns = Some(after.masked_turns);
+    }
+    if after.milestones_made != before.milestones_made {
+        u.milestones_made = Some(after.milestones_made);
+    }
+    if after.epochs_made != before.epochs_made {
+        u.epochs_made = Some(after.epochs_made);
+    }
+    u
+}

@@ -1,0 +1,256 @@
+//! The agent's graph state, designed for delta checkpoints.
+
+use std::collections::VecDeque;
+
+use keel_compaction::{CompactionEvent, ContextState, GoalAnchor, Layer};
+use keel_graph::State;
+use keel_graph::reducer::{AddMessages, KeepLast, Messages, ReduceError, Reducer};
+use keel_message::Message;
+use serde::{Deserialize, Serialize};
+
+use crate::event::AgentEvent;
+
+/// Agent events kept in the state (the newest; older ones were streamed and traced).
+pub const RECENT_EVENTS: usize = 256;
+/// Compaction events kept in the state.
+pub const RECENT_COMPACTIONS: usize = 64;
+
+/// The compacting agent's state. Every field is a channel chosen so that a checkpoint
+/// stores what the step added, not the whole context again (invariant 6):
+///
+/// | channel | reducer | a step writes |
+/// |---|---|---|
+/// | `goal` | [`WriteOnce`] | once, at the start; a second write is an error |
+/// | `system` | last value | once, at the start |
+/// | `messages` | [`AddMessages`] | the new messages; a compaction removes the flushed ones |
+/// | `milestones` | [`Milestones`] | a new milestone; an epoch clears them |
+/// | `epoch` | last value | the new epoch summary |
+/// | `step`, `step_at_compaction`, `masked_turns`, `milestones_made`, `epochs_made` | last value | small counters |
+/// | `compactions` | keep last 64 | the compaction's event |
+/// | `events` | keep last 256 | the step's [`AgentEvent`]s |
+/// | `stop` | last value | why the run stopped, if it did |
+///
+/// The raw buffer (`messages`) is what the model sees after the summaries: the goal,
+/// epoch and milestones are kept in their own channels and assembled in front of it.
+#[derive(Clone, Debug, State)]
+pub struct AgentState {
+    /// The goal anchor (written once).
+    #[reducer(WriteOnce<GoalAnchor>)]
+    pub goal: Option<GoalAnchor>,
+    /// The system prompt.
+    pub system: Option<Message>,
+    /// The raw buffer: recent messages in full.
+    #[reducer(AddMessages)]
+    pub messages: Messages,
+    /// Milestones since the epoch summary, oldest first.
+    #[reducer(Milestones)]
+    pub milestones: Vec<Layer>,
+    /// The epoch summary.
+    pub epoch: Option<Layer>,
+    /// Model calls so far.
+    pub step: u64,
+    /// `step` at the last milestone (or masking move).
+    pub step_at_compaction: u64,
+    /// Turns whose tool results are masked.
+    pub masked_turns: u64,
+    /// Milestones made so far.
+    pub milestones_made: u64,
+    /// Epoch summaries made so far.
+    pub epochs_made: u64,
+    /// The latest compaction events.
+    #[reducer(KeepLast<CompactionEvent>, with = KeepLast::new(RECENT_COMPACTIONS))]
+    pub compactions: VecDeque<CompactionEvent>,
+    /// The latest agent events.
+    #[reducer(KeepLast<AgentEvent>, with = KeepLast::new(RECENT_EVENTS))]
+    pub events: VecDeque<AgentEvent>,
+    /// Why the run stopped early, if it did (cleared when it continues).
+    pub stop: Option<Stop>,
+}
+
+impl AgentState {
+    /// The goal, if set.
+    pub fn goal(&self) -> Option<&GoalAnchor> {
+        self.goal.as_ref()
+    }
+
+    /// The last message of the raw buffer.
+    pub fn last_message(&self) -> Option<&Message> {
+        self.messages.last()
+    }
+
+    /// The final answer: the text of the last assistant message without tool calls.
+    pub fn answer(&self) -> Option<String> {
+        self.messages
+            .iter()
+            .rev()
+            .find(|m| m.role == keel_message::Role::Assistant && m.tool_calls.is_empty())
+            .map(|m| m.text().into_owned())
+    }
+
+    /// The compaction engine's view of this state (a copy; token counts are taken
+    /// afresh by the compactor, memoized per message).
+    pub fn context(&self) -> Option<ContextState> {
+        let goal = self.goal.clone()?;
+        let mut c = ContextState::new(goal);
+        c.system = self.system.clone();
+        c.epoch = self.epoch.clone();
+        c.milestones = self.milestones.clone();
+        c.raw = self.messages.to_vec();
+        c.step = self.step;
+        c.step_at_compaction = self.step_at_compaction;
+        c.masked_turns = self.masked_turns;
+        c.milestones_made = self.milestones_made;
+        c.epochs_made = self.epochs_made;
+        Some(c)
+    }
+}
+
+/// Why a run stopped before the model gave a final answer. The thread keeps its
+/// checkpoint: raise the limit (or fix the cause) and run the thread again to continue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+#[non_exhaustive]
+pub enum Stop {
+    /// The run reached the hard step ceiling.
+    StepCeiling {
+        /// Model calls made.
+        steps: u64,
+        /// The ceiling.
+        max: u64,
+    },
+    /// The model answered with nothing twice in a row (no text, no tool call).
+    EmptyReply {
+        /// Model calls made.
+        steps: u64,
+    },
+}
+
+/// A channel that takes one write in its whole life: a second write (even of the same
+/// value) is refused, so a goal can never be replaced by accident.
+///
+/// ```
+/// use keel_agent::WriteOnce;
+/// use keel_graph::reducer::Reducer;
+///
+/// let r = WriteOnce::<String>::new();
+/// let mut v = r.empty();
+/// r.reduce(&mut v, vec!["ship it".into()])?;
+/// assert!(r.reduce(&mut v, vec!["something else".into()]).is_err());
+/// assert_eq!(v.as_deref(), Some("ship it"));
+/// # Ok::<(), keel_graph::reducer::ReduceError>(())
+/// ```
+pub struct WriteOnce<T>(std::marker::PhantomData<fn() -> T>);
+
+impl<T> WriteOnce<T> {
+    /// The reducer.
+    pub const fn new() -> Self {
+        WriteOnce(std::marker::PhantomData)
+    }
+}
+
+impl<T> Default for WriteOnce<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> Reducer for WriteOnce<T> {
+    type Value = Option<T>;
+    type Update = T;
+
+    fn empty(&self) -> Option<T> {
+        None
+    }
+
+    fn reduce(&self, current: &mut Option<T>, mut updates: Vec<T>) -> Result<(), ReduceError> {
+        if updates.is_empty() {
+            return Ok(());
+        }
+        if current.is_some() || updates.len() > 1 {
+            return Err(ReduceError::Custom(
+                "this channel is written once: it already holds a value (the goal of a thread \
+                 cannot be replaced; start a new thread for a new goal)"
+                    .to_owned(),
+            ));
+        }
+        *current = updates.pop();
+        Ok(())
+    }
+}
+
+/// One write to the [`Milestones`] channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MilestoneOp {
+    /// Append a milestone.
+    Push(Layer),
+    /// Remove every milestone (they were folded into the epoch summary).
+    Clear,
+}
+
+/// The milestones channel: pushes append, a clear empties it (when an epoch folds them).
+/// A step's delta is the new milestone only.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Milestones;
+
+impl Reducer for Milestones {
+    type Value = Vec<Layer>;
+    type Update = Vec<MilestoneOp>;
+
+    fn empty(&self) -> Vec<Layer> {
+        Vec::new()
+    }
+
+    fn reduce(
+        &self,
+        current: &mut Vec<Layer>,
+        updates: Vec<Vec<MilestoneOp>>,
+    ) -> Result<(), ReduceError> {
+        for op in updates.into_iter().flatten() {
+            match op {
+                MilestoneOp::Push(l) => current.push(l),
+                MilestoneOp::Clear => current.clear(),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn milestones_push_and_clear_in_order() {
+        let layer = |n: u64| Layer {
+            level: keel_compaction::LayerLevel::Milestone,
+            text: format!("m{n}"),
+            message: Message::user(format!("m{n}")),
+            first_step: n,
+            last_step: n,
+            prompt_version: String::new(),
+            model: String::new(),
+            tokens: 1,
+        };
+        let mut v = Vec::new();
+        Milestones
+            .reduce(
+                &mut v,
+                vec![
+                    vec![MilestoneOp::Push(layer(1))],
+                    vec![MilestoneOp::Clear, MilestoneOp::Push(layer(2))],
+                ],
+            )
+            .unwrap();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].text, "m2");
+    }
+
+    #[test]
+    fn write_once_refuses_two_writes_in_one_step() {
+        let r = WriteOnce::<u8>::new();
+        let mut v = None;
+        assert!(r.reduce(&mut v, vec![1, 2]).is_err());
+        assert_eq!(v, None);
+    }
+}

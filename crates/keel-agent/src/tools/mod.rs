@@ -1,0 +1,233 @@
+//! Tools: the registry the `tools` node runs, the offload retrieval tools as [`Tool`]s,
+//! and (feature `fs`) file tools rooted in one directory.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel_message::{
+    Message, Tool, ToolArguments, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec,
+};
+use keel_offload::{OffloadStore, RetrievalTools, ThreadId, ToolLimits};
+use serde_json::Value;
+
+#[cfg(feature = "fs")]
+mod fs;
+#[cfg(feature = "fs")]
+pub use fs::*;
+
+/// The default time a tool call may take before it is answered with a timeout.
+pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The tools an agent may call, by name, with their specs in registration order.
+#[derive(Clone, Default)]
+pub struct Toolbox {
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+    specs: Vec<ToolSpec>,
+    timeout: Option<Duration>,
+}
+
+impl std::fmt::Debug for Toolbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Toolbox")
+            .field(
+                "tools",
+                &self.specs.iter().map(|s| &s.name).collect::<Vec<_>>(),
+            )
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// How one tool call went.
+#[derive(Debug, Clone)]
+pub struct ToolOutcome {
+    /// The tool message answering the call (an error is written into it for the model).
+    pub message: Message,
+    /// The error, when the call produced no result.
+    pub error: Option<String>,
+    /// Characters of the result as the tool returned it.
+    pub result_chars: usize,
+    /// Wall time.
+    pub duration: Duration,
+}
+
+impl Toolbox {
+    /// An empty toolbox.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a tool; `Err(name)` if a tool of that name is already registered.
+    pub fn add(&mut self, tool: Arc<dyn Tool>) -> Result<(), String> {
+        let spec = tool.spec();
+        if self.tools.contains_key(&spec.name) {
+            return Err(spec.name);
+        }
+        self.tools.insert(spec.name.clone(), tool);
+        self.specs.push(spec);
+        Ok(())
+    }
+
+    /// Whether a tool of this name is registered.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
+    /// Sets the time each call may take (default [`DEFAULT_TOOL_TIMEOUT`]).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = Some(timeout);
+    }
+
+    /// The specs sent to the model.
+    pub fn specs(&self) -> &[ToolSpec] {
+        &self.specs
+    }
+
+    /// Runs one call to the end, whatever happens: an unknown tool, arguments that are
+    /// not JSON, a tool error, a panic or a timeout each become a tool message that says
+    /// so, so the model can act on it and the run goes on.
+    pub async fn run(&self, call: &ToolCall, thread_id: Option<&str>) -> ToolOutcome {
+        let started = Instant::now();
+        let result = self.execute(call, thread_id).await;
+        let (text, error, chars) = match result {
+            Ok(text) => {
+                let n = text.len();
+                (text, None, n)
+            }
+            Err(e) => {
+                let text = format!("Error: {e}");
+                (text, Some(e), 0)
+            }
+        };
+        let mut message = Message::tool(call.id.clone(), text);
+        message.name = Some(call.name.clone());
+        ToolOutcome {
+            message,
+            error,
+            result_chars: chars,
+            duration: started.elapsed(),
+        }
+    }
+
+    async fn execute(&self, call: &ToolCall, thread_id: Option<&str>) -> Result<String, String> {
+        let Some(tool) = self.tools.get(&call.name).cloned() else {
+            let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+            return Err(format!(
+                "there is no tool named `{}`; the tools are: {}",
+                call.name,
+                known.join(", ")
+            ));
+        };
+        let arguments = match &call.arguments {
+            ToolArguments::Invalid(raw) => {
+                return Err(format!(
+                    "the arguments of this `{}` call are not valid JSON ({}); call it again with a JSON object",
+                    call.name,
+                    preview(raw)
+                ));
+            }
+            a => a.as_json().cloned().unwrap_or(Value::Null),
+        };
+        let mut ctx = ToolContext::new(call.id.clone());
+        if let Some(t) = thread_id {
+            ctx = ctx.with_thread_id(t);
+        }
+        let timeout = self.timeout.unwrap_or(DEFAULT_TOOL_TIMEOUT);
+        // Its own task: a panic is caught as a JoinError, and a tool that never yields
+        // cannot stall the other calls of the step.
+        let task = tokio::spawn(async move { tool.call(arguments, ctx).await });
+        let abort = task.abort_handle();
+        match tokio::time::timeout(timeout, task).await {
+            Err(_) => {
+                abort.abort();
+                Err(format!(
+                    "`{}` did not finish within {} s and was stopped",
+                    call.name,
+                    timeout.as_secs_f64()
+                ))
+            }
+            Ok(Err(join)) if join.is_panic() => Err(format!(
+                "`{}` crashed (it panicked: {}); the call had no effect you can rely on",
+                call.name,
+                panic_message(join.into_panic())
+            )),
+            Ok(Err(_)) => Err(format!("`{}` was cancelled", call.name)),
+            Ok(Ok(Err(e))) => Err(match e {
+                ToolError::BadArguments(p) => format!("bad arguments for `{}`: {p}", call.name),
+                other => other.to_string(),
+            }),
+            Ok(Ok(Ok(text))) => Ok(text),
+        }
+    }
+}
+
+fn preview(raw: &str) -> String {
+    let cut: String = raw.chars().take(80).collect();
+    if cut.len() < raw.len() {
+        format!("`{cut}…`")
+    } else {
+        format!("`{cut}`")
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "no message".to_owned()
+    }
+}
+
+/// keel-offload's retrieval tools (`ls`, `read_file`, `grep` over what left the
+/// context: `large_tool_results/` and `archive/`) as [`Tool`]s, for an agent without
+/// file tools. Each call runs on the blocking pool and reads the namespace of the
+/// call's thread.
+pub fn retrieval_tools(store: Arc<dyn OffloadStore>, limits: ToolLimits) -> Vec<Arc<dyn Tool>> {
+    let specs = ThreadId::new("spec")
+        .map(|t| {
+            RetrievalTools::new(store.clone(), t)
+                .with_limits(limits)
+                .specs()
+        })
+        .unwrap_or_default();
+    specs
+        .into_iter()
+        .map(|spec| {
+            Arc::new(OffloadTool {
+                spec,
+                store: store.clone(),
+                limits,
+            }) as Arc<dyn Tool>
+        })
+        .collect()
+}
+
+struct OffloadTool {
+    spec: ToolSpec,
+    store: Arc<dyn OffloadStore>,
+    limits: ToolLimits,
+}
+
+impl Tool for OffloadTool {
+    fn spec(&self) -> ToolSpec {
+        self.spec.clone()
+    }
+
+    fn call(&self, arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            let thread = ctx
+                .thread_id()
+                .ok_or_else(|| ToolError::failed("this tool needs the run's thread id"))?;
+            let thread = ThreadId::new(thread).map_err(ToolError::failed)?;
+            let tools = RetrievalTools::new(self.store.clone(), thread).with_limits(self.limits);
+            let call = ToolCall::new(ctx.call_id(), self.spec.name.clone(), arguments);
+            tokio::task::spawn_blocking(move || tools.execute(&call))
+                .await
+                .map_err(|e| ToolError::failed(format!("the read was interrupted: {e}")))?
+                .map_err(ToolError::failed)
+        })
+    }
+}
