@@ -81,6 +81,7 @@ mod model;
 mod ollama;
 #[cfg(feature = "openai")]
 mod openai;
+mod policy;
 mod replay;
 mod scripted;
 mod types;
@@ -93,6 +94,7 @@ pub use model::ChatModel;
 pub use ollama::{OllamaConfig, OllamaModel};
 #[cfg(feature = "openai")]
 pub use openai::{OpenAiConfig, OpenAiModel};
+pub use policy::PolicyModel;
 pub use replay::ReplayModel;
 pub use scripted::{RecordedRequest, ScriptedModel, Turn};
 pub use types::{
