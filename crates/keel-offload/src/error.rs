@@ -133,25 +133,27 @@ impl OffloadError {
     }
 }
 
-#[cfg(unix)]
+// The raw codes back up the `io::ErrorKind` checks (std already maps these codes to
+// those kinds). libc comes with the `fs` feature; without it only the kinds are checked.
+#[cfg(all(unix, feature = "fs"))]
 const ENOSPC: i32 = libc::ENOSPC;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fs"))]
 const EDQUOT: i32 = libc::EDQUOT;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fs"))]
 const EACCES: i32 = libc::EACCES;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fs"))]
 const EPERM: i32 = libc::EPERM;
-#[cfg(unix)]
+#[cfg(all(unix, feature = "fs"))]
 const EROFS: i32 = libc::EROFS;
-#[cfg(not(unix))]
+#[cfg(not(all(unix, feature = "fs")))]
 const ENOSPC: i32 = -1;
-#[cfg(not(unix))]
+#[cfg(not(all(unix, feature = "fs")))]
 const EDQUOT: i32 = -1;
-#[cfg(not(unix))]
+#[cfg(not(all(unix, feature = "fs")))]
 const EACCES: i32 = -1;
-#[cfg(not(unix))]
+#[cfg(not(all(unix, feature = "fs")))]
 const EPERM: i32 = -1;
-#[cfg(not(unix))]
+#[cfg(not(all(unix, feature = "fs")))]
 const EROFS: i32 = -1;
 
 fn is_errno(e: &io::Error, codes: &[i32]) -> bool {

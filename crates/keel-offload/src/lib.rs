@@ -3,9 +3,10 @@
 //! The one abstraction is [`OffloadStore`]: a namespace of text files per thread, with
 //! `put`, `append`, `get`, line ranges, `list`, `grep` and `delete`. Keys are a
 //! [`ThreadId`] and a [`StorePath`], validated when built, so `../../etc/passwd`, an
-//! absolute path, a NUL byte or a 4 KB name never reach the disk. [`FsStore`] keeps
-//! the files in a directory (atomic writes, append-only appends, configurable fsync,
-//! symbolic links never followed); [`MemoryStore`] keeps them in memory.
+//! absolute path, a NUL byte or a 4 KB name never reach the disk. [`FsStore`] (feature
+//! `fs`, on by default) keeps the files in a directory (atomic writes, append-only
+//! appends, configurable fsync, symbolic links never followed); [`MemoryStore`] keeps
+//! them in memory.
 //!
 //! Everything else in the crate is built on a store and used by the compaction engine
 //! and the agent loop (DESIGN.md, invariant 2: whatever leaves the context is stored
@@ -30,6 +31,7 @@
 //! # Example
 //!
 //! ```
+//! # #[cfg(feature = "fs")] {
 //! use std::sync::Arc;
 //! use keel_message::{Message, ToolCall};
 //! use keel_offload::{
@@ -71,11 +73,16 @@
 //! let out = archive.archive_and_remove(out.messages, 0..2, &thread);
 //! assert_eq!(out.messages.len(), 1);
 //! assert_eq!(archive.get(&thread, "m1")?.unwrap().message.text(), "Run the test suite.");
+//! # }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// Without `fs` the docs still name `FsStore`; the links resolve with it.
+#![cfg_attr(not(feature = "fs"), allow(rustdoc::broken_intra_doc_links))]
+
 mod archive;
 mod error;
+#[cfg(feature = "fs")]
 mod fs;
 mod key;
 mod memory;
@@ -86,6 +93,7 @@ mod tools;
 
 pub use archive::{Appended, Archive, ArchiveGrep, ArchivedMessage};
 pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
+#[cfg(feature = "fs")]
 pub use fs::{FsStore, Fsync};
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
 pub use memory::MemoryStore;
