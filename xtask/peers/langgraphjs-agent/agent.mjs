@@ -5,8 +5,9 @@
 //
 // Usage:
 //   node agent.mjs --repo DIR --saver memory|postgres --durability sync|async \
-//                  --steps N [--reps R] [--url POSTGRES_URL]
-// (the URL defaults to DATABASE_URL). Prints one JSON line per repetition on stdout;
+//                  --steps N [--reps R] [--url POSTGRES_URL] [--warmup 0]
+// (the URL defaults to DATABASE_URL; `--warmup 0` skips the untimed 50-step run on
+// MemorySaver that warms the JIT up before the measured repetitions). Prints one JSON line per repetition on stdout;
 // progress goes to stderr.
 //
 // The workload, which keel's side (xtask/src/bench/agent_keel.rs) repeats:
@@ -507,6 +508,9 @@ async function runOnce(args, rep) {
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   args.repo = path.resolve(args.repo);
+  // Warm the JIT up first (a 50-step run on MemorySaver, not reported), so that the
+  // first repetition is not charged for compiling LangGraph.js.
+  if (args.warmup !== "0") await runOnce({ ...args, saver: "memory", steps: 50 }, "warmup");
   for (let rep = 0; rep < args.reps; rep += 1) {
     const r = await runOnce(args, rep);
     process.stderr.write(

@@ -1,0 +1,544 @@
+//! The built-in file tools: `ls`, `read_file`, `grep`, `write_file` and `edit_file`,
+//! rooted in one directory.
+//!
+//! They follow the filesystem tools of LangChain's Deep Agents: `read_file` shows
+//! numbered lines a page at a time, `write_file` only creates files, `edit_file`
+//! replaces an exact string. Every path is relative to the root; absolute paths, `..`
+//! that climbs above the root, symbolic links that lead out of it and NUL bytes are
+//! refused with a message the model can act on. Everything is bounded: lines are
+//! streamed (a 10 GB log costs a 64 KiB buffer), outputs are capped by
+//! [`ToolLimits`], writes and edits by [`FileLimits`], and `grep` stops after a
+//! number of files and bytes.
+//!
+//! # What left the context
+//!
+//! With [`FileTools::with_offload`], `ls`, `read_file` and `grep` calls whose path
+//! lies under one of [`OFFLOAD_DIRS`] (`large_tool_results/`, `archive/`,
+//! `truncated_arguments/`) are served from the [`OffloadStore`] by keel-offload's
+//! [`RetrievalTools`], in the thread of the call ([`ToolContext::thread_id`]). Those
+//! are the paths the compaction stubs name — `read_file(path="large_tool_results/call_1",
+//! offset=5, limit=100)`, the history at `archive/messages.jsonl` — so the agent reads
+//! what left its context with the same tools it reads the project with. A root that
+//! has top-level directories of those names is shadowed: with an offload store they
+//! cannot be reached through these tools (and `ls` and `grep` of the root skip them).
+//!
+//! # Blocking
+//!
+//! All filesystem work runs on Tokio's blocking pool (`spawn_blocking`), so a call
+//! never blocks the async runtime. Called outside a Tokio runtime, a tool runs its
+//! work inline on the calling thread.
+
+mod args;
+mod ops;
+mod path;
+mod search;
+mod text;
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use keel_message::{Tool, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec};
+use keel_offload::{OffloadStore, RetrievalTools, ThreadId, ToolLimits};
+use serde_json::{Map, Value, json};
+
+use self::path::{Relative, Root};
+use self::text::thousands;
+
+/// Name of the tool that lists a directory.
+pub const LS: &str = keel_offload::LS;
+/// Name of the tool that reads numbered lines of a file.
+pub const READ_FILE: &str = keel_offload::READ_FILE;
+/// Name of the tool that searches files with a regular expression.
+pub const GREP: &str = keel_offload::GREP;
+/// Name of the tool that creates a file.
+pub const WRITE_FILE: &str = "write_file";
+/// Name of the tool that replaces a string in a file.
+pub const EDIT_FILE: &str = "edit_file";
+
+/// Top-level paths that, with [`FileTools::with_offload`], are read from the offload
+/// store instead of the root: large tool results evicted from the context, the
+/// archived history (`archive/messages.jsonl`), and long arguments of earlier
+/// `write_file`/`edit_file` calls.
+pub const OFFLOAD_DIRS: [&str; 3] = ["large_tool_results", "archive", "truncated_arguments"];
+
+/// Limits of the file tools beyond the output caps of [`ToolLimits`]: what they
+/// write and how much `grep` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileLimits {
+    /// Largest `content` `write_file` accepts, and largest file `edit_file` edits
+    /// (before and after the edit), in bytes (default 10 MiB).
+    pub max_write_bytes: usize,
+    /// Files one `grep` call opens at most (default 10,000).
+    pub max_grep_files: usize,
+    /// Bytes one `grep` call reads at most, over all files (default 256 MiB).
+    pub max_grep_bytes: u64,
+}
+
+impl Default for FileLimits {
+    fn default() -> Self {
+        FileLimits {
+            max_write_bytes: 10 * 1024 * 1024,
+            max_grep_files: 10_000,
+            max_grep_bytes: 256 * 1024 * 1024,
+        }
+    }
+}
+
+/// Why [`FileTools::new`] refused a root.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileToolsError {
+    /// The root does not exist or cannot be resolved.
+    #[error("the file tools' root {} cannot be used: {source}", path.display())]
+    Root {
+        /// The root given.
+        path: PathBuf,
+        /// Why it cannot be resolved.
+        #[source]
+        source: io::Error,
+    },
+    /// The root is not a directory.
+    #[error("the file tools' root {} is not a directory", path.display())]
+    NotADirectory {
+        /// The root given.
+        path: PathBuf,
+    },
+}
+
+/// The file tools over one directory: build it, configure it, and hand
+/// [`tools`](FileTools::tools) to the agent.
+///
+/// ```
+/// use keel_agent::tools::{EDIT_FILE, FileTools, READ_FILE, WRITE_FILE};
+/// use keel_message::{Tool, ToolContext};
+/// use serde_json::json;
+///
+/// let dir = tempfile::tempdir()?;
+/// let tools = FileTools::new(dir.path())?.tools();
+/// assert_eq!(tools.len(), 5);
+/// let tool = |name: &str| tools.iter().find(|t| t.spec().name == name).cloned().ok_or("no such tool");
+/// let (write, edit, read) = (tool(WRITE_FILE)?, tool(EDIT_FILE)?, tool(READ_FILE)?);
+///
+/// let rt = tokio::runtime::Builder::new_current_thread().build()?;
+/// rt.block_on(async {
+///     let ctx = || ToolContext::new("call_1");
+///     let out = write.call(json!({"path": "notes/todo.md", "content": "one\ntwo\n"}), ctx()).await?;
+///     assert_eq!(out, "Created notes/todo.md (2 lines, 8 bytes).");
+///
+///     edit.call(json!({"path": "notes/todo.md", "old_string": "two", "new_string": "three"}), ctx()).await?;
+///     let page = read.call(json!({"path": "notes/todo.md"}), ctx()).await?;
+///     assert_eq!(page, "     1\tone\n     2\tthree\n[end of file: 2 lines]");
+///
+///     // Paths stay inside the root, and the error tells the model why.
+///     let escape = read.call(json!({"path": "../secrets.txt"}), ctx()).await.unwrap_err();
+///     assert!(escape.to_string().contains("leaves the root directory"));
+///     Ok::<_, Box<dyn std::error::Error>>(())
+/// })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct FileTools {
+    root: Root,
+    limits: ToolLimits,
+    file_limits: FileLimits,
+    offload: Option<Arc<dyn OffloadStore>>,
+    read_only: bool,
+}
+
+impl fmt::Debug for FileTools {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileTools")
+            .field("root", &self.root.dir())
+            .field("limits", &self.limits)
+            .field("file_limits", &self.file_limits)
+            .field("offload", &self.offload.is_some())
+            .field("read_only", &self.read_only)
+            .finish()
+    }
+}
+
+impl FileTools {
+    /// The tools over `root`, canonicalized now (symbolic links resolved): every path
+    /// the model gives is taken relative to it and must stay inside it.
+    pub fn new(root: impl AsRef<Path>) -> Result<Self, FileToolsError> {
+        let given = root.as_ref();
+        let dir = given
+            .canonicalize()
+            .map_err(|source| FileToolsError::Root {
+                path: given.to_owned(),
+                source,
+            })?;
+        if !dir.is_dir() {
+            return Err(FileToolsError::NotADirectory {
+                path: given.to_owned(),
+            });
+        }
+        Ok(FileTools {
+            root: Root::new(dir),
+            limits: ToolLimits::default(),
+            file_limits: FileLimits::default(),
+            offload: None,
+            read_only: false,
+        })
+    }
+
+    /// Only `ls`, `read_file` and `grep`: [`tools`](FileTools::tools) leaves out the
+    /// tools that write.
+    #[must_use]
+    pub fn read_only(mut self) -> Self {
+        self.read_only = true;
+        self
+    }
+
+    /// Sets the output caps, shared with keel-offload's retrieval tools: characters
+    /// per output and per line, lines per `read_file`, entries per `ls`, matches per
+    /// `grep`.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ToolLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Sets the write and search limits.
+    #[must_use]
+    pub fn with_file_limits(mut self, limits: FileLimits) -> Self {
+        self.file_limits = limits;
+        self
+    }
+
+    /// Serves paths under [`OFFLOAD_DIRS`] from `store`, in the thread of each call
+    /// (see the [module docs](self)). Such calls fail when the runtime gives no
+    /// thread id.
+    #[must_use]
+    pub fn with_offload(mut self, store: Arc<dyn OffloadStore>) -> Self {
+        self.offload = Some(store);
+        self
+    }
+
+    /// The canonical root directory.
+    pub fn root(&self) -> &Path {
+        self.root.dir()
+    }
+
+    /// The output caps in force.
+    pub fn limits(&self) -> &ToolLimits {
+        &self.limits
+    }
+
+    /// The write and search limits in force.
+    pub fn file_limits(&self) -> &FileLimits {
+        &self.file_limits
+    }
+
+    /// True when built with [`read_only`](FileTools::read_only).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The tools: `ls`, `read_file`, `grep`, then `write_file` and `edit_file`
+    /// unless read-only. They share this configuration; changing `self` afterwards
+    /// does not change them.
+    pub fn tools(&self) -> Vec<Arc<dyn Tool>> {
+        let shared = Arc::new(self.clone());
+        let kinds: &[Kind] = if self.read_only {
+            &[Kind::Ls, Kind::ReadFile, Kind::Grep]
+        } else {
+            &[
+                Kind::Ls,
+                Kind::ReadFile,
+                Kind::Grep,
+                Kind::WriteFile,
+                Kind::EditFile,
+            ]
+        };
+        kinds
+            .iter()
+            .map(|&kind| {
+                Arc::new(FileTool {
+                    kind,
+                    shared: Arc::clone(&shared),
+                }) as Arc<dyn Tool>
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Ls,
+    ReadFile,
+    Grep,
+    WriteFile,
+    EditFile,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Ls => LS,
+            Kind::ReadFile => READ_FILE,
+            Kind::Grep => GREP,
+            Kind::WriteFile => WRITE_FILE,
+            Kind::EditFile => EDIT_FILE,
+        }
+    }
+
+    fn arguments(self) -> &'static [&'static str] {
+        match self {
+            Kind::Ls => &["path"],
+            Kind::ReadFile => &["path", "offset", "limit"],
+            Kind::Grep => &["pattern", "path", "glob", "max_results"],
+            Kind::WriteFile => &["path", "content"],
+            Kind::EditFile => &["path", "old_string", "new_string", "replace_all"],
+        }
+    }
+}
+
+/// One of the tools; all share the configuration they were made from.
+struct FileTool {
+    kind: Kind,
+    shared: Arc<FileTools>,
+}
+
+impl fmt::Debug for FileTool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileTool")
+            .field("name", &self.kind.name())
+            .field("root", &self.shared.root.dir())
+            .finish()
+    }
+}
+
+impl Tool for FileTool {
+    fn spec(&self) -> ToolSpec {
+        spec(self.kind, &self.shared)
+    }
+
+    fn call(&self, arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        let kind = self.kind;
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let args = args::object(arguments, kind.arguments())?;
+            if let Some(store) = &shared.offload
+                && matches!(kind, Kind::Ls | Kind::ReadFile | Kind::Grep)
+            {
+                let path = args::optional_path(&args)?;
+                if is_offloaded(&path) {
+                    let store = Arc::clone(store);
+                    return offloaded(kind, store, shared.limits, args, &path, &ctx).await;
+                }
+            }
+            blocking(move || match kind {
+                Kind::Ls => ops::ls(&shared, &args),
+                Kind::ReadFile => ops::read_file(&shared, &args),
+                Kind::Grep => search::grep(&shared, &args),
+                Kind::WriteFile => ops::write_file(&shared, &args),
+                Kind::EditFile => ops::edit_file(&shared, &args),
+            })
+            .await
+        })
+    }
+}
+
+/// True when `path` lies under (or is) one of [`OFFLOAD_DIRS`].
+fn is_offloaded(path: &Relative) -> bool {
+    path.first()
+        .is_some_and(|first| OFFLOAD_DIRS.contains(&first))
+}
+
+/// Serves a call on an offloaded path with keel-offload's retrieval tools.
+async fn offloaded(
+    kind: Kind,
+    store: Arc<dyn OffloadStore>,
+    limits: ToolLimits,
+    mut args: Map<String, Value>,
+    path: &Relative,
+    ctx: &ToolContext,
+) -> Result<String, ToolError> {
+    let where_ = path.describe();
+    let thread = ctx.thread_id().ok_or_else(|| {
+        ToolError::failed(format!(
+            "{where_} holds what left this conversation's context, but this run has no \
+             thread id to find it by; read files of the project instead"
+        ))
+    })?;
+    let thread = ThreadId::new(thread).map_err(|e| {
+        ToolError::failed(format!(
+            "{where_} holds what left this conversation's context, but the run's thread id \
+             cannot name stored files: {e}"
+        ))
+    })?;
+    if args.get("glob").is_some_and(|g| !g.is_null()) {
+        return Err(ToolError::bad_arguments(format!(
+            "`glob` does not apply to {where_} (what left the context); drop it and narrow \
+             `path` or `pattern` instead"
+        )));
+    }
+    args.remove("glob");
+    args.insert("path".to_owned(), Value::String(path.display()));
+    let call = ToolCall::new(ctx.call_id(), kind.name(), Value::Object(args));
+    let tools = RetrievalTools::new(store, thread).with_limits(limits);
+    blocking(move || {
+        tools.execute(&call).map_err(|e| match e {
+            keel_offload::ToolError::BadArguments { problem, .. } => {
+                ToolError::bad_arguments(problem)
+            }
+            other => ToolError::failed(other),
+        })
+    })
+    .await
+}
+
+/// Runs `work` on Tokio's blocking pool (inline when there is no Tokio runtime).
+async fn blocking<F>(work: F) -> Result<String, ToolError>
+where
+    F: FnOnce() -> Result<String, ToolError> + Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle.spawn_blocking(work).await.map_err(|e| {
+            ToolError::failed(format!("the file tool stopped before it finished: {e}"))
+        })?,
+        Err(_) => work(),
+    }
+}
+
+/// The spec of one tool, its description stating the limits in force.
+fn spec(kind: Kind, tools: &FileTools) -> ToolSpec {
+    let l = &tools.limits;
+    let f = &tools.file_limits;
+    let offload = tools.offload.is_some();
+    let offload_note = |what: &str| {
+        if offload {
+            format!(
+                " Paths under large_tool_results/, archive/ and truncated_arguments/ {what} \
+                 what left this conversation's context (large tool results, the archived \
+                 history in archive/messages.jsonl, long arguments of earlier calls), not \
+                 files of the root."
+            )
+        } else {
+            String::new()
+        }
+    };
+    match kind {
+        Kind::Ls => ToolSpec::new(
+            LS,
+            format!(
+                "List a directory: its subdirectories (ending in `/`) and files with their \
+                 sizes, sorted by name, at most {} entries. Paths are relative to the root \
+                 directory; omit `path` to list the root.{}",
+                l.max_ls_entries,
+                offload_note("list")
+            ),
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "The directory to list, relative to the root (e.g. `src`). Omit for the root."}
+                },
+                "additionalProperties": false
+            }),
+        ),
+        Kind::ReadFile => ToolSpec::new(
+            READ_FILE,
+            format!(
+                "Read a text file as numbered lines (like `cat -n`, numbered from 1). Returns \
+                 `limit` lines (default {}, at most {}) after skipping `offset` lines (default \
+                 0); when more lines follow, the output ends with the offset to continue \
+                 from. Lines are cut to {} characters and the output to {} characters. Binary \
+                 files are not shown.{}",
+                l.default_read_lines,
+                l.max_read_lines,
+                l.max_line_chars,
+                l.max_output_chars,
+                offload_note("read")
+            ),
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "The file, relative to the root (e.g. `src/main.rs`)."},
+                    "offset": {"type": "integer", "minimum": 0, "description": "Lines to skip from the start (0 = from the first line)."},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": l.max_read_lines, "description": "Number of lines to return."}
+                },
+                "required": ["path"],
+                "additionalProperties": false
+            }),
+        ),
+        Kind::Grep => ToolSpec::new(
+            GREP,
+            format!(
+                "Search files for lines matching a regular expression (Rust regex syntax; `^` \
+                 and `$` match at line start and end, `(?i)` ignores case). Returns \
+                 `path:line: text` for up to `max_results` lines (default {}, at most {}). \
+                 `path` is a directory or file to search (default: the root directory); \
+                 `glob` keeps only files matching it (e.g. `*.rs`, `src/**/*.py`, relative \
+                 to `path`). Skips binary files, hidden files and directories (such as \
+                 `.git`), `target/` directories and what .gitignore files exclude; searches \
+                 at most {} files and {} bytes per call.{}",
+                l.default_grep_results,
+                l.max_grep_results,
+                thousands(f.max_grep_files as u64),
+                thousands(f.max_grep_bytes),
+                if offload {
+                    " Without `path` only the root directory is searched: to search what left \
+                     this conversation's context, pass path `large_tool_results`, `archive` or \
+                     `truncated_arguments` (no `glob` there)."
+                } else {
+                    ""
+                }
+            ),
+            json!({
+                "type": "object",
+                "properties": {
+                    "pattern": {"type": "string", "description": "The regular expression."},
+                    "path": {"type": "string", "description": "A directory or file to search, relative to the root. Omit for the root."},
+                    "glob": {"type": "string", "description": "Only search files whose path matches this glob, e.g. `*.rs`."},
+                    "max_results": {"type": "integer", "minimum": 1, "maximum": l.max_grep_results, "description": "Most matching lines to return."}
+                },
+                "required": ["pattern"],
+                "additionalProperties": false
+            }),
+        ),
+        Kind::WriteFile => ToolSpec::new(
+            WRITE_FILE,
+            format!(
+                "Create a new file with the given content, creating missing parent \
+                 directories. It never overwrites: to change a file that exists, use \
+                 edit_file. Paths are relative to the root directory; content is at most {} \
+                 bytes.",
+                thousands(f.max_write_bytes as u64)
+            ),
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "The new file, relative to the root (e.g. `src/util.rs`)."},
+                    "content": {"type": "string", "description": "The whole content of the file."}
+                },
+                "required": ["path", "content"],
+                "additionalProperties": false
+            }),
+        ),
+        Kind::EditFile => ToolSpec::new(
+            EDIT_FILE,
+            format!(
+                "Replace exact text in an existing file. `old_string` must occur exactly once \
+                 (include surrounding lines to make it unique) unless `replace_all` is true, \
+                 which replaces every occurrence. Copy `old_string` from read_file output \
+                 without the line-number prefix, keeping whitespace and indentation exactly. \
+                 Edits UTF-8 text files of at most {} bytes.",
+                thousands(f.max_write_bytes as u64)
+            ),
+            json!({
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "The file, relative to the root."},
+                    "old_string": {"type": "string", "description": "The exact text to replace."},
+                    "new_string": {"type": "string", "description": "The text to put in its place."},
+                    "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)."}
+                },
+                "required": ["path", "old_string", "new_string"],
+                "additionalProperties": false
+            }),
+        ),
+    }
+}
