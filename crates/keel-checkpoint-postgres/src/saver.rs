@@ -443,12 +443,21 @@ fn tuple_of(thread: &ThreadKey, row: &Row) -> Result<CheckpointTuple, Checkpoint
 }
 
 /// The metadata filter of `list` as a containment pattern, or `None` when no stored
-/// row can match it.
+/// row can match it. `writes` contains by itself (`["a"]` is in `["a", "b"]`), except
+/// that `[]` matches every row, also those with no `writes` key, so it is left out of
+/// the pattern; `CheckpointMetadata::matches` decides on each row fetched.
 fn list_filter(options: &ListOptions) -> Result<Option<String>, CheckpointError> {
     if !jsonb_storable(&options.metadata) {
         return Ok(None);
     }
-    to_json(&options.metadata, "metadata filter").map(Some)
+    match options.metadata.get("writes") {
+        Some(Value::Array(nodes)) if nodes.is_empty() => {
+            let mut pattern = options.metadata.clone();
+            pattern.shift_remove("writes");
+            to_json(&pattern, "metadata filter").map(Some)
+        }
+        _ => to_json(&options.metadata, "metadata filter").map(Some),
+    }
 }
 
 struct ListState {
@@ -579,6 +588,9 @@ impl Checkpointer for PostgresSaver {
             check_text("channel name", channel, Some(MAX_NAME_BYTES))?;
         }
         check_jsonb_map("checkpoint metadata", &metadata.extra)?;
+        for node in &metadata.writes {
+            check_text("checkpoint metadata writes", node, None)?;
+        }
 
         let metadata_json = to_json(metadata, "checkpoint metadata")?;
         let versions = encode_versions(checkpoint)?;

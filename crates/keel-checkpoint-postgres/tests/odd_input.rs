@@ -155,7 +155,7 @@ async fn what_postgres_cannot_store_is_refused_before_sending() {
         || CheckpointMetadata::new(CheckpointSource::Input, -1).with_extra("extra", json!("x"));
     let ok = ThreadKey::new("fine");
 
-    // NUL in a thread id, a namespace, a metadata value or key, a channel name.
+    // NUL in a thread id, a namespace, a metadata value, key or writer, a channel name.
     let nul_thread = ThreadKey::new("a\u{0}b");
     invalid(
         saver.put(first_put(&nul_thread, meta(), json!(1))).await,
@@ -176,6 +176,11 @@ async fn what_postgres_cannot_store_is_refused_before_sending() {
     );
     let nul_key = meta().with_extra("k\u{0}", json!(1));
     invalid(saver.put(first_put(&ok, nul_key, json!(1))).await, "NUL");
+    let nul_writer = meta().with_writes(["agent", "to\u{0}ols"]);
+    invalid(
+        saver.put(first_put(&ok, nul_writer, json!(1))).await,
+        "metadata writes contains a NUL",
+    );
     let mut nul_channel = first_put(&ok, meta(), json!(1));
     let version = nul_channel.deltas[0].version.clone();
     nul_channel.checkpoint.channel_versions.clear();

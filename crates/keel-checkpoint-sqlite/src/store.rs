@@ -69,16 +69,30 @@ fn parse_source(text: &str) -> OpResult<CheckpointSource> {
     })
 }
 
-/// The metadata of a checkpoint row (columns as in [`CHECKPOINT_COLUMNS`]).
+/// The metadata of a checkpoint row (columns as in [`CHECKPOINT_COLUMNS`]): `source`
+/// and `step` from their columns, every other key (the step's `writes`, the extras)
+/// from the JSON column, read back through `CheckpointMetadata`'s own serde.
 fn metadata_from_row(row: &Row<'_>) -> OpResult<CheckpointMetadata> {
     let source = parse_source(text(row, 3, "checkpoint source")?)?;
     let step: i64 = row.get(4)?;
-    let extra: Map<String, Value> = json(row.get_ref(6)?, "checkpoint metadata")?;
-    Ok(CheckpointMetadata {
-        source,
-        step,
-        extra,
-    })
+    let mut map: Map<String, Value> = json(row.get_ref(6)?, "checkpoint metadata")?;
+    map.insert("source".to_owned(), Value::from(source.as_str()));
+    map.insert("step".to_owned(), Value::from(step));
+    serde_json::from_value(Value::Object(map))
+        .map_err(|e| corrupt(format!("checkpoint metadata: {e}")))
+}
+
+/// The JSON column of a checkpoint's metadata: the metadata as JSON without `source`
+/// and `step` (they are columns). Going through `CheckpointMetadata`'s serde keeps
+/// every typed field (such as `writes`) along with the extras.
+fn metadata_to_json(metadata: &CheckpointMetadata) -> OpResult<String> {
+    let mut value = serde_json::to_value(metadata)
+        .map_err(|e| invalid(format!("cannot encode metadata as JSON: {e}")))?;
+    if let Value::Object(map) = &mut value {
+        map.shift_remove("source");
+        map.shift_remove("step");
+    }
+    to_json(&value)
 }
 
 /// A checkpoint row (columns as in [`CHECKPOINT_COLUMNS`]) with its metadata.
@@ -228,7 +242,7 @@ pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
             metadata.source.as_str(),
             metadata.step,
             to_json(&versions)?,
-            to_json(&metadata.extra)?,
+            metadata_to_json(metadata)?,
         ])?;
     }
     tx.commit()?;
@@ -567,12 +581,15 @@ pub(crate) struct Page {
     pub(crate) done: bool,
 }
 
-/// Whether a metadata filter can match anything at all (`source` must be a string and
-/// `step` an integer).
+/// Whether a metadata filter can match anything at all (`source` must be a string,
+/// `step` an integer and `writes` an array of strings).
 pub(crate) fn filter_can_match(filter: &Map<String, Value>) -> bool {
     let source_ok = filter.get("source").is_none_or(Value::is_string);
     let step_ok = filter.get("step").is_none_or(|v| v.as_i64().is_some());
-    source_ok && step_ok
+    let writes_ok = filter
+        .get("writes")
+        .is_none_or(|v| v.as_array().is_some_and(|a| a.iter().all(Value::is_string)));
+    source_ok && step_ok && writes_ok
 }
 
 /// Whether every key of the filter is checked exactly by the SQL (so a page can be cut
@@ -585,7 +602,8 @@ pub(crate) fn filter_is_exact(filter: &Map<String, Value>) -> bool {
 /// those whose metadata matches the whole filter. `source` and `step` are filtered in
 /// SQL; an extra key with a string, integer, boolean or null value is pre-filtered by
 /// looking for its exact JSON text (`"key":value`) in the stored extras, which every
-/// match contains; `CheckpointMetadata::matches` decides.
+/// match contains, and each node of a `writes` filter by its JSON string (`"node"`);
+/// `CheckpointMetadata::matches` decides.
 pub(crate) fn list_page(conn: &Connection, query: &ListQuery, page: usize) -> OpResult<Page> {
     let mut sql =
         format!("SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE thread_id = ?1 AND ns = ?2");
@@ -612,6 +630,15 @@ pub(crate) fn list_page(conn: &Connection, query: &ListQuery, page: usize) -> Op
             ("step", want) => {
                 if let Some(step) = want.as_i64() {
                     bind(&mut sql, " AND step = ?", SqlValue::Integer(step));
+                }
+            }
+            ("writes", Value::Array(nodes)) => {
+                for node in nodes.iter().filter(|n| n.is_string()) {
+                    bind(
+                        &mut sql,
+                        " AND instr(extra, ?) > 0",
+                        SqlValue::Text(to_json(node)?),
+                    );
                 }
             }
             (_, Value::String(_) | Value::Bool(_) | Value::Null) => {

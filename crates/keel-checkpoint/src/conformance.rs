@@ -338,6 +338,7 @@ pub async fn round_trip<C: Checkpointer + ?Sized>(saver: &C) {
                 ("goal", append(&["ship it"])),
             ],
             CheckpointMetadata::new(CheckpointSource::Input, -1)
+                .with_writes(["__start__", "tools", "node \"q\" ü"])
                 .with_extra("run", json!("r1"))
                 .with_extra("nested", json!({"a": [1, 2.5, null, true]})),
         )
@@ -377,11 +378,15 @@ pub async fn round_trip<C: Checkpointer + ?Sized>(saver: &C) {
     );
 }
 
-/// `list`: newest first; `before`, `limit` and metadata filters, alone and together.
+/// `list`: newest first; `before`, `limit` and metadata filters (`writes` by
+/// containment), alone and together.
 pub async fn list_order_and_filters<C: Checkpointer + ?Sized>(saver: &C) {
     const CHECK: &str = "list_order_and_filters";
     let mut d = Driver::new(CHECK, saver);
     let mut ids = Vec::new();
+    // Writers per step; "a" and "b" are also values of the extra key `run`, so a
+    // backend that looks for a name anywhere in the metadata must still check.
+    let writers: [&[&str]; 6] = [&["a"], &["a", "b"], &[], &["b"], &["a", "c \"q\""], &["b"]];
     for step in 0..6i64 {
         let source = if step % 2 == 0 {
             CheckpointSource::Loop
@@ -389,7 +394,9 @@ pub async fn list_order_and_filters<C: Checkpointer + ?Sized>(saver: &C) {
             CheckpointSource::Update
         };
         let run = if step < 3 { "a" } else { "b" };
-        let metadata = CheckpointMetadata::new(source, step).with_extra("run", json!(run));
+        let metadata = CheckpointMetadata::new(source, step)
+            .with_writes(writers[step as usize].iter().copied())
+            .with_extra("run", json!(run));
         let parent = ids.last().cloned();
         ids.push(
             d.step_with(parent.as_ref(), &[("c", append(&["x"]))], metadata)
@@ -471,6 +478,65 @@ pub async fn list_order_and_filters<C: Checkpointer + ?Sized>(saver: &C) {
         (
             "step as string",
             ListOptions::default().metadata("step", json!("3")),
+            vec![],
+        ),
+        (
+            "written by a",
+            ListOptions::default().written_by("a"),
+            pick(&[4, 1, 0]),
+        ),
+        (
+            "written by a and b",
+            ListOptions::default().written_by("a").written_by("b"),
+            pick(&[1]),
+        ),
+        (
+            "written by b, limit 1",
+            ListOptions::default().written_by("b").limit(1),
+            pick(&[5]),
+        ),
+        (
+            "written by b, before #5",
+            ListOptions::default()
+                .written_by("b")
+                .before(ids[5].clone()),
+            pick(&[3, 1]),
+        ),
+        (
+            "written by a quoted name",
+            ListOptions::default().written_by("c \"q\""),
+            pick(&[4]),
+        ),
+        (
+            "written by a and run b",
+            ListOptions::default()
+                .written_by("a")
+                .metadata("run", json!("b")),
+            pick(&[4]),
+        ),
+        (
+            "written by nobody known",
+            ListOptions::default().written_by("z"),
+            vec![],
+        ),
+        (
+            "written by a prefix of a writer",
+            ListOptions::default().written_by("c"),
+            vec![],
+        ),
+        (
+            "writes: empty list",
+            ListOptions::default().metadata("writes", json!([])),
+            newest_first.clone(),
+        ),
+        (
+            "writes: a string, not a list",
+            ListOptions::default().metadata("writes", json!("a")),
+            vec![],
+        ),
+        (
+            "writes: not names",
+            ListOptions::default().metadata("writes", json!([1])),
             vec![],
         ),
     ];
@@ -1169,6 +1235,12 @@ pub async fn invalid_puts_refused<C: Checkpointer + ?Sized>(saver: &C) {
             r.checkpoint
                 .channel_versions
                 .insert("ghost".into(), ChannelVersion::new(3, CheckpointId::new()));
+        }),
+        ("extra key named like a field (writes)", |r, _| {
+            r.metadata.extra.insert("writes".into(), json!(["x"]));
+        }),
+        ("extra key named like a field (step)", |r, _| {
+            r.metadata.extra.insert("step".into(), json!(4));
         }),
         ("id not after the head", |r, head| {
             // An id from before the head was made.

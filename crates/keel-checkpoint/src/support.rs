@@ -7,7 +7,9 @@ use std::collections::BTreeSet;
 
 use crate::error::CheckpointError;
 use crate::id::CheckpointId;
-use crate::types::{ChannelChain, ChannelDelta, ChannelVersion, PendingWrite, PutRequest};
+use crate::types::{
+    ChannelChain, ChannelDelta, ChannelVersion, CheckpointMetadata, PendingWrite, PutRequest,
+};
 
 /// Checks what can be checked in a [`PutRequest`] without looking at storage:
 ///
@@ -15,7 +17,10 @@ use crate::types::{ChannelChain, ChannelDelta, ChannelVersion, PendingWrite, Put
 ///   one `checkpoint.channel_versions` holds for its channel;
 /// * at most one delta per channel;
 /// * every channel version written by this checkpoint has its delta;
-/// * a delta's base, if any, has a smaller `seq` than its version.
+/// * a delta's base, if any, has a smaller `seq` than its version;
+/// * the metadata's extra keys do not reuse a typed field's name
+///   ([`CheckpointMetadata::RESERVED_KEYS`](crate::CheckpointMetadata::RESERVED_KEYS):
+///   stored as one flat JSON object, they would clash).
 ///
 /// ```
 /// use keel_checkpoint::support::validate_put;
@@ -37,6 +42,14 @@ use crate::types::{ChannelChain, ChannelDelta, ChannelVersion, PendingWrite, Put
 pub fn validate_put(request: &PutRequest) -> Result<(), CheckpointError> {
     let checkpoint = &request.checkpoint;
     let invalid = |reason: String| Err(CheckpointError::Invalid { reason });
+    if let Some(key) = CheckpointMetadata::RESERVED_KEYS
+        .iter()
+        .find(|k| request.metadata.extra.contains_key(**k))
+    {
+        return invalid(format!(
+            "metadata extra key {key:?} is reserved for the typed field of that name"
+        ));
+    }
     let mut written = BTreeSet::new();
     for delta in &request.deltas {
         if delta.version.writer != checkpoint.id {

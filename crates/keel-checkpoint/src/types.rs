@@ -122,19 +122,27 @@ impl CheckpointSource {
 }
 
 /// What is known about a checkpoint besides its state: why and at which step it was
-/// made, plus free-form keys.
+/// made, which nodes wrote it, plus free-form keys.
 ///
 /// As JSON (and for [`ListOptions::metadata`] filters) it is one flat object:
-/// `{"source": "loop", "step": 3, ...extra}`.
+/// `{"source": "loop", "step": 3, "writes": ["agent"], ...extra}` (`writes` is left out
+/// when empty).
 ///
 /// ```
 /// use keel_checkpoint::{CheckpointMetadata, CheckpointSource};
 /// use serde_json::json;
 ///
-/// let meta = CheckpointMetadata::new(CheckpointSource::Loop, 3).with_extra("run", json!("r1"));
-/// assert_eq!(serde_json::to_value(&meta)?, json!({"source": "loop", "step": 3, "run": "r1"}));
-/// let filter = json!({"step": 3, "run": "r1"});
+/// let meta = CheckpointMetadata::new(CheckpointSource::Loop, 3)
+///     .with_writes(["tools", "agent", "tools"])
+///     .with_extra("run", json!("r1"));
+/// assert_eq!(meta.writes, ["agent", "tools"]);
+/// assert_eq!(
+///     serde_json::to_value(&meta)?,
+///     json!({"source": "loop", "step": 3, "writes": ["agent", "tools"], "run": "r1"})
+/// );
+/// let filter = json!({"step": 3, "run": "r1", "writes": ["tools"]});
 /// assert!(meta.matches(filter.as_object().unwrap()));
+/// assert!(meta.written_by("agent"));
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -143,19 +151,46 @@ pub struct CheckpointMetadata {
     pub source: CheckpointSource,
     /// The step number (`-1` for the input checkpoint, then 0, 1, …).
     pub step: i64,
-    /// Any other keys (`source` and `step` are not allowed here).
+    /// The nodes that wrote the step this checkpoint stores, sorted, without repeats.
+    /// keel-graph records the nodes whose tasks ran in the step (a node that ran but
+    /// changed nothing included), `__start__` for the input, the `as_node` of a state
+    /// update, and for a checkpoint that stores several steps at once (durability
+    /// `Exit`) the nodes of all of them. Empty for a manual edit and in metadata
+    /// stored before this field existed. (LangGraph keeps each node's writes under
+    /// this key; here it is only the names, the writes are the channel deltas.)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writes: Vec<String>,
+    /// Any other keys (the field names `source`, `step` and `writes` are not allowed
+    /// here: [`support::validate_put`](crate::support::validate_put) refuses them).
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
 
 impl CheckpointMetadata {
-    /// Metadata with no extra keys.
+    /// The JSON keys of the typed fields, which [`extra`](Self::extra) may not use.
+    pub const RESERVED_KEYS: [&'static str; 3] = ["source", "step", "writes"];
+
+    /// Metadata with no writers and no extra keys.
     pub fn new(source: CheckpointSource, step: i64) -> Self {
         Self {
             source,
             step,
+            writes: Vec::new(),
             extra: Map::new(),
         }
+    }
+
+    /// Sets the nodes that wrote the step (sorted, repeats dropped).
+    pub fn with_writes<I, N>(mut self, nodes: I) -> Self
+    where
+        I: IntoIterator<Item = N>,
+        N: Into<String>,
+    {
+        let mut writes: Vec<String> = nodes.into_iter().map(Into::into).collect();
+        writes.sort_unstable();
+        writes.dedup();
+        self.writes = writes;
+        self
     }
 
     /// Adds one extra key.
@@ -164,12 +199,28 @@ impl CheckpointMetadata {
         self
     }
 
-    /// Whether every key of `filter` equals this metadata's value for it (`source`,
-    /// `step`, or an extra key). An empty filter matches everything.
+    /// Whether `node` is one of the step's writers ([`writes`](Self::writes)).
+    pub fn written_by(&self, node: &str) -> bool {
+        self.writes.iter().any(|w| w == node)
+    }
+
+    /// Whether every key of `filter` matches this metadata. An empty filter matches
+    /// everything.
+    ///
+    /// `source`, `step` and extra keys match when equal. `writes` is a containment
+    /// test: it takes an array of node names and matches when every one of them is
+    /// among the step's writers (so `{"writes": ["agent"]}` finds the checkpoints
+    /// `agent` wrote, whoever else wrote with it; `[]` matches everything); any value
+    /// other than an array of strings matches nothing.
     pub fn matches(&self, filter: &Map<String, Value>) -> bool {
         filter.iter().all(|(key, want)| match key.as_str() {
             "source" => want.as_str() == Some(self.source.as_str()),
             "step" => want.as_i64() == Some(self.step),
+            "writes" => want.as_array().is_some_and(|nodes| {
+                nodes
+                    .iter()
+                    .all(|n| n.as_str().is_some_and(|n| self.written_by(n)))
+            }),
             _ => self.extra.get(key) == Some(want),
         })
     }
@@ -339,8 +390,8 @@ pub struct ListOptions {
     pub before: Option<CheckpointId>,
     /// At most this many.
     pub limit: Option<usize>,
-    /// Only checkpoints whose metadata has every one of these keys equal
-    /// (see [`CheckpointMetadata::matches`]).
+    /// Only checkpoints whose metadata has every one of these keys equal (`writes`:
+    /// contained; see [`CheckpointMetadata::matches`]).
     pub metadata: Map<String, Value>,
 }
 
@@ -357,9 +408,118 @@ impl ListOptions {
         self
     }
 
-    /// Only checkpoints whose metadata `key` equals `value`.
+    /// Only checkpoints whose metadata `key` equals `value` (for `writes`, see
+    /// [`written_by`](Self::written_by)).
     pub fn metadata(mut self, key: impl Into<String>, value: Value) -> Self {
         self.metadata.insert(key.into(), value);
         self
+    }
+
+    /// Only checkpoints whose step `node` wrote ([`CheckpointMetadata::writes`]
+    /// contains it). Called again, each node must be among the writers.
+    ///
+    /// ```
+    /// use keel_checkpoint::ListOptions;
+    /// use serde_json::json;
+    ///
+    /// let options = ListOptions::default().written_by("agent").written_by("tools").limit(1);
+    /// assert_eq!(options.metadata["writes"], json!(["agent", "tools"]));
+    /// ```
+    pub fn written_by(mut self, node: impl Into<String>) -> Self {
+        let node = Value::String(node.into());
+        match self.metadata.get_mut("writes") {
+            Some(Value::Array(nodes)) => {
+                if !nodes.contains(&node) {
+                    nodes.push(node);
+                }
+            }
+            _ => {
+                self.metadata
+                    .insert("writes".to_owned(), Value::Array(vec![node]));
+            }
+        }
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn filter(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(map) => map,
+            _ => Map::new(),
+        }
+    }
+
+    #[test]
+    fn metadata_without_writes_reads_as_no_writers_and_writes_nothing_back()
+    -> Result<(), serde_json::Error> {
+        let old = json!({"source": "loop", "step": 2, "run": "r"});
+        let meta: CheckpointMetadata = serde_json::from_value(old.clone())?;
+        assert!(meta.writes.is_empty());
+        assert_eq!(meta.extra.len(), 1);
+        assert_eq!(serde_json::to_value(&meta)?, old);
+        Ok(())
+    }
+
+    #[test]
+    fn writes_round_trip_beside_the_extras() -> Result<(), serde_json::Error> {
+        let meta = CheckpointMetadata::new(CheckpointSource::Update, 4)
+            .with_writes(["b", "a", "b"])
+            .with_extra("run", json!(1));
+        let text = serde_json::to_string(&meta)?;
+        assert_eq!(
+            text,
+            r#"{"source":"update","step":4,"writes":["a","b"],"run":1}"#
+        );
+        let back: CheckpointMetadata = serde_json::from_str(&text)?;
+        assert_eq!(back, meta);
+        assert!(!back.extra.contains_key("writes"));
+        Ok(())
+    }
+
+    #[test]
+    fn a_writes_filter_is_containment() {
+        let meta = CheckpointMetadata::new(CheckpointSource::Loop, 1).with_writes(["a", "b"]);
+        let yes = [
+            json!({"writes": ["a"]}),
+            json!({"writes": ["b", "a"]}),
+            json!({"writes": []}),
+            json!({"writes": ["a"], "step": 1}),
+        ];
+        for f in yes {
+            assert!(meta.matches(&filter(f.clone())), "{f}");
+        }
+        let no = [
+            json!({"writes": ["c"]}),
+            json!({"writes": ["a", "c"]}),
+            json!({"writes": "a"}),
+            json!({"writes": [1]}),
+            json!({"writes": null}),
+            json!({"writes": ["a"], "step": 2}),
+        ];
+        for f in no {
+            assert!(!meta.matches(&filter(f.clone())), "{f}");
+        }
+        let none = CheckpointMetadata::new(CheckpointSource::Loop, 1);
+        assert!(none.matches(&filter(json!({"writes": []}))));
+        assert!(!none.matches(&filter(json!({"writes": ["a"]}))));
+    }
+
+    #[test]
+    fn written_by_builds_one_writes_filter() {
+        let options = ListOptions::default()
+            .written_by("a")
+            .written_by("b")
+            .written_by("a");
+        assert_eq!(options.metadata, filter(json!({"writes": ["a", "b"]})));
+        // A `writes` filter that is not a list is replaced.
+        let options = ListOptions::default()
+            .metadata("writes", json!("x"))
+            .written_by("a");
+        assert_eq!(options.metadata, filter(json!({"writes": ["a"]})));
     }
 }
