@@ -42,7 +42,9 @@ pub struct RunConfig {
     pub recursion_limit: usize,
     /// When checkpoints are written.
     pub durability: Durability,
-    /// Extra metadata stored with every checkpoint of this invocation.
+    /// Extra metadata stored with every checkpoint of this invocation. The keys
+    /// `source`, `step` and `writes` are the checkpoint's own (a put with one of them
+    /// here is refused with `CheckpointError::Invalid`).
     pub metadata: Map<String, Value>,
     /// User configuration for the nodes (LangGraph's `config["configurable"]`), read
     /// with [`NodeContext::config`](crate::NodeContext::config). Unlike

@@ -239,6 +239,10 @@ impl<S: State> CompiledGraph<S> {
     }
 
     /// Every checkpoint of a thread, newest first, with its state.
+    ///
+    /// Rebuilds the state of every checkpoint; to find one checkpoint by the node that
+    /// wrote it, use [`last_checkpoint_by`](Self::last_checkpoint_by), which reads
+    /// metadata only.
     pub async fn state_history(
         &self,
         config: &RunConfig,
@@ -259,10 +263,90 @@ impl<S: State> CompiledGraph<S> {
         Ok(out)
     }
 
+    /// The newest checkpoint of a thread whose step node `node` wrote (its
+    /// [`CheckpointMetadata::writes`](keel_checkpoint::CheckpointMetadata::writes)
+    /// names the node), with its state; `Ok(None)` if there is none.
+    ///
+    /// With `config.checkpoint_id` set, the newest at or before that checkpoint (an
+    /// unknown id is [`GraphError::CheckpointNotFound`]). "Newest" is id order over the
+    /// whole thread, every branch included, as [`state_history`](Self::state_history)
+    /// lists it. `START` (`"__start__"`) finds the last input.
+    ///
+    /// The checkpoint is found from metadata alone
+    /// ([`ListOptions::written_by`](keel_checkpoint::ListOptions::written_by), limit 1),
+    /// and only its state is rebuilt, so the cost does not grow with the number of
+    /// checkpoints rebuilt, unlike filtering `state_history`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_graph::reducer::Append;
+    /// use keel_graph::{END, RunConfig, START, State, StateGraph};
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Log {
+    ///     #[reducer(Append<String>)]
+    ///     lines: Vec<String>,
+    /// }
+    /// let line = |s: &str| LogUpdate::default().lines(vec![s.to_owned()]);
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Log>::new()
+    ///     .add_node("draft", move |_s, _c| async move { Ok(line("draft")) })
+    ///     .add_node("review", move |_s, _c| async move { Ok(line("review")) })
+    ///     .add_edge(START, "draft")
+    ///     .add_edge("draft", "review")
+    ///     .add_edge("review", END)
+    ///     .with_checkpointer(Arc::new(MemorySaver::new()))
+    ///     .compile()?;
+    /// let config = RunConfig::thread("doc-1");
+    /// graph.invoke(line("brief"), &config).await?;
+    ///
+    /// let drafted = graph.last_checkpoint_by(&config, "draft").await?.expect("draft ran");
+    /// assert_eq!(drafted.values.lines, ["brief", "draft"]);
+    /// assert_eq!(drafted.metadata.writes, ["draft"]);
+    /// assert_eq!(drafted.next, ["review"]);
+    /// assert!(graph.last_checkpoint_by(&config, "publish").await?.is_none());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn last_checkpoint_by(
+        &self,
+        config: &RunConfig,
+        node: &str,
+    ) -> Result<Option<StateSnapshot<S>>, GraphError> {
+        let (cp, thread) = self.require_checkpointer(config, "last_checkpoint_by")?;
+        let mut options = ListOptions::default().written_by(node).limit(1);
+        if let Some(at) = &config.checkpoint_id {
+            let tuple =
+                cp.get(&thread, Some(at))
+                    .await?
+                    .ok_or_else(|| GraphError::CheckpointNotFound {
+                        thread_id: thread.thread_id.clone(),
+                        id: at.clone(),
+                    })?;
+            if tuple.metadata.written_by(node) {
+                return self.snapshot_of(tuple).map(Some);
+            }
+            options = options.before(at.clone());
+        }
+        let Some(found) = cp.list(&thread, options).next().await.transpose()? else {
+            return Ok(None);
+        };
+        // Absent only if pruned since it was listed: then there is no such checkpoint.
+        match cp.get(&thread, Some(&found.checkpoint.id)).await? {
+            Some(tuple) => self.snapshot_of(tuple).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Writes `update` into the thread as if node `as_node` had returned it (or, with
     /// `None`, as an edit that keeps the scheduled tasks), creating a new checkpoint with
     /// source `update`. With `config.checkpoint_id` set, the update forks from that past
-    /// checkpoint. Returns the new checkpoint's id.
+    /// checkpoint. Returns the new checkpoint's id. The checkpoint's metadata `writes`
+    /// is `[as_node]` (empty without one).
     pub async fn update_state(
         &self,
         config: &RunConfig,
@@ -299,6 +383,9 @@ impl<S: State> CompiledGraph<S> {
                 })
                 .chain(sends)
                 .collect();
+        }
+        if let Some(node) = as_node {
+            run.writers.insert(self.inner.nodes[node].name.to_string());
         }
         let per_channel = group_by_channel(&written, vec![encoded]);
         run.step += 1;
@@ -399,6 +486,9 @@ impl<S: State> CompiledGraph<S> {
             run.tasks = run.specs(next, sends);
             run.pending.clear();
             run.step += 1;
+            if writer.stores() {
+                run.writers.insert(START.to_owned());
+            }
             run.persist(&mut writer, CheckpointSource::Input, per_channel)
                 .await?;
         } else {
@@ -493,6 +583,9 @@ struct RunState<S: State> {
     dirty: BTreeSet<usize>,
     /// Steps run since the last stored checkpoint (exit durability).
     steps_since_store: usize,
+    /// The nodes that wrote the steps since the last stored checkpoint: the next
+    /// checkpoint's `writes` metadata.
+    writers: BTreeSet<String>,
     joins_seen: Vec<BTreeSet<usize>>,
     metadata: serde_json::Map<String, Value>,
     /// What every task's [`NodeContext`] shares about this invocation.
@@ -523,6 +616,7 @@ impl<S: State> RunState<S> {
             books: vec![ChannelBook::default(); S::CHANNELS.len()],
             dirty: BTreeSet::new(),
             steps_since_store: 0,
+            writers: BTreeSet::new(),
             joins_seen: vec![BTreeSet::new(); g.joins.len()],
             metadata: config.metadata.clone(),
             invocation: Arc::new(InvocationInfo::of(config)),
@@ -939,6 +1033,10 @@ impl<S: State> RunState<S> {
                 .await?;
             }
         }
+        if writer.stores() {
+            self.writers
+                .extend(tasks.iter().map(|t| g.nodes[t.node].name.to_string()));
+        }
         let per_channel = group_by_channel(&written, encoded);
         self.persist(writer, CheckpointSource::Loop, per_channel)
             .await
@@ -1121,6 +1219,8 @@ impl<S: State> RunState<S> {
             });
         }
         let mut metadata = CheckpointMetadata::new(source, self.step);
+        // A BTreeSet: sorted and without repeats, as `writes` promises.
+        metadata.writes = std::mem::take(&mut self.writers).into_iter().collect();
         for (k, v) in &self.metadata {
             metadata = metadata.with_extra(k.clone(), v.clone());
         }

@@ -930,3 +930,268 @@ async fn nodes_see_the_thread_namespace_and_configurable_of_their_invocation() {
         [r#"n thread=no-saver ns="" model=big keys=1"#]
     );
 }
+
+/// A checkpointer that counts `get`s (each loads a checkpoint's channel data).
+struct CountingSaver {
+    inner: MemorySaver,
+    gets: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Checkpointer for CountingSaver {
+    async fn get(
+        &self,
+        thread: &keel_checkpoint::ThreadKey,
+        id: Option<&keel_checkpoint::CheckpointId>,
+    ) -> Result<Option<keel_checkpoint::CheckpointTuple>, keel_checkpoint::CheckpointError> {
+        self.gets.fetch_add(1, Ordering::SeqCst);
+        self.inner.get(thread, id).await
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a keel_checkpoint::ThreadKey,
+        options: keel_checkpoint::ListOptions,
+    ) -> futures::stream::BoxStream<
+        'a,
+        Result<keel_checkpoint::CheckpointSummary, keel_checkpoint::CheckpointError>,
+    > {
+        self.inner.list(thread, options)
+    }
+
+    async fn put(
+        &self,
+        request: keel_checkpoint::PutRequest,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.put(request).await
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &keel_checkpoint::ThreadKey,
+        checkpoint: &keel_checkpoint::CheckpointId,
+        writes: Vec<keel_checkpoint::PendingWrite>,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.put_writes(thread, checkpoint, writes).await
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.delete_thread(thread_id).await
+    }
+
+    async fn prune(
+        &self,
+        thread: &keel_checkpoint::ThreadKey,
+        keep_last: usize,
+    ) -> Result<usize, keel_checkpoint::CheckpointError> {
+        self.inner.prune(thread, keep_last).await
+    }
+}
+
+/// `plan`, then `a` and `b` in parallel, then three `work` tasks (one `Send` each).
+fn fan_graph(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("plan", logger("plan"))
+        .add_node("b", logger("b"))
+        .add_node("a", logger("a"))
+        .add_node("work", logger("work"))
+        .add_edge(START, "plan")
+        .add_edge("plan", "b")
+        .add_edge("plan", "a")
+        .add_join(&["a", "b"], "fan")
+        .add_node("fan", |_s, _c| async { Ok(SUpdate::default()) })
+        .add_conditional_edges(
+            "fan",
+            |_s: &S| (0..3).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            Some(&["work"]),
+        )
+        .add_edge("work", END)
+        .with_checkpointer(cp)
+        .compile()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
+    let cp = saver();
+    let g = fan_graph(Arc::clone(&cp));
+    let config = RunConfig::thread("writers");
+    g.invoke(log("in"), &config).await.unwrap();
+    let writes: Vec<(CheckpointSource, Vec<String>)> = g
+        .state_history(&config)
+        .await
+        .unwrap()
+        .into_iter()
+        .rev()
+        .map(|h| (h.metadata.source, h.metadata.writes))
+        .collect();
+    let names = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert_eq!(
+        writes,
+        [
+            (CheckpointSource::Input, names(&["__start__"])),
+            (CheckpointSource::Loop, names(&["plan"])),
+            // Parallel tasks: sorted by name, whatever their order in the graph.
+            (CheckpointSource::Loop, names(&["a", "b"])),
+            // A node that ran and wrote nothing still ran.
+            (CheckpointSource::Loop, names(&["fan"])),
+            // Three tasks of one node: named once.
+            (CheckpointSource::Loop, names(&["work"])),
+        ]
+    );
+
+    // update_state records its `as_node`, and nothing without one.
+    g.update_state(&config, log("edit"), Some("b"))
+        .await
+        .unwrap();
+    g.update_state(&config, log("note"), None).await.unwrap();
+    let history = g.state_history(&config).await.unwrap();
+    assert_eq!(history[1].metadata.writes, ["b"]);
+    assert_eq!(history[1].metadata.source, CheckpointSource::Update);
+    assert!(history[0].metadata.writes.is_empty());
+
+    // Exit durability stores one checkpoint for the whole run: all its writers.
+    let exit = RunConfig::thread("writers-exit").with_durability(Durability::Exit);
+    g.invoke(log("in"), &exit).await.unwrap();
+    let history = g.state_history(&exit).await.unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(
+        history[0].metadata.writes,
+        ["__start__", "a", "b", "fan", "plan", "work"]
+    );
+
+    // Async durability records the same as sync.
+    let asynchronous = RunConfig::thread("writers-async").with_durability(Durability::Async);
+    g.invoke(log("in"), &asynchronous).await.unwrap();
+    let steps: Vec<Vec<String>> = g
+        .state_history(&asynchronous)
+        .await
+        .unwrap()
+        .into_iter()
+        .rev()
+        .map(|h| h.metadata.writes)
+        .collect();
+    assert_eq!(
+        steps,
+        writes.into_iter().map(|(_, w)| w).collect::<Vec<_>>()
+    );
+
+    // `writes` is the checkpoint's own key: user metadata may not set it.
+    let mut clash = RunConfig::thread("writers-clash");
+    clash.metadata.insert("writes".into(), json!(["me"]));
+    let err = g.invoke(log("in"), &clash).await.unwrap_err();
+    assert!(
+        matches!(&err, GraphError::Checkpoint(keel_checkpoint::CheckpointError::Invalid { reason }) if reason.contains("writes")),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn last_checkpoint_by_finds_a_nodes_newest_checkpoint_from_metadata() {
+    let counting = Arc::new(CountingSaver {
+        inner: MemorySaver::new(),
+        gets: AtomicUsize::new(0),
+    });
+    let cp: Arc<dyn Checkpointer> = counting.clone();
+    let g = fan_graph(Arc::clone(&cp));
+    let config = RunConfig::thread("by-node");
+    for round in 0..20 {
+        g.invoke(log(&format!("in{round}")), &config).await.unwrap();
+    }
+    let history = g.state_history(&config).await.unwrap();
+    assert_eq!(history.len(), 100);
+
+    // The newest checkpoint `plan` wrote: one list and one get, not one get per
+    // checkpoint.
+    let gets = counting.gets.load(Ordering::SeqCst);
+    let snap = g
+        .last_checkpoint_by(&config, "plan")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(counting.gets.load(Ordering::SeqCst) - gets, 1);
+    assert_eq!(snap.metadata.writes, ["plan"]);
+    assert_eq!(snap.checkpoint_id, history[3].checkpoint_id);
+    assert_eq!(snap.values.log.last().map(String::as_str), Some("plan"));
+    assert_eq!(snap.values.log.len(), history[3].values.log.len());
+    assert_eq!(snap.next, ["b", "a"], "in scheduling order");
+
+    // A node among several writers of a step; START is the last input.
+    let a = g.last_checkpoint_by(&config, "a").await.unwrap().unwrap();
+    assert_eq!(a.checkpoint_id, history[2].checkpoint_id);
+    let input = g.last_checkpoint_by(&config, START).await.unwrap().unwrap();
+    assert_eq!(input.checkpoint_id, history[4].checkpoint_id);
+    assert_eq!(input.metadata.source, CheckpointSource::Input);
+
+    // At or before a point: the point itself when the node wrote it, else older.
+    let at_plan = config.clone().at(history[8].checkpoint_id.clone());
+    let snap = g
+        .last_checkpoint_by(&at_plan, "plan")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(snap.checkpoint_id, history[8].checkpoint_id);
+    let before = config.clone().at(history[9].checkpoint_id.clone());
+    let gets = counting.gets.load(Ordering::SeqCst);
+    let snap = g
+        .last_checkpoint_by(&before, "plan")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(counting.gets.load(Ordering::SeqCst) - gets, 2);
+    assert_eq!(snap.checkpoint_id, history[13].checkpoint_id);
+    let oldest = config.clone().at(history[99].checkpoint_id.clone());
+    assert!(
+        g.last_checkpoint_by(&oldest, "plan")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // Nobody of that name, an unknown point, no checkpointer: typed answers.
+    assert!(
+        g.last_checkpoint_by(&config, "ghost")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        g.last_checkpoint_by(&RunConfig::thread("empty"), "plan")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let unknown = config.clone().at(keel_checkpoint::CheckpointId::new());
+    assert!(matches!(
+        g.last_checkpoint_by(&unknown, "plan").await,
+        Err(GraphError::CheckpointNotFound { .. })
+    ));
+    assert!(matches!(
+        g.last_checkpoint_by(&RunConfig::default(), "plan").await,
+        Err(GraphError::CheckpointerRequired {
+            what: "last_checkpoint_by"
+        })
+    ));
+}
+
+#[tokio::test]
+async fn last_checkpoint_by_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp: Arc<dyn Checkpointer> = Arc::new(
+        keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("by-node.db"))
+            .await
+            .unwrap(),
+    );
+    let g = fan_graph(Arc::clone(&cp));
+    let config = RunConfig::thread("by-node");
+    g.invoke(log("one"), &config).await.unwrap();
+    g.invoke(log("two"), &config).await.unwrap();
+    let b = g.last_checkpoint_by(&config, "b").await.unwrap().unwrap();
+    assert_eq!(b.metadata.writes, ["a", "b"]);
+    assert_eq!(
+        b.values.log,
+        [
+            "one", "plan", "a", "b", "work", "work", "work", "two", "plan", "a", "b"
+        ]
+    );
+}
