@@ -331,7 +331,7 @@ impl Report<'_> {
             "agent loop (fake model, real tools, compaction every 10 steps, epoch every 5 milestones): medians"
         );
         println!(
-            "{:<8} {:<5} {:>6} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8}",
+            "{:<8} {:<5} {:>6} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "backend",
             "dur",
             "N",
@@ -356,7 +356,7 @@ impl Report<'_> {
             let p = self.peer.get(key);
             let reps = k.or(p).map_or(0, |s| s.reps);
             println!(
-                "{backend:<8} {durability:<5} {:>6} {reps:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8}",
+                "{backend:<8} {durability:<5} {:>6} {reps:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
                 key.1,
                 opt(k.map(|s| s.steps_per_s), 1.0, 0),
                 opt(p.map(|s| s.steps_per_s), 1.0, 0),
