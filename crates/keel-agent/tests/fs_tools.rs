@@ -533,6 +533,25 @@ async fn grep_stops_at_results_files_and_bytes() {
 }
 
 #[tokio::test]
+async fn grep_stops_in_a_tree_of_empty_directories() {
+    let f = Fixture::with(|t| {
+        t.with_file_limits(FileLimits {
+            max_grep_files: 1,
+            ..FileLimits::default()
+        })
+    });
+    for i in 0..30 {
+        fs::create_dir_all(f.path().join(format!("d{i:02}/e"))).unwrap();
+    }
+    assert_eq!(
+        f.ok(GREP, json!({"pattern": "x"})).await,
+        "No lines match `x` in 0 files under the root directory.\n[stopped after visiting \
+         10 paths, the most one call visits: narrow the path or add a glob to search the \
+         rest]"
+    );
+}
+
+#[tokio::test]
 async fn grep_cuts_long_lines() {
     let f = Fixture::with(|t| {
         t.with_limits(ToolLimits {

@@ -1,32 +1,5 @@
 //! The built-in file tools: `ls`, `read_file`, `grep`, `write_file` and `edit_file`,
-//! rooted in one directory.
-//!
-//! They follow the filesystem tools of LangChain's Deep Agents: `read_file` shows
-//! numbered lines a page at a time, `write_file` only creates files, `edit_file`
-//! replaces an exact string. Every path is relative to the root; absolute paths, `..`
-//! that climbs above the root, symbolic links that lead out of it and NUL bytes are
-//! refused with a message the model can act on. Everything is bounded: lines are
-//! streamed (a 10 GB log costs a 64 KiB buffer), outputs are capped by
-//! [`ToolLimits`], writes and edits by [`FileLimits`], and `grep` stops after a
-//! number of files and bytes.
-//!
-//! # What left the context
-//!
-//! With [`FileTools::with_offload`], `ls`, `read_file` and `grep` calls whose path
-//! lies under one of [`OFFLOAD_DIRS`] (`large_tool_results/`, `archive/`,
-//! `truncated_arguments/`) are served from the [`OffloadStore`] by keel-offload's
-//! [`RetrievalTools`], in the thread of the call ([`ToolContext::thread_id`]). Those
-//! are the paths the compaction stubs name — `read_file(path="large_tool_results/call_1",
-//! offset=5, limit=100)`, the history at `archive/messages.jsonl` — so the agent reads
-//! what left its context with the same tools it reads the project with. A root that
-//! has top-level directories of those names is shadowed: with an offload store they
-//! cannot be reached through these tools (and `ls` and `grep` of the root skip them).
-//!
-//! # Blocking
-//!
-//! All filesystem work runs on Tokio's blocking pool (`spawn_blocking`), so a call
-//! never blocks the async runtime. Called outside a Tokio runtime, a tool runs its
-//! work inline on the calling thread.
+//! rooted in one directory. See [`FileTools`].
 
 mod args;
 mod ops;
@@ -70,7 +43,9 @@ pub struct FileLimits {
     /// Largest `content` `write_file` accepts, and largest file `edit_file` edits
     /// (before and after the edit), in bytes (default 10 MiB).
     pub max_write_bytes: usize,
-    /// Files one `grep` call opens at most (default 10,000).
+    /// Files one `grep` call opens at most (default 10,000). The walk also stops after
+    /// visiting ten times as many paths (directories, links, files of other names), so
+    /// a tree of empty directories cannot keep it going.
     pub max_grep_files: usize,
     /// Bytes one `grep` call reads at most, over all files (default 256 MiB).
     pub max_grep_bytes: u64,
@@ -109,6 +84,40 @@ pub enum FileToolsError {
 
 /// The file tools over one directory: build it, configure it, and hand
 /// [`tools`](FileTools::tools) to the agent.
+///
+/// They follow the filesystem tools of LangChain's Deep Agents: `ls` lists a
+/// directory, `read_file` shows numbered lines a page at a time, `grep` searches with a
+/// regular expression, `write_file` only creates files, `edit_file` replaces an exact
+/// string. Every path is relative to the root; absolute paths, `..` that climbs above
+/// the root, symbolic links that lead out of it and NUL bytes are refused with a
+/// message the model can act on. Everything is bounded: lines are streamed (a 10 GB
+/// log costs a 64 KiB buffer), outputs are capped by [`ToolLimits`], writes and edits
+/// by [`FileLimits`], and `grep` stops after a number of files and bytes. Writes are
+/// atomic (a temporary file in the same directory, then a rename).
+///
+/// # What left the context
+///
+/// With [`with_offload`](FileTools::with_offload), `ls`, `read_file` and `grep` calls
+/// whose path lies under one of [`OFFLOAD_DIRS`] (`large_tool_results/`, `archive/`,
+/// `truncated_arguments/`) are served from the [`OffloadStore`] by keel-offload's
+/// [`RetrievalTools`], in the thread of the call ([`ToolContext::thread_id`]; a call
+/// without one fails). Those are the paths the compaction stubs name —
+/// `read_file(path="large_tool_results/call_1", offset=5, limit=100)`, the history at
+/// `archive/messages.jsonl`, truncated arguments at `truncated_arguments/<call>/<arg>` —
+/// so the agent reads what left its context with the tools it reads the project with;
+/// the tool descriptions say so. `grep` without a path searches the root only.
+///
+/// A root that has top-level directories of those names is **shadowed**: with an
+/// offload store they cannot be reached through these tools, and `ls` and `grep` of the
+/// root leave them out. Without an offload store they are ordinary directories.
+///
+/// # Blocking
+///
+/// All filesystem work runs on Tokio's blocking pool (`spawn_blocking`), so a call
+/// never blocks the async runtime. Called outside a Tokio runtime, a tool does its work
+/// inline on the calling thread.
+///
+/// # Example
 ///
 /// ```
 /// use keel_agent::tools::{EDIT_FILE, FileTools, READ_FILE, WRITE_FILE};
@@ -209,8 +218,9 @@ impl FileTools {
     }
 
     /// Serves paths under [`OFFLOAD_DIRS`] from `store`, in the thread of each call
-    /// (see the [module docs](self)). Such calls fail when the runtime gives no
-    /// thread id.
+    /// (see [What left the context](FileTools#what-left-the-context)); such calls fail
+    /// when the runtime gives no thread id. Top-level directories of those names in the
+    /// root are shadowed.
     #[must_use]
     pub fn with_offload(mut self, store: Arc<dyn OffloadStore>) -> Self {
         self.offload = Some(store);

@@ -29,6 +29,7 @@ const REGEX_SIZE_LIMIT: usize = 16 * 1024 * 1024;
 enum Stop {
     Results,
     Files,
+    Entries,
     Bytes,
 }
 
@@ -82,6 +83,8 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let keep = GREP_LINE_BYTES;
     let mut found: Vec<Found> = Vec::new();
     let mut files: u64 = 0;
+    let mut visited: u64 = 0;
+    let max_visited = (f.max_grep_files as u64).saturating_mul(10);
     let mut bytes: u64 = 0;
     let mut binary: u64 = 0;
     let mut unreadable: u64 = 0;
@@ -92,6 +95,11 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
             unreadable += 1;
             continue;
         };
+        visited += 1;
+        if visited > max_visited {
+            stop = Some(Stop::Entries);
+            break;
+        }
         if !entry.file_type().is_some_and(|t| t.is_file()) {
             continue;
         }
@@ -174,6 +182,14 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
                 "\n[stopped after searching {}, the most one call searches: narrow the \
                  path or add a glob to search the rest]",
                 count(files, "file", "files")
+            );
+        }
+        Some(Stop::Entries) => {
+            let _ = write!(
+                notes,
+                "\n[stopped after visiting {}, the most one call visits: narrow the path \
+                 or add a glob to search the rest]",
+                count(max_visited, "path", "paths")
             );
         }
         Some(Stop::Bytes) => {
