@@ -311,8 +311,10 @@ impl Agent {
             return Ok(None);
         };
         let thread = ThreadKey::new(thread_id.to_owned());
-        let mut options = ListOptions::default();
-        options.before = before;
+        let options = match before {
+            Some(id) => ListOptions::default().before(id),
+            None => ListOptions::default(),
+        };
         let mut list = cp.list(&thread, options);
         while let Some(s) = list.next().await {
             let s = s.map_err(keel_graph::GraphError::from)?;

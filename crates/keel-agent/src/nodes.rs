@@ -221,11 +221,18 @@ impl AgentNodes {
         }
     }
 
-    /// Which compaction trigger fires for `state`, if any.
+    /// Which compaction trigger fires for `state`, if any. A trigger is reported only
+    /// when compacting would move something out of the raw buffer (or it is the step
+    /// ceiling), so a compaction step is never scheduled for nothing.
     pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
         let mut c = state.context()?;
         let compactor = self.compactor(NO_THREAD).ok()?;
-        compactor.check(&mut c, self.parts.tools.specs())
+        let specs = self.parts.tools.specs();
+        match compactor.check(&mut c, specs)? {
+            Trigger::StepCeiling => Some(Trigger::StepCeiling),
+            t if compactor.would_compact(&mut c, t, specs) => Some(t),
+            _ => None,
+        }
     }
 
     async fn run_agent(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
@@ -273,6 +280,10 @@ impl AgentNodes {
                             return Err(NodeError::msg(format!(
                                 "the model's context overflowed ({e}) and compacting failed ({ce})"
                             )));
+                        }
+                        if compactor.epoch_due(&c) {
+                            // A failed epoch keeps the milestones (recorded as an event).
+                            let _ = compactor.fold_epoch(&mut c, Trigger::Overflow, specs).await;
                         }
                     }
                     Err(e) => return Err(NodeError::new(e)),
@@ -656,15 +667,19 @@ pub(crate) fn diff(before: &AgentState, after: &ContextState) -> AgentStateUpdat
             .milestones
             .iter()
             .skip(old.len())
-            .cloned()
-            .map(MilestoneOp::Push)
+            .map(|l| MilestoneOp::Push(Box::new(l.clone())))
             .collect();
         if !pushed.is_empty() {
             u.milestones = Some(pushed);
         }
     } else {
         let mut all = vec![MilestoneOp::Clear];
-        all.extend(after.milestones.iter().cloned().map(MilestoneOp::Push));
+        all.extend(
+            after
+                .milestones
+                .iter()
+                .map(|l| MilestoneOp::Push(Box::new(l.clone()))),
+        );
         u.milestones = Some(all);
     }
     if after.epoch != before.epoch {

@@ -183,7 +183,7 @@ impl<T: Clone + Send + Sync + 'static> Reducer for WriteOnce<T> {
 #[serde(rename_all = "snake_case")]
 pub enum MilestoneOp {
     /// Append a milestone.
-    Push(Layer),
+    Push(Box<Layer>),
     /// Remove every milestone (they were folded into the epoch summary).
     Clear,
 }
@@ -208,7 +208,7 @@ impl Reducer for Milestones {
     ) -> Result<(), ReduceError> {
         for op in updates.into_iter().flatten() {
             match op {
-                MilestoneOp::Push(l) => current.push(l),
+                MilestoneOp::Push(l) => current.push(*l),
                 MilestoneOp::Clear => current.clear(),
             }
         }
@@ -237,8 +237,8 @@ mod tests {
             .reduce(
                 &mut v,
                 vec![
-                    vec![MilestoneOp::Push(layer(1))],
-                    vec![MilestoneOp::Clear, MilestoneOp::Push(layer(2))],
+                    vec![MilestoneOp::Push(Box::new(layer(1)))],
+                    vec![MilestoneOp::Clear, MilestoneOp::Push(Box::new(layer(2)))],
                 ],
             )
             .unwrap();

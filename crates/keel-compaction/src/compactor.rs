@@ -516,23 +516,36 @@ impl Compactor {
         Ok(Done::masked(appended.written))
     }
 
-    /// Archives and summarizes the older part of the raw buffer into a milestone, then
-    /// folds milestones into an epoch when there are enough.
-    async fn milestone(
+    /// Whether compacting for `trigger` would move anything out of the raw buffer (a
+    /// cheap check on the token ledger; [`Compactor::compact`] would otherwise fail
+    /// with [`CompactionError::NothingToCompact`]). A runtime asks it before it
+    /// schedules a compaction step.
+    pub fn would_compact(
         &self,
         state: &mut ContextState,
         trigger: Trigger,
         tools: &[ToolSpec],
-    ) -> Result<Done, CompactionError> {
-        self.truncate_arguments(state, tools);
+    ) -> bool {
+        if self.config.strategy != Strategy::Hierarchical {
+            return true;
+        }
+        self.cut_for(state, trigger, tools)
+            .is_some_and(|cut| cut > 0)
+    }
 
-        // Keep a recent tail of about `keep_recent_tokens` (a quarter of it after a
-        // provider's overflow: the window is smaller than the profile says), cut where
-        // no tool call is separated from its results.
+    /// Where a milestone for `trigger` would cut the raw buffer.
+    fn cut_for(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Option<usize> {
         let keep = match trigger {
             Trigger::Overflow => self.config.keep_recent(self.budget()) / 4,
             _ => self.config.keep_recent(self.budget()),
         };
+        let overflowing =
+            trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
         let mut tail = 0usize;
         let mut target = state.raw.len();
         while target > 0 {
@@ -548,16 +561,33 @@ impl Compactor {
             tail += n;
             target -= 1;
         }
-        let overflowing =
-            trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
         // When overflowing, at least the oldest step must go even if the tail is large.
         let target = if target == 0 && overflowing {
             state.raw.len().saturating_sub(1)
         } else {
             target
         };
-        let cut =
-            safe_cut_at_or_before(&state.raw, target).ok_or(CompactionError::NothingToCompact)?;
+        safe_cut_at_or_before(&state.raw, target)
+    }
+
+    /// Archives and summarizes the older part of the raw buffer into a milestone, then
+    /// folds milestones into an epoch when there are enough.
+    async fn milestone(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<Done, CompactionError> {
+        self.truncate_arguments(state, tools);
+
+        // Keep a recent tail of about `keep_recent_tokens` (a quarter of it after a
+        // provider's overflow: the window is smaller than the profile says), cut where
+        // no tool call is separated from its results.
+        let overflowing =
+            trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
+        let cut = self
+            .cut_for(state, trigger, tools)
+            .ok_or(CompactionError::NothingToCompact)?;
         let leaving = &state.raw[..cut];
 
         // Invariant 2: archive before anything leaves. Masked stubs are not archived:

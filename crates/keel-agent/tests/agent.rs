@@ -1,0 +1,609 @@
+//! The compacting agent end to end: compaction, events, bad input, stops, storage.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use keel_agent::{
+    Agent, AgentError, AgentEvent, AgentInput, AgentState, AgentStateUpdate, AgentUpdate, COMPACT,
+    Stop,
+};
+use keel_checkpoint::{Checkpointer, ListOptions, MemorySaver, ThreadKey};
+use keel_checkpoint_sqlite::SqliteSaver;
+use keel_compaction::{CompactionConfig, GOAL_ID};
+use keel_graph::{GraphError, RunConfig};
+use keel_message::{Message, Role, Tool, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec};
+use keel_model::{ChatResponse, ModelError, PolicyModel};
+use keel_token::{Encoding, ModelProfile};
+use serde_json::{Value, json};
+
+const GOAL: &str = "Count to the end and report the last number.";
+
+/// A tool that answers with a line of text about its argument.
+struct Echo;
+
+impl Tool for Echo {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(
+            "echo",
+            "Echoes a number.",
+            json!({"type": "object", "properties": {"i": {"type": "integer"}}}),
+        )
+    }
+
+    fn call(&self, arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            let i = arguments["i"]
+                .as_u64()
+                .ok_or_else(|| ToolError::bad_arguments("`i` must be a number"))?;
+            Ok(format!(
+                "number {i} is {}; the service replied with status 200 for request REQ-{i:05}",
+                if i % 2 == 0 { "even" } else { "odd" }
+            ))
+        })
+    }
+}
+
+/// A model that calls `echo` `steps` times, then answers; it checks the goal heads
+/// every prompt (after the system prompt) byte for byte.
+fn counting_model(steps: u64, goal_seen: Arc<Mutex<Vec<bool>>>) -> PolicyModel {
+    let calls = AtomicU64::new(0);
+    PolicyModel::new("counting", move |messages, _tools| {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        let goal = messages
+            .iter()
+            .find(|m| m.id.as_deref() == Some(GOAL_ID))
+            .is_some_and(|m| m.text() == GOAL);
+        goal_seen
+            .lock()
+            .unwrap()
+            .push(goal && messages[0].role == Role::System);
+        let reply = if n < steps {
+            Message::assistant(format!("Next I will echo {n}.")).with_tool_calls(vec![
+                ToolCall::new(format!("call-{n}"), "echo", json!({"i": n})),
+            ])
+        } else {
+            Message::assistant(format!("The last number was {}.", steps - 1))
+        };
+        Ok(ChatResponse::new(reply, "counting"))
+    })
+}
+
+fn profile() -> ModelProfile {
+    ModelProfile::new("test-model", 32_000, 2_000, Encoding::Approximate)
+}
+
+fn builder(model: PolicyModel) -> keel_agent::AgentBuilder {
+    Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .system("You count.")
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+}
+
+async fn checkpoints(cp: &dyn Checkpointer, thread: &str) -> usize {
+    cp.list(&ThreadKey::new(thread.to_owned()), ListOptions::default())
+        .count()
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_run_compacts_into_milestones_and_epochs_and_prunes_on_sqlite() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
+    let agent = builder(counting_model(60, seen.clone()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_epoch_every(3)
+                .with_keep_recent_tokens(50),
+        )
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("long", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("The last number was 59."));
+    assert_eq!(run.state.step, 61);
+    // 60 tool steps, a milestone every 5 steps, an epoch every 3 milestones.
+    assert_eq!(run.state.milestones_made, 12);
+    assert_eq!(run.state.epochs_made, 4);
+    assert!(
+        run.state.messages.len() < 20,
+        "{} raw messages",
+        run.state.messages.len()
+    );
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 61);
+    assert!(seen.iter().all(|ok| *ok), "the goal must head every prompt");
+    // Pruned after the last compaction: the 5 kept plus the steps since.
+    let n = checkpoints(saver.as_ref(), "long").await;
+    assert!(n <= 5 + 4, "{n} checkpoints after pruning");
+    // Every compacted message is in the archive: the last milestone points at steps.
+    let compactions = run
+        .state
+        .compactions
+        .iter()
+        .filter(|e| e.error.is_none())
+        .count();
+    assert_eq!(compactions, 16);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stream_reports_model_calls_tool_calls_and_compactions() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(12, seen))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_keep_recent_tokens(50),
+        )
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let items: Vec<AgentUpdate> = agent
+        .stream("s", AgentInput::new())
+        .map(|r| r.unwrap())
+        .collect()
+        .await;
+    let count = |f: &dyn Fn(&AgentEvent) -> bool| {
+        items
+            .iter()
+            .filter(|i| matches!(i, AgentUpdate::Event(e) if f(e)))
+            .count()
+    };
+    assert_eq!(count(&|e| matches!(e, AgentEvent::ModelCall { .. })), 13);
+    assert_eq!(
+        count(&|e| matches!(e, AgentEvent::ToolCall { ok: true, .. })),
+        12
+    );
+    assert_eq!(
+        count(&|e| matches!(e, AgentEvent::Compaction(c) if c.error.is_none())),
+        2
+    );
+    let model_call = items.iter().find_map(|i| match i {
+        AgentUpdate::Event(AgentEvent::ModelCall { prompt_tokens, .. }) => Some(*prompt_tokens),
+        _ => None,
+    });
+    assert!(model_call.unwrap() > 0);
+    assert!(matches!(items.last(), Some(AgentUpdate::Done { next, .. }) if next.is_empty()));
+    assert!(
+        items
+            .iter()
+            .any(|i| matches!(i, AgentUpdate::Message(m) if m.text() == "The last number was 11."))
+    );
+}
+
+struct Panics;
+impl Tool for Panics {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("panics", "Always panics.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move { panic!("the disk is on fire") })
+    }
+}
+
+struct Hangs;
+impl Tool for Hangs {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("hangs", "Never finishes.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(String::new())
+        })
+    }
+}
+
+struct Huge;
+impl Tool for Huge {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("huge", "Returns 100 MB.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        // Heavy work goes to the blocking pool, as a well-behaved tool's should.
+        Box::pin(async move {
+            tokio::task::spawn_blocking(|| {
+                let line = "0123456789abcdefghijklmnopqrstuvwxyz ".repeat(27) + "\n";
+                line.repeat((100 << 20) / line.len() + 1)
+            })
+            .await
+            .map_err(ToolError::failed)
+        })
+    }
+}
+
+struct Fails;
+impl Tool for Fails {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("fails", "Fails.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            Err(ToolError::failed(
+                "HTTP 503 from the billing service (INC-77341)",
+            ))
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_tool_calls_become_tool_messages_and_the_run_goes_on() {
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("bad", move |_m, _t| {
+        let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("Trying everything.").with_tool_calls(vec![
+                ToolCall::new("p", "panics", json!({})),
+                ToolCall::new("h", "hangs", json!({})),
+                ToolCall::new("u", "no_such_tool", json!({})),
+                ToolCall::from_raw_arguments("j", "echo", "{\"i\": 4"),
+                ToolCall::new("a", "echo", json!({"i": "four"})),
+                ToolCall::new("f", "fails", json!({})),
+                ToolCall::new("g", "huge", json!({})),
+            ]),
+            _ => Message::assistant("Done despite it all."),
+        };
+        Ok(ChatResponse::new(reply, "bad"))
+    });
+    let saver = Arc::new(MemorySaver::new());
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tools([
+            Arc::new(Echo) as Arc<dyn Tool>,
+            Arc::new(Panics),
+            Arc::new(Hangs),
+            Arc::new(Huge),
+            Arc::new(Fails),
+        ])
+        .tool_timeout(Duration::from_secs(1))
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    let run = agent.run("bad", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done despite it all."));
+    let result = |id: &str| -> String {
+        run.state
+            .messages
+            .iter()
+            .find(|m| m.role == Role::Tool && m.tool_call_id.as_deref() == Some(id))
+            .unwrap_or_else(|| panic!("no result for {id}"))
+            .text()
+            .into_owned()
+    };
+    assert!(
+        result("p").contains("panicked: the disk is on fire"),
+        "{}",
+        result("p")
+    );
+    assert!(
+        result("h").contains("did not finish within 1 s"),
+        "{}",
+        result("h")
+    );
+    assert!(
+        result("u").contains("no tool named `no_such_tool`"),
+        "{}",
+        result("u")
+    );
+    assert!(result("u").contains("echo"), "the message lists the tools");
+    assert!(result("j").contains("not valid JSON"), "{}", result("j"));
+    assert!(
+        result("a").contains("bad arguments for `echo`: `i` must be a number"),
+        "{}",
+        result("a")
+    );
+    assert!(result("f").contains("INC-77341"), "{}", result("f"));
+    // 100 MB went to the offload store; a stub with its path stays.
+    let huge = result("g");
+    assert!(
+        huge.len() < 20_000,
+        "a stub, not the result: {} bytes",
+        huge.len()
+    );
+    assert!(huge.contains("large_tool_results/g"), "{huge}");
+    let offloads: Vec<_> = run
+        .state
+        .events
+        .iter()
+        .filter(|e| matches!(e, AgentEvent::Offload { call_id, .. } if call_id == "g"))
+        .collect();
+    assert_eq!(offloads.len(), 1);
+    let failed = run
+        .state
+        .events
+        .iter()
+        .filter(|e| matches!(e, AgentEvent::ToolCall { ok: false, .. }))
+        .count();
+    assert_eq!(failed, 6);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_empty_reply_is_nudged_once_then_stops_resumably() {
+    let model = PolicyModel::new("mute", |_m, _t| {
+        Ok(ChatResponse::new(Message::assistant(""), "mute"))
+    });
+    let agent = builder(model)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("mute", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, Some(Stop::EmptyReply { steps: 2 }));
+    assert_eq!(run.answer, None);
+    let nudges = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.metadata.contains_key(keel_agent::NUDGE_METADATA_KEY))
+        .count();
+    assert_eq!(nudges, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_goal_is_written_once() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(1, seen))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    agent.run("g", AgentInput::new()).await.unwrap();
+    let again = agent
+        .run("g", AgentInput::new().goal("Something else."))
+        .await;
+    assert!(matches!(again, Err(AgentError::GoalAlreadySet { ref thread_id }) if thread_id == "g"));
+    // Written behind the agent's back, the channel refuses it with a typed error.
+    let direct = agent
+        .graph()
+        .update_state(
+            &RunConfig::thread("g"),
+            AgentStateUpdate::default().goal("Sneaky.".into()),
+            None,
+        )
+        .await;
+    let err = direct
+        .expect_err("a second goal write must fail")
+        .to_string();
+    assert!(err.contains("written once"), "{err}");
+    // The thread is intact.
+    let state = agent.state("g").await.unwrap().unwrap();
+    assert_eq!(state.goal.unwrap().text(), GOAL);
+    // A new thread without a goal is refused up front.
+    let no_goal = Agent::builder()
+        .model(Arc::new(counting_model(1, Arc::default())))
+        .build()
+        .unwrap()
+        .run("fresh", AgentInput::new())
+        .await;
+    assert!(matches!(no_goal, Err(AgentError::NoGoal { .. })));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_step_ceiling_stops_the_run_and_a_higher_one_continues_it() {
+    let saver = Arc::new(MemorySaver::new());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let model = Arc::new(counting_model(1_000, seen));
+    let first = Agent::builder()
+        .model(model.clone())
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .compaction(CompactionConfig::default().with_max_steps(5))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = first.run("ceiling", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, Some(Stop::StepCeiling { steps: 5, max: 5 }));
+    assert!(
+        run.state
+            .events
+            .iter()
+            .any(|e| matches!(e, AgentEvent::StepCeiling { .. }))
+    );
+    let second = Agent::builder()
+        .model(model)
+        .profile(profile())
+        .tool(Arc::new(Echo))
+        .compaction(CompactionConfig::default().with_max_steps(8))
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    let run = second.run("ceiling", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, Some(Stop::StepCeiling { steps: 8, max: 8 }));
+    let echoes = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .count();
+    assert_eq!(echoes, 8, "every step's result kept, none repeated");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_context_overflow_compacts_and_retries_once() {
+    let calls = AtomicU64::new(0);
+    let overflowed = Arc::new(AtomicU64::new(0));
+    let o = overflowed.clone();
+    let model = PolicyModel::new("small", move |messages, _t| {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        // The provider's real window is smaller than the profile says.
+        if messages.len() > 16 {
+            o.fetch_add(1, Ordering::SeqCst);
+            return Err(ModelError::ContextOverflow {
+                message: "maximum context length exceeded".into(),
+            });
+        }
+        let reply = if n < 30 {
+            Message::assistant("more").with_tool_calls(vec![ToolCall::new(
+                format!("c{n}"),
+                "echo",
+                json!({"i": n}),
+            )])
+        } else {
+            Message::assistant("finished")
+        };
+        Ok(ChatResponse::new(reply, "small"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .compaction(CompactionConfig::default().with_every_steps(None))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("overflow", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("finished"));
+    assert!(overflowed.load(Ordering::SeqCst) >= 2);
+    let overflow_compactions = run
+        .state
+        .compactions
+        .iter()
+        .filter(|e| {
+            e.trigger == keel_compaction::Trigger::Overflow
+                && e.kind == keel_compaction::EventKind::Milestone
+                && e.error.is_none()
+        })
+        .count() as u64;
+    assert_eq!(overflow_compactions, overflowed.load(Ordering::SeqCst));
+    assert!(run.state.events.iter().any(|e| matches!(
+        e,
+        AgentEvent::ModelCall {
+            overflow_retries: 1,
+            ..
+        }
+    )));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
+    let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
+    // One model drives the whole run; the ceiling is raised 100 steps at a time.
+    let model = Arc::new(counting_model(1_000, Arc::default()));
+    let mut per_block = Vec::new();
+    let mut last = saver.stats().await.unwrap().delta_bytes;
+    for ceiling in (100..=1_000).step_by(100) {
+        let agent = Agent::builder()
+            .model(model.clone())
+            .profile(profile())
+            .system("You count.")
+            .goal(GOAL)
+            .tool(Arc::new(Echo))
+            .compaction(
+                CompactionConfig::default()
+                    .with_every_steps(Some(10))
+                    .with_max_steps(ceiling),
+            )
+            .keep_checkpoints(None)
+            .checkpointer(saver.clone())
+            .build()
+            .unwrap();
+        let run = agent.run("flat", AgentInput::new()).await.unwrap();
+        assert_eq!(run.state.step, ceiling);
+        let now = saver.stats().await.unwrap().delta_bytes;
+        per_block.push((now - last) as f64 / 100.0);
+        last = now;
+    }
+    let early = per_block[1];
+    let late = per_block[9];
+    assert!(
+        late < early * 1.3,
+        "bytes per step grew from {early:.0} (steps 100-200) to {late:.0} (steps 900-1000): {per_block:?}"
+    );
+    // And they are small: about the step's own messages, not the context.
+    assert!(late < 4_000.0, "{late:.0} bytes per step");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_last_checkpoint_of_a_compaction_is_a_metadata_lookup() {
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(counting_model(12, Arc::default()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_keep_recent_tokens(50),
+        )
+        .keep_checkpoints(None)
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    agent.run("meta", AgentInput::new()).await.unwrap();
+    let second = agent
+        .last_checkpoint_by("meta", COMPACT, None)
+        .await
+        .unwrap()
+        .unwrap();
+    let first = agent
+        .last_checkpoint_by("meta", COMPACT, Some(second.clone()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first < second);
+    let snap = agent
+        .graph()
+        .get_state(&RunConfig::thread("meta").at(first))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(snap.values.milestones_made, 1);
+    assert!(snap.metadata.writes.iter().any(|w| w == COMPACT));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("shape", AgentInput::new()).await.unwrap();
+    assert_eq!(run.interrupts.len(), 1, "paused for approval");
+    // Another graph over the same saver has no `tools` node.
+    let other = builder(counting_model(3, Arc::default()))
+        .checkpointer(saver.clone())
+        .customize(|g| g)
+        .node("tools", |_s: Arc<AgentState>, _ctx| async move {
+            Ok(AgentStateUpdate::default())
+        })
+        .build()
+        .unwrap();
+    // The same shape resumes fine ...
+    let resumed = other.run("shape", AgentInput::new().resume(true)).await;
+    assert!(resumed.is_ok(), "{resumed:?}");
+    // ... and a graph without the pending node names it.
+    #[derive(Clone, Debug, keel_graph::State)]
+    struct Bare {
+        step: u64,
+    }
+    let bare = keel_graph::StateGraph::<Bare>::new()
+        .add_node("only", |_s, _c| async move { Ok(BareUpdate::default()) })
+        .add_edge(keel_graph::START, "only")
+        .add_edge("only", keel_graph::END)
+        .with_checkpointer(saver.clone())
+        .compile()
+        .unwrap();
+    let agent2 = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    agent2.run("shape2", AgentInput::new()).await.unwrap();
+    let err = bare
+        .invoke(
+            keel_graph::Command::resume(true),
+            &RunConfig::thread("shape2"),
+        )
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, GraphError::State(_)) || text.contains("tools") || text.contains("channel"),
+        "{text}"
+    );
+}
