@@ -1,9 +1,10 @@
 //! `cargo xtask ci` and `cargo xtask test`.
 
 use anyhow::{Context, Result, bail};
+use serde_json::Value;
 
 use crate::pg::{self, Database};
-use crate::util::{cargo, has_program, run};
+use crate::util::{cargo, has_program, run, run_capture};
 
 /// The test suite: every crate, every feature, doc tests included.
 ///
@@ -56,9 +57,11 @@ pub fn test(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Everything CI checks.
+/// Everything CI checks: formatting, dependency bounds (what a crate must not pull
+/// in), clippy, the feature combinations, the tests, cargo-deny.
 pub fn ci() -> Result<()> {
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    dependency_bounds()?;
     run(cargo().args([
         "clippy",
         "--workspace",
@@ -68,6 +71,7 @@ pub fn ci() -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    feature_builds()?;
     test(&[])?;
     if has_program("cargo-deny") {
         run(cargo().args(["deny", "check", "bans", "licenses", "sources"]))?;
@@ -97,4 +101,183 @@ fn advisories() -> Result<()> {
     }
     eprintln!("{stderr}");
     bail!("cargo deny check advisories failed")
+}
+
+/// The facade crate, whose features are checked one at a time.
+const FACADE: &str = "keel";
+
+/// Crates that must stay out of a package's normal dependency tree: (package, extra
+/// `cargo tree` arguments, forbidden crate, why). "Picking one crate must not drag in
+/// the rest" (DESIGN.md, Layers).
+const FORBIDDEN: &[(&str, &[&str], &str, &str)] = &[
+    (
+        "keel-compaction",
+        &[],
+        "reqwest",
+        "compaction with the extractive summarizer needs no HTTP client",
+    ),
+    (
+        "keel-compaction",
+        &["--no-default-features"],
+        "reqwest",
+        "compaction with the extractive summarizer needs no HTTP client",
+    ),
+    (
+        "keel-summarize",
+        &[],
+        "reqwest",
+        "the summarizers need only the ChatModel contract",
+    ),
+    (
+        "keel-summarize",
+        &["--no-default-features"],
+        "reqwest",
+        "the summarizers need only the ChatModel contract",
+    ),
+    (
+        "keel-model",
+        &["--no-default-features"],
+        "reqwest",
+        "without `openai` / `ollama` keel-model is the contract alone",
+    ),
+    (
+        "keel-offload",
+        &[],
+        "tiktoken-rs",
+        "offload counts with whatever TokenCounter it is given",
+    ),
+    (
+        "keel-offload",
+        &["--no-default-features"],
+        "tiktoken-rs",
+        "offload counts with whatever TokenCounter it is given",
+    ),
+    (
+        "keel-token",
+        &["--no-default-features"],
+        "tiktoken-rs",
+        "exact BPE counts come only with the `tiktoken` feature",
+    ),
+];
+
+/// `cargo check` of the feature combinations users can pick (features only add, so
+/// each must build on its own):
+///
+/// * every library crate with `--no-default-features` (all its targets; tests that need
+///   a feature say so with `required-features`);
+/// * the facade with `--no-default-features` alone, with each one of its features, with
+///   its defaults, and with `--all-features`.
+///
+/// Warnings are errors here too (a helper only one feature uses is dead code without
+/// it). Crates and features come from `cargo metadata`, so new ones are checked
+/// without editing this list.
+fn feature_builds() -> Result<()> {
+    let meta = workspace_metadata()?;
+    for lib in library_crates(&meta) {
+        check(&["-p", &lib, "--no-default-features", "--all-targets"])?;
+    }
+    check(&["-p", FACADE, "--no-default-features"])?;
+    for feature in features_of(&meta, FACADE)? {
+        check(&[
+            "-p",
+            FACADE,
+            "--no-default-features",
+            "--features",
+            &feature,
+        ])?;
+    }
+    check(&["-p", FACADE])?;
+    check(&["-p", FACADE, "--all-features"])?;
+    Ok(())
+}
+
+/// `cargo check` with `-D warnings` added to whatever `RUSTFLAGS` says.
+fn check(args: &[&str]) -> Result<()> {
+    let flags = match std::env::var("RUSTFLAGS") {
+        Ok(f) if !f.trim().is_empty() => format!("{f} -Dwarnings"),
+        _ => "-Dwarnings".to_owned(),
+    };
+    run(cargo().arg("check").args(args).env("RUSTFLAGS", flags))
+}
+
+/// Fails when a forbidden crate is in a package's normal dependency tree (see
+/// [`FORBIDDEN`]).
+fn dependency_bounds() -> Result<()> {
+    let mut failures = Vec::new();
+    for &(package, extra, forbidden, why) in FORBIDDEN {
+        let tree = run_capture(
+            cargo()
+                .args(["tree", "-p", package, "-e", "normal", "--prefix", "none"])
+                .args(extra),
+        )?;
+        if tree
+            .lines()
+            .any(|line| line.split_whitespace().next() == Some(forbidden))
+        {
+            let how = if extra.is_empty() {
+                "with its default features".to_owned()
+            } else {
+                extra.join(" ")
+            };
+            let args: String = extra.iter().map(|a| format!(" {a}")).collect();
+            failures.push(format!(
+                "{package} ({how}) depends on {forbidden}: {why}; see `cargo tree -p {package} -e normal{args} -i {forbidden}`"
+            ));
+        }
+    }
+    if failures.is_empty() {
+        eprintln!("dependency bounds: ok ({} checks)", FORBIDDEN.len());
+        return Ok(());
+    }
+    for f in &failures {
+        eprintln!("error: {f}");
+    }
+    bail!(
+        "{} dependency bound(s) broken: a crate pulls in what it does not need",
+        failures.len()
+    )
+}
+
+/// `cargo metadata` for the workspace's own packages.
+fn workspace_metadata() -> Result<Value> {
+    let out = run_capture(cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
+    serde_json::from_str(&out).context("cargo metadata printed something that is not JSON")
+}
+
+/// The workspace packages that have a library (or proc-macro) target: every crate but
+/// xtask and binaries.
+fn library_crates(meta: &Value) -> Vec<String> {
+    let mut libs: Vec<String> = packages(meta)
+        .filter(|p| {
+            p["targets"].as_array().is_some_and(|targets| {
+                targets.iter().any(|t| {
+                    t["kind"].as_array().is_some_and(|kinds| {
+                        kinds
+                            .iter()
+                            .any(|k| k == "lib" || k == "proc-macro" || k == "rlib")
+                    })
+                })
+            })
+        })
+        .filter_map(|p| p["name"].as_str().map(str::to_owned))
+        .collect();
+    libs.sort();
+    libs
+}
+
+/// A package's features, `default` left out, sorted.
+fn features_of(meta: &Value, package: &str) -> Result<Vec<String>> {
+    let pkg = packages(meta)
+        .find(|p| p["name"] == package)
+        .with_context(|| format!("no package {package} in the workspace"))?;
+    let mut features: Vec<String> = pkg["features"]
+        .as_object()
+        .map(|f| f.keys().filter(|k| *k != "default").cloned().collect())
+        .unwrap_or_default();
+    features.sort();
+    Ok(features)
+}
+
+fn packages(meta: &Value) -> impl Iterator<Item = &Value> {
+    meta["packages"].as_array().into_iter().flatten()
 }
