@@ -412,10 +412,11 @@ impl<S: State> CompiledGraph<S> {
         Ok(StateSnapshot {
             values: state,
             next: tasks.iter().map(|t| t.node.clone()).collect(),
+            // Shown even when this graph lacks a scheduled node: running it is what
+            // fails (`GraphError::UnknownNode`), not looking at it.
             interrupts: pending_interrupts(
-                &self.inner,
                 &tuple.pending_writes,
-                &tasks_with_ids(&self.inner, &tasks, &tuple.checkpoint.id)?,
+                &task_names(&tasks, &tuple.checkpoint.id),
             ),
             checkpoint_id: tuple.checkpoint.id,
             parent_id: tuple.checkpoint.parent,
@@ -441,7 +442,10 @@ impl<S: State> CompiledGraph<S> {
                 .clone()
                 .ok_or(GraphError::CheckpointerRequired { what: "resume" })?;
             let tasks = tasks_with_ids(g, &run.tasks, &run.checkpoint.id)?;
-            let interrupted = pending_interrupts(g, &run.pending, &tasks);
+            // Before anything is written: a thread this graph cannot run stays as it was.
+            run.check_stored_writes()?;
+            let interrupted =
+                pending_interrupts(&run.pending, &task_names(&run.tasks, &run.checkpoint.id));
             if interrupted.is_empty() {
                 return Err(GraphError::NoPendingInterrupt {
                     thread_id: thread.thread_id,
@@ -492,6 +496,7 @@ impl<S: State> CompiledGraph<S> {
             run.persist(&mut writer, CheckpointSource::Input, per_channel)
                 .await?;
         } else {
+            run.check_stored_writes()?;
             skip_breakpoint = true;
         }
 
@@ -845,6 +850,38 @@ impl<S: State> RunState<S> {
             return Err(e);
         }
         Ok(outcomes.into_iter().flatten().collect())
+    }
+
+    /// Checks that this graph can replay the writes stored against the checkpoint
+    /// (see [`Self::stored_outcome`]): each is to a channel of the state or a special
+    /// channel, and each stored route names a node of the graph (or `END`).
+    fn check_stored_writes(&self) -> Result<(), GraphError> {
+        for w in &self.pending {
+            if w.channel == GOTO {
+                let specs: Vec<TaskSpec> =
+                    serde_json::from_value(w.value.clone()).map_err(|e| {
+                        GraphError::CorruptTasks {
+                            id: self.checkpoint.id.clone(),
+                            reason: e.to_string(),
+                        }
+                    })?;
+                if let Some(s) = specs
+                    .iter()
+                    .find(|s| s.node != END && !self.graph.index.contains_key(&s.node))
+                {
+                    return Err(GraphError::UnknownNode {
+                        node: s.node.clone(),
+                        checkpoint: self.checkpoint.id.clone(),
+                    });
+                }
+            } else if !w.channel.starts_with("__") && channel_index::<S>(&w.channel).is_none() {
+                return Err(StateError::UnknownChannel {
+                    channel: w.channel.clone(),
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// A task's outcome rebuilt from writes stored by an earlier attempt at this step.
@@ -1445,10 +1482,20 @@ fn push_unique(v: &mut Vec<usize>, n: usize) {
     }
 }
 
+/// A scheduled task's path: `pull:<node>`, or `push:<n>:<node>` for the `n`-th
+/// scheduled task when it comes from a `Send`.
+fn task_path(i: usize, spec: &TaskSpec) -> String {
+    match &spec.payload {
+        None => format!("pull:{}", spec.node),
+        Some(_) => format!("push:{i:08}:{}", spec.node),
+    }
+}
+
 /// Gives each scheduled task its node, path and id, sorted by path. Pull tasks
 /// (`pull:<node>`) sort by node name before push tasks (`push:<n>:<node>`, one per
 /// `Send`, in the order sent). The id is derived from the checkpoint and the path, so it
-/// is the same when a crashed step is run again.
+/// is the same when a crashed step is run again. A task for a node this graph does not
+/// have is [`GraphError::UnknownNode`].
 fn tasks_with_ids<S: State>(
     g: &Inner<S>,
     specs: &[TaskSpec],
@@ -1461,14 +1508,11 @@ fn tasks_with_ids<S: State>(
             let node = *g
                 .index
                 .get(&s.node)
-                .ok_or_else(|| GraphError::CorruptTasks {
-                    id: checkpoint.clone(),
-                    reason: format!("unknown node `{}` scheduled", s.node),
+                .ok_or_else(|| GraphError::UnknownNode {
+                    node: s.node.clone(),
+                    checkpoint: checkpoint.clone(),
                 })?;
-            let path = match &s.payload {
-                None => format!("pull:{}", s.node),
-                Some(_) => format!("push:{i:08}:{}", s.node),
-            };
+            let path = task_path(i, s);
             Ok(Task {
                 node,
                 id: format!("{checkpoint}:{path}"),
@@ -1481,11 +1525,18 @@ fn tasks_with_ids<S: State>(
     Ok(tasks)
 }
 
-fn pending_interrupts<S: State>(
-    g: &Inner<S>,
-    pending: &[PendingWrite],
-    tasks: &[Task],
-) -> Vec<Interrupt> {
+/// The id and node name of each scheduled task, whether or not this graph has the
+/// node (for showing a stored checkpoint).
+fn task_names(specs: &[TaskSpec], checkpoint: &CheckpointId) -> Vec<(String, String)> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (format!("{checkpoint}:{}", task_path(i, s)), s.node.clone()))
+        .collect()
+}
+
+/// The interrupts not answered yet; `tasks` gives each task id's node name.
+fn pending_interrupts(pending: &[PendingWrite], tasks: &[(String, String)]) -> Vec<Interrupt> {
     pending
         .iter()
         .filter(|w| w.channel == INTERRUPT)
@@ -1497,8 +1548,8 @@ fn pending_interrupts<S: State>(
         .map(|w| Interrupt {
             node: tasks
                 .iter()
-                .find(|t| t.id == w.task_id)
-                .map(|t| g.nodes[t.node].name.to_string())
+                .find(|(id, _)| *id == w.task_id)
+                .map(|(_, node)| node.clone())
                 .unwrap_or_default(),
             task_id: w.task_id.clone(),
             value: w.value.clone(),

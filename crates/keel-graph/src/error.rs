@@ -75,6 +75,24 @@ pub enum GraphError {
         /// The checkpoint.
         id: CheckpointId,
     },
+    /// A stored checkpoint schedules a task for a node this graph does not have (or a
+    /// task's stored result routes to one): the thread was written by a graph of
+    /// another shape (a node removed or renamed). Resuming or continuing it is refused
+    /// before anything is written; [`get_state`](crate::CompiledGraph::get_state)
+    /// still shows it (the node is in `next`), and
+    /// [`update_state`](crate::CompiledGraph::update_state) with an `as_node` of this
+    /// graph schedules new tasks in its place. (A stored channel this state does not
+    /// have is [`StateError::UnknownChannel`].)
+    #[error(
+        "checkpoint {checkpoint} schedules node `{node}`, which this graph does not have \
+         (was the thread written by another version of the graph?)"
+    )]
+    UnknownNode {
+        /// The node named by the stored task.
+        node: String,
+        /// The checkpoint holding the task.
+        checkpoint: CheckpointId,
+    },
     /// Stored engine data (scheduled tasks) is unreadable.
     #[error("checkpoint {id}: corrupt task list: {reason}")]
     CorruptTasks {
