@@ -229,14 +229,20 @@ impl Default for ExtractiveSummarizer {
 impl ExtractiveSummarizer {
     /// A summarizer counting with [`ApproxCounter`], items cut at 240 characters.
     pub fn new() -> Self {
-        let matcher = AhoCorasick::builder()
-            .ascii_case_insensitive(true)
-            .match_kind(MatchKind::LeftmostFirst)
-            .kind(Some(AhoCorasickKind::DFA))
-            .build(KEYWORDS.iter().map(|(k, _)| k))
-            .map_err(|e| tracing::error!(error = %e, "keyword automaton failed to build; using the slow scan"))
-            .ok()
-            .map(Arc::new);
+        // The keyword automaton is the same for every summarizer: build it once.
+        static MATCHER: std::sync::OnceLock<Option<Arc<AhoCorasick>>> = std::sync::OnceLock::new();
+        let matcher = MATCHER
+            .get_or_init(|| {
+                AhoCorasick::builder()
+                    .ascii_case_insensitive(true)
+                    .match_kind(MatchKind::LeftmostFirst)
+                    .kind(Some(AhoCorasickKind::DFA))
+                    .build(KEYWORDS.iter().map(|(k, _)| k))
+                    .map_err(|e| tracing::error!(error = %e, "keyword automaton failed to build; using the slow scan"))
+                    .ok()
+                    .map(Arc::new)
+            })
+            .clone();
         ExtractiveSummarizer {
             counter: Arc::new(ApproxCounter::new()),
             max_item_chars: 240,

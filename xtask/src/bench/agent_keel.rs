@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 
 /// One configuration of the benchmark.
 #[derive(Debug, Clone)]
@@ -57,25 +57,54 @@ pub struct Measurement {
     pub supersteps: u64,
 }
 
-/// Runs keel's compacting agent loop for `config`, `config.reps` times.
+/// Runs keel's compacting agent loop for `config`, `config.reps` times, in a release
+/// build of `crates/keel-agent/examples/bench_agent.rs` (one process per
+/// configuration, so its peak memory is its own).
 pub fn run(config: &Config) -> Result<Vec<Measurement>> {
-    let Config {
-        backend,
-        durability,
-        steps,
-        reps,
-        repo,
-        database_url,
-        scratch,
-    } = config;
-    let _ = (
-        backend,
-        durability,
-        steps,
-        reps,
-        repo,
-        database_url,
-        scratch,
-    );
-    bail!("keel side not written yet")
+    let mut cmd = crate::util::cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "keel-agent",
+        "--example",
+        "bench_agent",
+        "--",
+    ])
+    .arg(&config.backend)
+    .arg(&config.durability)
+    .arg(config.steps.to_string())
+    .arg(config.reps.to_string())
+    .arg(&config.repo)
+    .arg(&config.scratch);
+    if let Some(url) = &config.database_url {
+        cmd.env("DATABASE_URL", url);
+    }
+    let out = cmd.output().context("running the keel agent benchmark")?;
+    if !out.status.success() {
+        bail!(
+            "the keel agent benchmark failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = String::from_utf8(out.stdout)?;
+    text.lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).context("bench output is not JSON")?;
+            let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+            Ok(Measurement {
+                backend: v["backend"].as_str().unwrap_or_default().to_owned(),
+                durability: v["durability"].as_str().unwrap_or_default().to_owned(),
+                steps: v["steps"].as_u64().unwrap_or(0),
+                wall_s: f("wall_s"),
+                steps_per_s: f("steps_per_s"),
+                overhead_us_per_step: f("overhead_us_per_step"),
+                bytes_per_step: v["bytes_per_step"].as_f64(),
+                peak_rss_bytes: v["peak_rss_bytes"].as_u64(),
+                supersteps: v["supersteps"].as_u64().unwrap_or(0),
+            })
+        })
+        .collect()
 }

@@ -1,0 +1,295 @@
+//! keel's side of `cargo xtask bench agent`: the compacting agent loop on keel's own
+//! runtime, the same workload as the LangGraph.js peer
+//! (`xtask/peers/langgraphjs-agent/agent.mjs`, whose header spells it out): the file
+//! tools over a real directory, a fake model answering at once, compaction every 10
+//! agent steps and an epoch every 5 milestones (extractive summaries), pruning to the
+//! newest 5 checkpoints after each compaction.
+//!
+//! ```sh
+//! cargo run --release -p keel-agent --example bench_agent -- \
+//!     memory|sqlite|postgres sync|async STEPS REPS REPO_DIR SCRATCH_DIR
+//! ```
+//! (`DATABASE_URL` for postgres). Prints one JSON line per repetition.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use keel_agent::tools::FileTools;
+use keel_agent::{Agent, AgentInput};
+use keel_checkpoint::{Checkpointer, MemorySaver};
+use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
+use keel_checkpoint_sqlite::SqliteSaver;
+use keel_compaction::CompactionConfig;
+use keel_graph::Durability;
+use keel_message::{Message, Tool, ToolCall, ToolContext, ToolFuture, ToolSpec};
+use keel_model::{ChatResponse, PolicyModel};
+use keel_token::{Encoding, ModelProfile};
+use serde_json::{Value, json};
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Debug, Clone)]
+struct Config {
+    backend: String,
+    durability: String,
+    steps: u64,
+    reps: u32,
+    repo: PathBuf,
+    database_url: Option<String>,
+    scratch: PathBuf,
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [backend, durability, steps, reps, repo, scratch] = args.as_slice() else {
+        return Err("usage: bench_agent memory|sqlite|postgres sync|async STEPS REPS REPO SCRATCH".into());
+    };
+    let config = Config {
+        backend: backend.clone(),
+        durability: durability.clone(),
+        steps: steps.parse()?,
+        reps: reps.parse()?,
+        repo: repo.into(),
+        database_url: std::env::var("DATABASE_URL").ok(),
+        scratch: scratch.into(),
+    };
+    for m in run(&config)? {
+        println!("{m}");
+    }
+    Ok(())
+}
+
+/// Runs keel's compacting agent loop for `config`, `config.reps` times.
+fn run(config: &Config) -> Result<Vec<Value>> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut out = Vec::new();
+        // An untimed warm-up, as the peer does.
+        let warm = Config {
+            steps: 50.min(config.steps),
+            ..config.clone()
+        };
+        one(&warm, "warmup").await?;
+        for rep in 0..config.reps {
+            out.push(one(config, &format!("rep-{rep}")).await?);
+        }
+        Ok(out)
+    })
+}
+
+/// Time spent outside keel's runtime: the fake model's and the tools' bodies.
+#[derive(Default)]
+struct Work {
+    nanos: AtomicU64,
+}
+
+impl Work {
+    fn add(&self, since: Instant) {
+        let n = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A tool whose body is timed as work.
+struct Timed {
+    inner: Arc<dyn Tool>,
+    work: Arc<Work>,
+}
+
+impl Tool for Timed {
+    fn spec(&self) -> ToolSpec {
+        self.inner.spec()
+    }
+
+    fn call(&self, arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let r = self.inner.call(arguments, ctx).await;
+            self.work.add(started);
+            r
+        })
+    }
+}
+
+/// The peer's fake model: call i answers with one tool call cycling over ls, read_file
+/// and grep, and call N ends the run.
+fn model(steps: u64, work: Arc<Work>) -> PolicyModel {
+    let calls = AtomicU64::new(0);
+    PolicyModel::new("bench", move |messages, _tools| {
+        let started = Instant::now();
+        let i = calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
+        let text = format!("step {i}: {} messages, {chars} chars in the prompt", messages.len());
+        let reply = if i >= steps {
+            Message::assistant(format!("done after {steps} steps"))
+        } else {
+            let call = match i % 3 {
+                1 => ToolCall::new(format!("call_{i}"), "ls", json!({"path": "crates"})),
+                2 => ToolCall::new(
+                    format!("call_{i}"),
+                    "read_file",
+                    json!({"path": "Cargo.toml", "limit": 50}),
+                ),
+                _ => ToolCall::new(
+                    format!("call_{i}"),
+                    "grep",
+                    json!({"pattern": "fn ", "path": "crates/keel-message", "max_results": 50}),
+                ),
+            };
+            Message::assistant(text).with_tool_calls(vec![call])
+        };
+        work.add(started);
+        Ok(ChatResponse::new(reply, "bench"))
+    })
+}
+
+enum Backend {
+    Memory(Arc<MemorySaver>),
+    Sqlite(Arc<SqliteSaver>),
+    Postgres(Arc<PostgresSaver>),
+}
+
+impl Backend {
+    fn checkpointer(&self) -> Arc<dyn Checkpointer> {
+        match self {
+            Backend::Memory(s) => s.clone(),
+            Backend::Sqlite(s) => s.clone(),
+            Backend::Postgres(s) => s.clone(),
+        }
+    }
+
+    async fn bytes(&self, thread: &str) -> Result<Option<u64>> {
+        Ok(match self {
+            Backend::Memory(_) => None,
+            Backend::Sqlite(s) => {
+                let stats = s.stats().await?;
+                Some(stats.database_bytes.saturating_sub(stats.free_bytes))
+            }
+            Backend::Postgres(s) => {
+                let t = s.thread_storage(thread).await?;
+                Some(t.checkpoint_bytes + t.delta_bytes + t.write_bytes + t.head_bytes)
+            }
+        })
+    }
+}
+
+async fn backend(config: &Config, tag: &str) -> Result<Backend> {
+    Ok(match config.backend.as_str() {
+        "memory" => Backend::Memory(Arc::new(MemorySaver::new())),
+        "sqlite" => {
+            let path = config
+                .scratch
+                .join(format!("agent-{}-{}-{tag}.sqlite", config.durability, config.steps));
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+            }
+            Backend::Sqlite(Arc::new(SqliteSaver::open(&path).await?))
+        }
+        "postgres" => {
+            let url = config
+                .database_url
+                .as_deref()
+                .ok_or("the postgres backend needs DATABASE_URL")?;
+            let saver = PostgresSaver::connect(&PostgresConfig::new(url)?)?;
+            saver.setup().await?;
+            Backend::Postgres(Arc::new(saver))
+        }
+        other => return Err(format!("unknown backend `{other}`").into()),
+    })
+}
+
+async fn one(config: &Config, tag: &str) -> Result<Value> {
+    let backend = backend(config, tag).await?;
+    let work = Arc::new(Work::default());
+    let tools: Vec<Arc<dyn Tool>> = FileTools::new(&config.repo)?
+        .read_only()
+        .tools()
+        .into_iter()
+        .map(|inner| {
+            Arc::new(Timed {
+                inner,
+                work: work.clone(),
+            }) as Arc<dyn Tool>
+        })
+        .collect();
+    let durability = match config.durability.as_str() {
+        "async" => Durability::Async,
+        _ => Durability::Sync,
+    };
+    let agent = Agent::builder()
+        .model(Arc::new(model(config.steps, work.clone())))
+        .profile(ModelProfile::new("gpt-4o", 128_000, 16_384, Encoding::O200kBase))
+        .system("You are a coding agent exploring a repository.")
+        .goal("Explore the repository and report what its crates do.")
+        .tools(tools)
+        .retrieval_tools(false)
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(10))
+                .with_epoch_every(5)
+                .with_keep_recent_tokens(500)
+                .with_max_steps(config.steps + 1),
+        )
+        .keep_checkpoints(Some(5))
+        .durability(durability)
+        .checkpointer(backend.checkpointer())
+        .build()?;
+    let thread = format!(
+        "bench-{}-{}-{}-{tag}-{}",
+        config.backend,
+        config.durability,
+        config.steps,
+        std::process::id()
+    );
+    reset_peak_rss();
+    let started = Instant::now();
+    let run = agent.run(&thread, AgentInput::new()).await?;
+    let wall_s = started.elapsed().as_secs_f64();
+    if run.state.step != config.steps {
+        return Err(format!(
+            "keel's run made {} model calls, expected {}",
+            run.state.step, config.steps
+        )
+        .into());
+    }
+    let work_s = work.nanos.load(Ordering::Relaxed) as f64 / 1e9;
+    let steps = config.steps;
+    let bytes = backend.bytes(&thread).await?;
+    let supersteps = agent
+        .graph()
+        .get_state(&keel_graph::RunConfig::thread(&thread))
+        .await?
+        .map_or(0, |s| u64::try_from(s.metadata.step.max(0)).unwrap_or(0));
+    if let Backend::Postgres(s) = &backend {
+        s.delete_thread(&thread).await?;
+    }
+    Ok(json!({
+        "backend": config.backend,
+        "durability": config.durability,
+        "steps": steps,
+        "wall_s": wall_s,
+        "steps_per_s": steps as f64 / wall_s,
+        "overhead_us_per_step": (wall_s - work_s).max(0.0) * 1e6 / steps as f64,
+        "bytes_per_step": bytes.map(|b| b as f64 / steps as f64),
+        "peak_rss_bytes": peak_rss(),
+        "supersteps": supersteps,
+    }))
+}
+
+/// Resets the kernel's peak-RSS mark of this process (Linux `clear_refs`).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak resident memory since the last reset (Linux `VmHWM`).
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
