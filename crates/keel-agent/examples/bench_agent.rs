@@ -45,7 +45,9 @@ struct Config {
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [backend, durability, steps, reps, repo, scratch] = args.as_slice() else {
-        return Err("usage: bench_agent memory|sqlite|postgres sync|async STEPS REPS REPO SCRATCH".into());
+        return Err(
+            "usage: bench_agent memory|sqlite|postgres sync|async STEPS REPS REPO SCRATCH".into(),
+        );
     };
     let config = Config {
         backend: backend.clone(),
@@ -124,7 +126,10 @@ fn model(steps: u64, work: Arc<Work>) -> PolicyModel {
         let started = Instant::now();
         let i = calls.fetch_add(1, Ordering::Relaxed) + 1;
         let chars: usize = messages.iter().map(|m| m.text().len()).sum();
-        let text = format!("step {i}: {} messages, {chars} chars in the prompt", messages.len());
+        let text = format!(
+            "step {i}: {} messages, {chars} chars in the prompt",
+            messages.len()
+        );
         let reply = if i >= steps {
             Message::assistant(format!("done after {steps} steps"))
         } else {
@@ -182,9 +187,10 @@ async fn backend(config: &Config, tag: &str) -> Result<Backend> {
     Ok(match config.backend.as_str() {
         "memory" => Backend::Memory(Arc::new(MemorySaver::new())),
         "sqlite" => {
-            let path = config
-                .scratch
-                .join(format!("agent-{}-{}-{tag}.sqlite", config.durability, config.steps));
+            let path = config.scratch.join(format!(
+                "agent-{}-{}-{tag}.sqlite",
+                config.durability, config.steps
+            ));
             for suffix in ["", "-wal", "-shm"] {
                 let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
             }
@@ -223,7 +229,16 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
     };
     let agent = Agent::builder()
         .model(Arc::new(model(config.steps, work.clone())))
-        .profile(ModelProfile::new("gpt-4o", 128_000, 16_384, Encoding::O200kBase))
+        .profile(ModelProfile::new(
+            "gpt-4o",
+            128_000,
+            16_384,
+            if std::env::var("KEEL_BENCH_APPROX").is_ok() {
+                Encoding::Approximate
+            } else {
+                Encoding::O200kBase
+            },
+        ))
         .system("You are a coding agent exploring a repository.")
         .goal("Explore the repository and report what its crates do.")
         .tools(tools)

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use keel_checkpoint::{CheckpointId, Checkpointer, ListOptions, ThreadKey};
-use keel_compaction::{CompactionConfig, GoalAnchor};
+use keel_compaction::{CompactionConfig, Compactor, GoalAnchor};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{
     Command, CompiledGraph, Durability, END, Event, Interrupt, NodeContext, NodeError, RunConfig,
@@ -21,7 +21,7 @@ use serde_json::Value;
 
 use crate::error::{AgentError, BuildError};
 use crate::event::AgentEvent;
-use crate::nodes::{AGENT, AgentNodes, COMPACT, EPOCH, Parts, TOOLS};
+use crate::nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOOLS};
 use crate::state::{AgentState, AgentStateUpdate, Stop};
 use crate::tools::{Toolbox, retrieval_tools};
 
@@ -695,14 +695,26 @@ impl AgentBuilder {
             )
         });
         let compaction = self.compaction.with_epoch_inline(false);
+        let summarizer = self
+            .summarizer
+            .unwrap_or_else(|| Arc::new(ExtractiveSummarizer::new()));
+        let archive = Arc::new(Archive::new(store.clone()));
+        let compactor = Compactor::new(
+            summarizer,
+            archive,
+            ThreadId::new(NO_THREAD).map_err(|e| BuildError::Counter {
+                model: profile.name.clone(),
+                reason: e.to_string(),
+            })?,
+            counter.clone(),
+            profile.clone(),
+        )
+        .with_config(compaction.clone())
+        .with_evict(None);
         let parts = Parts {
             model,
             options: self.options,
             tools: toolbox,
-            summarizer: self
-                .summarizer
-                .unwrap_or_else(|| Arc::new(ExtractiveSummarizer::new())),
-            archive: Arc::new(Archive::new(store.clone())),
             store,
             counter,
             profile,
@@ -712,6 +724,7 @@ impl AgentBuilder {
             keep_checkpoints: self.keep_checkpoints.filter(|k| *k > 0),
             checkpointer: self.checkpointer.clone(),
             approve: self.approve,
+            compactor,
         };
         let nodes = AgentNodes {
             parts: Arc::new(parts),

@@ -10,8 +10,7 @@ use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{END, NodeContext, NodeError};
 use keel_message::{Message, Role, ToolCall};
 use keel_model::{ChatModel, ChatOptions};
-use keel_offload::{Archive, EvictLargeResults, OffloadStore, PolicyEnv, StoredWhat, ThreadId};
-use keel_summarize::Summarizer;
+use keel_offload::{EvictLargeResults, OffloadStore, PolicyEnv, StoredWhat, ThreadId};
 use keel_token::{ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -33,16 +32,14 @@ pub const EPOCH: &str = "epoch";
 pub const NUDGE_METADATA_KEY: &str = "keel.nudge";
 
 /// The thread used for the offload namespace when a graph runs without a thread.
-const NO_THREAD: &str = "no-thread";
+pub(crate) const NO_THREAD: &str = "no-thread";
 
 /// What every node of the agent shares: the model, the tools, and how to compact.
 pub(crate) struct Parts {
     pub(crate) model: Arc<dyn ChatModel>,
     pub(crate) options: ChatOptions,
     pub(crate) tools: Toolbox,
-    pub(crate) summarizer: Arc<dyn Summarizer>,
     pub(crate) store: Arc<dyn OffloadStore>,
-    pub(crate) archive: Arc<Archive>,
     pub(crate) counter: Arc<dyn TokenCounter>,
     pub(crate) profile: ModelProfile,
     pub(crate) profile_fallback: bool,
@@ -51,6 +48,8 @@ pub(crate) struct Parts {
     pub(crate) keep_checkpoints: Option<usize>,
     pub(crate) checkpointer: Option<Arc<dyn Checkpointer>>,
     pub(crate) approve: BTreeSet<String>,
+    /// The compactor every node's is made from (for the thread of the call).
+    pub(crate) compactor: Compactor,
 }
 
 /// The agent's nodes (`agent`, `tools`, `compact`, `epoch`) and its routers, for a
@@ -85,19 +84,10 @@ fn ms(started: Instant) -> u64 {
 }
 
 impl AgentNodes {
-    /// The compactor for `thread` (cheap: shared parts).
+    /// The compactor for `thread` (cheap: it shares everything with the agent's).
     pub fn compactor(&self, thread: &str) -> Result<Compactor, NodeError> {
-        let p = &self.parts;
         let thread = ThreadId::new(thread).map_err(NodeError::new)?;
-        Ok(Compactor::new(
-            p.summarizer.clone(),
-            p.archive.clone(),
-            thread,
-            p.counter.clone(),
-            p.profile.clone(),
-        )
-        .with_config(p.compaction.clone())
-        .with_evict(None))
+        Ok(self.parts.compactor.for_thread(thread))
     }
 
     /// The compaction settings (with `epoch_inline` off: epochs are the `epoch` node's).
@@ -226,7 +216,7 @@ impl AgentNodes {
     /// ceiling), so a compaction step is never scheduled for nothing.
     pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
         let mut c = state.context()?;
-        let compactor = self.compactor(NO_THREAD).ok()?;
+        let compactor = &self.parts.compactor;
         let specs = self.parts.tools.specs();
         match compactor.check(&mut c, specs)? {
             Trigger::StepCeiling => Some(Trigger::StepCeiling),
@@ -473,6 +463,15 @@ impl AgentNodes {
         let Some(policy) = self.parts.evict.clone() else {
             return (results, Vec::new());
         };
+        // A token covers at least one byte, so a result of at most half the threshold
+        // in bytes is under it in tokens, even for a counter calibrated up to 2x: it
+        // stays as it is, with no trip to the blocking pool.
+        if results
+            .iter()
+            .all(|m| m.content.text().len().saturating_mul(2) <= policy.threshold_tokens)
+        {
+            return (results, Vec::new());
+        }
         let Ok(thread_id) = ThreadId::new(thread) else {
             return (results, Vec::new());
         };

@@ -75,6 +75,7 @@ pub struct LayerTokens {
 /// # })?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+#[derive(Clone)]
 pub struct Compactor {
     summarizer: Arc<dyn Summarizer>,
     fallback: Arc<dyn Summarizer>,
@@ -85,6 +86,10 @@ pub struct Compactor {
     config: CompactionConfig,
     truncate: Option<TruncateArguments>,
     evict: Option<EvictLargeResults>,
+    /// The last tool list counted and its tokens (tool specs rarely change between
+    /// steps, and counting their schemas costs more than comparing them). Shared by
+    /// the clones [`Compactor::for_thread`] makes.
+    tools_tokens: Arc<std::sync::Mutex<Option<(Vec<ToolSpec>, usize)>>>,
 }
 
 impl std::fmt::Debug for Compactor {
@@ -120,7 +125,37 @@ impl Compactor {
                 EvictLargeResults::new().with_threshold((profile.input_budget() / 4).min(20_000)),
             ),
             profile,
+            tools_tokens: Arc::default(),
         }
+    }
+
+    /// The same compactor for another thread (archive namespace): shares the
+    /// summarizers, archive, counter and caches, so making one per call is cheap.
+    #[must_use]
+    pub fn for_thread(&self, thread: ThreadId) -> Self {
+        Compactor {
+            thread,
+            ..self.clone()
+        }
+    }
+
+    /// Tokens of `tools`, counted once per distinct list.
+    fn count_tools(&self, tools: &[ToolSpec]) -> usize {
+        if tools.is_empty() {
+            return 0;
+        }
+        let mut cache = self
+            .tools_tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((specs, n)) = cache.as_ref()
+            && specs.as_slice() == tools
+        {
+            return *n;
+        }
+        let n = self.counter.count_tools(tools);
+        *cache = Some((tools.to_vec(), n));
+        n
     }
 
     /// Replaces the settings.
@@ -273,11 +308,7 @@ impl Compactor {
         let (system, goal, priming) = ledger.fixed.unwrap_or_default();
         let epoch = state.epoch.as_ref().map_or(0, |l| l.tokens);
         let milestones = state.milestones.iter().map(|l| l.tokens).sum();
-        let tools = if tools.is_empty() {
-            0
-        } else {
-            c.count_tools(tools)
-        };
+        let tools = self.count_tools(tools);
         let raw = ledger.raw_total;
         LayerTokens {
             system,
