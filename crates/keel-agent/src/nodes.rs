@@ -294,6 +294,9 @@ impl AgentNodes {
             span.record("tool_calls", reply.tool_calls.len());
             if let Some(u) = usage {
                 span.record("completion_tokens", u.completion_tokens);
+                if let Some(c) = u.cached_tokens {
+                    span.record("cached_tokens", c);
+                }
             }
             events.push(AgentEvent::ModelCall {
                 step,
@@ -305,7 +308,7 @@ impl AgentNodes {
                 prompt_tokens,
                 provider_prompt_tokens: usage.map(|u| u.prompt_tokens),
                 completion_tokens: usage.map(|u| u.completion_tokens),
-                cached_tokens: None,
+                cached_tokens: usage.and_then(|u| u.cached_tokens),
                 tool_calls: reply.tool_calls.len(),
                 duration_ms: ms(started),
                 overflow_retries: retries,

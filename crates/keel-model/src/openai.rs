@@ -325,7 +325,16 @@ fn embedded_error(v: &Value) -> Option<ModelError> {
 fn usage_of(v: &Value) -> Option<Usage> {
     let u = v.get("usage").filter(|u| u.is_object())?;
     let n = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
-    Some(Usage::new(n("prompt_tokens"), n("completion_tokens")))
+    let usage = Usage::new(n("prompt_tokens"), n("completion_tokens"));
+    // OpenAI (and vLLM, llama.cpp's server) report the cached prefix here.
+    let cached = u
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64);
+    Some(match cached {
+        Some(c) => usage.with_cached_tokens(c),
+        None => usage,
+    })
 }
 
 fn parse_response(v: &Value, default_model: &str) -> Result<ChatResponse, ModelError> {

@@ -178,13 +178,19 @@ impl KeepAlive {
 /// let u = keel_model::Usage::new(120, 30);
 /// assert_eq!(u.total(), 150);
 /// assert_eq!(u + u, keel_model::Usage::new(240, 60));
+/// let cached = u.with_cached_tokens(100);
+/// assert_eq!(cached.cached_tokens, Some(100));
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Usage {
     /// Tokens of the prompt (OpenAI `prompt_tokens`, Ollama `prompt_eval_count`).
     pub prompt_tokens: u64,
     /// Tokens of the reply (OpenAI `completion_tokens`, Ollama `eval_count`).
     pub completion_tokens: u64,
+    /// Of the prompt tokens, those the provider served from its prompt cache, when it
+    /// reports them (OpenAI `prompt_tokens_details.cached_tokens`; Ollama does not).
+    pub cached_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -193,7 +199,15 @@ impl Usage {
         Usage {
             prompt_tokens,
             completion_tokens,
+            cached_tokens: None,
         }
+    }
+
+    /// Sets the cached prompt tokens.
+    #[must_use]
+    pub fn with_cached_tokens(mut self, cached: u64) -> Self {
+        self.cached_tokens = Some(cached);
+        self
     }
 
     /// Prompt plus completion.
@@ -208,6 +222,10 @@ impl std::ops::Add for Usage {
         Usage {
             prompt_tokens: self.prompt_tokens + other.prompt_tokens,
             completion_tokens: self.completion_tokens + other.completion_tokens,
+            cached_tokens: match (self.cached_tokens, other.cached_tokens) {
+                (None, None) => None,
+                (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+            },
         }
     }
 }

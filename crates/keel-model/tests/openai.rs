@@ -77,7 +77,7 @@ fn tool_call_reply() -> Value {
             "prompt_tokens": 82,
             "completion_tokens": 17,
             "total_tokens": 99,
-            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": 64, "audio_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": 0}
         },
         "service_tier": "default",
@@ -109,7 +109,7 @@ async fn non_streamed_call_sends_the_real_request_shape_and_reads_tool_calls_and
 
     assert_eq!(reply.model, "gpt-4o-mini-2024-07-18");
     assert_eq!(reply.finish_reason, Some(FinishReason::ToolCalls));
-    assert_eq!(reply.usage, Some(Usage::new(82, 17)));
+    assert_eq!(reply.usage, Some(Usage::new(82, 17).with_cached_tokens(64)));
     assert_eq!(reply.text(), "");
     let call = &reply.message.tool_calls[0];
     assert_eq!(
@@ -291,7 +291,7 @@ async fn rate_limit_with_retry_after_is_waited_out_then_succeeds() {
         .chat(&history(), &[], &ChatOptions::new())
         .await
         .unwrap();
-    assert_eq!(reply.usage, Some(Usage::new(82, 17)));
+    assert_eq!(reply.usage, Some(Usage::new(82, 17).with_cached_tokens(64)));
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
 }
 
