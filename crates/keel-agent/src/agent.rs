@@ -311,18 +311,17 @@ impl Agent {
             return Ok(None);
         };
         let thread = ThreadKey::new(thread_id.to_owned());
-        let options = match before {
-            Some(id) => ListOptions::default().before(id),
-            None => ListOptions::default(),
-        };
-        let mut list = cp.list(&thread, options);
-        while let Some(s) = list.next().await {
-            let s = s.map_err(keel_graph::GraphError::from)?;
-            if wrote(&s.metadata, node) {
-                return Ok(Some(s.checkpoint.id));
-            }
+        let mut options = ListOptions::default().written_by(node).limit(1);
+        if let Some(id) = before {
+            options = options.before(id);
         }
-        Ok(None)
+        let mut list = cp.list(&thread, options);
+        match list.next().await {
+            Some(s) => Ok(Some(
+                s.map_err(keel_graph::GraphError::from)?.checkpoint.id,
+            )),
+            None => Ok(None),
+        }
     }
 
     async fn command(
@@ -373,10 +372,6 @@ impl Agent {
         }
         Ok(update.stop(None).into())
     }
-}
-
-fn wrote(meta: &keel_checkpoint::CheckpointMetadata, node: &str) -> bool {
-    meta.writes.iter().any(|w| w == node)
 }
 
 fn updates_of(e: Event<AgentState>) -> Vec<AgentUpdate> {

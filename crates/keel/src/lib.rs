@@ -15,18 +15,18 @@
 //! | [`summarize`] | keel-summarize | `Summarizer`: extractive and LLM summaries |
 //! | [`offload`] | keel-offload | `OffloadStore`, the archive, retrieval tools |
 //! | [`compaction`] | keel-compaction | `Compactor`: goal anchor, milestones, epochs |
-//! | [`agent`] | keel-agent | the prebuilt compacting agent (feature `agent`) |
-//! | [`sqlite`] | keel-checkpoint-sqlite | the embedded checkpointer (feature `sqlite`) |
-//! | [`postgres`] | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
+//! | `agent` | keel-agent | the prebuilt compacting agent (feature `agent`) |
+//! | `sqlite` | keel-checkpoint-sqlite | the embedded checkpointer (feature `sqlite`) |
+//! | `postgres` | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
 //!
 //! # Features
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `sqlite` | yes | [`sqlite::SqliteSaver`]: checkpoints in one SQLite file |
+//! | `sqlite` | yes | `sqlite::SqliteSaver`: checkpoints in one SQLite file |
 //! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base) |
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
-//! | `agent` | yes | [`agent`]: the compacting agent graph |
+//! | `agent` | yes | `agent`: the compacting agent graph |
 //! | `postgres` | no | `postgres::PostgresSaver` |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |
