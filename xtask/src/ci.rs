@@ -72,6 +72,16 @@ pub fn ci() -> Result<()> {
         "warnings",
     ]))?;
     feature_builds()?;
+    // Doc warnings (broken intra-doc links, missing docs in examples) fail the build.
+    run(cargo()
+        .args([
+            "doc",
+            "--workspace",
+            "--all-features",
+            "--no-deps",
+            "--quiet",
+        ])
+        .env("RUSTDOCFLAGS", "-D warnings"))?;
     test(&[])?;
     if has_program("cargo-deny") {
         run(cargo().args(["deny", "check", "bans", "licenses", "sources"]))?;

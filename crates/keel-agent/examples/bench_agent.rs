@@ -118,6 +118,23 @@ impl Tool for Timed {
     }
 }
 
+/// A tool answering a fixed 3 kB text.
+struct Fixed(&'static str);
+
+impl Tool for Fixed {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new(self.0, "A fixed answer.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            Ok((1..=50)
+                .map(|i| format!("{i:>6}\tline {i} of a file with some words in it\n"))
+                .collect())
+        })
+    }
+}
+
 /// The peer's fake model: call i answers with one tool call cycling over ls, read_file
 /// and grep, and call N ends the run.
 fn model(steps: u64, work: Arc<Work>) -> PolicyModel {
@@ -212,9 +229,17 @@ async fn backend(config: &Config, tag: &str) -> Result<Backend> {
 async fn one(config: &Config, tag: &str) -> Result<Value> {
     let backend = backend(config, tag).await?;
     let work = Arc::new(Work::default());
-    let tools: Vec<Arc<dyn Tool>> = FileTools::new(&config.repo)?
-        .read_only()
-        .tools()
+    // KEEL_BENCH_FIXED_TOOLS=1: tools that answer a fixed text at once, to see the
+    // runtime's own cost without the filesystem (a diagnostic, not the benchmark).
+    let file_tools = if std::env::var("KEEL_BENCH_FIXED_TOOLS").is_ok() {
+        ["ls", "read_file", "grep"]
+            .into_iter()
+            .map(|name| Arc::new(Fixed(name)) as Arc<dyn Tool>)
+            .collect()
+    } else {
+        FileTools::new(&config.repo)?.read_only().tools()
+    };
+    let tools: Vec<Arc<dyn Tool>> = file_tools
         .into_iter()
         .map(|inner| {
             Arc::new(Timed {

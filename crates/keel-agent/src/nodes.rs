@@ -260,9 +260,21 @@ impl AgentNodes {
             let mut retries = 0u32;
             let (response, prompt_tokens, started) = loop {
                 let prompt_tokens = compactor.tokens(&mut c, specs).total as u64;
-                let prompt: Vec<Message> = compactor.prompt(&c).cloned().collect();
+                // The prompt takes the raw buffer (no second copy of it) and gives it
+                // back when the context must be compacted.
+                let mut prompt: Vec<Message> = c
+                    .system
+                    .iter()
+                    .chain(std::iter::once(c.goal.message()))
+                    .chain(c.layers().map(|l| &l.message))
+                    .cloned()
+                    .collect();
+                let prefix = prompt.len();
+                prompt.append(&mut c.raw);
                 let started = Instant::now();
-                match p.model.chat(&prompt, specs, &p.options).await {
+                let reply = p.model.chat(&prompt, specs, &p.options).await;
+                c.raw = prompt.split_off(prefix);
+                match reply {
                     Err(e) if e.is_context_overflow() && retries == 0 => {
                         retries += 1;
                         tracing::warn!(error = %e, "provider reports context overflow; compacting");
@@ -280,7 +292,11 @@ impl AgentNodes {
                     Ok(r) => break (r, prompt_tokens, started),
                 }
             };
-            let mut update = diff(&s, &c);
+            let mut update = if retries > 0 {
+                diff(&s, &c)
+            } else {
+                AgentStateUpdate::default()
+            };
             for e in std::mem::take(&mut c.events) {
                 events.push(AgentEvent::Compaction(e.clone()));
                 update.compactions.get_or_insert_with(Vec::new).push(e);
