@@ -25,9 +25,15 @@ use serde_json::json;
 
 fn main() -> Result<(), Box<dyn Error>> {
     // The repository this example lives in (crates/keel/../..).
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize()?;
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()?;
     let files = lib_files(&repo)?;
-    println!("{} crates with a src/lib.rs under {}", files.len(), repo.display());
+    println!(
+        "{} crates with a src/lib.rs under {}",
+        files.len(),
+        repo.display()
+    );
 
     // One reducer per channel, and each channel's value before any write.
     let history = AddMessages;
@@ -39,9 +45,10 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     history.reduce(
         &mut messages,
-        vec![AddMessagesUpdate::append([
-            Message::user("How many lines do the crates' lib.rs files have?").with_id("ask"),
-        ])],
+        vec![AddMessagesUpdate::append([Message::user(
+            "How many lines do the crates' lib.rs files have?",
+        )
+        .with_id("ask")])],
     )?;
 
     for (i, file) in files.iter().enumerate() {
