@@ -18,6 +18,9 @@ use crate::state::{
     OBSERVATION_METADATA_KEY,
 };
 
+/// A tool list and its tokens.
+type ToolsTokens = (Vec<ToolSpec>, usize);
+
 /// Tokens of each layer of an assembled prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LayerTokens {
@@ -89,7 +92,7 @@ pub struct Compactor {
     /// The last tool list counted and its tokens (tool specs rarely change between
     /// steps, and counting their schemas costs more than comparing them). Shared by
     /// the clones [`Compactor::for_thread`] makes.
-    tools_tokens: Arc<std::sync::Mutex<Option<(Vec<ToolSpec>, usize)>>>,
+    tools_tokens: Arc<std::sync::Mutex<Option<ToolsTokens>>>,
 }
 
 impl std::fmt::Debug for Compactor {
@@ -597,6 +600,19 @@ impl Compactor {
             state.raw.len().saturating_sub(1)
         } else {
             target
+        };
+        // The newest step (the last model reply and what followed it) stays, so the
+        // model does not act without the result it just asked for; only a prompt over
+        // the budget, which could not be sent at all, may cut into it.
+        let newest = state
+            .raw
+            .iter()
+            .rposition(|m| m.role == Role::Assistant)
+            .unwrap_or(state.raw.len());
+        let target = if overflowing {
+            target
+        } else {
+            target.min(newest)
         };
         safe_cut_at_or_before(&state.raw, target)
     }

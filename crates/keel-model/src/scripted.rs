@@ -8,6 +8,8 @@ use crate::model::whole_reply_events;
 use crate::{ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, ModelError, Usage};
 
 /// One scripted turn: a reply, or an error to fail the call with.
+// Scripts are short lists built once; a boxed reply would only add indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Turn {
     /// Answer with this response.

@@ -309,6 +309,9 @@ pub struct ToolCallDelta {
 }
 
 /// One item of a streamed reply.
+// The final event carries the whole response; the stream yields one of it per reply, so
+// boxing it would cost an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChatEvent {
     /// The next fragment of the reply's text.
