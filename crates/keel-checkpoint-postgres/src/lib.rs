@@ -16,7 +16,7 @@
 //!
 //! | table | key | holds |
 //! |---|---|---|
-//! | `keel_heads` | `(thread_id, ns)` | the newest checkpoint id (`head`) and when it was put |
+//! | `keel_heads` | `(thread_id, ns)` | the newest checkpoint id (`head`, also indexed for the TTL sweep) and when it was put |
 //! | `keel_checkpoints` | `(thread_id, ns, checkpoint_id)` | parent, `metadata jsonb`, channel versions, versions seen, pending sends |
 //! | `keel_deltas` | `(thread_id, ns, writer, channel)` | `seq`, `base` version, `updates`, optional `snapshot` |
 //! | `keel_writes` | `(thread_id, ns, checkpoint_id, task_id, channel, idx)` | tasks' pending writes, in stored order |
@@ -64,7 +64,13 @@
 //! [`prune`](keel_checkpoint::Checkpointer::prune) keeps a thread's newest checkpoints
 //! and the deltas and snapshots they need;
 //! [`delete_thread`](keel_checkpoint::Checkpointer::delete_thread) removes a thread;
-//! [`PostgresSaver::sweep_idle`] deletes threads idle longer than a given age.
+//! [`sweep_idle`](keel_checkpoint::Checkpointer::sweep_idle) deletes up to `limit`
+//! threads whose newest checkpoint (by its id's time) is older than an age, found by a
+//! range scan of the heads' `head` index and each deleted by thread id in its own
+//! transaction, after its heads are locked and checked again.
+//! [`PostgresSaver::sweep_idle`] sweeps in batches until no idle thread is left (it
+//! shadows the trait's method on a `PostgresSaver`: call that one as
+//! `Checkpointer::sweep_idle(&saver, ..)`).
 //!
 //! # Example
 //!
@@ -89,7 +95,10 @@
 //!     println!("ticket-42 is at step {}", head.metadata.step);
 //! }
 //! saver.prune(&thread, 10).await?;
-//! saver.sweep_idle(Duration::from_secs(30 * 24 * 3600)).await?;
+//! // Threads idle for 30 days: 500 per call, or all of them in batches.
+//! let ttl = Duration::from_secs(30 * 24 * 3600);
+//! let swept: Vec<String> = Checkpointer::sweep_idle(&saver, ttl, 500).await?;
+//! let more: usize = saver.sweep_idle(ttl).await?;
 //! # Ok(())
 //! # }
 //! ```

@@ -1,6 +1,6 @@
 //! The saver.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,8 +30,8 @@ use crate::sql::Statements;
 
 /// Rows fetched per page by [`Checkpointer::list`].
 const LIST_PAGE: usize = 128;
-/// Threads examined per batch by [`PostgresSaver::sweep_idle`].
-const SWEEP_BATCH: i64 = 256;
+/// Threads deleted per batch by [`PostgresSaver::sweep_idle`] (the inherent method).
+const SWEEP_BATCH: usize = 256;
 /// Sorts after every UUID v7 (the "no upper bound" cursor of `list`).
 const MAX_UUID: Uuid = Uuid::max();
 
@@ -145,37 +145,74 @@ impl PostgresSaver {
         &self.inner.schema
     }
 
-    /// Deletes every thread (all its namespaces) whose newest checkpoint is older than
-    /// `idle_for`; returns how many threads were deleted. A thread that takes a new
+    /// Deletes every idle thread, however many, and returns how many it deleted: the
+    /// same rule as [`Checkpointer::sweep_idle`] (newest checkpoint, over all
+    /// namespaces, older than `idle_for` by its id's time), applied in batches of 256
+    /// with one cutoff until a batch comes back short. A thread that takes a new
     /// checkpoint while being swept is kept.
+    ///
+    /// This method shadows the trait's bounded one on a `PostgresSaver`; to delete at
+    /// most `limit` threads per call, call
+    /// `Checkpointer::sweep_idle(&saver, idle_for, limit)` (through
+    /// `Arc<dyn Checkpointer>` and generic code, the trait's is the one called).
     pub async fn sweep_idle(&self, idle_for: Duration) -> Result<usize, CheckpointError> {
-        let secs = idle_for.as_secs_f64();
+        let cutoff = uuid_of(&support::idle_cutoff(idle_for))?;
         let mut deleted = 0;
         loop {
-            let candidates: Vec<String> = {
-                let client = self.client().await?;
-                let stmt = self.prepare(&client, &self.inner.sql.idle_threads).await?;
-                client
-                    .query(&stmt, &[&secs, &SWEEP_BATCH])
-                    .await
-                    .map_err(|e| self.query_error(e))?
-                    .iter()
-                    .map(|row| row.get(0))
-                    .collect()
-            };
-            let mut swept = 0;
-            for thread_id in &candidates {
-                if self.delete(thread_id, Some(secs)).await? {
-                    swept += 1;
-                }
-            }
-            deleted += swept;
-            // Stop when a batch was short, or nothing in it could be deleted (every
-            // candidate became active again), so the loop always ends.
-            if candidates.len() < usize::try_from(SWEEP_BATCH).unwrap_or(usize::MAX) || swept == 0 {
+            let batch = self.sweep(cutoff, SWEEP_BATCH).await?.len();
+            deleted += batch;
+            if batch < SWEEP_BATCH {
                 return Ok(deleted);
             }
         }
+    }
+
+    /// Deletes up to `limit` threads whose every head sorts below `cutoff`; their ids.
+    ///
+    /// Candidates come from the heads index, oldest first; each is deleted in its own
+    /// transaction after locking its heads and checking them again, so a thread that
+    /// took a checkpoint meanwhile is skipped. Rounds go on until `limit` threads are
+    /// deleted or a round finds no thread it has not tried, so a call that returns
+    /// fewer than `limit` found no other idle thread.
+    async fn sweep(&self, cutoff: Uuid, limit: usize) -> Result<Vec<String>, CheckpointError> {
+        let mut deleted = Vec::new();
+        let mut tried = HashSet::new();
+        while deleted.len() < limit {
+            let want = limit - deleted.len();
+            let candidates: Vec<String> = {
+                let client = self.client().await?;
+                let stmt = self.prepare(&client, &self.inner.sql.idle_threads).await?;
+                let want = i64::try_from(want).unwrap_or(i64::MAX);
+                client
+                    .query(&stmt, &[&cutoff, &want])
+                    .await
+                    .map_err(|e| self.query_error(e))?
+                    .iter()
+                    .map(|row| row.try_get::<_, String>(0).map_err(corrupt))
+                    .collect::<Result<_, _>>()?
+            };
+            // Every idle head was in this round: whatever was not deleted is not idle.
+            let exhausted = candidates.len() < want;
+            let mut new = false;
+            for thread_id in candidates {
+                if deleted.len() == limit {
+                    break;
+                }
+                // A thread comes once per idle namespace, and one tried before is no
+                // longer idle (or was deleted by someone else and made again).
+                if !tried.insert(thread_id.clone()) {
+                    continue;
+                }
+                new = true;
+                if self.delete(&thread_id, Some(cutoff)).await? {
+                    deleted.push(thread_id);
+                }
+            }
+            if exhausted || !new {
+                break;
+            }
+        }
+        Ok(deleted)
     }
 
     /// What `thread_id` occupies in the tables (all namespaces).
@@ -218,12 +255,12 @@ impl PostgresSaver {
         query_error(&self.inner.schema, error)
     }
 
-    /// Deletes `thread_id`; with `idle_secs`, only if every namespace of it is still idle
-    /// that long once locked. Returns whether it deleted.
+    /// Deletes `thread_id`; with `idle_before`, only if every namespace's head still
+    /// sorts below it once locked. Returns whether it deleted.
     async fn delete(
         &self,
         thread_id: &str,
-        idle_secs: Option<f64>,
+        idle_before: Option<Uuid>,
     ) -> Result<bool, CheckpointError> {
         let mut client = self.client().await?;
         let sql = &self.inner.sql;
@@ -236,14 +273,20 @@ impl PostgresSaver {
             .transaction()
             .await
             .map_err(|e| self.query_error(e))?;
-        let secs = idle_secs.unwrap_or(0.0);
+        let cutoff = idle_before.unwrap_or(MAX_UUID);
         let heads = tx
-            .query(&lock, &[&thread_id, &secs])
+            .query(&lock, &[&thread_id, &cutoff])
             .await
             .map_err(|e| self.query_error(e))?;
-        if idle_secs.is_some() && (heads.is_empty() || heads.iter().any(|r| !r.get::<_, bool>(1))) {
-            tx.rollback().await.map_err(|e| self.query_error(e))?;
-            return Ok(false);
+        if idle_before.is_some() {
+            let mut idle = !heads.is_empty();
+            for row in &heads {
+                idle &= row.try_get::<_, Option<bool>>(1).map_err(corrupt)? == Some(true);
+            }
+            if !idle {
+                tx.rollback().await.map_err(|e| self.query_error(e))?;
+                return Ok(false);
+            }
         }
         for stmt in &deletes {
             tx.execute(stmt, &[&thread_id])
@@ -765,5 +808,20 @@ impl Checkpointer for PostgresSaver {
         }
         tx.commit().await.map_err(err)?;
         Ok(usize::try_from(removed).unwrap_or(usize::MAX))
+    }
+
+    /// Candidates from a range scan of the `keel_heads_head` index below the cutoff,
+    /// oldest first; each deleted by thread id in its own transaction once its heads
+    /// are locked and still idle. No statement joins rows of two threads.
+    async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, CheckpointError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let cutoff = uuid_of(&support::idle_cutoff(idle_for))?;
+        self.sweep(cutoff, limit).await
     }
 }

@@ -28,11 +28,18 @@ impl Migration {
 }
 
 /// Every migration this build knows, oldest first.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "checkpoints, channel deltas, pending writes, heads, keel_put",
-    sql: MIGRATION_1,
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "checkpoints, channel deltas, pending writes, heads, keel_put",
+        sql: MIGRATION_1,
+    },
+    Migration {
+        version: 2,
+        name: "keel_heads indexed by head, for the TTL sweep",
+        sql: MIGRATION_2,
+    },
+];
 
 const MIGRATION_1: &str = r#"
 -- One row per (thread, namespace): its newest checkpoint. `put` locks this row and
@@ -146,6 +153,14 @@ BEGIN
     WHERE thread_id = p_thread AND ns = p_ns;
 END
 $fn$;
+"#;
+
+const MIGRATION_2: &str = r#"
+-- `sweep_idle` reads the heads older than its cutoff as a range of this index (head
+-- ids are UUID v7, so id order is time order) instead of scanning every head. Built
+-- under the migration's transaction: puts wait while it builds (one row per thread
+-- and namespace).
+CREATE INDEX keel_heads_head ON {s}.keel_heads (head);
 "#;
 
 /// The advisory lock key that serializes migrations of one schema across processes.

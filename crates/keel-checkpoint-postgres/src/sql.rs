@@ -132,9 +132,10 @@ impl Statements {
             lock_thread: format!(
                 "SELECT head FROM {s}.keel_heads WHERE thread_id = $1 AND ns = $2 FOR UPDATE"
             ),
+            // Locks every head of the thread; says for each whether it sorts below the
+            // sweep's cutoff `$2` (NULL for a head row without a head).
             lock_heads: format!(
-                "SELECT ns, updated_at < now() - make_interval(secs => $2)
-                 FROM {s}.keel_heads WHERE thread_id = $1 FOR UPDATE"
+                "SELECT ns, head < $2 FROM {s}.keel_heads WHERE thread_id = $1 FOR UPDATE"
             ),
             delete: [
                 format!("DELETE FROM {s}.keel_writes WHERE thread_id = $1"),
@@ -194,10 +195,16 @@ impl Statements {
                  WHERE h.thread_id = $1 AND h.ns = $2 AND NOT EXISTS (
                      SELECT 1 FROM {s}.keel_checkpoints c WHERE c.thread_id = $1 AND c.ns = $2)"
             ),
+            // Heads below the cutoff `$1`, oldest first, of threads with no head at or
+            // above it: a range of the `keel_heads_head` index, then one primary-key
+            // probe per row into the same thread's heads (no row of another thread is
+            // read for it). A thread comes once per idle namespace.
             idle_threads: format!(
-                "SELECT thread_id FROM {s}.keel_heads
-                 GROUP BY thread_id
-                 HAVING max(updated_at) < now() - make_interval(secs => $1)
+                "SELECT h.thread_id FROM {s}.keel_heads h
+                 WHERE h.head < $1 AND NOT EXISTS (
+                     SELECT 1 FROM {s}.keel_heads f
+                     WHERE f.thread_id = h.thread_id AND (f.head IS NULL OR f.head >= $1))
+                 ORDER BY h.head
                  LIMIT $2"
             ),
             thread_bytes: format!(

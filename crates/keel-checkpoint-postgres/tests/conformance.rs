@@ -29,6 +29,7 @@ checks!(
     resume_after_crash_mid_step,
     delete_thread,
     prune,
+    sweep_idle,
     stale_writes_refused,
     racing_writers,
     invalid_puts_refused,

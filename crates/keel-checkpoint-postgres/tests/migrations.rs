@@ -7,8 +7,8 @@ mod common;
 use keel_checkpoint::{CheckpointError, Checkpointer, ThreadKey};
 use keel_checkpoint_postgres::{MIGRATIONS, PostgresConfig, PostgresError, PostgresSaver, migrate};
 
-fn latest() -> i32 {
-    MIGRATIONS.iter().map(|m| m.version).max().unwrap()
+fn all() -> Vec<i32> {
+    MIGRATIONS.iter().map(|m| m.version).collect()
 }
 
 async fn versions(client: &tokio_postgres::Client, schema: &str) -> Vec<i32> {
@@ -84,7 +84,7 @@ async fn migrate_inside_a_transaction_follows_it() {
 
     // Rolled back with the caller's transaction: nothing remains.
     let mut tx = client.transaction().await.unwrap();
-    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), vec![latest()]);
+    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), all());
     tx.rollback().await.unwrap();
     let exists: bool = client
         .query_one(
@@ -101,9 +101,9 @@ async fn migrate_inside_a_transaction_follows_it() {
     tx.batch_execute("CREATE TEMP TABLE caller_work (x int)")
         .await
         .unwrap();
-    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), vec![latest()]);
+    assert_eq!(migrate(&mut tx, &schema).await.unwrap(), all());
     tx.commit().await.unwrap();
-    assert_eq!(versions(&client, &schema).await, vec![latest()]);
+    assert_eq!(versions(&client, &schema).await, all());
     // Outside a transaction, up to date: nothing to do.
     assert!(migrate(&mut client, &schema).await.unwrap().is_empty());
     assert!(
@@ -170,4 +170,35 @@ async fn unreachable_server_is_a_clear_backend_error() {
         other => panic!("expected a backend error, got {other:?}"),
     }
     assert!(matches!(saver.setup().await, Err(PostgresError::Pool(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_schema_gets_the_heads_index() {
+    let Some(db) = common::saver("migrate_v1").await else {
+        return;
+    };
+    let client = db.client().await;
+    let s = format!("\"{}\"", db.schema);
+    // The schema as version 1 left it.
+    client
+        .batch_execute(&format!(
+            "DROP INDEX {s}.keel_heads_head; DELETE FROM {s}.keel_migrations WHERE version > 1"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(db.saver.setup().await.unwrap(), vec![2]);
+    assert_eq!(versions(&client, &db.schema).await, all());
+    let index: Option<String> = client
+        .query_opt(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'keel_heads_head'",
+            &[&db.schema],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0));
+    assert!(
+        index.as_deref().is_some_and(|d| d.ends_with("(head)")),
+        "{index:?}"
+    );
+    db.drop_schema().await;
 }

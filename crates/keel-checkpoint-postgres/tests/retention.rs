@@ -1,5 +1,6 @@
 //! Retention: `prune` after a long graph run keeps the state rebuildable from far fewer
-//! rows; `sweep_idle` deletes only threads idle past the age (every namespace idle).
+//! rows; `sweep_idle` deletes only threads idle past the age (every namespace idle, by
+//! checkpoint id time), in bounded batches, and keeps a thread written while it waits.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -7,8 +8,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_checkpoint::{Checkpointer, ThreadKey};
+use keel_checkpoint::{
+    ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata, CheckpointSource,
+    Checkpointer, PutRequest, ThreadKey,
+};
+use keel_checkpoint_postgres::ThreadStorage;
 use keel_graph::RunConfig;
+use serde_json::json;
 
 use common::loop_graph::{self, LoopUpdate, Options};
 
@@ -55,78 +61,194 @@ async fn prune_keeps_what_the_newest_checkpoints_need() {
     db.drop_schema().await;
 }
 
+/// The first checkpoint of `thread`, with id `id` (e.g. an old one) and one delta.
+fn first_at(thread: &ThreadKey, id: &str) -> PutRequest {
+    let id: CheckpointId = id.parse().unwrap();
+    let mut checkpoint = Checkpoint::new(None);
+    checkpoint.id = id.clone();
+    let version = ChannelVersion::new(1, id);
+    checkpoint
+        .channel_versions
+        .insert("log".into(), version.clone());
+    PutRequest {
+        thread: thread.clone(),
+        checkpoint,
+        metadata: CheckpointMetadata::new(CheckpointSource::Input, -1),
+        deltas: vec![ChannelDelta {
+            channel: "log".into(),
+            version,
+            base: None,
+            updates: vec![json!("old")],
+            snapshot: None,
+        }],
+        expected_head: None,
+    }
+}
+
+/// A v7 id from June 2023 ending in `n`.
+fn old_id(n: u64) -> String {
+    format!("01890a5d-ac96-7000-8000-{n:012x}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_deletes_threads_idle_past_the_age() {
     let Some(db) = common::saver("sweep").await else {
         return;
     };
     let saver: Arc<dyn Checkpointer> = Arc::new(db.saver.clone());
-    let options = Options::default();
-    let g = loop_graph::graph(3, Some(saver.clone()), options, Arc::new(|_| {}));
-    for thread in ["old", "fresh", "half"] {
-        g.invoke(LoopUpdate::default(), &RunConfig::thread(thread))
-            .await
-            .unwrap();
-    }
-    // A subgraph namespace of "half" that is still active.
+    // Graph runs on "fresh" and on a subgraph namespace of "half", whose root namespace
+    // (like both namespaces of "old") was last written in June 2023.
+    saver
+        .put(first_at(&ThreadKey::new("old"), &old_id(1)))
+        .await
+        .unwrap();
+    saver
+        .put(first_at(
+            &ThreadKey::new("old").with_ns("child:1"),
+            &old_id(2),
+        ))
+        .await
+        .unwrap();
+    saver
+        .put(first_at(&ThreadKey::new("half"), &old_id(3)))
+        .await
+        .unwrap();
+    let g = loop_graph::graph(3, Some(saver.clone()), Options::default(), Arc::new(|_| {}));
+    g.invoke(LoopUpdate::default(), &RunConfig::thread("fresh"))
+        .await
+        .unwrap();
     let mut sub = RunConfig::thread("half");
     sub.checkpoint_ns = "child:1".into();
     g.invoke(LoopUpdate::default(), &sub).await.unwrap();
+    assert!(db.saver.thread_storage("old").await.unwrap().total_bytes() > 0);
 
-    // Age "old" (all namespaces) and the root namespace of "half" by two days.
+    let day = Duration::from_secs(24 * 3600);
+    assert_eq!(db.saver.sweep_idle(day).await.unwrap(), 1);
+    for ns in ["", "child:1"] {
+        let key = ThreadKey::new("old").with_ns(ns);
+        assert!(saver.get(&key, None).await.unwrap().is_none());
+    }
+    assert_eq!(
+        db.saver.thread_storage("old").await.unwrap(),
+        ThreadStorage::default()
+    );
+    for thread in ["fresh", "half"] {
+        let key = ThreadKey::new(thread);
+        assert!(saver.get(&key, None).await.unwrap().is_some(), "{thread}");
+    }
+    // Nothing left that old: a second sweep deletes nothing.
+    assert_eq!(db.saver.sweep_idle(day).await.unwrap(), 0);
+    assert!(saver.sweep_idle(day, 10).await.unwrap().is_empty());
+    // With a zero age every thread is idle once its newest id's millisecond is past.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut swept = saver.sweep_idle(Duration::ZERO, 10).await.unwrap();
+    swept.sort();
+    assert_eq!(swept, ["fresh", "half"]);
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_in_batches_and_the_inherent_sweep_takes_them_all() {
+    let Some(db) = common::saver("sweep_batches").await else {
+        return;
+    };
+    let saver: Arc<dyn Checkpointer> = Arc::new(db.saver.clone());
+    // 600 idle threads, 100 of them with a second idle namespace, and 3 busy ones.
+    for i in 0..600u64 {
+        let thread = ThreadKey::new(format!("idle-{i:03}"));
+        saver.put(first_at(&thread, &old_id(i))).await.unwrap();
+        if i % 6 == 0 {
+            let sub = thread.with_ns("sub");
+            saver.put(first_at(&sub, &old_id(1000 + i))).await.unwrap();
+        }
+    }
+    let g = loop_graph::graph(1, Some(saver.clone()), Options::default(), Arc::new(|_| {}));
+    for i in 0..3 {
+        g.invoke(
+            LoopUpdate::default(),
+            &RunConfig::thread(format!("busy-{i}")),
+        )
+        .await
+        .unwrap();
+    }
+    let day = Duration::from_secs(24 * 3600);
+    // The trait's sweep: at most the limit per call, each thread once.
+    let first = saver.sweep_idle(day, 250).await.unwrap();
+    assert_eq!(first.len(), 250);
+    let distinct: std::collections::BTreeSet<&String> = first.iter().collect();
+    assert_eq!(distinct.len(), 250);
+    assert!(first.iter().all(|t| t.starts_with("idle-")));
+    // The inherent sweep takes the other 350 in batches of 256.
+    assert_eq!(db.saver.sweep_idle(day).await.unwrap(), 350);
+    assert!(saver.sweep_idle(day, 250).await.unwrap().is_empty());
     let client = db.client().await;
-    client
-        .execute(
+    let left: Vec<String> = client
+        .query(
             &format!(
-                "UPDATE \"{}\".keel_heads SET updated_at = now() - interval '2 days'
-                 WHERE thread_id = 'old' OR (thread_id = 'half' AND ns = '')",
+                "SELECT DISTINCT thread_id FROM \"{}\".keel_checkpoints ORDER BY 1",
                 db.schema
             ),
             &[],
         )
         .await
-        .unwrap();
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["busy-0", "busy-1", "busy-2"]);
+    db.drop_schema().await;
+}
 
-    let deleted = db
-        .saver
-        .sweep_idle(Duration::from_secs(24 * 3600))
-        .await
-        .unwrap();
-    assert_eq!(deleted, 1);
-    assert!(
-        saver
-            .get(&ThreadKey::new("old"), None)
-            .await
-            .unwrap()
-            .is_none()
-    );
-    assert!(
-        saver
-            .get(&ThreadKey::new("fresh"), None)
-            .await
-            .unwrap()
-            .is_some()
-    );
-    assert!(
-        saver
-            .get(&ThreadKey::new("half"), None)
-            .await
-            .unwrap()
-            .is_some()
-    );
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_written_while_the_sweep_waits_for_it_is_kept() {
+    let Some(db) = common::saver("sweep_race").await else {
+        return;
+    };
+    let thread = ThreadKey::new("racing");
+    db.saver.put(first_at(&thread, &old_id(1))).await.unwrap();
+    // Another session holds the thread's head row, as a put in flight does, and moves
+    // the head to a fresh id before committing.
+    let mut other = db.client().await;
+    let tx = other.transaction().await.unwrap();
+    let heads = format!("\"{}\".keel_heads", db.schema);
+    tx.execute(
+        &format!("SELECT 1 FROM {heads} WHERE thread_id = 'racing' FOR UPDATE"),
+        &[],
+    )
+    .await
+    .unwrap();
+    let saver = db.saver.clone();
+    let sweep = tokio::spawn(async move {
+        Checkpointer::sweep_idle(&saver, Duration::from_secs(3600), 10).await
+    });
+    // The sweep picked the thread (its committed head is old) and waits for the lock.
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                   AND query LIKE '%' || $1 || '%FOR UPDATE%'";
+    let probe = db.client().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let waits = || async {
+        let row = probe.query_one(waiting, &[&db.schema]).await.unwrap();
+        row.get::<_, i64>(0) > 0
+    };
+    while !waits().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweep never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let fresh = uuid::Uuid::parse_str(CheckpointId::new().as_str()).unwrap();
+    tx.execute(
+        &format!("UPDATE {heads} SET head = $1 WHERE thread_id = 'racing'"),
+        &[&fresh],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert!(sweep.await.unwrap().unwrap().is_empty());
     assert_eq!(
-        db.saver.thread_storage("old").await.unwrap().total_bytes(),
-        0
+        db.saver.thread_storage("racing").await.unwrap().checkpoints,
+        1
     );
-    // Nothing left that old: a second sweep deletes nothing.
-    assert_eq!(
-        db.saver
-            .sweep_idle(Duration::from_secs(24 * 3600))
-            .await
-            .unwrap(),
-        0
-    );
-    // With a zero age every thread is idle.
-    assert_eq!(db.saver.sweep_idle(Duration::ZERO).await.unwrap(), 2);
     db.drop_schema().await;
 }

@@ -6,8 +6,11 @@
 //! wrote, one delta row holding the step's updates and, when the engine includes one, a
 //! snapshot. A delta is stored once under `(thread_id, ns, writer, channel)` and shared by
 //! every later checkpoint, so the file grows with what each step writes, not with the
-//! size of the state (invariant 6). Pending writes have their own table. Every table is
-//! keyed by thread id first. The schema is versioned and migrated when a file is opened.
+//! size of the state (invariant 6). Pending writes have their own table, and a `heads`
+//! table holds each namespace's newest checkpoint id, indexed by id, so
+//! [`sweep_idle`](keel_checkpoint::Checkpointer::sweep_idle) (the TTL sweep) finds idle
+//! threads with a range scan. Every table is keyed by thread id first. The schema is
+//! versioned ([`SCHEMA_VERSION`]) and migrated when a file is opened.
 //!
 //! **Fencing** (invariant 7): a put runs in one `BEGIN IMMEDIATE` transaction that
 //! checks the writer's expected head, checks every delta it refers to, and inserts

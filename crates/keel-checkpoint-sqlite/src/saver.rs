@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -290,6 +291,22 @@ impl Checkpointer for SqliteSaver {
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
         let thread = thread.clone();
         self.write(move |conn| store::prune(conn, &thread, keep_last))
+            .await
+    }
+
+    /// One write transaction on the writer thread: a range scan of the heads index
+    /// below the cutoff, then the deletes. `limit` bounds how long it holds the write
+    /// lock.
+    async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, CheckpointError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let cutoff = support::idle_cutoff(idle_for);
+        self.write(move |conn| store::sweep_idle(conn, &cutoff, limit))
             .await
     }
 }

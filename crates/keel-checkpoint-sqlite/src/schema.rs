@@ -5,7 +5,8 @@
 //! transaction on open, so two processes opening a new file at once migrate it once.
 //!
 //! Every table is keyed by `thread_id` first and nothing joins across threads (a
-//! sharded store can take the same layout).
+//! sharded store can take the same layout). The one secondary index, `heads_by_head`,
+//! serves the TTL sweep, which looks for threads by age rather than by id.
 
 use std::path::Path;
 
@@ -71,6 +72,19 @@ const MIGRATIONS: &[&str] = &[
         value         TEXT    NOT NULL, -- JSON
         PRIMARY KEY (thread_id, ns, checkpoint_id, task_id, channel, idx)
     ) WITHOUT ROWID;
+    "#,
+    // 2: each namespace's head, indexed by id, so the TTL sweep (`sweep_idle`) finds
+    // idle threads with a range scan instead of reading every thread's checkpoints.
+    r#"
+    CREATE TABLE heads (
+        thread_id TEXT NOT NULL,
+        ns        TEXT NOT NULL,
+        head      TEXT NOT NULL, -- the newest checkpoint_id of (thread_id, ns)
+        PRIMARY KEY (thread_id, ns)
+    ) WITHOUT ROWID;
+    INSERT INTO heads (thread_id, ns, head)
+        SELECT thread_id, ns, max(checkpoint_id) FROM checkpoints GROUP BY thread_id, ns;
+    CREATE INDEX heads_by_head ON heads (head);
     "#,
 ];
 

@@ -244,6 +244,12 @@ pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
             to_json(&versions)?,
             metadata_to_json(metadata)?,
         ])?;
+        // The id sorts after the old head (checked above), so it is the new head.
+        tx.prepare_cached(
+            "INSERT INTO heads (thread_id, ns, head) VALUES (?1, ?2, ?3) \
+             ON CONFLICT (thread_id, ns) DO UPDATE SET head = excluded.head",
+        )?
+        .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
     }
     tx.commit()?;
     Ok(())
@@ -459,12 +465,61 @@ pub(crate) fn put_writes(
 /// `Checkpointer::delete_thread`: every namespace, in one transaction.
 pub(crate) fn delete_thread(conn: &mut Connection, thread_id: &str) -> OpResult<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    for table in ["writes", "deltas", "checkpoints"] {
-        tx.prepare_cached(&format!("DELETE FROM {table} WHERE thread_id = ?1"))?
-            .execute([thread_id])?;
-    }
+    delete_rows(&tx, thread_id)?;
     tx.commit()?;
     Ok(())
+}
+
+/// Deletes every row of `thread_id`, all namespaces (inside the caller's transaction).
+fn delete_rows(conn: &Connection, thread_id: &str) -> OpResult<()> {
+    for table in ["writes", "deltas", "checkpoints", "heads"] {
+        conn.prepare_cached(&format!("DELETE FROM {table} WHERE thread_id = ?1"))?
+            .execute([thread_id])?;
+    }
+    Ok(())
+}
+
+/// The heads below the cutoff `?1`, oldest first, of threads with no head at or above
+/// it (`INDEXED BY`: preparing fails rather than falling back to a full scan).
+const SWEEP_IDLE: &str = "SELECT h.thread_id FROM heads h INDEXED BY heads_by_head \
+     WHERE h.head < ?1 AND NOT EXISTS \
+         (SELECT 1 FROM heads f WHERE f.thread_id = h.thread_id AND f.head >= ?1) \
+     ORDER BY h.head";
+
+/// `Checkpointer::sweep_idle`, in one `BEGIN IMMEDIATE` transaction: finds up to `limit`
+/// threads whose every head sorts below `cutoff` and deletes them.
+///
+/// The heads below the cutoff are read in id order from the `heads_by_head` index (a
+/// range scan that stops once `limit` threads are found); for each, the thread's other
+/// heads are looked up by primary key, so a thread with any newer head is skipped.
+pub(crate) fn sweep_idle(
+    conn: &mut Connection,
+    cutoff: &CheckpointId,
+    limit: usize,
+) -> OpResult<Vec<String>> {
+    if limit == 0 {
+        return Ok(Vec::new());
+    }
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let mut doomed: Vec<String> = Vec::new();
+    {
+        let mut stmt = tx.prepare_cached(SWEEP_IDLE)?;
+        let mut rows = stmt.query([cutoff.as_str()])?;
+        // A thread with several idle namespaces comes once per namespace.
+        let mut seen = std::collections::HashSet::new();
+        while doomed.len() < limit {
+            let Some(row) = rows.next()? else { break };
+            let thread_id = text(row, 0, "head thread id")?;
+            if seen.insert(thread_id.to_owned()) {
+                doomed.push(thread_id.to_owned());
+            }
+        }
+    }
+    for thread_id in &doomed {
+        delete_rows(&tx, thread_id)?;
+    }
+    tx.commit()?;
+    Ok(doomed)
 }
 
 /// `Checkpointer::prune`, in one transaction: drops all but the newest `keep_last`
@@ -502,6 +557,11 @@ pub(crate) fn prune(
     }
     tx.prepare_cached(&format!("DELETE FROM writes WHERE {older}"))?
         .execute(params![thread.thread_id, thread.ns, cutoff])?;
+    if cutoff.is_none() {
+        // The namespace is empty: it has no head any more.
+        tx.prepare_cached("DELETE FROM heads WHERE thread_id = ?1 AND ns = ?2")?
+            .execute(params![thread.thread_id, thread.ns])?;
+    }
 
     // Mark every delta a kept checkpoint's chain reaches (the same walk as
     // `support::build_chain`: back to the newest snapshot or a delta without base),
@@ -705,4 +765,31 @@ pub(crate) fn stats(conn: &Connection) -> OpResult<crate::SqliteStats> {
 pub(crate) fn wal_checkpoint(conn: &Connection) -> OpResult<bool> {
     let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
     Ok(busy != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+
+    #[test]
+    fn sweep_reads_a_range_of_the_heads_index() {
+        let conn = crate::schema::open_memory(&crate::SqliteOptions::default()).unwrap();
+        let mut stmt = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {SWEEP_IDLE}"))
+            .unwrap();
+        let plan: Vec<String> = stmt
+            .query_map(["01890a5d-ac96-7000-8000-000000000000"], |r| r.get(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let has = |step: &str| plan.iter().any(|p| p.contains(step));
+        assert!(
+            has("SEARCH h USING COVERING INDEX heads_by_head (head<?)"),
+            "{plan:?}"
+        );
+        assert!(has("SEARCH f USING PRIMARY KEY (thread_id=?)"), "{plan:?}");
+        assert!(!plan.iter().any(|p| p.starts_with("SCAN")), "{plan:?}");
+    }
 }

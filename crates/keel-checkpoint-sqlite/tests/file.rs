@@ -356,3 +356,155 @@ async fn savers_opening_a_new_file_at_once_create_it_once() {
         }
     }
 }
+
+/// The first step of `thread` with checkpoint id `id` (e.g. an old one).
+fn first_step_at(thread: &ThreadKey, id: &str) -> keel_checkpoint::PutRequest {
+    let id: keel_checkpoint::CheckpointId = id.parse().unwrap();
+    let mut request = step(thread, None, "log", vec![json!(id.as_str())]);
+    request.checkpoint.id = id.clone();
+    request.deltas[0].version.writer = id;
+    request
+        .checkpoint
+        .channel_versions
+        .insert("log".into(), request.deltas[0].version.clone());
+    request
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn version_1_files_get_their_heads_and_can_be_swept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v1.db");
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let old = ThreadKey::new("old");
+    let new = ThreadKey::new("new");
+    // June 2023, in two namespaces of "old"; now in "new" and in a namespace of "old"'s
+    // neighbour "half" whose root is old.
+    saver
+        .put(first_step_at(&old, "01890a5d-ac96-774b-bcce-b302099a8057"))
+        .await
+        .unwrap();
+    saver
+        .put(first_step_at(
+            &old.clone().with_ns("sub"),
+            "01890a5d-ac97-7000-8000-000000000001",
+        ))
+        .await
+        .unwrap();
+    let half = ThreadKey::new("half");
+    saver
+        .put(first_step_at(&half, "01890a5d-ac98-7000-8000-000000000001"))
+        .await
+        .unwrap();
+    saver
+        .put(step(
+            &half.clone().with_ns("sub"),
+            None,
+            "log",
+            vec![json!(1)],
+        ))
+        .await
+        .unwrap();
+    let first = step(&new, None, "log", vec![json!(1)]);
+    saver.put(first.clone()).await.unwrap();
+    saver
+        .put(step(&new, Some(&first.checkpoint), "log", vec![json!(2)]))
+        .await
+        .unwrap();
+    drop(saver);
+
+    // Make it the file version 1 wrote: no heads table.
+    let conn = Connection::open(&path).unwrap();
+    conn.execute_batch("DROP TABLE heads; PRAGMA user_version = 1;")
+        .unwrap();
+    drop(conn);
+
+    // Opening migrates it: the heads are filled in from the checkpoints.
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let conn = Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, SCHEMA_VERSION);
+    let heads: Vec<(String, String, String)> = conn
+        .prepare("SELECT thread_id, ns, head FROM heads ORDER BY thread_id, ns")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let keys: Vec<(&str, &str)> = heads
+        .iter()
+        .map(|(t, n, _)| (t.as_str(), n.as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            ("half", ""),
+            ("half", "sub"),
+            ("new", ""),
+            ("old", ""),
+            ("old", "sub")
+        ]
+    );
+    let new_head = saver.get(&new, None).await.unwrap().unwrap().checkpoint.id;
+    assert_eq!(heads[2].2, new_head.as_str());
+    drop(conn);
+
+    let day = std::time::Duration::from_secs(24 * 3600);
+    assert_eq!(saver.sweep_idle(day, 10).await.unwrap(), ["old"]);
+    assert!(saver.get(&old, None).await.unwrap().is_none());
+    assert!(
+        saver
+            .get(&old.clone().with_ns("sub"), None)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(saver.get(&half, None).await.unwrap().is_some());
+    assert!(saver.get(&new, None).await.unwrap().is_some());
+    assert_eq!(saver.stats().await.unwrap().threads, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_idle_in_batches() {
+    // 300 idle threads and 5 busy ones: batches of 128 take 128, 128, 44, and the
+    // short batch says the sweep is done.
+    let dir = tempfile::tempdir().unwrap();
+    let saver = SqliteSaver::open(dir.path().join("batches.db"))
+        .await
+        .unwrap();
+    for i in 0..300u32 {
+        let id = format!("01890a5d-ac96-7000-8000-{i:012x}");
+        saver
+            .put(first_step_at(&ThreadKey::new(format!("idle-{i}")), &id))
+            .await
+            .unwrap();
+    }
+    for i in 0..5 {
+        saver
+            .put(step(
+                &ThreadKey::new(format!("busy-{i}")),
+                None,
+                "log",
+                vec![json!(i)],
+            ))
+            .await
+            .unwrap();
+    }
+    let hour = std::time::Duration::from_secs(3600);
+    let mut sizes = Vec::new();
+    let mut swept = std::collections::BTreeSet::new();
+    loop {
+        let batch = saver.sweep_idle(hour, 128).await.unwrap();
+        sizes.push(batch.len());
+        swept.extend(batch);
+        if *sizes.last().unwrap() < 128 {
+            break;
+        }
+    }
+    assert_eq!(sizes, [128, 128, 44]);
+    assert_eq!(swept.len(), 300);
+    assert!(swept.iter().all(|t| t.starts_with("idle-")));
+    let stats = saver.stats().await.unwrap();
+    assert_eq!((stats.threads, stats.checkpoints, stats.deltas), (5, 5, 5));
+}

@@ -29,8 +29,9 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::TryStreamExt;
 use serde_json::{Value, json};
@@ -57,6 +58,7 @@ where
     resume_after_crash_mid_step(&make().await).await;
     delete_thread(&make().await).await;
     prune(&make().await).await;
+    sweep_idle(&make().await).await;
     stale_writes_refused(&make().await).await;
     racing_writers(&make().await).await;
     invalid_puts_refused(&make().await).await;
@@ -127,6 +129,18 @@ impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
         writes: &[(&str, Write)],
         metadata: CheckpointMetadata,
     ) -> (PutRequest, State) {
+        self.request_as(None, parent, writes, metadata)
+    }
+
+    /// Like [`request`](Self::request), with checkpoint id `id` instead of a fresh one
+    /// (it must sort after the head).
+    fn request_as(
+        &self,
+        id: Option<&CheckpointId>,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+        metadata: CheckpointMetadata,
+    ) -> (PutRequest, State) {
         let (mut checkpoint, mut state) = match parent {
             Some(parent) => {
                 let (checkpoint, _, state) = &self.stored[parent];
@@ -138,6 +152,9 @@ impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
             }
             None => (Checkpoint::new(None), State::new()),
         };
+        if let Some(id) = id {
+            checkpoint.id = id.clone();
+        }
         let step = metadata.step;
         checkpoint.versions_seen.insert(
             "node".into(),
@@ -192,7 +209,18 @@ impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
         writes: &[(&str, Write)],
         metadata: CheckpointMetadata,
     ) -> CheckpointId {
-        let (request, state) = self.request(parent, writes, metadata);
+        self.step_as(None, parent, writes, metadata).await
+    }
+
+    /// Like [`step_with`](Self::step_with), with checkpoint id `id` if given.
+    async fn step_as(
+        &mut self,
+        id: Option<&CheckpointId>,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+        metadata: CheckpointMetadata,
+    ) -> CheckpointId {
+        let (request, state) = self.request_as(id, parent, writes, metadata);
         let id = request.checkpoint.id.clone();
         let expected = (request.checkpoint.clone(), request.metadata.clone(), state);
         if let Err(err) = self.saver.put(request).await {
@@ -220,6 +248,34 @@ impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
         };
         self.step_with(parent, writes, CheckpointMetadata::new(source, step))
             .await
+    }
+
+    /// A step like [`step`](Self::step) whose checkpoint id is `id`.
+    async fn step_at(
+        &mut self,
+        id: &CheckpointId,
+        parent: Option<&CheckpointId>,
+        writes: &[(&str, Write)],
+    ) -> CheckpointId {
+        let step = parent.map_or(-1, |p| self.stored[p].1.step + 1);
+        let source = if parent.is_none() {
+            CheckpointSource::Input
+        } else {
+            CheckpointSource::Loop
+        };
+        self.step_as(
+            Some(id),
+            parent,
+            writes,
+            CheckpointMetadata::new(source, step),
+        )
+        .await
+    }
+
+    /// Forgets what was put, as after the thread was deleted.
+    fn forget(&mut self) {
+        self.stored.clear();
+        self.head = None;
     }
 
     async fn get(&self, id: Option<&CheckpointId>) -> Option<CheckpointTuple> {
@@ -1040,6 +1096,322 @@ pub async fn prune<C: Checkpointer + ?Sized>(saver: &C) {
     d.head = None;
     let again = d.step(None, &[("plain", append(&["again"]))]).await;
     d.assert_stored(&again).await;
+}
+
+/// 2000-01-01T00:00:00Z in Unix milliseconds. `sweep_idle` dates its idle threads'
+/// checkpoints then and sweeps threads idle since the day after, so on a saver that
+/// other checks (or anything made in this century) share, it deletes only its own.
+const Y2K_MILLIS: u64 = 946_684_800_000;
+const DAY_MILLIS: u64 = 24 * 3600 * 1000;
+
+/// A v7 id made at `millis` (Unix milliseconds), its other bits random.
+fn id_at(millis: u64) -> CheckpointId {
+    let random = uuid::Uuid::new_v4().into_bytes();
+    let mut bytes = [0u8; 10];
+    bytes.copy_from_slice(&random[..10]);
+    let uuid = uuid::Builder::from_unix_timestamp_millis(millis, &bytes).into_uuid();
+    uuid.to_string().parse().unwrap()
+}
+
+/// How long ago `millis` (Unix milliseconds) was.
+fn since(millis: u64) -> Duration {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    now.saturating_sub(Duration::from_millis(millis))
+}
+
+async fn sweep<C: Checkpointer + ?Sized>(
+    saver: &C,
+    what: &str,
+    idle_for: Duration,
+    limit: usize,
+) -> Vec<String> {
+    match saver.sweep_idle(idle_for, limit).await {
+        Ok(ids) => ids,
+        Err(err) => panic!(
+            "[conformance::sweep_idle] {what}: sweep_idle({idle_for:?}, {limit}) failed: {err}"
+        ),
+    }
+}
+
+/// One namespace of a thread the check watches: its driver, and each checkpoint with the
+/// number of pending writes it holds.
+type Watched<'d, 's, C> = (&'d Driver<'s, C>, Vec<(CheckpointId, usize)>);
+
+async fn assert_swept<C: Checkpointer + ?Sized>(what: &str, namespaces: &[Watched<'_, '_, C>]) {
+    for (d, checkpoints) in namespaces {
+        d.assert_head(None).await;
+        assert!(
+            d.list(ListOptions::default()).await.is_empty(),
+            "[conformance::{}] {what}: swept {} still lists checkpoints",
+            d.check,
+            d.thread
+        );
+        for (id, _) in checkpoints {
+            assert!(
+                d.get(Some(id)).await.is_none(),
+                "[conformance::{}] {what}: checkpoint {id} of swept {} still found",
+                d.check,
+                d.thread
+            );
+        }
+    }
+}
+
+async fn assert_kept<C: Checkpointer + ?Sized>(what: &str, namespaces: &[Watched<'_, '_, C>]) {
+    for (d, checkpoints) in namespaces {
+        for (id, writes) in checkpoints {
+            let tuple = d.assert_stored(id).await;
+            assert_eq!(
+                tuple.pending_writes.len(),
+                *writes,
+                "[conformance::{}] {what}: pending writes of {id} in kept {}",
+                d.check,
+                d.thread
+            );
+        }
+        let newest = checkpoints.iter().map(|(id, _)| id).max();
+        d.assert_head(newest).await;
+    }
+}
+
+/// Puts checkpoint `id` (no parent, `writes`) on a thread that was swept, where it was
+/// the first checkpoint once: it must go in as on a new thread (no head, no delta of
+/// its id left) and come back without the writes it had.
+async fn put_again<C: Checkpointer + ?Sized>(
+    d: &mut Driver<'_, C>,
+    id: &CheckpointId,
+    writes: &[(&str, Write)],
+) {
+    let check = d.check;
+    d.forget();
+    let metadata = CheckpointMetadata::new(CheckpointSource::Input, -1);
+    let (request, state) = d.request_as(Some(id), None, writes, metadata);
+    let expected = (request.checkpoint.clone(), request.metadata.clone(), state);
+    if let Err(err) = d.saver.put(request).await {
+        panic!(
+            "[conformance::{check}] putting checkpoint {id} of swept {} again failed \
+             (a head or delta left behind?): {err}",
+            d.thread
+        );
+    }
+    d.stored.insert(id.clone(), expected);
+    d.head = Some(id.clone());
+    let tuple = d.assert_stored(id).await;
+    assert!(
+        tuple.pending_writes.is_empty(),
+        "[conformance::{check}] writes of swept {} came back: {:?}",
+        d.thread,
+        tuple.pending_writes
+    );
+}
+
+/// `sweep_idle` deletes the threads whose newest checkpoint, over every namespace, is
+/// older than the age (by checkpoint id time), at most `limit` per call, each with every
+/// namespace and its deltas and writes; threads with any newer checkpoint, in any
+/// namespace, are untouched, and a namespace emptied by `prune` counts no more. Old
+/// checkpoints are made with ids dated 2000-01-01, which
+/// the contract allows for a thread's first checkpoint, so nothing sleeps and the check
+/// sweeps nothing but its own threads.
+pub async fn sweep_idle<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "sweep_idle";
+    let t0 = Y2K_MILLIS;
+    // The age of the sweeps below: idle since a day after t0.
+    let ttl = || since(t0 + DAY_MILLIS);
+
+    // Three idle threads. The first has three old steps with writes, and an old
+    // subgraph namespace with writes.
+    let idle = fresh_thread(CHECK);
+    let mut root = Driver::on(CHECK, saver, idle.clone());
+    let mut sub = Driver::on(CHECK, saver, idle.clone().with_ns("sub:1"));
+    let first_writes = [("log", append(&["a1"])), ("side", append(&["s"]))];
+    let a1 = root.step_at(&id_at(t0), None, &first_writes).await;
+    root.put_writes(&a1, vec![write("t", "log", json!(1))])
+        .await;
+    let a2 = root
+        .step_at(&id_at(t0 + 1), Some(&a1), &[("log", append(&["a2"]))])
+        .await;
+    let a3 = root
+        .step_at(&id_at(t0 + 2), Some(&a2), &[("log", append(&["a3"]))])
+        .await;
+    root.put_writes(
+        &a3,
+        vec![
+            write("t", "log", json!(2)),
+            write("u", PendingWrite::INTERRUPT, json!("?")),
+        ],
+    )
+    .await;
+    let sub_writes = [("log", append(&["s1"]))];
+    let s1 = sub.step_at(&id_at(t0 + 3), None, &sub_writes).await;
+    sub.put_writes(&s1, vec![write("t", "log", json!(3))]).await;
+    let mut idle2 = Driver::new(CHECK, saver);
+    let b1 = idle2
+        .step_at(&id_at(t0 + 10), None, &[("log", append(&["b"]))])
+        .await;
+    let mut idle3 = Driver::new(CHECK, saver);
+    let c1 = idle3
+        .step_at(&id_at(t0 + 20), None, &[("log", append(&["c"]))])
+        .await;
+    idle3
+        .put_writes(&c1, vec![write("t", "log", json!(4))])
+        .await;
+
+    // Not idle: a thread made now; one whose old history goes on now; one with an old
+    // root namespace and a fresh subgraph namespace.
+    let mut fresh = Driver::new(CHECK, saver);
+    let f1 = fresh.step(None, &[("log", append(&["f"]))]).await;
+    let mut revived = Driver::new(CHECK, saver);
+    let r1 = revived
+        .step_at(&id_at(t0), None, &[("log", append(&["r1"]))])
+        .await;
+    let r2 = revived.step(Some(&r1), &[("log", append(&["r2"]))]).await;
+    let half = fresh_thread(CHECK);
+    let mut half_root = Driver::on(CHECK, saver, half.clone());
+    let mut half_sub = Driver::on(CHECK, saver, half.clone().with_ns("sub:1"));
+    let h1 = half_root
+        .step_at(&id_at(t0), None, &[("log", append(&["h"]))])
+        .await;
+    half_root
+        .put_writes(&h1, vec![write("t", "log", json!(5))])
+        .await;
+    let hs = half_sub.step(None, &[("log", append(&["hs"]))]).await;
+
+    {
+        let idle_threads: Vec<(String, Vec<Watched<'_, '_, C>>)> = vec![
+            (
+                idle.thread_id.clone(),
+                vec![
+                    (
+                        &root,
+                        vec![(a1.clone(), 1), (a2.clone(), 0), (a3.clone(), 2)],
+                    ),
+                    (&sub, vec![(s1.clone(), 1)]),
+                ],
+            ),
+            (
+                idle2.thread.thread_id.clone(),
+                vec![(&idle2, vec![(b1.clone(), 0)])],
+            ),
+            (
+                idle3.thread.thread_id.clone(),
+                vec![(&idle3, vec![(c1.clone(), 1)])],
+            ),
+        ];
+        let busy: Vec<Watched<'_, '_, C>> = vec![
+            (&fresh, vec![(f1.clone(), 0)]),
+            (&revived, vec![(r1.clone(), 0), (r2.clone(), 0)]),
+            (&half_root, vec![(h1.clone(), 1)]),
+            (&half_sub, vec![(hs.clone(), 0)]),
+        ];
+
+        // Nothing is idle that long; a zero limit deletes nothing.
+        let swept = sweep(
+            saver,
+            "an age above every thread's",
+            since(t0 - DAY_MILLIS),
+            100,
+        )
+        .await;
+        assert!(
+            swept.is_empty(),
+            "[conformance::{CHECK}] swept threads younger than the age: {swept:?}"
+        );
+        let swept = sweep(saver, "limit 0", ttl(), 0).await;
+        assert!(
+            swept.is_empty(),
+            "[conformance::{CHECK}] limit 0 swept {swept:?}"
+        );
+        for (_, namespaces) in &idle_threads {
+            assert_kept("before any sweep", namespaces).await;
+        }
+
+        // The limit holds: two of the three idle threads, whole; the third untouched.
+        let first = sweep(saver, "limit 2 of 3", ttl(), 2).await;
+        let first_set: BTreeSet<&String> = first.iter().collect();
+        assert!(
+            first.len() == 2 && first_set.len() == 2,
+            "[conformance::{CHECK}] sweep with limit 2 of 3 idle threads returned {first:?}"
+        );
+        for (thread_id, namespaces) in &idle_threads {
+            if first_set.contains(thread_id) {
+                assert_swept("first batch", namespaces).await;
+            } else {
+                assert_kept("left by the first batch", namespaces).await;
+            }
+        }
+        for id in &first {
+            assert!(
+                idle_threads.iter().any(|(t, _)| t == id),
+                "[conformance::{CHECK}] swept {id:?}, which is not idle"
+            );
+        }
+
+        // The next call takes the third, fewer than the limit: the sweep is done.
+        let second = sweep(saver, "the rest", ttl(), 2).await;
+        let mut all: BTreeSet<String> = first.iter().chain(&second).cloned().collect();
+        let expected: BTreeSet<String> = idle_threads.iter().map(|(t, _)| t.clone()).collect();
+        assert!(
+            second.len() == 1 && all == expected,
+            "[conformance::{CHECK}] second batch {second:?} after {first:?}: expected the rest of {expected:?}"
+        );
+        for (_, namespaces) in &idle_threads {
+            assert_swept("second batch", namespaces).await;
+        }
+        let third = sweep(saver, "nothing left", ttl(), 2).await;
+        assert!(
+            third.is_empty(),
+            "[conformance::{CHECK}] a third sweep found {third:?}"
+        );
+        all.clear();
+
+        // A fresh checkpoint in any namespace keeps the whole thread, old history too.
+        assert_kept("not idle", &busy).await;
+    }
+
+    // The swept thread left nothing: its first checkpoints go in again as on a new
+    // thread (no head, no delta of theirs) and come back without their writes, and the
+    // deltas of its later steps are gone (a checkpoint naming one is refused).
+    put_again(&mut root, &a1, &first_writes).await;
+    put_again(&mut sub, &s1, &sub_writes).await;
+    let (mut request, _) = root.request(
+        Some(&a1),
+        &[],
+        CheckpointMetadata::new(CheckpointSource::Update, 0),
+    );
+    request
+        .checkpoint
+        .channel_versions
+        .insert("log".into(), ChannelVersion::new(2, a2.clone()));
+    match saver.put(request).await {
+        Err(CheckpointError::Invalid { .. }) => {}
+        other => panic!(
+            "[conformance::{CHECK}] a checkpoint naming a delta of a swept thread gave {other:?}, not Invalid"
+        ),
+    }
+
+    // Put again with old ids, that thread is idle again. A namespace emptied by
+    // `prune(_, 0)` keeps its thread no longer: the half-idle thread is idle now.
+    assert_eq!(
+        saver.prune(&half_sub.thread, 0).await.ok(),
+        Some(1),
+        "[conformance::{CHECK}] prune(0) of the fresh namespace"
+    );
+    let mut last = sweep(saver, "after put again and prune", ttl(), 10).await;
+    last.sort();
+    let mut expected = vec![idle.thread_id.clone(), half.thread_id.clone()];
+    expected.sort();
+    assert_eq!(
+        last, expected,
+        "[conformance::{CHECK}] sweep after putting a swept thread again and emptying a namespace"
+    );
+    for d in [&root, &sub, &half_root, &half_sub] {
+        d.assert_head(None).await;
+    }
+    fresh.assert_stored(&f1).await;
+    revived.assert_head(Some(&r2)).await;
+    revived.assert_stored(&r1).await;
 }
 
 /// Fencing (invariant 7): a put whose expected head is not the current head fails with

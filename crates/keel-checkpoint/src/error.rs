@@ -40,6 +40,14 @@ pub enum CheckpointError {
         /// What is inconsistent.
         what: String,
     },
+    /// The checkpointer does not implement this operation; nothing was changed. A
+    /// backend that keeps the trait's default for an optional method (such as
+    /// [`Checkpointer::sweep_idle`](crate::Checkpointer::sweep_idle)) says so with this.
+    #[error("{operation} is not supported by this checkpointer")]
+    Unsupported {
+        /// The operation (the `Checkpointer` method's name).
+        operation: &'static str,
+    },
     /// The storage backend failed.
     #[error("checkpoint backend error: {0}")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -54,6 +62,12 @@ impl CheckpointError {
     /// Whether this is a fencing [`Conflict`](Self::Conflict).
     pub fn is_conflict(&self) -> bool {
         matches!(self, Self::Conflict { .. })
+    }
+
+    /// Whether this is [`Unsupported`](Self::Unsupported): the backend lacks the
+    /// operation.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Self::Unsupported { .. })
     }
 }
 

@@ -115,6 +115,14 @@ impl CheckpointId {
         u64::try_from(self.as_u128() >> TS_SHIFT).unwrap_or(u64::MAX)
     }
 
+    /// The smallest id whose timestamp is `millis` (every random bit zero): an id made
+    /// before that millisecond sorts below it, any id made in it or later does not.
+    pub(crate) fn floor_at(millis: u64) -> Self {
+        let millis = millis.min((1 << 48) - 1);
+        let uuid = uuid::Builder::from_unix_timestamp_millis(millis, &[0; 10]).into_uuid();
+        Self(uuid.hyphenated().to_string().into())
+    }
+
     fn as_u128(&self) -> u128 {
         Uuid::parse_str(&self.0).map(|u| u.as_u128()).unwrap_or(0)
     }
@@ -308,6 +316,22 @@ mod tests {
         assert_eq!(next >> TS_SHIFT, 6);
         assert_eq!(Uuid::from_u128(next).get_version_num(), 7);
         assert_eq!(Uuid::from_u128(next).get_variant(), uuid::Variant::RFC4122);
+    }
+
+    #[test]
+    fn floor_at_splits_ids_by_millisecond() {
+        let floor = CheckpointId::floor_at(1_688_096_058_518);
+        assert_eq!(floor.as_str(), "01890a5d-ac96-7000-8000-000000000000");
+        assert_eq!(floor.timestamp_millis(), 1_688_096_058_518);
+        assert_eq!(floor.as_str().parse::<CheckpointId>().unwrap(), floor);
+        let same_ms: CheckpointId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap();
+        let ms_before: CheckpointId = "01890a5d-ac95-7fff-bfff-ffffffffffff".parse().unwrap();
+        assert!(ms_before < floor && floor < same_ms);
+        assert!(CheckpointId::floor_at(0) <= CheckpointId::floor_at(0));
+        assert_eq!(
+            CheckpointId::floor_at(u64::MAX).timestamp_millis(),
+            (1 << 48) - 1
+        );
     }
 
     #[test]

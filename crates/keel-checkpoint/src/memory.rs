@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -389,6 +390,39 @@ impl Checkpointer for MemorySaver {
                 }
             }
             removed
+        }))
+    }
+
+    /// Looks at every thread under the write lock (memory has no index to scan a
+    /// range of), deleting the idle ones oldest first.
+    async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, CheckpointError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let cutoff = support::idle_cutoff(idle_for);
+        Ok(self.write(|threads| {
+            // (newest head over the namespaces, thread id) of every idle thread.
+            let mut idle: Vec<(&CheckpointId, &String)> = threads
+                .iter()
+                .filter_map(|(thread_id, namespaces)| {
+                    let newest = namespaces.values().filter_map(Space::head).max()?;
+                    (*newest < cutoff).then_some((newest, thread_id))
+                })
+                .collect();
+            if idle.len() > limit {
+                idle.select_nth_unstable(limit - 1);
+                idle.truncate(limit);
+            }
+            idle.sort_unstable();
+            let doomed: Vec<String> = idle.into_iter().map(|(_, id)| id.clone()).collect();
+            for thread_id in &doomed {
+                threads.remove(thread_id);
+            }
+            doomed
         }))
     }
 }

@@ -1,6 +1,7 @@
 //! The `Checkpointer` trait.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::stream::BoxStream;
@@ -20,8 +21,9 @@ use crate::types::{CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite
 /// * [`get`](Self::get) returns a checkpoint with one [`ChannelChain`](crate::ChannelChain)
 ///   per channel and the writes stored against it;
 /// * [`put_writes`](Self::put_writes) saves a task's writes before the step's checkpoint;
-/// * [`list`](Self::list), [`delete_thread`](Self::delete_thread) and
-///   [`prune`](Self::prune) manage history.
+/// * [`list`](Self::list), [`delete_thread`](Self::delete_thread),
+///   [`prune`](Self::prune) and [`sweep_idle`](Self::sweep_idle) (a TTL sweep of idle
+///   threads) manage history.
 ///
 /// "Newest" means greatest [`CheckpointId`]; `put` refuses an id that does not sort
 /// after the current head, so id order and put order agree.
@@ -79,6 +81,88 @@ pub trait Checkpointer: Send + Sync + 'static {
     /// writes, and deltas no kept checkpoint needs. Returns how many checkpoints were
     /// removed. `keep_last = 0` empties the namespace.
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError>;
+
+    /// A TTL sweep: deletes up to `limit` idle threads and returns their ids. A thread
+    /// is idle when its newest checkpoint, over all its namespaces, is older than
+    /// `idle_for`; it goes as [`delete_thread`](Self::delete_thread) takes it, every
+    /// namespace with its checkpoints, deltas and writes.
+    ///
+    /// **Age** is read from checkpoint ids (UUID v7: the millisecond the writer made the
+    /// id, see [`CheckpointId::timestamp_millis`]), in every backend alike, against this
+    /// machine's clock: a thread is idle when the head of each of its namespaces sorts
+    /// below [`support::idle_cutoff(idle_for)`](crate::support::idle_cutoff). Only
+    /// checkpoints count: [`put_writes`](Self::put_writes) during a long step does
+    /// not, so `idle_for` should be well above the longest step. A head whose id is
+    /// ahead of this clock (a writer's clock running fast) keeps its thread until the
+    /// clock passes it by `idle_for`.
+    ///
+    /// **Bounded**: one call deletes at most `limit` threads, so sweeping millions is a
+    /// loop of calls, each a bounded amount of work (SQLite: one write transaction;
+    /// Postgres: one short transaction per thread). A call that returns fewer than
+    /// `limit` ids found no other idle thread; `limit = 0` deletes nothing. Which idle
+    /// threads a call takes when there are more, and the order of the ids, are up to
+    /// the backend.
+    ///
+    /// **Concurrency**: a thread that gets a new checkpoint before the sweep reaches it
+    /// is kept (each thread is checked again as it is deleted). A writer that read a
+    /// swept thread's head before it was deleted gets [`CheckpointError::Conflict`] on
+    /// its next put, as after `delete_thread`.
+    ///
+    /// The default implementation fails with [`CheckpointError::Unsupported`] and
+    /// deletes nothing, so backends written before this method existed still compile;
+    /// keel's backends (memory, SQLite, Postgres) all implement it and pass the
+    /// conformance check `sweep_idle`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keel_checkpoint::*;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), CheckpointError> {
+    /// let saver = MemorySaver::new();
+    /// // A thread last written in June 2023, and one written now.
+    /// let old: CheckpointId = "01890a5d-ac96-774b-bcce-b302099a8057".parse().expect("a v7 id");
+    /// for (thread, id) in [("old", old), ("new", CheckpointId::new())] {
+    ///     let mut checkpoint = Checkpoint::new(None);
+    ///     checkpoint.id = id;
+    ///     saver
+    ///         .put(PutRequest {
+    ///             thread: ThreadKey::new(thread),
+    ///             checkpoint,
+    ///             metadata: CheckpointMetadata::new(CheckpointSource::Input, -1),
+    ///             deltas: vec![],
+    ///             expected_head: None,
+    ///         })
+    ///         .await?;
+    /// }
+    ///
+    /// // Delete the threads idle for 30 days, in batches of 500.
+    /// let ttl = Duration::from_secs(30 * 24 * 3600);
+    /// let mut swept = Vec::new();
+    /// loop {
+    ///     let batch = saver.sweep_idle(ttl, 500).await?;
+    ///     let done = batch.len() < 500;
+    ///     swept.extend(batch);
+    ///     if done {
+    ///         break;
+    ///     }
+    /// }
+    /// assert_eq!(swept, ["old"]);
+    /// assert!(saver.get(&ThreadKey::new("old"), None).await?.is_none());
+    /// assert!(saver.get(&ThreadKey::new("new"), None).await?.is_some());
+    /// # Ok(())
+    /// # }
+    /// ```
+    async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, CheckpointError> {
+        let _ = (idle_for, limit);
+        Err(CheckpointError::Unsupported {
+            operation: "sweep_idle",
+        })
+    }
 }
 
 #[async_trait]
@@ -118,5 +202,13 @@ impl<T: Checkpointer + ?Sized> Checkpointer for Arc<T> {
 
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
         (**self).prune(thread, keep_last).await
+    }
+
+    async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, CheckpointError> {
+        (**self).sweep_idle(idle_for, limit).await
     }
 }

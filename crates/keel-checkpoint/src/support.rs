@@ -1,9 +1,10 @@
 //! Pieces of the [`Checkpointer`](crate::Checkpointer) contract that every backend
-//! needs, written once so backends agree: request validation, chain rebuilding, and
-//! pending-write keys.
+//! needs, written once so backends agree: request validation, chain rebuilding,
+//! pending-write keys, and the idle cutoff of a TTL sweep.
 
 use std::borrow::Borrow;
 use std::collections::BTreeSet;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::CheckpointError;
 use crate::id::CheckpointId;
@@ -267,6 +268,37 @@ pub fn merge_writes(stored: &mut Vec<(WriteKey, PendingWrite)>, writes: Vec<Pend
             None => stored.push((key, write)),
         }
     }
+}
+
+/// The cutoff of [`Checkpointer::sweep_idle`](crate::Checkpointer::sweep_idle): the
+/// smallest checkpoint id made `idle_for` ago by this machine's clock (millisecond
+/// resolution). A checkpoint is older than `idle_for` exactly when its id sorts below
+/// the cutoff, so a thread is idle when the head of every one of its namespaces does;
+/// backends compare stored ids with it (a range scan on an index of heads) instead of
+/// decoding timestamps.
+///
+/// An `idle_for` longer than the time since 1970 gives the smallest v7 id, below which
+/// nothing sorts: nothing is idle.
+///
+/// ```
+/// use std::time::Duration;
+/// use keel_checkpoint::CheckpointId;
+/// use keel_checkpoint::support::idle_cutoff;
+///
+/// let cutoff = idle_cutoff(Duration::from_secs(3600));
+/// let old: CheckpointId = "01890a5d-ac96-774b-bcce-b302099a8057".parse()?; // June 2023
+/// assert!(old < cutoff);
+/// assert!(CheckpointId::new() > cutoff);
+/// assert!(idle_cutoff(Duration::MAX) <= old);
+/// # Ok::<(), keel_checkpoint::ParseCheckpointIdError>(())
+/// ```
+pub fn idle_cutoff(idle_for: Duration) -> CheckpointId {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    let millis = now.saturating_sub(idle_for.as_millis());
+    CheckpointId::floor_at(u64::try_from(millis).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]

@@ -270,3 +270,130 @@ async fn pending_write_round_trip_preserves_json() {
         serde_json::to_string(&value).unwrap()
     );
 }
+
+#[tokio::test]
+async fn sweep_idle_measures_age_with_the_clock() {
+    // Real ids made now: after a short sleep they are older than a few milliseconds,
+    // not older than an hour.
+    let saver = MemorySaver::new();
+    let a = ThreadKey::new("a");
+    let b = ThreadKey::new("b");
+    let first = append_step(&saver, &a, None, vec![json!(1)], None)
+        .await
+        .unwrap();
+    append_step(&saver, &a, Some(&first), vec![json!(2)], None)
+        .await
+        .unwrap();
+    append_step(
+        &saver,
+        &b.clone().with_ns("sub"),
+        None,
+        vec![json!(3)],
+        None,
+    )
+    .await
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    let hour = std::time::Duration::from_secs(3600);
+    assert!(saver.sweep_idle(hour, 10).await.unwrap().is_empty());
+    let ms = std::time::Duration::from_millis(2);
+    let mut swept = saver.sweep_idle(ms, 10).await.unwrap();
+    swept.sort();
+    assert_eq!(swept, ["a", "b"]);
+    assert_eq!(saver.stats(), MemoryStats::default());
+}
+
+#[tokio::test]
+async fn sweep_idle_takes_the_oldest_first() {
+    // Not promised by the contract, but MemorySaver does: the limit keeps the newest.
+    let saver = MemorySaver::new();
+    let mut threads = Vec::new();
+    for i in 0..5 {
+        let thread = ThreadKey::new(format!("t{i}"));
+        append_step(&saver, &thread, None, vec![json!(i)], None)
+            .await
+            .unwrap();
+        threads.push(thread);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let swept = saver
+        .sweep_idle(std::time::Duration::ZERO, 3)
+        .await
+        .unwrap();
+    assert_eq!(swept, ["t0", "t1", "t2"]);
+    assert_eq!(saver.stats().threads, 2);
+}
+
+/// A backend written before `sweep_idle` existed: it keeps the default.
+struct Legacy(MemorySaver);
+
+#[async_trait::async_trait]
+impl Checkpointer for Legacy {
+    async fn get(
+        &self,
+        thread: &ThreadKey,
+        id: Option<&CheckpointId>,
+    ) -> Result<Option<CheckpointTuple>, CheckpointError> {
+        self.0.get(thread, id).await
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a ThreadKey,
+        options: ListOptions,
+    ) -> futures::stream::BoxStream<'a, Result<CheckpointSummary, CheckpointError>> {
+        self.0.list(thread, options)
+    }
+
+    async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
+        self.0.put(request).await
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &ThreadKey,
+        checkpoint: &CheckpointId,
+        writes: Vec<PendingWrite>,
+    ) -> Result<(), CheckpointError> {
+        self.0.put_writes(thread, checkpoint, writes).await
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> Result<(), CheckpointError> {
+        self.0.delete_thread(thread_id).await
+    }
+
+    async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
+        self.0.prune(thread, keep_last).await
+    }
+}
+
+#[tokio::test]
+async fn sweep_idle_defaults_to_unsupported_and_arc_forwards_it() {
+    let inner = MemorySaver::new();
+    append_step(&inner, &ThreadKey::new("t"), None, vec![json!(1)], None)
+        .await
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    let legacy = std::sync::Arc::new(Legacy(inner.clone())) as std::sync::Arc<dyn Checkpointer>;
+    let err = legacy
+        .sweep_idle(std::time::Duration::ZERO, 10)
+        .await
+        .unwrap_err();
+    assert!(err.is_unsupported(), "{err:?}");
+    assert!(matches!(
+        err,
+        CheckpointError::Unsupported {
+            operation: "sweep_idle"
+        }
+    ));
+    assert_eq!(inner.stats().threads, 1, "Unsupported deleted something");
+    // Through Arc<dyn> the real implementation is reached, not the default.
+    let shared = std::sync::Arc::new(inner.clone()) as std::sync::Arc<dyn Checkpointer>;
+    assert_eq!(
+        shared
+            .sweep_idle(std::time::Duration::ZERO, 10)
+            .await
+            .unwrap(),
+        ["t"]
+    );
+}
