@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use keel_checkpoint::{CheckpointId, Checkpointer, ListOptions, ThreadKey};
 use keel_compaction::{CompactionConfig, Compactor, GoalAnchor};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
@@ -171,8 +171,13 @@ pub enum AgentUpdate {
     Event(AgentEvent),
     /// A message entered the raw buffer.
     Message(Message),
-    /// The run ended, paused at an interrupt, or stopped.
+    /// The run ended, paused at an interrupt, or stopped. Always the last item.
+    #[non_exhaustive]
     Done {
+        /// The model's final answer, if the run ended with one.
+        answer: Option<String>,
+        /// Why the run stopped early, if it did.
+        stop: Option<Stop>,
         /// Nodes that would run next (empty at the end).
         next: Vec<String>,
         /// Pending interrupts.
@@ -232,13 +237,39 @@ impl Agent {
     }
 
     /// Runs a thread like [`Agent::run`], yielding its events and new messages as they
-    /// happen. Dropping the stream cancels the run after the current step's tasks are
-    /// dropped; the thread continues from its last checkpoint on the next run.
+    /// happen (within a step, its events come before its messages), and last
+    /// [`AgentUpdate::Done`] with the answer. Dropping the stream cancels the run: the
+    /// thread continues from its last checkpoint on the next run. The stream is
+    /// `Unpin`, so `StreamExt::next` works on it directly.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use futures::StreamExt;
+    /// use keel_agent::{Agent, AgentInput, AgentUpdate};
+    /// use keel_model::ScriptedModel;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Hello."])))
+    ///     .goal("Say hello.")
+    ///     .build()?;
+    /// let mut updates = agent.stream("t", AgentInput::new());
+    /// let mut answer = None;
+    /// while let Some(update) = updates.next().await {
+    ///     if let AgentUpdate::Done { answer: a, .. } = update? {
+    ///         answer = a;
+    ///     }
+    /// }
+    /// assert_eq!(answer.as_deref(), Some("Hello."));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn stream(
         &self,
         thread_id: &str,
         input: AgentInput,
-    ) -> impl Stream<Item = Result<AgentUpdate, AgentError>> + Send + 'static {
+    ) -> futures::stream::BoxStream<'static, Result<AgentUpdate, AgentError>> {
         let agent = self.clone();
         let thread = thread_id.to_owned();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<AgentUpdate, AgentError>>(64);
@@ -257,9 +288,10 @@ impl Agent {
                 agent.config(&thread),
                 StreamMode::updates(),
             ));
+            let mut ending = Ending::default();
             while let Some(e) = events.next().await {
                 let items = match e {
-                    Ok(e) => updates_of(e).into_iter().map(Ok).collect::<Vec<_>>(),
+                    Ok(e) => ending.updates_of(e).into_iter().map(Ok).collect::<Vec<_>>(),
                     Err(e) => vec![Err(AgentError::from(e))],
                 };
                 for item in items {
@@ -272,6 +304,7 @@ impl Agent {
         futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|item| (item, rx))
         })
+        .boxed()
     }
 
     /// The thread's latest state, if it has one.
@@ -297,6 +330,53 @@ impl Agent {
             .map_err(keel_graph::GraphError::from)?)
     }
 
+    /// Deletes threads idle for longer than `idle_for` (no checkpoint since), at most
+    /// `limit` of them per call, with their offloaded results and archive; returns
+    /// their ids. Call it again while it returns `limit` ids to sweep everything.
+    /// Without a checkpointer there is nothing to sweep; a checkpointer without a sweep
+    /// is an error saying so.
+    pub async fn sweep_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, AgentError> {
+        let Some(cp) = &self.checkpointer else {
+            return Ok(Vec::new());
+        };
+        let swept = cp
+            .sweep_idle(idle_for, limit)
+            .await
+            .map_err(keel_graph::GraphError::from)?;
+        let store = self.nodes.parts.store.clone();
+        let threads = swept.clone();
+        // The offload store is synchronous (files): its deletes go to the blocking pool.
+        let cleaned = tokio::task::spawn_blocking(move || {
+            for thread in &threads {
+                let Ok(id) = ThreadId::new(thread.as_str()) else {
+                    continue;
+                };
+                let entries = match store.list(&id, None) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        tracing::warn!(thread = %thread, error = %e, "listing a swept thread's offload files failed");
+                        continue;
+                    }
+                };
+                for entry in entries {
+                    let key = keel_offload::Key::from_parts(id.clone(), entry.path);
+                    if let Err(e) = store.delete(&key) {
+                        tracing::warn!(thread = %thread, error = %e, "deleting a swept thread's offload file failed");
+                    }
+                }
+            }
+        })
+        .await;
+        if let Err(e) = cleaned {
+            tracing::warn!(error = %e, "cleaning the offload store after a sweep did not finish");
+        }
+        Ok(swept)
+    }
+
     /// The newest checkpoint of a thread written by `node` (e.g. [`crate::COMPACT`]):
     /// a lookup by checkpoint metadata, which records the nodes that wrote each step.
     /// With `before`, only checkpoints older than it count, so "the last checkpoint
@@ -317,9 +397,7 @@ impl Agent {
         }
         let mut list = cp.list(&thread, options);
         match list.next().await {
-            Some(s) => Ok(Some(
-                s.map_err(keel_graph::GraphError::from)?.checkpoint.id,
-            )),
+            Some(s) => Ok(Some(s.map_err(keel_graph::GraphError::from)?.checkpoint.id)),
             None => Ok(None),
         }
     }
@@ -374,33 +452,65 @@ impl Agent {
     }
 }
 
-fn updates_of(e: Event<AgentState>) -> Vec<AgentUpdate> {
-    match e {
-        Event::Updates { update, .. } => {
-            let mut out = Vec::new();
-            for (channel, value) in update {
-                match channel {
-                    "events" => {
-                        if let Ok(events) = serde_json::from_value::<Vec<AgentEvent>>(value) {
-                            out.extend(events.into_iter().map(AgentUpdate::Event));
+/// What a stream has seen of the run's end: the last answer and stop written.
+#[derive(Default)]
+struct Ending {
+    answer: Option<String>,
+    stop: Option<Stop>,
+}
+
+impl Ending {
+    /// The stream items of one graph event; a step's events come before its messages.
+    fn updates_of(&mut self, e: Event<AgentState>) -> Vec<AgentUpdate> {
+        match e {
+            Event::Updates { update, .. } => {
+                let mut events = Vec::new();
+                let mut messages = Vec::new();
+                for (channel, value) in update {
+                    match channel {
+                        "events" => {
+                            if let Ok(list) = serde_json::from_value::<Vec<AgentEvent>>(value) {
+                                events.extend(list.into_iter().map(AgentUpdate::Event));
+                            }
                         }
-                    }
-                    "messages" => {
-                        if let Ok(u) = serde_json::from_value::<AddMessagesUpdate>(value) {
-                            for op in u.into_ops() {
-                                if let MessageOp::Upsert(m) = op {
-                                    out.push(AgentUpdate::Message(m));
+                        "messages" => {
+                            if let Ok(u) = serde_json::from_value::<AddMessagesUpdate>(value) {
+                                for op in u.into_ops() {
+                                    if let MessageOp::Upsert(m) = op {
+                                        // The answer is the latest reply without tool calls.
+                                        if m.role == keel_message::Role::Assistant {
+                                            self.answer = m
+                                                .tool_calls
+                                                .is_empty()
+                                                .then(|| m.text().into_owned());
+                                        }
+                                        messages.push(AgentUpdate::Message(m));
+                                    }
                                 }
                             }
                         }
+                        "stop" => {
+                            if let Ok(stop) = serde_json::from_value::<Option<Stop>>(value) {
+                                self.stop = stop;
+                            }
+                        }
+                        _ => {}
                     }
-                    _ => {}
                 }
+                events.extend(messages);
+                events
             }
-            out
+            Event::Done { next, interrupts } => {
+                let finished = next.is_empty() && self.stop.is_none();
+                vec![AgentUpdate::Done {
+                    answer: if finished { self.answer.take() } else { None },
+                    stop: self.stop.take(),
+                    next,
+                    interrupts,
+                }]
+            }
+            _ => Vec::new(),
         }
-        Event::Done { next, interrupts } => vec![AgentUpdate::Done { next, interrupts }],
-        _ => Vec::new(),
     }
 }
 
@@ -475,7 +585,9 @@ impl std::fmt::Debug for AgentBuilder {
 }
 
 impl AgentBuilder {
-    /// The chat model (required).
+    /// The chat model (required). Its name picks the model profile (window, output
+    /// limit, tokenizer) from the builtin profiles; a model whose name is not a known
+    /// one (a local model, a test double) should get one with [`AgentBuilder::profile`].
     pub fn model(mut self, model: Arc<dyn ChatModel>) -> Self {
         self.model = Some(model);
         self
@@ -501,7 +613,9 @@ impl AgentBuilder {
 
     /// Adds the file tools (`ls`, `read_file`, `grep`, `write_file`, `edit_file`) rooted
     /// in `tools`' directory. They also read the offload store (`large_tool_results/`,
-    /// `archive/`), so they replace the default retrieval tools.
+    /// `archive/`), so they replace the default retrieval tools. Their results are capped
+    /// by their limits (30,000 characters by default) and are never offloaded (the
+    /// offload policy exempts reads, so reading an offloaded file back cannot loop).
     #[cfg(feature = "fs")]
     pub fn file_tools(mut self, tools: crate::tools::FileTools) -> Self {
         self.retrieval = false;
@@ -568,6 +682,8 @@ impl AgentBuilder {
     }
 
     /// Checkpoints kept after each successful compaction (default 5; `None` keeps all).
+    /// Pruning goes through the builder's [`AgentBuilder::checkpointer`] (also when the
+    /// nodes are reused in a graph of your own: give the builder the same one).
     pub fn keep_checkpoints(mut self, keep: Option<usize>) -> Self {
         self.keep_checkpoints = keep;
         self

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 #[non_exhaustive]
 pub enum AgentEvent {
     /// The model was called.
+    #[non_exhaustive]
     ModelCall {
         /// The agent step (model calls so far, this one included).
         step: u64,
@@ -33,6 +34,7 @@ pub enum AgentEvent {
         overflow_retries: u32,
     },
     /// A tool call finished (successfully or not).
+    #[non_exhaustive]
     ToolCall {
         /// The agent step.
         step: u64,
@@ -50,6 +52,7 @@ pub enum AgentEvent {
         duration_ms: u64,
     },
     /// A large tool result was written to the offload store; a stub stays in context.
+    #[non_exhaustive]
     Offload {
         /// The agent step.
         step: u64,
@@ -63,6 +66,7 @@ pub enum AgentEvent {
     /// A compaction ran (successfully or not).
     Compaction(CompactionEvent),
     /// The run reached the hard step ceiling and stopped; the thread can continue.
+    #[non_exhaustive]
     StepCeiling {
         /// Model calls made.
         steps: u64,
@@ -71,6 +75,7 @@ pub enum AgentEvent {
     },
     /// The model name has no profile: the window and output limits of the default
     /// profile are used.
+    #[non_exhaustive]
     ProfileFallback {
         /// The model asked for.
         model: String,

@@ -21,7 +21,9 @@
 //!   compaction old checkpoints are pruned to the last few.
 //!
 //! Every step is checkpointed as deltas ([`AgentState`] is designed for it), so a
-//! thread resumes after a crash on any worker that shares the checkpointer.
+//! thread resumes after a crash from its last checkpoint. Another worker can resume
+//! it when it shares the checkpointer and the offload store (the default store is in
+//! memory, for one process; an `FsStore` is for one machine).
 //!
 //! The tools follow the [`keel_message::Tool`] contract. The offload retrieval tools
 //! (`ls`, `read_file`, `grep` over what left the context) are registered by default;

@@ -168,7 +168,21 @@ async fn the_stream_reports_model_calls_tool_calls_and_compactions() {
         _ => None,
     });
     assert!(model_call.unwrap() > 0);
-    assert!(matches!(items.last(), Some(AgentUpdate::Done { next, .. }) if next.is_empty()));
+    assert!(matches!(
+        items.last(),
+        Some(AgentUpdate::Done { next, answer: Some(a), stop: None, .. })
+            if next.is_empty() && a == "The last number was 11."
+    ));
+    // Within a step, the model-call event comes before the reply it reports.
+    let first_call = items
+        .iter()
+        .position(|i| matches!(i, AgentUpdate::Event(AgentEvent::ModelCall { .. })))
+        .unwrap();
+    let first_reply = items
+        .iter()
+        .position(|i| matches!(i, AgentUpdate::Message(m) if m.role == Role::Assistant))
+        .unwrap();
+    assert!(first_call < first_reply);
     assert!(
         items
             .iter()
@@ -606,4 +620,86 @@ async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
         matches!(err, GraphError::State(_)) || text.contains("tools") || text.contains("channel"),
         "{text}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_threads_are_swept_with_their_offloaded_files() {
+    let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
+    let store = Arc::new(keel_offload::MemoryStore::new());
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("sweep", move |_m, _t| {
+        let reply = match calls.fetch_add(1, Ordering::SeqCst) % 2 {
+            0 => Message::assistant("big").with_tool_calls(vec![ToolCall::new(
+                format!("big-{}", calls.load(Ordering::SeqCst)),
+                "huge",
+                json!({}),
+            )]),
+            _ => Message::assistant("done"),
+        };
+        Ok(ChatResponse::new(reply, "sweep"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Huge))
+        .offload_store(store.clone())
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    agent.run("old", AgentInput::new()).await.unwrap();
+    let thread = keel_offload::ThreadId::new("old").unwrap();
+    use keel_offload::OffloadStore as _;
+    assert!(
+        !store.list(&thread, None).unwrap().is_empty(),
+        "the 100 MB result was offloaded"
+    );
+    // Nothing is idle for an hour yet.
+    assert!(
+        agent
+            .sweep_idle(Duration::from_secs(3600), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let swept = agent
+        .sweep_idle(Duration::from_millis(10), 10)
+        .await
+        .unwrap();
+    assert_eq!(swept, ["old"]);
+    assert!(agent.state("old").await.unwrap().is_none());
+    assert!(
+        store.list(&thread, None).unwrap().is_empty(),
+        "its offloaded files went too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn model_call_events_carry_the_providers_cached_tokens() {
+    let model = PolicyModel::new("cached", |_m, _t| {
+        let mut r = ChatResponse::new(Message::assistant("ok"), "cached");
+        r.usage = Some(keel_model::Usage::new(900, 12).with_cached_tokens(640));
+        Ok(r)
+    });
+    let agent = builder(model).build().unwrap();
+    let run = agent.run("c", AgentInput::new()).await.unwrap();
+    let call = run
+        .state
+        .events
+        .iter()
+        .find(|e| matches!(e, AgentEvent::ModelCall { .. }))
+        .unwrap();
+    let AgentEvent::ModelCall {
+        cached_tokens,
+        provider_prompt_tokens,
+        completion_tokens,
+        ..
+    } = call
+    else {
+        unreachable!()
+    };
+    assert_eq!(*cached_tokens, Some(640));
+    assert_eq!(*provider_prompt_tokens, Some(900));
+    assert_eq!(*completion_tokens, Some(12));
 }

@@ -74,7 +74,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     {
         // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
         let mut updates = std::pin::pin!(agent.stream(&thread, AgentInput::new()));
-        let mut printer = Printer::default();
+        let mut printer = Printer;
         while let Some(update) = updates.next().await {
             printer.print(&update?);
         }
@@ -117,7 +117,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .run(&thread, AgentInput::new().message(Message::user(question)))
         .await?;
     // `run` does not stream; the state keeps the latest events.
-    let mut printer = Printer::default();
+    let mut printer = Printer;
     for event in run.state.events.iter().filter(|e| step_of(e) > before.step) {
         printer.print(&AgentUpdate::Event(event.clone()));
     }
@@ -369,12 +369,9 @@ fn step_of(event: &AgentEvent) -> u64 {
 }
 
 /// Prints the stream, one line per model call, tool call, offload and compaction.
-/// Within a step the reply (an `AgentUpdate::Message`) arrives before the `ModelCall`
-/// event that reports it, so its tool calls wait for that line.
-#[derive(Default)]
-struct Printer {
-    calls: Vec<String>,
-}
+/// Within a step the events come first, then the messages: the `ModelCall` line is
+/// followed by the reply's tool calls.
+struct Printer;
 
 impl Printer {
     fn print(&mut self, update: &AgentUpdate) {
@@ -388,9 +385,6 @@ impl Printer {
                 println!(
                     "step {step:>2}  model call, {prompt_tokens:>5} prompt tokens, {tool_calls} tool call(s)"
                 );
-                for c in self.calls.drain(..) {
-                    println!("          -> {c}");
-                }
             }
             AgentUpdate::Event(AgentEvent::ToolCall {
                 name,
@@ -409,14 +403,16 @@ impl Printer {
                 e.kind, e.trigger, e.messages_archived, e.tokens_before, e.tokens_after
             ),
             AgentUpdate::Event(other) => println!("          event: {other:?}"),
+            // A step's events come before its messages: the reply follows its model call.
             AgentUpdate::Message(m) if m.role == Role::Assistant => {
                 for c in &m.tool_calls {
-                    self.calls
-                        .push(format!("{}({})", c.name, c.arguments.to_json_string()));
+                    println!("          -> {}({})", c.name, c.arguments.to_json_string());
                 }
             }
             AgentUpdate::Message(_) => {}
-            AgentUpdate::Done { next, interrupts } => {
+            AgentUpdate::Done {
+                next, interrupts, ..
+            } => {
                 println!("done (next: {next:?}, interrupts: {})", interrupts.len())
             }
             _ => {}
