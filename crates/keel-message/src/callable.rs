@@ -142,3 +142,61 @@ impl<T: Tool + ?Sized> Tool for std::sync::Arc<T> {
         (**self).call(arguments, ctx)
     }
 }
+
+/// A [`Tool`] made of a spec and an async function, for tools that need no struct of
+/// their own.
+///
+/// ```
+/// use keel_message::{Tool, ToolContext, ToolError, ToolSpec, tool_fn};
+/// use serde_json::json;
+///
+/// let shout = tool_fn(
+///     ToolSpec::new("shout", "Upper-cases `text`.", json!({
+///         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+///     })),
+///     |args, _ctx| async move {
+///         let text = args["text"].as_str().ok_or_else(|| ToolError::bad_arguments("`text` must be a string"))?;
+///         Ok(text.to_uppercase())
+///     },
+/// );
+/// assert_eq!(shout.spec().name, "shout");
+/// # let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+/// # let mut f = shout.call(json!({"text": "hi"}), ToolContext::new("c1"));
+/// # let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) else { panic!() };
+/// # assert_eq!(out, Ok("HI".to_owned()));
+/// ```
+pub fn tool_fn<F, Fut>(spec: ToolSpec, f: F) -> FnTool<F>
+where
+    F: Fn(Value, ToolContext) -> Fut + Send + Sync,
+    Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
+{
+    FnTool { spec, f }
+}
+
+/// A tool from [`tool_fn`].
+pub struct FnTool<F> {
+    spec: ToolSpec,
+    f: F,
+}
+
+impl<F> fmt::Debug for FnTool<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FnTool")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F, Fut> Tool for FnTool<F>
+where
+    F: Fn(Value, ToolContext) -> Fut + Send + Sync,
+    Fut: Future<Output = Result<String, ToolError>> + Send + 'static,
+{
+    fn spec(&self) -> ToolSpec {
+        self.spec.clone()
+    }
+
+    fn call(&self, arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin((self.f)(arguments, ctx))
+    }
+}

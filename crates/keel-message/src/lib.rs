@@ -53,7 +53,7 @@ pub mod openai;
 mod tool;
 mod value;
 
-pub use callable::{Tool, ToolContext, ToolError, ToolFuture};
+pub use callable::{FnTool, Tool, ToolContext, ToolError, ToolFuture, tool_fn};
 pub use content::{Content, ContentPart};
 pub use error::{FormatError, Problem};
 pub use message::{Message, Role};
