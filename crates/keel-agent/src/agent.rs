@@ -217,8 +217,9 @@ impl Agent {
     ///
     /// A new thread starts from its goal (the input's or the builder's). A thread that
     /// was interrupted mid-step (a crash, a cancelled run) continues from its last
-    /// checkpoint; a thread that had finished or stopped runs again with the input's
-    /// messages.
+    /// checkpoint. A thread that stopped early ([`AgentRun::stop`]: a step ceiling,
+    /// empty replies) runs on; one that finished with an answer runs again only when
+    /// the input brings messages (a follow-up), and otherwise returns as it is.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let command = self.command(thread_id, input).await?;
         let run = self.graph.invoke(command, &self.config(thread_id)).await?;
@@ -426,8 +427,11 @@ impl Agent {
                         thread_id: thread_id.to_owned(),
                     });
                 }
-                if !snap.next.is_empty() && input.messages.is_empty() {
-                    // Interrupted mid-run: continue where it stopped.
+                if input.messages.is_empty()
+                    && (!snap.next.is_empty() || snap.values.stop.is_none())
+                {
+                    // Interrupted mid-run: continue where it stopped. Finished with an
+                    // answer and given nothing new: there is nothing to do.
                     return Ok(Command::none());
                 }
             }
