@@ -753,6 +753,16 @@ impl AgentBuilder {
         self
     }
 
+    /// Builds only the nodes and routers ([`AgentNodes`]), for a graph of your own: no
+    /// model is needed when the graph uses only the compaction nodes (without one, the
+    /// `agent` node fails with a model error saying so).
+    pub fn build_nodes(mut self) -> Result<AgentNodes, BuildError> {
+        if self.model.is_none() {
+            self.model = Some(Arc::new(NoModel));
+        }
+        Ok(self.build()?.nodes)
+    }
+
     /// Builds the agent.
     pub fn build(self) -> Result<Agent, BuildError> {
         let model = self.model.ok_or(BuildError::NoModel)?;
@@ -895,4 +905,25 @@ where
         let fut = f(s, ctx);
         Box::pin(async move { fut.await.map(Into::into) })
     })
+}
+
+/// The model of nodes built without one.
+struct NoModel;
+
+#[async_trait::async_trait]
+impl ChatModel for NoModel {
+    fn model_name(&self) -> &str {
+        "no-model"
+    }
+
+    async fn chat(
+        &self,
+        _messages: &[Message],
+        _tools: &[keel_message::ToolSpec],
+        _options: &ChatOptions,
+    ) -> Result<keel_model::ChatResponse, keel_model::ModelError> {
+        Err(keel_model::ModelError::Config(
+            "these agent nodes were built without a model (AgentBuilder::build_nodes); give the builder one with .model(..)".to_owned(),
+        ))
+    }
 }

@@ -86,6 +86,12 @@ pub struct CompactionConfig {
     pub strategy: Strategy,
     /// Compact after this many steps (a step is one model call and its tool results).
     /// `None` turns the step trigger off. Only [`Strategy::Hierarchical`] uses it.
+    ///
+    /// A compaction keeps the most recent [`keep_recent`](Self::keep_recent) tokens
+    /// (and always the newest step), so when the raw buffer holds no more than that,
+    /// nothing can leave and the trigger waits: with small steps the first milestone
+    /// comes later than `every_steps` (`Compactor::would_compact` tells). Lower
+    /// `keep_recent_tokens` for a milestone every N steps exactly.
     pub every_steps: Option<usize>,
     /// Compact when the assembled prompt reaches this fraction of the model's input
     /// budget (its window minus its maximum output).

@@ -27,7 +27,6 @@ use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::graph::reducer::AddMessagesUpdate;
 use keel::graph::{END, Event, NodeError, RunConfig, START, StateGraph, StreamMode};
 use keel::message::{Message, ToolCall};
-use keel::model::ScriptedModel;
 use keel::offload::{Archive, MemoryStore, Pattern, ThreadId};
 use serde_json::json;
 
@@ -40,16 +39,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let sections = Arc::new(sections(&std::fs::read_to_string(&doc)?));
     println!("{} sections in {}", sections.len(), doc.display());
 
-    // The nodes come from a built agent, which holds the compaction settings, the
-    // model profile (window, token counter), the summarizer and the offload store. Its
-    // model is never called here, but the builder requires one.
+    // The nodes hold the compaction settings, the model profile (window, token
+    // counter), the summarizer and the offload store; no model is needed for them.
     let store = Arc::new(MemoryStore::new());
     let saver = Arc::new(MemorySaver::new());
-    let agent = Agent::builder()
-        .model(Arc::new(ScriptedModel::new(Vec::new())))
+    let nodes: AgentNodes = Agent::builder()
         // Where the archive of compacted history goes (kept here to read it back).
         .offload_store(store.clone())
-        // The nodes prune old checkpoints after each compaction through the agent's
+        // The nodes prune old checkpoints after each compaction through the builder's
         // checkpointer: give it the one the graph below uses.
         .checkpointer(saver.clone())
         .retrieval_tools(false)
@@ -59,8 +56,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 .with_keep_recent_tokens(300)
                 .with_epoch_every(3),
         )
-        .build()?;
-    let nodes = agent.nodes().clone();
+        .build_nodes()?;
 
     let graph = StateGraph::<AgentState>::new()
         // The research node: reads the next section as a tool call and its result. It
