@@ -92,7 +92,8 @@ pub fn run(config: &Config) -> Result<Vec<Measurement>> {
     text.lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).context("bench output is not JSON")?;
+            let v: serde_json::Value =
+                serde_json::from_str(l).context("bench output is not JSON")?;
             let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
             Ok(Measurement {
                 backend: v["backend"].as_str().unwrap_or_default().to_owned(),
