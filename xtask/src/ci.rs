@@ -1,5 +1,8 @@
 //! `cargo xtask ci` and `cargo xtask test`.
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
@@ -83,20 +86,55 @@ pub fn ci() -> Result<()> {
         ])
         .env("RUSTDOCFLAGS", "-D warnings"))?;
     test(&[])?;
-    if has_program("cargo-deny") {
-        run(cargo().args(["deny", "check", "bans", "licenses", "sources"]))?;
-        advisories()?;
-    } else {
-        eprintln!("skipped cargo-deny: not installed (cargo install cargo-deny)");
+    match cargo_deny() {
+        Some(deny) => {
+            run(Command::new(&deny).args(["check", "bans", "licenses", "sources"]))?;
+            advisories(&deny)?;
+        }
+        None if pg::in_ci() => bail!("CI=true and cargo-deny could not be installed"),
+        None => eprintln!("skipped cargo-deny: not installed and `cargo install` failed"),
     }
     Ok(())
 }
 
+/// The pinned cargo-deny CI uses.
+const CARGO_DENY: &str = "0.20.2";
+
+/// `cargo-deny` from PATH, or installed once into `target/tools` (about two minutes).
+fn cargo_deny() -> Option<PathBuf> {
+    if has_program("cargo-deny") {
+        return Some(PathBuf::from("cargo-deny"));
+    }
+    let root = crate::util::root().join("target/tools");
+    let bin = root.join("bin/cargo-deny");
+    if bin.exists() {
+        return Some(bin);
+    }
+    eprintln!("installing cargo-deny {CARGO_DENY} into {}", root.display());
+    let installed = run(cargo()
+        .args([
+            "install",
+            "cargo-deny",
+            "--locked",
+            "--version",
+            CARGO_DENY,
+            "--root",
+        ])
+        .arg(&root));
+    match installed {
+        Ok(()) => Some(bin),
+        Err(e) => {
+            eprintln!("cargo install cargo-deny failed: {e:#}");
+            None
+        }
+    }
+}
+
 /// The advisory check needs the RustSec database from GitHub: when it cannot be
 /// fetched (no network), say so instead of failing; any advisory found fails.
-fn advisories() -> Result<()> {
-    let out = cargo()
-        .args(["deny", "check", "advisories"])
+fn advisories(deny: &Path) -> Result<()> {
+    let out = Command::new(deny)
+        .args(["check", "advisories"])
         .output()
         .context("could not start cargo deny")?;
     let stderr = String::from_utf8_lossy(&out.stderr);
