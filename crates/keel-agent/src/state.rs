@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 use crate::event::AgentEvent;
 
 /// Agent events kept in the state (the newest; older ones were streamed and traced).
-pub const RECENT_EVENTS: usize = 256;
+pub const RECENT_EVENTS: usize = 64;
 /// Compaction events kept in the state.
-pub const RECENT_COMPACTIONS: usize = 64;
+pub const RECENT_COMPACTIONS: usize = 16;
 
 /// The compacting agent's state. Every field is a channel chosen so that a checkpoint
 /// stores what the step added, not the whole context again (invariant 6):
@@ -26,8 +26,8 @@ pub const RECENT_COMPACTIONS: usize = 64;
 /// | `milestones` | [`Milestones`] | a new milestone; an epoch clears them |
 /// | `epoch` | last value | the new epoch summary |
 /// | `step`, `step_at_compaction`, `masked_turns`, `milestones_made`, `epochs_made` | last value | small counters |
-/// | `compactions` | keep last 64 | the compaction's event |
-/// | `events` | keep last 256 | the step's [`AgentEvent`]s |
+/// | `compactions` | keep last 16 | the compaction's event |
+/// | `events` | keep last 64 | the step's [`AgentEvent`]s |
 /// | `stop` | last value | why the run stopped, if it did |
 ///
 /// The raw buffer (`messages`) is what the model sees after the summaries: the goal,
