@@ -42,9 +42,26 @@ impl ModelProfile {
         }
     }
 
-    /// Tokens left for the prompt once the reply's share is reserved.
+    /// Tokens left for the prompt once the reply's share is reserved: the maximum
+    /// output, but never more than a quarter of the window (a model whose maximum
+    /// output equals its window, as `gpt-4`'s 8,192 does, would otherwise leave no room
+    /// for any prompt).
+    ///
+    /// ```
+    /// use keel_token::{Encoding, ModelProfile};
+    /// let gpt4 = ModelProfile::new("gpt-4", 8_192, 8_192, Encoding::Cl100kBase);
+    /// assert_eq!(gpt4.input_budget(), 6_144);
+    /// let roomy = ModelProfile::new("gpt-4o", 128_000, 16_384, Encoding::O200kBase);
+    /// assert_eq!(roomy.input_budget(), 128_000 - 16_384);
+    /// ```
     pub fn input_budget(&self) -> usize {
-        self.context_window.saturating_sub(self.max_output_tokens)
+        let reserve = self.max_output_tokens.min(self.context_window / 4);
+        self.context_window.saturating_sub(reserve)
+    }
+
+    /// Tokens kept free for the reply (see [`ModelProfile::input_budget`]).
+    pub fn reserved_output(&self) -> usize {
+        self.context_window - self.input_budget()
     }
 
     /// A counter for this model: exact [`TiktokenCounter`]s for OpenAI encodings

@@ -263,3 +263,17 @@ fn without_tiktoken_every_model_is_estimated() {
         );
     }
 }
+
+#[test]
+fn every_builtin_profile_leaves_most_of_its_window_to_the_prompt() {
+    for p in keel_token::builtin_profiles() {
+        let budget = p.input_budget();
+        assert!(
+            budget * 4 >= p.context_window * 3 && budget > 0,
+            "{}: budget {budget} of a {} window",
+            p.name,
+            p.context_window
+        );
+        assert!(p.reserved_output() <= p.max_output_tokens, "{}", p.name);
+    }
+}
