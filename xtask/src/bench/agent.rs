@@ -8,7 +8,8 @@
 //! 10,000, one run at 10,000; a 10,000-step run whose estimate from the 1,000-step one
 //! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
-//! sizes and the repetitions, `KEEL_PGBENCH_SECS` pgbench's duration (10 s).
+//! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
+//! `KEEL_PGBENCH_SECS` pgbench's duration (10 s).
 //! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
 //! without one, the PostgreSQL rows and pgbench are skipped and the reason printed.
 //!
@@ -101,8 +102,18 @@ pub fn run() -> Result<()> {
     let mut peer_rows: Vec<Value> = Vec::new();
     let mut keel_rows: Vec<Value> = Vec::new();
     let mut keel_errors: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    // KEEL_BENCH_AGENT_BACKENDS=postgres,sqlite runs only those backends.
+    let only: Option<Vec<String>> = std::env::var("KEEL_BENCH_AGENT_BACKENDS")
+        .ok()
+        .map(|v| v.split(',').map(|b| b.trim().to_owned()).collect());
     for &(backend, durability, has_peer) in CONFIGS {
         if backend == "postgres" && url.is_none() {
+            continue;
+        }
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.iter().any(|b| b == backend))
+        {
             continue;
         }
         // Wall seconds of the last size run, per side, to judge whether the next fits.
@@ -125,6 +136,9 @@ pub fn run() -> Result<()> {
                         "LangGraph.js {backend}/{durability}: N = {}, {reps} repetition(s)",
                         thousands(n)
                     );
+                    if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
+                        settle(u);
+                    }
                     let rows = run_peer(&peer, url.as_deref(), backend, durability, n, reps)?;
                     last_peer = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
                     peer_rows.extend(rows);
@@ -154,6 +168,9 @@ pub fn run() -> Result<()> {
                 "keel {backend}/{durability}: N = {}, {reps} repetition(s)",
                 thousands(n)
             );
+            if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
+                settle(u);
+            }
             match agent_keel::run(&config) {
                 Ok(ms) => {
                     let rows: Vec<Value> = ms.iter().map(measurement_json).collect();
@@ -554,8 +571,31 @@ impl PgBench {
 
 /// `pgbench` on PATH, else the newest `/usr/lib/postgresql/<version>/bin/pgbench`.
 fn find_pgbench() -> Result<String> {
-    if has_program("pgbench") {
-        return Ok("pgbench".into());
+    find_pg_program("pgbench")
+}
+
+/// Lets the server settle between two Postgres runs (one side's leftovers — dead rows,
+/// dirty pages, a pending autovacuum — measured on the other's clock otherwise): a
+/// `VACUUM` and a `CHECKPOINT` through psql, when psql is there.
+fn settle(url: &str) {
+    let Ok(psql) = find_pg_program("psql") else {
+        return;
+    };
+    let status = std::process::Command::new(psql)
+        .args(["-q", "-X", "-d", url, "-c", "VACUUM", "-c", "CHECKPOINT"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !status.is_ok_and(|s| s.success()) {
+        eprintln!("could not VACUUM/CHECKPOINT between runs (psql failed); measuring anyway");
+    }
+}
+
+/// A PostgreSQL client program on PATH, else the newest one in Debian's
+/// `/usr/lib/postgresql/<version>/bin`.
+fn find_pg_program(name: &str) -> Result<String> {
+    if has_program(name) {
+        return Ok(name.into());
     }
     let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
         .into_iter()
@@ -563,7 +603,7 @@ fn find_pgbench() -> Result<String> {
         .flatten()
         .filter_map(|e| {
             let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
-            let program = e.path().join("bin").join("pgbench");
+            let program = e.path().join("bin").join(name);
             program.exists().then_some((version, program))
         })
         .collect();
@@ -571,7 +611,7 @@ fn find_pgbench() -> Result<String> {
     match found.pop() {
         Some((_, p)) => Ok(p.display().to_string()),
         None => bail!(
-            "pgbench is not on PATH nor in /usr/lib/postgresql/*/bin (it comes with the PostgreSQL client package)"
+            "{name} is not on PATH nor in /usr/lib/postgresql/*/bin (it comes with the PostgreSQL client package)"
         ),
     }
 }
