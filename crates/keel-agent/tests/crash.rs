@@ -1,4 +1,3 @@
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! A real process killed mid-run: `killed_at_random_moments_the_agent_resumes_to_the_uninterrupted_result`
 //! runs the compacting agent in a child process on a SQLite file and a file offload
 //! store, kills it with SIGKILL at random moments again and again (often inside a
@@ -8,6 +7,9 @@
 //!
 //! The child is this test binary run again with `--ignored --exact child`: the ignored
 //! test `child` does the work when `KEEL_AGENT_CHILD` is set.
+
+#![cfg(feature = "fs")] // the child keeps its offload store in files
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
 use std::process::{Command as Process, Stdio};
