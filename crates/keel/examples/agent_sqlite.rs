@@ -47,7 +47,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let db = dir.path().join("agent.sqlite");
     let offload = dir.path().join("offload");
     println!(
-        "checkpoints: {}\noffload store: {}\n",
+        "model: a scripted policy (deterministic, no model server) standing in for an LLM\n\
+         checkpoints: {}\noffload store: {}\n",
         db.display(),
         offload.display()
     );
