@@ -105,6 +105,22 @@ impl AgentNodes {
         &self.parts.tools
     }
 
+    /// A node function that runs `run` on (a clone of) these nodes.
+    fn node<F, Fut>(
+        &self,
+        run: F,
+    ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
+    + Send
+    + Sync
+    + 'static
+    where
+        F: Fn(AgentNodes, Arc<AgentState>, NodeContext) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = NodeResult> + Send + 'static,
+    {
+        let nodes = self.clone();
+        move |s, ctx| Box::pin(run(nodes.clone(), s, ctx))
+    }
+
     /// The `agent` node: sends the assembled prompt (system, goal, epoch, milestones,
     /// raw tail) to the model and appends its reply. On a provider context overflow it
     /// compacts once and retries. At the step ceiling it stops the run with
@@ -115,11 +131,7 @@ impl AgentNodes {
     + Send
     + Sync
     + 'static {
-        let nodes = self.clone();
-        move |s, ctx| {
-            let nodes = nodes.clone();
-            Box::pin(async move { nodes.run_agent(s, ctx).await })
-        }
+        self.node(|nodes, s, ctx| async move { nodes.run_agent(s, ctx).await })
     }
 
     /// The `tools` node: runs the last reply's tool calls concurrently, each with the
@@ -131,11 +143,7 @@ impl AgentNodes {
     + Send
     + Sync
     + 'static {
-        let nodes = self.clone();
-        move |s, ctx| {
-            let nodes = nodes.clone();
-            Box::pin(async move { nodes.run_tools(s, ctx).await })
-        }
+        self.node(|nodes, s, ctx| async move { nodes.run_tools(s, ctx).await })
     }
 
     /// The `compact` node: archives the older raw steps and summarizes them into a
@@ -146,11 +154,7 @@ impl AgentNodes {
     + Send
     + Sync
     + 'static {
-        let nodes = self.clone();
-        move |s, ctx| {
-            let nodes = nodes.clone();
-            Box::pin(async move { nodes.run_compact(s, ctx).await })
-        }
+        self.node(|nodes, s, ctx| async move { nodes.run_compact(s, ctx).await })
     }
 
     /// The `epoch` node: folds the milestones and the previous epoch into a new epoch
@@ -161,11 +165,7 @@ impl AgentNodes {
     + Send
     + Sync
     + 'static {
-        let nodes = self.clone();
-        move |s, ctx| {
-            let nodes = nodes.clone();
-            Box::pin(async move { nodes.run_epoch(s, ctx).await })
-        }
+        self.node(|nodes, s, ctx| async move { nodes.run_epoch(s, ctx).await })
     }
 
     /// After `agent`: to `tools` when the reply calls tools, back to `agent` after an
