@@ -707,7 +707,10 @@ impl AgentBuilder {
         self
     }
 
-    /// Output limits of the retrieval tools.
+    /// Output limits of the retrieval tools. Left at their defaults, the retrieval and
+    /// file tools' output cap is lowered to the model's input budget in characters
+    /// (about a quarter of the window in tokens), so one result cannot fill a small
+    /// window; set limits here (or on `FileTools`) to choose them yourself.
     pub fn tool_limits(mut self, limits: ToolLimits) -> Self {
         self.limits = limits;
         self
@@ -792,11 +795,29 @@ impl AgentBuilder {
         if let Some(t) = self.tool_timeout {
             toolbox.set_timeout(t);
         }
+        // Tool output that is left at the default cap (30,000 characters, about 7,500
+        // tokens) is capped to the model's input budget in characters (about a quarter
+        // of it in tokens), so one read cannot fill a small window.
+        let fit = |l: ToolLimits| {
+            if l == ToolLimits::default() {
+                let mut l = l;
+                l.max_output_chars = l.max_output_chars.min(profile.input_budget().max(2_000));
+                l
+            } else {
+                l
+            }
+        };
+        let limits = fit(self.limits);
         #[allow(unused_mut)]
         let mut tools = self.tools;
         #[cfg(feature = "fs")]
         if let Some(file) = self.file {
-            tools.extend(file.with_offload(store.clone()).tools());
+            let file_limits = fit(*file.limits());
+            tools.extend(
+                file.with_limits(file_limits)
+                    .with_offload(store.clone())
+                    .tools(),
+            );
         }
         for t in tools {
             toolbox
@@ -804,7 +825,7 @@ impl AgentBuilder {
                 .map_err(|name| BuildError::DuplicateTool { name })?;
         }
         if self.retrieval {
-            for t in retrieval_tools(store.clone(), self.limits) {
+            for t in retrieval_tools(store.clone(), limits) {
                 let name = t.spec().name;
                 if !toolbox.contains(&name) {
                     toolbox

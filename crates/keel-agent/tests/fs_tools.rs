@@ -1312,3 +1312,52 @@ async fn concurrent_calls_do_not_block_each_other() {
         );
     }
 }
+
+/// At a 4,000-token window the file tools' default output cap (30,000 characters, about
+/// 7,500 tokens) is lowered to the input budget in characters, so one read cannot fill
+/// the window; explicit limits are kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_window_caps_the_file_tools_output() {
+    use keel_agent::Agent;
+    use keel_message::ToolCall;
+    use keel_model::ScriptedModel;
+    use keel_token::{Encoding, ModelProfile};
+
+    let dir = tempfile::tempdir().unwrap();
+    let text: String = (0..3_000)
+        .map(|l| format!("line {l}: some words here\n"))
+        .collect();
+    std::fs::write(dir.path().join("big.txt"), text).unwrap();
+    let build = |tools: FileTools, window: usize| {
+        Agent::builder()
+            .model(Arc::new(ScriptedModel::new(Vec::new())))
+            .profile(ModelProfile::new("m", window, 500, Encoding::Approximate))
+            .file_tools(tools)
+            .build()
+            .unwrap()
+    };
+    let read = ToolCall::new("r", "read_file", json!({"path": "big.txt", "limit": 500}));
+    let small = build(FileTools::new(dir.path()).unwrap(), 4_000);
+    let out = small.nodes().toolbox().run(&read, Some("t")).await;
+    let chars = out.message.text().len();
+    assert!(out.error.is_none(), "{:?}", out.error);
+    assert!(
+        chars <= 3_500 + 300,
+        "{chars} characters at a 4,000-token window"
+    );
+    // A roomy window keeps the default cap: the 500 lines come back whole.
+    let roomy = build(FileTools::new(dir.path()).unwrap(), 128_000);
+    let out = roomy.nodes().toolbox().run(&read, Some("t")).await;
+    assert!(out.message.text().len() > 10_000);
+    // Limits set by the user are theirs.
+    let mine = ToolLimits {
+        max_output_chars: 12_000,
+        ..ToolLimits::default()
+    };
+    let chosen = build(FileTools::new(dir.path()).unwrap().with_limits(mine), 4_000);
+    let out = chosen.nodes().toolbox().run(&read, Some("t")).await;
+    assert!(
+        out.message.text().len() > 3_800,
+        "explicit limits must be kept"
+    );
+}
