@@ -531,10 +531,24 @@ impl AgentNodes {
     }
 
     async fn run_compact(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        self.compaction_step(COMPACT, s, ctx).await
+    }
+
+    async fn run_epoch(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        self.compaction_step(EPOCH, s, ctx).await
+    }
+
+    /// The `compact` (a milestone) or `epoch` (a fold) step, in its tracing span.
+    async fn compaction_step(
+        &self,
+        node: &'static str,
+        s: Arc<AgentState>,
+        ctx: NodeContext,
+    ) -> NodeResult {
         let thread = thread_of(&ctx);
         let span = tracing::info_span!(
             "keel.agent",
-            node = COMPACT,
+            node,
             thread = %thread,
             step = s.step,
             tokens_before = tracing::field::Empty,
@@ -545,35 +559,16 @@ impl AgentNodes {
             let mut c = context(&s)?;
             let compactor = self.compactor(&thread)?;
             let specs = self.parts.tools.specs();
-            let trigger = match compactor.check(&mut c, specs) {
-                Some(Trigger::StepCeiling) | None => Trigger::Force,
-                Some(t) => t,
+            let result = if node == EPOCH {
+                let trigger = s.compactions.back().map_or(Trigger::Steps, |e| e.trigger);
+                compactor.fold_epoch(&mut c, trigger, specs).await
+            } else {
+                let trigger = match compactor.check(&mut c, specs) {
+                    Some(Trigger::StepCeiling) | None => Trigger::Force,
+                    Some(t) => t,
+                };
+                compactor.compact(&mut c, trigger, specs).await
             };
-            let result = compactor.compact(&mut c, trigger, specs).await;
-            self.finish(&s, &ctx, c, result).await
-        }
-        .instrument(span)
-        .await
-    }
-
-    async fn run_epoch(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
-        let thread = thread_of(&ctx);
-        let span = tracing::info_span!(
-            "keel.agent",
-            node = EPOCH,
-            thread = %thread,
-            step = s.step,
-            tokens_before = tracing::field::Empty,
-            tokens_after = tracing::field::Empty,
-            prompt_version = tracing::field::Empty,
-        );
-        async move {
-            let mut c = context(&s)?;
-            let compactor = self.compactor(&thread)?;
-            let trigger = s.compactions.back().map_or(Trigger::Steps, |e| e.trigger);
-            let result = compactor
-                .fold_epoch(&mut c, trigger, self.parts.tools.specs())
-                .await;
             self.finish(&s, &ctx, c, result).await
         }
         .instrument(span)
