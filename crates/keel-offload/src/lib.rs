@@ -81,6 +81,8 @@
 #![cfg_attr(not(feature = "fs"), allow(rustdoc::broken_intra_doc_links))]
 
 mod archive;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod error;
 #[cfg(feature = "fs")]
 mod fs;

@@ -82,6 +82,32 @@ pub trait OffloadStore: Send + Sync {
     /// Removes `key`. Returns whether there was something to remove.
     fn delete(&self, key: &Key) -> Result<bool, OffloadError>;
 
+    /// Removes every file of `thread`; returns how many there were. Other threads are
+    /// untouched. The default lists the thread and deletes file by file; database
+    /// backends remove the thread's rows in one transaction.
+    ///
+    /// ```
+    /// use keel_offload::{Key, MemoryStore, OffloadStore, ThreadId};
+    ///
+    /// let store = MemoryStore::new();
+    /// store.put(&Key::new("t1", "large_tool_results/call_1")?, "big")?;
+    /// store.append(&Key::new("t1", "archive/messages.jsonl")?, "{}\n")?;
+    /// store.put(&Key::new("t2", "notes")?, "kept")?;
+    /// assert_eq!(store.delete_thread(&ThreadId::new("t1")?)?, 2);
+    /// assert!(store.list(&ThreadId::new("t1")?, None)?.is_empty());
+    /// assert_eq!(store.list(&ThreadId::new("t2")?, None)?.len(), 1);
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
+        let mut removed = 0;
+        for entry in self.list(thread, None)? {
+            if self.delete(&Key::from_parts(thread.clone(), entry.path))? {
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
     /// Lines `range.offset ..` of `key`, at most `range.limit` of them, each cut to
     /// `range.max_line_bytes`. Streams: the entry is never loaded whole.
     ///
@@ -168,6 +194,9 @@ macro_rules! forward {
             }
             fn read_lines(&self, key: &Key, range: &LineRange) -> Result<Lines, OffloadError> {
                 (**self).read_lines(key, range)
+            }
+            fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
+                (**self).delete_thread(thread)
             }
             fn grep(
                 &self,

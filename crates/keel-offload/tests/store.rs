@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use keel_offload::{
     Entry, FsStore, Fsync, GrepOptions, Key, KeyProblem, LineRange, MemoryStore, OffloadError,
-    OffloadStore, Pattern, StorePath, ThreadId,
+    OffloadStore, Pattern, StorePath, ThreadId, conformance,
 };
 
 fn key(thread: &str, path: &str) -> Key {
@@ -21,158 +21,9 @@ fn paths(entries: &[Entry]) -> Vec<&str> {
     entries.iter().map(|e| e.path.as_str()).collect()
 }
 
-/// Every backend runs this.
-fn check_contract(store: &dyn OffloadStore) {
-    // put / get / size / overwrite
-    let a = key("t1", "large_tool_results/call_1");
-    assert_eq!(store.size(&a).unwrap(), None);
-    assert!(store.get(&a).unwrap_err().is_not_found());
-    assert_eq!(store.put(&a, "one\ntwo\nthree\n").unwrap(), 14);
-    assert_eq!(store.get(&a).unwrap(), "one\ntwo\nthree\n");
-    assert_eq!(store.size(&a).unwrap(), Some(14));
-    store.put(&a, "replaced").unwrap();
-    assert_eq!(store.get(&a).unwrap(), "replaced");
-
-    // append returns the offset where the text starts
-    let log = key("t1", "archive/messages.jsonl");
-    assert_eq!(store.append(&log, "first\n").unwrap(), 0);
-    assert_eq!(store.append(&log, "second\n").unwrap(), 6);
-    assert_eq!(store.append(&log, "").unwrap(), 13);
-    assert_eq!(store.get(&log).unwrap(), "first\nsecond\n");
-    assert_eq!(store.read_at(&log, 6, 6).unwrap(), b"second");
-    assert_eq!(store.read_at(&log, 10, 100).unwrap(), b"nd\n");
-    assert_eq!(store.read_at(&log, 100, 5).unwrap(), b"");
-
-    // read_lines
-    store.put(&a, "l1\nl2\r\nl3\nl4").unwrap();
-    let lines = store.read_lines(&a, &LineRange::new(1, 2)).unwrap();
-    let got: Vec<(usize, &str)> = lines
-        .lines
-        .iter()
-        .map(|l| (l.number, l.text.as_str()))
-        .collect();
-    assert_eq!(got, [(2, "l2"), (3, "l3")]);
-    assert!(lines.more);
-    let rest = store.read_lines(&a, &LineRange::new(3, 10)).unwrap();
-    assert_eq!(rest.lines[0].text, "l4");
-    assert_eq!(rest.total_lines, Some(4));
-    let cut = store
-        .read_lines(&a, &LineRange::new(0, 1).with_max_line_bytes(1))
-        .unwrap();
-    assert_eq!(
-        (cut.lines[0].text.as_str(), cut.lines[0].truncated),
-        ("l", true)
-    );
-
-    // namespaces are separate
-    store
-        .put(&key("t2", "large_tool_results/call_1"), "other thread")
-        .unwrap();
-    assert_eq!(store.get(&a).unwrap(), "l1\nl2\r\nl3\nl4");
-
-    // list: sorted, per thread, under a directory or one file
-    store
-        .put(&key("t1", "large_tool_results/call_0"), "zero")
-        .unwrap();
-    store.put(&key("t1", "notes"), "n").unwrap();
-    let all = store.list(&thread("t1"), None).unwrap();
-    assert_eq!(
-        paths(&all),
-        [
-            "archive/messages.jsonl",
-            "large_tool_results/call_0",
-            "large_tool_results/call_1",
-            "notes"
-        ]
-    );
-    assert_eq!(all[1].bytes, 4);
-    let dir = StorePath::new("large_tool_results").unwrap();
-    assert_eq!(
-        paths(&store.list(&thread("t1"), Some(&dir)).unwrap()),
-        ["large_tool_results/call_0", "large_tool_results/call_1"]
-    );
-    let one = StorePath::new("notes").unwrap();
-    assert_eq!(
-        paths(&store.list(&thread("t1"), Some(&one)).unwrap()),
-        ["notes"]
-    );
-    // `large` is a prefix of a directory name, not a directory
-    let partial = StorePath::new("large").unwrap();
-    assert!(
-        store
-            .list(&thread("t1"), Some(&partial))
-            .unwrap_err()
-            .is_not_found()
-    );
-    assert!(store.list(&thread("nobody"), None).unwrap().is_empty());
-
-    // a path is a file or a directory, not both
-    assert!(store.put(&key("t1", "notes/inner"), "x").is_err());
-    assert!(store.put(&key("t1", "large_tool_results"), "x").is_err());
-    assert!(store.append(&key("t1", "large_tool_results"), "x").is_err());
-    let is_dir = |e: OffloadError| matches!(&e, OffloadError::Io { source, .. } if source.kind() == std::io::ErrorKind::IsADirectory);
-    assert!(is_dir(
-        store.get(&key("t1", "large_tool_results")).unwrap_err()
-    ));
-    assert!(is_dir(
-        store.size(&key("t1", "large_tool_results")).unwrap_err()
-    ));
-
-    // grep: in path order, line numbers, offsets, limits
-    let p = Pattern::new("^l[24]$").unwrap();
-    let found = store
-        .grep(&thread("t1"), None, &p, &GrepOptions::default())
-        .unwrap();
-    let got: Vec<(&str, usize, u64, &str)> = found
-        .matches
-        .iter()
-        .map(|m| {
-            (
-                m.path.as_str(),
-                m.line_number,
-                m.byte_offset,
-                m.line.as_str(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        got,
-        [
-            ("large_tool_results/call_1", 2, 3, "l2"),
-            ("large_tool_results/call_1", 4, 10, "l4")
-        ]
-    );
-    assert!(!found.truncated);
-    assert_eq!(found.files_searched, 4);
-    let limited = store
-        .grep(
-            &thread("t1"),
-            Some(&dir),
-            &Pattern::new("l").unwrap(),
-            &GrepOptions {
-                max_results: 1,
-                max_line_bytes: 10,
-            },
-        )
-        .unwrap();
-    assert_eq!(limited.matches.len(), 1);
-    assert!(limited.truncated);
-
-    // delete
-    assert!(store.delete(&a).unwrap());
-    assert!(!store.delete(&a).unwrap());
-    assert!(store.get(&a).unwrap_err().is_not_found());
-    assert!(
-        store
-            .read_lines(&a, &LineRange::new(0, 1))
-            .unwrap_err()
-            .is_not_found()
-    );
-}
-
 #[test]
 fn memory_store_keeps_the_contract() {
-    check_contract(&MemoryStore::new());
+    conformance::run_all(&Arc::new(MemoryStore::new()));
 }
 
 #[test]
@@ -180,7 +31,11 @@ fn fs_store_keeps_the_contract() {
     for fsync in [Fsync::Never, Fsync::Always] {
         let dir = tempfile::tempdir().unwrap();
         let store = FsStore::new(dir.path()).unwrap().with_fsync(fsync);
-        check_contract(&store);
+        if fsync == Fsync::Always {
+            conformance::contract(&store);
+        } else {
+            conformance::run_all(&Arc::new(store));
+        }
         // Writes in progress live in `.tmp`, never in a thread's namespace, and none is
         // left behind.
         assert_eq!(
