@@ -71,6 +71,36 @@ pub enum OffloadError {
         /// `thread/path` being read.
         key: String,
     },
+    /// A database backend ([`SqliteStore`](crate::SqliteStore),
+    /// [`PostgresStore`](crate::PostgresStore)) failed: the connection, a statement, a
+    /// transaction. The source is the driver's error (`rusqlite::Error`,
+    /// `tokio_postgres::Error`, `deadpool_postgres::PoolError`) or an `io::Error` for
+    /// the store's own failures (its connection thread gone, a value that changed
+    /// while it was streamed).
+    #[error("{key}: the database could not {op}: {source}")]
+    Database {
+        /// What the store was doing (`write`, `read`, `migrate the schema`, ...).
+        op: &'static str,
+        /// `thread/path` being accessed (or the database).
+        key: String,
+        /// The driver's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// The database holds an offload schema newer than this build knows: a newer keel
+    /// wrote it. Nothing was changed; upgrade this program (or point it at another
+    /// schema or file).
+    #[error(
+        "{store}: the offload schema is version {found}, newer than version {supported} this build knows; upgrade keel"
+    )]
+    SchemaTooNew {
+        /// The database file or schema.
+        store: String,
+        /// The version found.
+        found: i64,
+        /// The newest version this build knows.
+        supported: i64,
+    },
     /// An archive record could not be read back.
     #[error("{key}: archive record {seq} is damaged: {reason}")]
     Corrupt {
@@ -102,6 +132,7 @@ impl OffloadError {
                     || source.kind() == io::ErrorKind::QuotaExceeded
                     || is_errno(source, &[ENOSPC, EDQUOT])
             }
+            OffloadError::Database { source, .. } => database_full(source.as_ref()),
             _ => false,
         }
     }
@@ -122,6 +153,18 @@ impl OffloadError {
     /// True for [`OffloadError::NotFound`].
     pub fn is_not_found(&self) -> bool {
         matches!(self, OffloadError::NotFound { .. })
+    }
+
+    pub(crate) fn database(
+        op: &'static str,
+        key: impl fmt::Display,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        OffloadError::Database {
+            op,
+            key: key.to_string(),
+            source: Box::new(source),
+        }
     }
 
     pub(crate) fn io(op: &'static str, key: impl fmt::Display, source: io::Error) -> Self {
@@ -155,6 +198,33 @@ const EACCES: i32 = -1;
 const EPERM: i32 = -1;
 #[cfg(not(all(unix, feature = "fs")))]
 const EROFS: i32 = -1;
+
+/// A database's own "disk full" (SQLite `SQLITE_FULL`, PostgreSQL `53100`), or an I/O
+/// error that says so.
+#[allow(unused_variables)]
+fn database_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    #[cfg(feature = "sqlite")]
+    if let Some(rusqlite::Error::SqliteFailure(f, _)) = e.downcast_ref::<rusqlite::Error>()
+        && f.code == rusqlite::ErrorCode::DiskFull
+    {
+        return true;
+    }
+    #[cfg(feature = "postgres")]
+    {
+        let pg =
+            e.downcast_ref::<tokio_postgres::Error>().or_else(|| match e
+                .downcast_ref::<deadpool_postgres::PoolError>()
+            {
+                Some(deadpool_postgres::PoolError::Backend(b)) => Some(b),
+                _ => None,
+            });
+        if pg.and_then(|e| e.code()) == Some(&tokio_postgres::error::SqlState::DISK_FULL) {
+            return true;
+        }
+    }
+    e.downcast_ref::<io::Error>()
+        .is_some_and(|e| e.kind() == io::ErrorKind::StorageFull)
+}
 
 fn is_errno(e: &io::Error, codes: &[i32]) -> bool {
     e.raw_os_error().is_some_and(|c| codes.contains(&c))

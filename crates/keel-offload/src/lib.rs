@@ -83,6 +83,8 @@
 mod archive;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod db;
 mod error;
 #[cfg(feature = "fs")]
 mod fs;
@@ -90,6 +92,8 @@ mod key;
 mod memory;
 mod policy;
 mod scan;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 mod store;
 mod tools;
 
@@ -99,6 +103,8 @@ pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
 pub use fs::{FsStore, Fsync};
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
 pub use memory::MemoryStore;
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteOptions, SqliteStore};
 pub use policy::{
     EvictLargeResults, Failure, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored, StoredWhat,
     TruncateArguments,
