@@ -1,0 +1,122 @@
+//! Settings: flags first, then the environment, then `keel.toml`.
+//!
+//! ```toml
+//! # keel.toml
+//! home = ".keel"                      # where the embedded SQLite file and offload store live
+//! database_url = "postgres://..."     # use Postgres instead of the embedded file
+//! model = "ollama/qwen2.5:0.5b"       # default for `keel run` and `keel demo --model`
+//! ollama_base_url = "http://127.0.0.1:11434"
+//! openai_base_url = "http://127.0.0.1:8080/v1"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use serde::Deserialize;
+
+/// What `keel.toml` may hold. Unknown keys are an error, so a typo is not ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Directory of the embedded SQLite file and offload store.
+    pub home: Option<PathBuf>,
+    /// A Postgres URL; threads and checkpoints live there instead of the embedded file.
+    pub database_url: Option<String>,
+    /// `ollama/<name>` or `openai/<name>`.
+    pub model: Option<String>,
+    /// Ollama's address (`OLLAMA_BASE_URL` wins).
+    pub ollama_base_url: Option<String>,
+    /// An OpenAI-compatible server's address (`OPENAI_BASE_URL` wins).
+    pub openai_base_url: Option<String>,
+}
+
+impl Settings {
+    /// Reads `path`, or `keel.toml` in the working directory when it exists.
+    pub fn load(path: Option<&Path>) -> anyhow::Result<Self> {
+        let (path, required) = match path {
+            Some(p) => (p.to_owned(), true),
+            None => (PathBuf::from("keel.toml"), false),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self::default());
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("cannot read {}", path.display()));
+            }
+        };
+        toml::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a valid keel.toml (keys: home, database_url, model, ollama_base_url, openai_base_url)",
+                path.display()
+            )
+        })
+    }
+
+    /// The home directory: the flag, then `KEEL_HOME`, then the file, then `./.keel`.
+    pub fn home(&self, flag: Option<&Path>) -> PathBuf {
+        flag.map(Path::to_owned)
+            .or_else(|| env("KEEL_HOME").map(PathBuf::from))
+            .or_else(|| self.home.clone())
+            .unwrap_or_else(|| PathBuf::from(".keel"))
+    }
+
+    /// The Postgres URL: the flag, then `DATABASE_URL`, then the file; none means the
+    /// embedded SQLite file.
+    pub fn database_url(&self, flag: Option<&str>) -> Option<String> {
+        flag.map(str::to_owned)
+            .or_else(|| env("DATABASE_URL"))
+            .or_else(|| self.database_url.clone())
+    }
+
+    /// The model: the flag, then `KEEL_MODEL`, then the file.
+    pub fn model(&self, flag: Option<&str>) -> Option<String> {
+        flag.map(str::to_owned)
+            .or_else(|| env("KEEL_MODEL"))
+            .or_else(|| self.model.clone())
+    }
+}
+
+/// An environment variable, treating an empty value as unset.
+pub fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_default_file_is_no_settings_but_a_named_one_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let named = dir.path().join("nope.toml");
+        let err = Settings::load(Some(&named)).expect_err("a named file must exist");
+        assert!(format!("{err:#}").contains("nope.toml"), "{err:#}");
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_the_file_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("keel.toml");
+        std::fs::write(&path, "hme = \"x\"\n").expect("write");
+        let err = Settings::load(Some(&path)).expect_err("typo");
+        let text = format!("{err:#}");
+        assert!(text.contains("keel.toml") && text.contains("hme"), "{text}");
+    }
+
+    #[test]
+    fn the_file_fills_what_flags_leave() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("keel.toml");
+        std::fs::write(&path, "home = \"/srv/keel\"\nmodel = \"ollama/m\"\n").expect("write");
+        let s = Settings::load(Some(&path)).expect("valid");
+        assert_eq!(s.model(Some("openai/x")).as_deref(), Some("openai/x"));
+        if env("KEEL_MODEL").is_none() {
+            assert_eq!(s.model(None).as_deref(), Some("ollama/m"));
+        }
+        if env("KEEL_HOME").is_none() {
+            assert_eq!(s.home(None), PathBuf::from("/srv/keel"));
+        }
+    }
+}

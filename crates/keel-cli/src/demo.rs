@@ -1,0 +1,584 @@
+//! `keel demo`: the compacting agent over a real directory, on embedded defaults.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use clap::Args;
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use keel::agent::tools::FileTools;
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
+use keel::compaction::{CompactionConfig, EventKind};
+use keel::message::{Message, Role};
+use keel::model::ChatModel;
+use keel::offload::EvictLargeResults;
+use keel::token::{MemoCounter, ModelProfile, ModelProfiles, TiktokenCounter, TokenCounter};
+use serde::Serialize;
+
+use crate::chart::{self, Mark, Turn};
+use crate::config::Settings;
+use crate::model::{self, ModelSpec};
+use crate::scenario::{NEEDLE_CALL, Scenario};
+use crate::store;
+use crate::ui::{percent, table, thousands};
+
+/// `keel demo`
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  keel demo                          survey this directory with the scripted agent
+  keel demo --dir ../my-project      survey another directory
+  keel demo --steps 400 --every 20   a longer run, a milestone every 20 steps
+  keel demo --model ollama/qwen2.5:7b   the same scenario with a live model
+
+Writes keel.sqlite, offload/, report.json and context-tokens.svg under --home (default ./.keel).")]
+pub struct DemoArgs {
+    /// The directory the agent surveys with its file tools (read-only).
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// Where the SQLite file, the offload store and the outputs go [default: ./.keel,
+    /// or KEEL_HOME, or `home` in keel.toml].
+    #[arg(long)]
+    home: Option<PathBuf>,
+    /// Where report.json and context-tokens.svg go [default: the home directory].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Model calls of the survey (the final question adds two or three).
+    #[arg(long, default_value_t = 160)]
+    steps: usize,
+    /// A milestone every N agent steps.
+    #[arg(long, default_value_t = 10)]
+    every: usize,
+    /// An epoch summary every M milestones.
+    #[arg(long, default_value_t = 5)]
+    epoch: usize,
+    /// A live model instead of the script: `ollama/<name>` or `openai/<name>`.
+    #[arg(long)]
+    model: Option<String>,
+    /// `extractive` (no model) or a model for summaries, e.g. `ollama/<name>`.
+    #[arg(long, default_value = "extractive")]
+    summarizer: String,
+    /// The thread id [default: a new `demo-<time>` thread].
+    #[arg(long)]
+    thread: Option<String>,
+    /// Print report.json to stdout instead of the summary table.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar or per-compaction lines.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// What `report.json` holds.
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    scripted: bool,
+    thread: String,
+    directory: String,
+    files_seen: usize,
+    wall_seconds: f64,
+    model_calls: u64,
+    tool_calls: u64,
+    tool_errors: u64,
+    offloads: u64,
+    milestones: u64,
+    epochs: u64,
+    prompt_tokens_sent: u64,
+    prompt_tokens_full_history: u64,
+    tokens_saved: f64,
+    peak_context_tokens: u64,
+    peak_full_history_tokens: u64,
+    final_context_tokens: u64,
+    question: Question,
+    turns: Vec<TurnRow>,
+    compactions: Vec<CompactionRow>,
+    files: Files,
+}
+
+#[derive(Debug, Serialize)]
+struct Question {
+    text: String,
+    expected: String,
+    answer: String,
+    correct: bool,
+    /// `archive` when the answer was read back from the archive, `context` when the
+    /// early result was still in the prompt.
+    source: String,
+    /// Tool calls the answer took.
+    tool_calls: u64,
+    /// The first compaction after the early read: when that result left the context.
+    left_context_at_step: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct TurnRow {
+    turn: u64,
+    context_tokens: u64,
+    full_history_tokens: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct CompactionRow {
+    step: u64,
+    kind: String,
+    trigger: String,
+    tokens_before: usize,
+    tokens_after: usize,
+    messages_archived: usize,
+    prompt_version: String,
+}
+
+#[derive(Debug, Serialize)]
+struct Files {
+    database: String,
+    offload_store: String,
+    report: String,
+    chart: String,
+}
+
+/// What the stream told us, accumulated.
+#[derive(Default)]
+struct Tally {
+    turns: Vec<TurnRow>,
+    compactions: Vec<CompactionRow>,
+    tool_calls: u64,
+    tool_errors: u64,
+    offloads: u64,
+    /// Prompt tokens of the first call, then the tokens of every message since: what
+    /// the full history would have cost.
+    full: u64,
+    saw_first_call: bool,
+    answer: Option<String>,
+    archive_reads: u64,
+}
+
+impl Tally {
+    fn observe(
+        &mut self,
+        update: &AgentUpdate,
+        counter: &dyn TokenCounter,
+        bar: &ProgressBar,
+        quiet: bool,
+    ) {
+        match update {
+            AgentUpdate::Event(AgentEvent::ModelCall { prompt_tokens, .. }) => {
+                if !self.saw_first_call {
+                    self.full = *prompt_tokens;
+                    self.saw_first_call = true;
+                }
+                let turn = self.turns.len() as u64 + 1;
+                self.turns.push(TurnRow {
+                    turn,
+                    context_tokens: *prompt_tokens,
+                    full_history_tokens: self.full.max(*prompt_tokens),
+                });
+                bar.inc(1);
+                bar.set_message(format!(
+                    "context {} tokens · {} milestones · {} epochs · {} offloads",
+                    thousands(*prompt_tokens),
+                    self.milestones(),
+                    self.epochs(),
+                    self.offloads
+                ));
+            }
+            AgentUpdate::Event(AgentEvent::ToolCall { ok, .. }) => {
+                self.tool_calls += 1;
+                if !ok {
+                    self.tool_errors += 1;
+                }
+            }
+            AgentUpdate::Event(AgentEvent::Offload { .. }) => self.offloads += 1,
+            AgentUpdate::Event(AgentEvent::Compaction(e)) => {
+                if e.error.is_none() {
+                    let kind = kind_name(e.kind);
+                    if !quiet {
+                        say(
+                            bar,
+                            format!(
+                                "step {:>4}  {kind}: prompt {} -> {} tokens, {} messages archived",
+                                e.step,
+                                thousands(e.tokens_before as u64),
+                                thousands(e.tokens_after as u64),
+                                e.messages_archived
+                            ),
+                        );
+                    }
+                    self.compactions.push(CompactionRow {
+                        step: e.step,
+                        kind: kind.to_owned(),
+                        trigger: format!("{:?}", e.trigger).to_lowercase(),
+                        tokens_before: e.tokens_before,
+                        tokens_after: e.tokens_after,
+                        messages_archived: e.messages_archived,
+                        prompt_version: e.prompt_version.clone(),
+                    });
+                }
+            }
+            AgentUpdate::Message(m) => {
+                if self.saw_first_call {
+                    self.full += counter.count_message(m) as u64;
+                }
+                if m.role == Role::Assistant {
+                    let reads_archive = m.tool_calls.iter().any(|c| {
+                        let args = c.arguments.to_json_string();
+                        args.contains("\"archive") || args.contains("\"large_tool_results")
+                    });
+                    if reads_archive {
+                        self.archive_reads += 1;
+                    }
+                }
+            }
+            AgentUpdate::Done { answer, .. } => self.answer.clone_from(answer),
+            _ => {}
+        }
+    }
+
+    fn milestones(&self) -> usize {
+        self.compactions
+            .iter()
+            .filter(|c| c.kind == "milestone")
+            .count()
+    }
+
+    fn epochs(&self) -> usize {
+        self.compactions
+            .iter()
+            .filter(|c| c.kind == "epoch")
+            .count()
+    }
+}
+
+/// A line above the progress bar, or on stdout when the bar is hidden (not a terminal).
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+fn kind_name(kind: EventKind) -> &'static str {
+    match kind {
+        EventKind::Milestone => "milestone",
+        EventKind::Epoch => "epoch",
+        _ => "compaction",
+    }
+}
+
+/// Runs `keel demo`.
+pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let started = Instant::now();
+    let home = settings.home(args.home.as_deref());
+    let out = args.out.clone().unwrap_or_else(|| home.clone());
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create the output directory {}", out.display()))?;
+    if args.every == 0 || args.epoch == 0 {
+        anyhow::bail!("--every and --epoch must be at least 1");
+    }
+    let scenario = Scenario::plan(&args.dir, args.steps)?;
+    let live = settings
+        .model(args.model.as_deref())
+        .filter(|_| args.model.is_some())
+        .map(|m| ModelSpec::parse(&m))
+        .transpose()?;
+
+    // Exact counts with the model's tokenizer; the scripted agent poses as gpt-4o.
+    let model_name = live.as_ref().map_or("gpt-4o", ModelSpec::name).to_owned();
+    let profile: ModelProfile = ModelProfiles::new().lookup(&model_name).clone();
+    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
+        TiktokenCounter::new(profile.encoding).context("cannot load the tokenizer")?,
+    ));
+    let chat: Arc<dyn ChatModel> = match &live {
+        Some(spec) => spec.client(settings)?,
+        None => Arc::new(scenario.policy(&model_name)),
+    };
+    let storage = store::open(&home, None, true).await?;
+    let offload = store::offload(&home)?;
+    let agent = Agent::builder()
+        .model(chat)
+        .profile(profile)
+        .counter(counter.clone())
+        .summarizer(model::summarizer(&args.summarizer, settings)?)
+        .system(scenario.system())
+        .goal(scenario.goal())
+        .file_tools(
+            FileTools::new(&scenario.dir)
+                .with_context(|| {
+                    format!("cannot root the file tools at {}", scenario.dir.display())
+                })?
+                .read_only(),
+        )
+        .checkpointer(storage.saver.clone())
+        .offload_store(offload)
+        .evict(Some(EvictLargeResults::new()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(args.every))
+                .with_epoch_every(args.epoch),
+        )
+        .build()
+        .context("cannot build the agent")?;
+
+    let thread = args.thread.clone().unwrap_or_else(|| {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        format!("demo-{secs}")
+    });
+    let label = match &live {
+        Some(spec) => format!("model: {spec} (live)"),
+        None => "model: a scripted policy (deterministic, no model server), posing as gpt-4o for its token profile".to_owned(),
+    };
+    if !args.json {
+        println!("keel demo — the compacting agent on embedded defaults");
+        println!("{label}");
+        println!(
+            "directory: {} ({} text files)",
+            scenario.dir.display(),
+            scenario.files.len()
+        );
+        println!(
+            "checkpoints: {}; offload store and archive: {}",
+            storage.described,
+            store::offload_dir(&home).display()
+        );
+        println!(
+            "thread: {thread}; a milestone every {} steps, an epoch every {} milestones\n",
+            args.every, args.epoch
+        );
+    }
+
+    let bar = if args.quiet || args.json {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::new(args.steps as u64 + 3);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} step {pos:>4}/{len} [{bar:30}] {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar
+    };
+    let mut tally = Tally::default();
+    drive(
+        &agent,
+        &thread,
+        AgentInput::new(),
+        &mut tally,
+        counter.as_ref(),
+        &bar,
+        args.quiet || args.json,
+    )
+    .await?;
+    let survey_answer = tally.answer.take();
+    let reads_before = tally.archive_reads;
+    let calls_before = tally.tool_calls;
+    let question = scenario.question();
+    tally.full += counter.count_message(&Message::user(question.clone())) as u64;
+    drive(
+        &agent,
+        &thread,
+        AgentInput::new().message(Message::user(question.clone())),
+        &mut tally,
+        counter.as_ref(),
+        &bar,
+        args.quiet || args.json,
+    )
+    .await?;
+    bar.finish_and_clear();
+    let answer = tally.answer.clone().unwrap_or_default();
+    let correct = scenario.is_correct(&answer);
+    let from_archive = tally.archive_reads > reads_before;
+
+    let state = agent
+        .state(&thread)
+        .await?
+        .context("the thread has no state after the run")?;
+    let chart_path = out.join("context-tokens.svg");
+    let report_path = out.join("report.json");
+    let turns: Vec<Turn> = tally
+        .turns
+        .iter()
+        .map(|t| Turn {
+            turn: t.turn,
+            compacted: t.context_tokens,
+            full: t.full_history_tokens,
+        })
+        .collect();
+    let marks = marks_for(&tally);
+    chart::write_svg(
+        &chart_path,
+        &format!(
+            "keel demo: prompt tokens per turn ({} turns, {})",
+            turns.len(),
+            model_name
+        ),
+        &turns,
+        &marks,
+    )?;
+    let sent: u64 = tally.turns.iter().map(|t| t.context_tokens).sum();
+    let full: u64 = tally.turns.iter().map(|t| t.full_history_tokens).sum();
+    let report = Report {
+        model: live
+            .as_ref()
+            .map_or_else(|| "scripted".to_owned(), ToString::to_string),
+        scripted: live.is_none(),
+        thread: thread.clone(),
+        directory: scenario.dir.display().to_string(),
+        files_seen: scenario.files.len(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+        model_calls: tally.turns.len() as u64,
+        tool_calls: tally.tool_calls,
+        tool_errors: tally.tool_errors,
+        offloads: tally.offloads,
+        milestones: state.milestones_made,
+        epochs: state.epochs_made,
+        prompt_tokens_sent: sent,
+        prompt_tokens_full_history: full,
+        tokens_saved: if full == 0 {
+            0.0
+        } else {
+            1.0 - sent as f64 / full as f64
+        },
+        peak_context_tokens: tally
+            .turns
+            .iter()
+            .map(|t| t.context_tokens)
+            .max()
+            .unwrap_or(0),
+        peak_full_history_tokens: tally
+            .turns
+            .iter()
+            .map(|t| t.full_history_tokens)
+            .max()
+            .unwrap_or(0),
+        final_context_tokens: tally.turns.last().map_or(0, |t| t.context_tokens),
+        question: Question {
+            text: question,
+            expected: scenario.needle.text.clone(),
+            answer: answer.clone(),
+            correct,
+            source: if from_archive { "archive" } else { "context" }.to_owned(),
+            tool_calls: tally.tool_calls - calls_before,
+            left_context_at_step: tally.compactions.first().map(|c| c.step),
+        },
+        turns: tally.turns,
+        compactions: tally.compactions,
+        files: Files {
+            database: store::sqlite_path(&home).display().to_string(),
+            offload_store: store::offload_dir(&home).display().to_string(),
+            report: report_path.display().to_string(),
+            chart: chart_path.display().to_string(),
+        },
+    };
+    let json = serde_json::to_string_pretty(&report).context("cannot encode the report")?;
+    std::fs::write(&report_path, &json)
+        .with_context(|| format!("cannot write {}", report_path.display()))?;
+
+    if args.json {
+        println!("{json}");
+    } else {
+        print_summary(&report, survey_answer.as_deref());
+    }
+    if report.scripted && !report.question.correct {
+        eprintln!(
+            "error: the scripted agent could not answer the final question from its context or the archive; this is a bug in keel — please report it with {}",
+            report_path.display()
+        );
+        return Ok(ExitCode::from(3));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn drive(
+    agent: &Agent,
+    thread: &str,
+    input: AgentInput,
+    tally: &mut Tally,
+    counter: &dyn TokenCounter,
+    bar: &ProgressBar,
+    quiet: bool,
+) -> anyhow::Result<()> {
+    let mut updates = agent.stream(thread, input);
+    while let Some(update) = updates.next().await {
+        let update =
+            update.with_context(|| format!("the agent run on thread `{thread}` failed"))?;
+        tally.observe(&update, counter, bar, quiet);
+    }
+    Ok(())
+}
+
+/// Compaction marks on the turn they preceded.
+fn marks_for(tally: &Tally) -> Vec<Mark> {
+    tally
+        .compactions
+        .iter()
+        .map(|c| Mark {
+            turn: c.step + 1,
+            epoch: c.kind == "epoch",
+        })
+        .collect()
+}
+
+fn print_summary(r: &Report, survey_answer: Option<&str>) {
+    let rows = vec![
+        vec!["".to_owned(), "value".to_owned()],
+        vec!["model calls".into(), thousands(r.model_calls)],
+        vec![
+            "tool calls (errors)".into(),
+            format!("{} ({})", thousands(r.tool_calls), r.tool_errors),
+        ],
+        vec!["large results offloaded".into(), thousands(r.offloads)],
+        vec![
+            "milestones / epochs".into(),
+            format!("{} / {}", r.milestones, r.epochs),
+        ],
+        vec!["prompt tokens sent".into(), thousands(r.prompt_tokens_sent)],
+        vec![
+            "  full history would send".into(),
+            thousands(r.prompt_tokens_full_history),
+        ],
+        vec!["  saved".into(), percent(r.tokens_saved)],
+        vec![
+            "peak context (full history)".into(),
+            format!(
+                "{} ({})",
+                thousands(r.peak_context_tokens),
+                thousands(r.peak_full_history_tokens)
+            ),
+        ],
+        vec!["final context".into(), thousands(r.final_context_tokens)],
+        vec!["wall time".into(), format!("{:.2}s", r.wall_seconds)],
+    ];
+    println!("{}", table(&rows));
+    if let Some(a) = survey_answer {
+        println!("survey report: {a}\n");
+    }
+    println!("question: {}", r.question.text);
+    println!("answer:   {}", r.question.answer);
+    let verdict = if r.question.correct {
+        "correct"
+    } else {
+        "WRONG"
+    };
+    let source = match (r.question.source.as_str(), r.question.left_context_at_step) {
+        ("archive", Some(step)) => format!(
+            "read back from the archive with {} tool calls ({NEEDLE_CALL}'s result left the context at the compaction of step {step})",
+            r.question.tool_calls
+        ),
+        ("archive", None) => format!(
+            "read back from the archive with {} tool calls",
+            r.question.tool_calls
+        ),
+        _ => "answered from the context".to_owned(),
+    };
+    println!(
+        "          {verdict}: expected {:?}; {source}\n",
+        r.question.expected
+    );
+    println!("report: {}\nchart:  {}", r.files.report, r.files.chart);
+}

@@ -1,0 +1,430 @@
+//! Recorded agent runs in the formats `keel replay` reads, and detection of which is
+//! which.
+//!
+//! | format | shape |
+//! |---|---|
+//! | `openai` | a JSON array of chat messages (`role`, `content`, `tool_calls`), an object with `messages`, or an array of such objects (one run each) |
+//! | `openai-jsonl` | JSON Lines: one message per line (the file is one run), or one `{"messages": [...]}` object per line (one run per line) |
+//! | `langchain` | LangChain message dicts (`type`: `human`, `ai`, `tool`, `system`), in the same containers as `openai` |
+//! | `swe-agent` | a SWE-agent `.traj` file (an object with `history`) |
+//! | `tau-bench` | tau-bench's results: a JSON array of runs, each with a `traj` |
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, anyhow, bail};
+use keel::compaction::replay::{Trajectory, load_swe_agent, load_tau_bench};
+use keel::message::{Message, langchain, openai};
+use serde_json::Value;
+
+/// A format name as given to `--format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Detect from the file's content (and say which was picked).
+    Auto,
+    /// OpenAI chat messages (JSON).
+    Openai,
+    /// OpenAI chat messages (JSON Lines).
+    OpenaiJsonl,
+    /// LangChain message dicts.
+    Langchain,
+    /// SWE-agent `.traj`.
+    SweAgent,
+    /// tau-bench results.
+    TauBench,
+}
+
+impl Format {
+    /// The name as written on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Openai => "openai",
+            Self::OpenaiJsonl => "openai-jsonl",
+            Self::Langchain => "langchain",
+            Self::SweAgent => "swe-agent",
+            Self::TauBench => "tau-bench",
+        }
+    }
+}
+
+/// The runs of one file, and the format they were read as.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The file.
+    pub path: PathBuf,
+    /// The format used.
+    pub format: Format,
+    /// Whether it was detected (rather than given).
+    pub detected: bool,
+    /// The runs.
+    pub runs: Vec<Trajectory>,
+}
+
+/// Files named on the command line: files as they are, directories walked for
+/// `.json`, `.jsonl` and `.traj` files (sorted, recursively).
+pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for input in inputs {
+        let meta = std::fs::metadata(input)
+            .with_context(|| format!("cannot read {}: check the path", input.display()))?;
+        if meta.is_dir() {
+            let mut found: Vec<PathBuf> = ignore::WalkBuilder::new(input)
+                .hidden(true)
+                .build()
+                .filter_map(Result::ok)
+                .filter(|e| e.file_type().is_some_and(|t| t.is_file()))
+                .map(ignore::DirEntry::into_path)
+                .filter(|p| {
+                    p.extension()
+                        .is_some_and(|e| e == "json" || e == "jsonl" || e == "traj")
+                })
+                .collect();
+            found.sort();
+            if found.is_empty() {
+                bail!(
+                    "{} holds no .json, .jsonl or .traj files to replay",
+                    input.display()
+                );
+            }
+            files.extend(found);
+        } else {
+            files.push(input.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// Reads one file as `format` (or detects it), refusing files over `max_bytes`.
+pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loaded> {
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len();
+    if size > max_bytes {
+        bail!(
+            "{} is {} MiB, over the {} MiB limit for one file: pass --max-file-mb to raise it",
+            path.display(),
+            size >> 20,
+            max_bytes >> 20
+        );
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        bail!("{} is empty: there is no run to replay", path.display());
+    }
+    if bytes.iter().take(8192).any(|b| *b == 0) || std::str::from_utf8(&bytes).is_err() {
+        bail!(
+            "{} is not text (binary or not UTF-8): keel replays JSON and JSON Lines files",
+            path.display()
+        );
+    }
+    let (format, detected) = match format {
+        Format::Auto => (detect(path, &bytes)?, true),
+        f => (f, false),
+    };
+    let runs = match format {
+        Format::TauBench => load_tau_bench(path).map_err(|e| anyhow!("{e}"))?,
+        Format::SweAgent => vec![load_swe_agent(path).map_err(|e| anyhow!("{e}"))?],
+        Format::Openai | Format::Langchain => {
+            let value = parse(path, &bytes)?;
+            conversations(path, &value, format)?
+        }
+        Format::OpenaiJsonl => jsonl(path, &bytes)?,
+        Format::Auto => bail!("{}: no format detected", path.display()),
+    };
+    if runs.iter().all(|r| r.messages.is_empty()) {
+        bail!("{} holds no messages", path.display());
+    }
+    Ok(Loaded {
+        path: path.to_owned(),
+        format,
+        detected,
+        runs,
+    })
+}
+
+fn parse(path: &Path, bytes: &[u8]) -> anyhow::Result<Value> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        anyhow!(
+            "{} is not valid JSON at line {}, column {}: {e}{}",
+            path.display(),
+            e.line(),
+            e.column(),
+            if e.is_eof() {
+                " (the file looks cut short)"
+            } else {
+                ""
+            }
+        )
+    })
+}
+
+/// Which format a file is in, from its content.
+pub fn detect(path: &Path, bytes: &[u8]) -> anyhow::Result<Format> {
+    let text = std::str::from_utf8(bytes).unwrap_or_default();
+    let first = text.trim_start();
+    let jsonl_ext = path.extension().is_some_and(|e| e == "jsonl");
+    let value = match serde_json::from_slice::<Value>(bytes) {
+        Ok(v) => v,
+        Err(_) if jsonl_ext || first.lines().count() > 1 => {
+            // JSON Lines: each line an object.
+            let line = first.lines().next().unwrap_or_default();
+            let v: Value = serde_json::from_str(line).map_err(|e| {
+                anyhow!(
+                    "{}: line 1 is not JSON ({e}); keel replays JSON and JSON Lines files",
+                    path.display()
+                )
+            })?;
+            return match message_kind(&v).or_else(|| v.get("messages").and_then(container_kind)) {
+                Some(Format::Openai) => Ok(Format::OpenaiJsonl),
+                Some(Format::Langchain) => bail!(
+                    "{}: LangChain dicts as JSON Lines are not supported; write them as a JSON array",
+                    path.display()
+                ),
+                _ => bail!(
+                    "{}: JSON Lines whose first line is neither a chat message nor a {{\"messages\": [...]}} object",
+                    path.display()
+                ),
+            };
+        }
+        Err(_) => return parse(path, bytes).map(|_| Format::Auto),
+    };
+    if value.get("history").is_some_and(Value::is_array) {
+        return Ok(Format::SweAgent);
+    }
+    if let Some(items) = value.as_array()
+        && items
+            .first()
+            .is_some_and(|r| r.get("traj").is_some_and(Value::is_array))
+    {
+        return Ok(Format::TauBench);
+    }
+    container_kind(&value).ok_or_else(|| {
+        anyhow!(
+            "{}: cannot tell the format (not OpenAI or LangChain messages, a SWE-agent .traj or tau-bench results); pass --format",
+            path.display()
+        )
+    })
+}
+
+/// The format of a message list, a `{"messages": ...}` object, or a list of those.
+fn container_kind(v: &Value) -> Option<Format> {
+    if let Some(messages) = v.get("messages") {
+        return container_kind(messages);
+    }
+    let first = v.as_array()?.first()?;
+    message_kind(first).or_else(|| first.get("messages").and_then(container_kind))
+}
+
+fn message_kind(v: &Value) -> Option<Format> {
+    let obj = v.as_object()?;
+    if obj.get("role").is_some_and(Value::is_string) {
+        return Some(Format::Openai);
+    }
+    match obj.get("type").and_then(Value::as_str) {
+        Some("human" | "ai" | "tool" | "system" | "function" | "chat") => Some(Format::Langchain),
+        _ => None,
+    }
+}
+
+fn messages_of(
+    path: &Path,
+    values: &[Value],
+    format: Format,
+    run: &str,
+) -> anyhow::Result<Vec<Message>> {
+    let result = match format {
+        Format::Langchain => langchain::from_values(values),
+        _ => openai::from_values(values),
+    };
+    result.map_err(|e| anyhow!("{}, run {run}: {e}", path.display()))
+}
+
+/// The runs of a parsed JSON file of `openai` or `langchain` messages.
+fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Vec<Trajectory>> {
+    let stem = stem(path);
+    let dataset = format.name().to_owned();
+    let make = |id: String, messages: Vec<Message>| Trajectory {
+        dataset: dataset.clone(),
+        messages: with_ids(&id, messages),
+        id,
+    };
+    if let Some(messages) = value.get("messages").and_then(Value::as_array) {
+        return Ok(vec![make(
+            stem.clone(),
+            messages_of(path, messages, format, &stem)?,
+        )]);
+    }
+    let items = value.as_array().ok_or_else(|| {
+        anyhow!(
+            "{}: expected a list of messages, an object with `messages`, or a list of such objects",
+            path.display()
+        )
+    })?;
+    if items.first().is_some_and(|f| f.get("messages").is_some()) {
+        return items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let id = format!("{stem}-{i}");
+                let messages = item
+                    .get("messages")
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| anyhow!("{}: run {i} has no `messages` list", path.display()))?;
+                Ok(make(id.clone(), messages_of(path, messages, format, &id)?))
+            })
+            .collect();
+    }
+    Ok(vec![make(
+        stem.clone(),
+        messages_of(path, items, format, &stem)?,
+    )])
+}
+
+/// JSON Lines: one message per line, or one `{"messages": [...]}` per line.
+fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
+    let text =
+        std::str::from_utf8(bytes).map_err(|_| anyhow!("{} is not UTF-8", path.display()))?;
+    let stem = stem(path);
+    let mut single = Vec::new();
+    let mut runs = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line)
+            .map_err(|e| anyhow!("{}: line {} is not JSON: {e}", path.display(), n + 1))?;
+        if let Some(messages) = v.get("messages").and_then(Value::as_array) {
+            let id = format!("{stem}-{}", n + 1);
+            let msgs = openai::from_values(messages)
+                .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
+            runs.push(Trajectory {
+                dataset: "openai-jsonl".into(),
+                messages: with_ids(&id, msgs),
+                id,
+            });
+        } else {
+            let m = openai::from_value(&v)
+                .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
+            single.push(m);
+        }
+    }
+    if !single.is_empty() {
+        runs.push(Trajectory {
+            dataset: "openai-jsonl".into(),
+            messages: with_ids(&stem, single),
+            id: stem,
+        });
+    }
+    Ok(runs)
+}
+
+fn stem(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".to_owned())
+}
+
+fn with_ids(prefix: &str, mut messages: Vec<Message>) -> Vec<Message> {
+    for (i, m) in messages.iter_mut().enumerate() {
+        if m.id.is_none() {
+            m.id = Some(format!("{prefix}-{i}"));
+        }
+    }
+    messages
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    const OPENAI: &str = r#"[{"role":"system","content":"be brief"},{"role":"user","content":"list files"},
+        {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"ls","arguments":"{}"}}]},
+        {"role":"tool","tool_call_id":"c1","content":"a.txt"},{"role":"assistant","content":"one file"}]"#;
+
+    #[test]
+    fn detects_each_format() {
+        let d = tempfile::tempdir().unwrap();
+        let cases = [
+            ("a.json", OPENAI.to_owned(), Format::Openai),
+            ("b.json", format!(r#"{{"messages": {OPENAI}}}"#), Format::Openai),
+            ("c.json", r#"[{"type":"human","content":"hi"},{"type":"ai","content":"hello"}]"#.to_owned(), Format::Langchain),
+            ("d.traj", r#"{"history":[{"role":"user","content":"fix it"}]}"#.to_owned(), Format::SweAgent),
+            ("e.json", r#"[{"task_id":1,"traj":[{"role":"user","content":"x"}]}]"#.to_owned(), Format::TauBench),
+            ("f.jsonl", "{\"role\":\"user\",\"content\":\"a\"}\n{\"role\":\"assistant\",\"content\":\"b\"}\n".to_owned(), Format::OpenaiJsonl),
+            ("g.jsonl", format!("{{\"messages\": {}}}\n", OPENAI.replace('\n', " ")), Format::OpenaiJsonl),
+        ];
+        for (name, text, want) in cases {
+            let p = write(d.path(), name, &text);
+            let loaded =
+                load(&p, Format::Auto, 1 << 20).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            assert_eq!(loaded.format, want, "{name}");
+            assert!(loaded.detected);
+            assert!(
+                !loaded.runs.is_empty() && !loaded.runs[0].messages.is_empty(),
+                "{name}"
+            );
+            assert!(
+                loaded.runs[0].messages.iter().all(|m| m.id.is_some()),
+                "{name}: ids assigned"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong_and_where() {
+        let d = tempfile::tempdir().unwrap();
+        let cut = write(d.path(), "cut.json", &OPENAI[..OPENAI.len() / 2]);
+        let err = format!("{:#}", load(&cut, Format::Auto, 1 << 20).unwrap_err());
+        assert!(
+            err.contains("cut.json") && err.contains("line") && err.contains("cut short"),
+            "{err}"
+        );
+
+        let empty = write(d.path(), "empty.json", "  \n");
+        let err = format!("{:#}", load(&empty, Format::Auto, 1 << 20).unwrap_err());
+        assert!(err.contains("empty"), "{err}");
+
+        let bin = d.path().join("bin.json");
+        std::fs::write(&bin, [0x7b, 0, 0xff, 0x10]).unwrap();
+        let err = format!("{:#}", load(&bin, Format::Auto, 1 << 20).unwrap_err());
+        assert!(err.contains("not text"), "{err}");
+
+        let big = write(d.path(), "big.json", &"x".repeat(3 << 20));
+        let err = format!("{:#}", load(&big, Format::Auto, 1 << 20).unwrap_err());
+        assert!(err.contains("--max-file-mb"), "{err}");
+
+        let other = write(d.path(), "other.json", r#"{"hello": 1}"#);
+        let err = format!("{:#}", load(&other, Format::Auto, 1 << 20).unwrap_err());
+        assert!(err.contains("--format"), "{err}");
+
+        let jsonl = write(
+            d.path(),
+            "bad.jsonl",
+            "{\"role\":\"user\",\"content\":\"a\"}\n{oops\n",
+        );
+        let err = format!("{:#}", load(&jsonl, Format::Auto, 1 << 20).unwrap_err());
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn a_directory_expands_to_its_run_files() {
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), "b.json", "[]");
+        write(d.path(), "a.traj", "{}");
+        write(d.path(), "notes.txt", "x");
+        let files = expand(&[d.path().to_owned()]).unwrap();
+        let names: Vec<_> = files
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["a.traj", "b.json"]);
+        let empty = tempfile::tempdir().unwrap();
+        assert!(expand(&[empty.path().to_owned()]).is_err());
+    }
+}

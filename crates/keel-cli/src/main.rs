@@ -1,0 +1,92 @@
+//! `keel`: the command line of keel.
+//!
+//! * `keel demo` runs the compacting agent on embedded defaults (a SQLite file and an
+//!   offload store under `./.keel/`, extractive summaries, exact token counts, no
+//!   server) over a real directory, and writes a report and a chart.
+//! * `keel replay` replays recorded agent runs through keel's compaction and reports
+//!   what it would have saved.
+//! * `keel run` runs the agent against a real model server.
+//! * `keel threads` lists, shows, prunes and deletes stored threads.
+//!
+//! Every command prints `--help` with examples. Settings come from flags, then the
+//! environment, then `keel.toml` (in the working directory, or `--config`).
+
+mod chart;
+mod config;
+mod demo;
+mod formats;
+mod live;
+mod model;
+mod replay;
+mod scenario;
+mod store;
+mod threads;
+mod ui;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// keel keeps long-running LLM agents on course: a durable graph runtime plus the
+/// context management that stops agents drifting after hundreds of steps.
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, propagate_version = true, after_help = EXAMPLES)]
+struct Cli {
+    /// Settings file (default: `keel.toml` in the working directory, if present).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+const EXAMPLES: &str = "\
+Examples:
+  keel demo                                 the compacting agent over this directory, no server
+  keel replay ../shared/data --window 8000  what compaction would have saved on recorded runs
+  keel run --model ollama/qwen2.5:0.5b --goal \"Summarize the README\"
+  keel threads list                         threads in ./.keel/keel.sqlite (or DATABASE_URL)
+
+Run `keel <command> --help` for each command's options.";
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the compacting agent over a real directory on embedded defaults.
+    Demo(demo::DemoArgs),
+    /// Replay recorded agent runs and report what compaction would save.
+    Replay(replay::ReplayArgs),
+    /// Run the agent against a real model server (Ollama or OpenAI-compatible).
+    Run(live::RunArgs),
+    /// List, inspect, prune and delete stored threads.
+    Threads(threads::ThreadsArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    ui::init_tracing();
+    let settings = match config::Settings::load(cli.config.as_deref()) {
+        Ok(s) => s,
+        Err(e) => return ui::fail(&e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            return ui::fail(&anyhow::Error::new(e).context("cannot start the async runtime"));
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Demo(args) => demo::run(args, &settings).await,
+            Command::Replay(args) => replay::run(args, &settings).await,
+            Command::Run(args) => live::run(args, &settings).await,
+            Command::Threads(args) => threads::run(args, &settings).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => ui::fail(&e),
+    }
+}

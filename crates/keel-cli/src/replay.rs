@@ -1,0 +1,382 @@
+//! `keel replay`: recorded agent runs through keel's compaction, and what it saved.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use keel::compaction::replay::{ReplayConfig, Report, RunReport, Trajectory, replay_trajectory};
+use keel::compaction::{EventKind, Strategy};
+use keel::token::{MemoCounter, ModelProfiles, TiktokenCounter, TokenCounter};
+use serde_json::json;
+
+use crate::chart::{self, Mark, Turn};
+use crate::config::Settings;
+use crate::formats::{self, Format, Loaded};
+use crate::ui::{percent, table, thousands};
+
+/// `keel replay`
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  keel replay runs/                                   every .json/.jsonl/.traj file under runs/
+  keel replay ../shared/data --window 8000            force an 8,000-token window
+  keel replay run.json --strategy hierarchical --strategy masking --strategy hybrid
+  keel replay tau.json --format tau-bench --json > report.json
+  keel replay session.jsonl --chart tokens.svg
+
+The goal of each run is its first user message (the task statement); the report names
+it. Tokens are counted exactly with the model's tokenizer (--model, default gpt-4o).
+Cache-weighted cost prices prompt tokens a provider cache would serve at 0.1.")]
+pub struct ReplayArgs {
+    /// Files or directories of recorded runs.
+    #[arg(required = true, value_name = "FILE|DIR")]
+    inputs: Vec<PathBuf>,
+    /// The files' format.
+    #[arg(long, value_enum, default_value_t = Format::Auto)]
+    format: Format,
+    /// Compaction strategies to compare (repeat the flag).
+    #[arg(long, value_enum, default_values_t = [StrategyName::Hierarchical])]
+    strategy: Vec<StrategyName>,
+    /// The model window in tokens [default: the model's window].
+    #[arg(long)]
+    window: Option<usize>,
+    /// The model whose profile (window, tokenizer) to use.
+    #[arg(long, default_value = "gpt-4o")]
+    model: String,
+    /// A milestone every N steps (the seed behaviour; default: keel's triggers).
+    #[arg(long)]
+    every: Option<usize>,
+    /// An epoch summary every M milestones.
+    #[arg(long)]
+    epoch: Option<usize>,
+    /// `extractive` (no model needed).
+    #[arg(long, default_value = "extractive")]
+    summarizer: String,
+    /// Print a JSON report to stdout instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG chart of prompt tokens per turn for the longest run.
+    #[arg(long, value_name = "FILE")]
+    chart: Option<PathBuf>,
+    /// Largest file read, in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_file_mb: u64,
+    /// Print one row per run as well as the totals.
+    #[arg(long)]
+    runs: bool,
+}
+
+/// A strategy name on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StrategyName {
+    /// Milestones, epochs and the goal anchor (keel's default).
+    Hierarchical,
+    /// Old tool results replaced by placeholders (observation masking).
+    Masking,
+    /// Masking first, summaries when masking is not enough.
+    Hybrid,
+}
+
+impl StrategyName {
+    fn strategy(self) -> Strategy {
+        match self {
+            Self::Hierarchical => Strategy::Hierarchical,
+            Self::Masking => Strategy::masking(),
+            Self::Hybrid => Strategy::hybrid(),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Hierarchical => "hierarchical",
+            Self::Masking => "masking",
+            Self::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// Runs `keel replay`.
+pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitCode> {
+    if args.summarizer != "extractive" {
+        anyhow::bail!(
+            "replay summarizes with the extractive summarizer only (--summarizer extractive); LLM summaries run in `keel run` and `keel demo --summarizer`"
+        );
+    }
+    let started = Instant::now();
+    let files = formats::expand(&args.inputs)?;
+    let profile = ModelProfiles::new().lookup(&args.model).clone();
+    let window = args.window.unwrap_or(profile.context_window);
+    if window < 1_000 {
+        anyhow::bail!("--window {window} is too small to hold a prompt: use at least 1,000 tokens");
+    }
+    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
+        TiktokenCounter::new(profile.encoding).context("cannot load the tokenizer")?,
+    ));
+
+    // Load every file; a bad one is reported and skipped.
+    let mut loaded: Vec<Loaded> = Vec::new();
+    let mut skipped: Vec<(PathBuf, String)> = Vec::new();
+    let bar = progress(files.len() as u64, args.json, "reading");
+    for path in &files {
+        match formats::load(path, args.format, args.max_file_mb << 20) {
+            Ok(l) => loaded.push(l),
+            Err(e) => skipped.push((path.clone(), format!("{e:#}"))),
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    for (path, why) in &skipped {
+        eprintln!("skipped {}: {why}", path.display());
+    }
+    if loaded.is_empty() {
+        anyhow::bail!(
+            "no file could be read as recorded runs ({} skipped)",
+            skipped.len()
+        );
+    }
+    if !args.json {
+        for l in &loaded {
+            println!(
+                "{}: {} ({}), {} run(s)",
+                l.path.display(),
+                l.format.name(),
+                if l.detected { "detected" } else { "as given" },
+                l.runs.len()
+            );
+        }
+    }
+    let runs: Vec<&Trajectory> = loaded.iter().flat_map(|l| &l.runs).collect();
+    let turns: usize = runs.iter().map(|r| r.turns()).sum();
+
+    // Replay each run under each strategy.
+    let bar = progress(
+        (runs.len() * args.strategy.len()) as u64,
+        args.json,
+        "replaying",
+    );
+    let mut results: Vec<(StrategyName, Vec<RunReport>)> = Vec::new();
+    for &name in &args.strategy {
+        let mut config = ReplayConfig::new(window, name.strategy());
+        config.encoding = profile.encoding;
+        config.reserve_output = profile.max_output_tokens.min(window / 4);
+        if let Some(every) = args.every {
+            config.compaction = config.compaction.with_every_steps(Some(every.max(1)));
+        }
+        if let Some(epoch) = args.epoch {
+            config.compaction = config.compaction.with_epoch_every(epoch.max(1));
+        }
+        let mut reports = Vec::with_capacity(runs.len());
+        for run in &runs {
+            let report = replay_trajectory(run, &config, counter.clone())
+                .await
+                .with_context(|| format!("replaying run {} ({}) failed", run.id, run.dataset))?;
+            reports.push(report);
+            bar.inc(1);
+        }
+        results.push((name, reports));
+    }
+    bar.finish_and_clear();
+
+    let totals: Vec<(StrategyName, Report)> = results
+        .iter()
+        .map(|(name, reports)| {
+            (
+                *name,
+                Report::from_runs("all", name.name(), window, reports),
+            )
+        })
+        .collect();
+    if args.json {
+        let out = json!({
+            "model": args.model,
+            "window": window,
+            "files": loaded.iter().map(|l| json!({
+                "path": l.path.display().to_string(), "format": l.format.name(),
+                "detected": l.detected, "runs": l.runs.len()})).collect::<Vec<_>>(),
+            "skipped": skipped.iter().map(|(p, why)| json!({"path": p.display().to_string(), "error": why})).collect::<Vec<_>>(),
+            "goal": "the first user message of each run",
+            "strategies": totals.iter().map(|(name, r)| json!({
+                "strategy": name.name(),
+                "total": report_json(r),
+                "runs": results.iter().find(|(n, _)| n == name).map(|(_, reports)| reports.iter().zip(&runs).map(|(rr, t)| {
+                    let one = Report::from_runs(&rr.dataset, name.name(), window, std::slice::from_ref(rr));
+                    json!({"id": rr.id, "dataset": rr.dataset, "goal": goal_of(t), "report": report_json(&one)})
+                }).collect::<Vec<_>>()).unwrap_or_default(),
+            })).collect::<Vec<_>>(),
+            "seconds": started.elapsed().as_secs_f64(),
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).context("cannot encode the report")?
+        );
+    } else {
+        println!(
+            "\n{} run(s), {} model turns; window {} tokens ({}), goal: the first user message of each run\n",
+            runs.len(),
+            thousands(turns as u64),
+            thousands(window as u64),
+            args.model
+        );
+        if args.runs {
+            for (name, reports) in &results {
+                let mut rows = vec![header("run")];
+                for rr in reports {
+                    let one = Report::from_runs(
+                        &rr.dataset,
+                        name.name(),
+                        window,
+                        std::slice::from_ref(rr),
+                    );
+                    rows.push(row(&format!("{} ({})", rr.id, name.name()), &one));
+                }
+                println!("{}", table(&rows));
+            }
+        }
+        let mut rows = vec![header("strategy")];
+        for (name, r) in &totals {
+            rows.push(row(name.name(), r));
+        }
+        println!("{}", table(&rows));
+        println!(
+            "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
+        );
+        println!("replayed in {:.2}s", started.elapsed().as_secs_f64());
+    }
+    if let Some(path) = &args.chart
+        && let Some((name, reports)) = results.first()
+    {
+        let longest = reports.iter().max_by_key(|r| r.turns.len());
+        if let Some(rr) = longest {
+            let turns: Vec<Turn> = rr
+                .turns
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Turn {
+                    turn: i as u64 + 1,
+                    compacted: t.tokens as u64,
+                    full: t.full_tokens as u64,
+                })
+                .collect();
+            let marks: Vec<Mark> = rr
+                .events
+                .iter()
+                .filter(|e| e.error.is_none())
+                .map(|e| Mark {
+                    turn: e.step + 1,
+                    epoch: e.kind == EventKind::Epoch,
+                })
+                .collect();
+            chart::write_svg(
+                path,
+                &format!(
+                    "{} ({}, {} window): prompt tokens per turn",
+                    rr.id,
+                    name.name(),
+                    thousands(window as u64)
+                ),
+                &turns,
+                &marks,
+            )?;
+            if !args.json {
+                println!(
+                    "chart of {} ({} turns): {}",
+                    rr.id,
+                    turns.len(),
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(if skipped.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+fn progress(len: u64, hidden: bool, what: &'static str) -> ProgressBar {
+    if hidden {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(what);
+    bar
+}
+
+fn goal_of(t: &Trajectory) -> String {
+    t.messages
+        .iter()
+        .find(|m| m.role == keel::message::Role::User)
+        .map(|m| m.text().chars().take(160).collect())
+        .unwrap_or_default()
+}
+
+fn header(first: &str) -> Vec<String> {
+    [
+        first,
+        "runs",
+        "turns",
+        "tokens full",
+        "tokens keel",
+        "saved",
+        "cache-weighted saved",
+        "cacheable",
+        "over window (full/keel)",
+        "recall",
+        "+archive",
+        "goal intact",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
+fn row(name: &str, r: &Report) -> Vec<String> {
+    vec![
+        name.to_owned(),
+        thousands(r.runs as u64),
+        thousands(r.turns as u64),
+        thousands(r.full_tokens as u64),
+        thousands(r.tokens as u64),
+        percent(r.token_reduction()),
+        percent(r.cost_reduction()),
+        percent(r.cacheable_share()),
+        format!("{}/{}", r.full_over_window, r.over_window),
+        if r.needed_facts == 0 {
+            "-".to_owned()
+        } else {
+            percent(r.recall())
+        },
+        if r.needed_facts == 0 {
+            "-".to_owned()
+        } else {
+            percent(r.archive_recall())
+        },
+        percent(r.goal_share()),
+    ]
+}
+
+fn report_json(r: &Report) -> serde_json::Value {
+    json!({
+        "runs": r.runs, "turns": r.turns,
+        "tokens_full": r.full_tokens, "tokens": r.tokens, "tokens_saved": r.token_reduction(),
+        "cost_full": r.full_cost, "cost": r.cost, "cost_saved": r.cost_reduction(),
+        "cacheable_turns": r.cacheable_turns, "cacheable_share": r.cacheable_share(),
+        "peak_full": r.full_peak, "peak": r.peak,
+        "turns_over_window_full": r.full_over_window, "turns_over_window": r.over_window,
+        "goal_intact_share": r.goal_share(),
+        "compactions": r.compactions, "failed_compactions": r.failed_compactions,
+        "needed_facts": r.needed_facts, "facts_in_prompt": r.facts_in_prompt, "facts_in_archive": r.facts_in_archive,
+        "recall": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.recall()) },
+        "recall_with_archive": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.archive_recall()) },
+    })
+}

@@ -1,0 +1,107 @@
+//! Where threads live: the embedded SQLite file under the home directory, or Postgres.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use keel::checkpoint::Checkpointer;
+use keel::offload::{FsStore, OffloadStore};
+use keel::postgres::{PostgresConfig, PostgresSaver};
+use keel::sqlite::SqliteSaver;
+
+/// An opened checkpointer, and a sentence saying which.
+pub struct Storage {
+    /// The checkpointer.
+    pub saver: Arc<dyn Checkpointer>,
+    /// `SQLite file .keel/keel.sqlite` or `Postgres at host:port/db`.
+    pub described: String,
+}
+
+/// The embedded file in `home`.
+pub fn sqlite_path(home: &Path) -> PathBuf {
+    home.join("keel.sqlite")
+}
+
+/// The offload store (large tool results, the archive of compacted history) in `home`.
+pub fn offload_dir(home: &Path) -> PathBuf {
+    home.join("offload")
+}
+
+/// Opens Postgres when a URL is given, otherwise the embedded SQLite file (created,
+/// with its directory, when `create` is set).
+pub async fn open(
+    home: &Path,
+    database_url: Option<&str>,
+    create: bool,
+) -> anyhow::Result<Storage> {
+    if let Some(url) = database_url {
+        let config = PostgresConfig::new(url)
+            .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")?;
+        let saver = PostgresSaver::connect(&config).context("cannot set up the Postgres pool")?;
+        saver.setup().await.with_context(|| {
+            format!(
+                "cannot reach Postgres at {} or create keel's tables there",
+                redact(url)
+            )
+        })?;
+        return Ok(Storage {
+            saver: Arc::new(saver),
+            described: format!("Postgres at {}", redact(url)),
+        });
+    }
+    let path = sqlite_path(home);
+    if !create && !path.exists() {
+        anyhow::bail!(
+            "no keel database at {}: run `keel demo` or `keel run` first, or pass --home DIR or --database-url URL",
+            path.display()
+        );
+    }
+    if create {
+        std::fs::create_dir_all(home)
+            .with_context(|| format!("cannot create the home directory {}", home.display()))?;
+    }
+    let saver = SqliteSaver::open(&path)
+        .await
+        .with_context(|| format!("cannot open the SQLite file {}", path.display()))?;
+    Ok(Storage {
+        saver: Arc::new(saver),
+        described: format!("SQLite file {}", path.display()),
+    })
+}
+
+/// The offload store under `home` (created when missing).
+pub fn offload(home: &Path) -> anyhow::Result<Arc<dyn OffloadStore>> {
+    let dir = offload_dir(home);
+    let store = FsStore::new(&dir)
+        .with_context(|| format!("cannot open the offload store at {}", dir.display()))?;
+    Ok(Arc::new(store))
+}
+
+/// A URL with its password replaced, for messages.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let Some((auth, host)) = rest.split_once('@') else {
+        return url.to_owned();
+    };
+    match auth.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => format!("{scheme}://{auth}@{host}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(
+            redact("postgres://bob:hunter2@db:5432/x"),
+            "postgres://bob:***@db:5432/x"
+        );
+        assert_eq!(redact("postgres://bob@db/x"), "postgres://bob@db/x");
+        assert_eq!(redact("host=db user=bob"), "host=db user=bob");
+    }
+}
