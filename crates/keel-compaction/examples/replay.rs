@@ -3,7 +3,7 @@
 //! prints what a model would have been sent compared with the full history.
 //!
 //! ```sh
-//! cargo run --release -p keel-compaction --example replay -- [data-dir] [--min-messages N]
+//! cargo run --release -p keel-compaction --example replay -- [data-dir] [--min-messages N] [--show-missed]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -33,6 +33,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(40);
+    // --show-missed: list the needed facts each run's prompt lacked.
+    let show_missed = args.iter().any(|a| a == "--show-missed");
     let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(TiktokenCounter::o200k_base()?));
 
     let tau = load_tau_bench(&dir.join("tau-bench/gpt-4o-airline.json"))?;
@@ -77,7 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     println!("{}", Report::HEADER);
     for set in [&long, &swe] {
-        for window in [8_000, 15_000, 32_000] {
+        for window in [8_000, 15_000, 32_000, 128_000] {
             for strategy in strategies {
                 let mut config = ReplayConfig::new(window, strategy);
                 let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
@@ -97,8 +99,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     config.compaction.window_fraction = v as f64 / 100.0;
                 }
                 let started = Instant::now();
-                let (report, _) = replay_all(set, &config, Arc::clone(&counter)).await?;
+                let (report, runs) = replay_all(set, &config, Arc::clone(&counter)).await?;
                 println!("{report}  [{:.2}s]", started.elapsed().as_secs_f64());
+                if show_missed {
+                    for run in &runs {
+                        for f in run.facts.iter().filter(|f| !f.in_prompt) {
+                            println!("    missed {} turn {}: {}", run.id, f.turn, f.fact);
+                        }
+                    }
+                }
             }
         }
     }

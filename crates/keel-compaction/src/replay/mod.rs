@@ -7,13 +7,20 @@
 //! input tokens, the prefix the prompt shares with the previous turn's prompt (what a
 //! provider's prompt cache would reuse), whether the goal was byte-identical, and the
 //! compaction events. Needles — facts planted in early tool results — must be found in
-//! the archive after they were compacted away.
+//! the archive after they were compacted away. Needed facts — the identifiers the
+//! recorded agent passed on in each reply after the first compaction, which it had been
+//! told earlier ([`needed_facts`]) — must be in the prompt (recall), or at least in the
+//! archive.
 //!
 //! Loaders read the two formats users bring: OpenAI chat messages
 //! ([`load_tau_bench`]) and SWE-agent `.traj` files ([`load_swe_agent`]).
 
+mod facts;
 mod load;
 mod run;
 
+pub use facts::{identifiers, needed_facts, turn_identifiers};
 pub use load::{LoadError, Trajectory, load_swe_agent, load_swe_agent_dir, load_tau_bench};
-pub use run::{Needle, ReplayConfig, Report, RunReport, TurnRecord, replay_all, replay_trajectory};
+pub use run::{
+    FactCheck, Needle, ReplayConfig, Report, RunReport, TurnRecord, replay_all, replay_trajectory,
+};

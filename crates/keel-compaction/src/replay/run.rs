@@ -4,10 +4,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use keel_message::{Message, Role};
-use keel_offload::{Archive, EvictLargeResults, MemoryStore, OffloadStore, Pattern, ThreadId};
+use keel_offload::{
+    Archive, EvictLargeResults, GrepOptions, MemoryStore, OffloadStore, Pattern, ThreadId,
+};
 use keel_summarize::ExtractiveSummarizer;
 use keel_token::{Encoding, ModelProfile, TokenCounter};
 
+use super::facts::{contains_token, is_told, needed_facts, searchable};
 use super::load::Trajectory;
 use crate::compactor::Compactor;
 use crate::config::{CompactionConfig, Strategy};
@@ -76,6 +79,27 @@ pub struct TurnRecord {
     pub extends_previous: bool,
     /// The goal message is byte-identical at its place.
     pub goal_intact: bool,
+    /// Facts this turn needed ([`needed_facts`]); counted only for turns after the
+    /// run's first compaction (before it the prompt is the full history).
+    pub needed: usize,
+    /// Of those, present in the prompt keel assembled for this turn.
+    pub needed_in_prompt: usize,
+    /// Of those not in the prompt, found in the archive or the offload store (the
+    /// agent could read them back).
+    pub needed_in_archive: usize,
+}
+
+/// One needed fact of one turn, and where it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FactCheck {
+    /// The turn (0-based model call) that passed it on.
+    pub turn: usize,
+    /// The identifier.
+    pub fact: String,
+    /// It was in the prompt of that turn.
+    pub in_prompt: bool,
+    /// It was not in the prompt but the archive or the offload store had it.
+    pub in_archive: bool,
 }
 
 /// A fact planted in an early tool result.
@@ -102,6 +126,36 @@ pub struct RunReport {
     pub events: Vec<CompactionEvent>,
     /// Planted needles.
     pub needles: Vec<Needle>,
+    /// Every needed fact checked (turns after the first compaction), in turn order.
+    pub facts: Vec<FactCheck>,
+}
+
+impl RunReport {
+    /// Share of needed facts present in the prompt (1.0 when none were needed).
+    pub fn recall(&self) -> f64 {
+        let needed = self.facts.len();
+        let kept = self.facts.iter().filter(|f| f.in_prompt).count();
+        share_or_one(kept, needed)
+    }
+
+    /// Share of needed facts in the prompt or retrievable from the archive.
+    pub fn reachable(&self) -> f64 {
+        let needed = self.facts.len();
+        let found = self
+            .facts
+            .iter()
+            .filter(|f| f.in_prompt || f.in_archive)
+            .count();
+        share_or_one(found, needed)
+    }
+}
+
+fn share_or_one(part: usize, whole: usize) -> f64 {
+    if whole == 0 {
+        1.0
+    } else {
+        part as f64 / whole as f64
+    }
 }
 
 /// Replays one trajectory. `counter` should be a memoizing counter shared across runs.
@@ -121,6 +175,7 @@ pub async fn replay_trajectory(
             turns: Vec::new(),
             events: Vec::new(),
             needles: Vec::new(),
+            facts: Vec::new(),
         });
     };
     let goal = GoalAnchor::from_message(&messages[goal_at]);
@@ -147,6 +202,16 @@ pub async fn replay_trajectory(
     };
 
     let goal_pos = usize::from(state.system.is_some());
+    // What every prompt carries (system prompt and goal), and what the agent was told
+    // so far (user and tool messages after the goal): the two sides of a needed fact.
+    let mut known = String::new();
+    if let Some(s) = system_at {
+        searchable(&messages[s], &mut known);
+    }
+    searchable(&messages[goal_at], &mut known);
+    let mut told = String::new();
+    let mut facts = Vec::new();
+    let mut compacted = false;
     let priming = counter.count_messages(&[]);
     let mut full_running = priming;
     let mut full_previous = 0;
@@ -160,6 +225,9 @@ pub async fn replay_trajectory(
             // places; anything else goes to the raw buffer.
             full_running += counter.count_message(m);
             if Some(i) != system_at && i != goal_at {
+                if is_told(m) {
+                    searchable(m, &mut told);
+                }
                 state.push([m.clone()]);
             }
             i += 1;
@@ -177,6 +245,19 @@ pub async fn replay_trajectory(
             .iter()
             .map(|m| counter.count_message(m))
             .sum();
+        let turn = turns.len();
+        let (needed, in_prompt, in_archive) = if compacted {
+            check_facts(
+                &messages[i],
+                &prompt,
+                (&told, &known),
+                (&store, &thread),
+                turn,
+                &mut facts,
+            )?
+        } else {
+            (0, 0, 0)
+        };
         turns.push(TurnRecord {
             full_tokens: full_running,
             tokens,
@@ -186,6 +267,9 @@ pub async fn replay_trajectory(
             goal_intact: prompt
                 .get(goal_pos)
                 .is_some_and(|g| g == goal.message() && g.text() == goal.text()),
+            needed,
+            needed_in_prompt: in_prompt,
+            needed_in_archive: in_archive,
         });
         previous = prompt;
         full_previous = full_running - priming;
@@ -198,9 +282,13 @@ pub async fn replay_trajectory(
         for m in &messages[i..end] {
             full_running += counter.count_message(m);
         }
+        for m in messages[i + 1..end].iter().filter(|m| is_told(m)) {
+            searchable(m, &mut told);
+        }
         let results = messages[i + 1..end].to_vec();
         compactor.push_step(&mut state, messages[i].clone(), results);
-        compactor.after_step(&mut state, &[]).await?;
+        let events = compactor.after_step(&mut state, &[]).await?;
+        compacted |= events.iter().any(|e| e.error.is_none());
         i = end;
     }
 
@@ -231,7 +319,71 @@ pub async fn replay_trajectory(
         turns,
         events: state.events,
         needles,
+        facts,
     })
+}
+
+/// Checks the facts `turn` needed against `prompt` and, for those missing, the archive
+/// and the offload store. Returns (needed, in the prompt, in the archive) and appends
+/// one [`FactCheck`] per fact.
+fn check_facts(
+    turn_message: &Message,
+    prompt: &[Message],
+    (told, known): (&str, &str),
+    (store, thread): (&Arc<dyn OffloadStore>, &ThreadId),
+    turn: usize,
+    out: &mut Vec<FactCheck>,
+) -> Result<(usize, usize, usize), CompactionError> {
+    let needed = needed_facts(turn_message, told, known);
+    if needed.is_empty() {
+        return Ok((0, 0, 0));
+    }
+    let mut text = String::new();
+    for m in prompt {
+        searchable(m, &mut text);
+    }
+    let (mut in_prompt, mut in_archive) = (0, 0);
+    for fact in needed.iter() {
+        let here = contains_token(&text, fact);
+        let archived = !here && retrievable(fact, store, thread)?;
+        in_prompt += usize::from(here);
+        in_archive += usize::from(archived);
+        out.push(FactCheck {
+            turn,
+            fact: fact.clone(),
+            in_prompt: here,
+            in_archive: archived,
+        });
+    }
+    Ok((needed.len(), in_prompt, in_archive))
+}
+
+/// Whether a search of the thread's archive and offload files finds `fact` (as text, or
+/// JSON-escaped as the archive stores it).
+fn retrievable(
+    fact: &str,
+    store: &Arc<dyn OffloadStore>,
+    thread: &ThreadId,
+) -> Result<bool, CompactionError> {
+    let escaped = serde_json::to_string(fact).unwrap_or_default();
+    let escaped = escaped
+        .strip_prefix('"')
+        .and_then(|e| e.strip_suffix('"'))
+        .unwrap_or(fact);
+    let options = GrepOptions {
+        max_results: 1,
+        max_line_bytes: 0,
+    };
+    for form in std::iter::once(fact).chain((escaped != fact).then_some(escaped)) {
+        let pattern = Pattern::literal(form).map_err(CompactionError::Archive)?;
+        let found = store
+            .grep(thread, None, &pattern, &options)
+            .map_err(CompactionError::Archive)?;
+        if !found.matches.is_empty() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Plants `n` needles in the first tool results (or observations) of a run and
@@ -310,6 +462,17 @@ pub struct Report {
     pub needles_left: usize,
     /// Of those, found in the archive.
     pub needles_found: usize,
+    /// Turns checked for needed facts: the turns after each run's first compaction.
+    pub recall_turns: usize,
+    /// Facts those turns needed: identifiers in the recorded reply that came from
+    /// earlier user or tool messages, not from the system prompt or the goal
+    /// ([`needed_facts`]).
+    pub needed_facts: usize,
+    /// Of those, present in the prompt keel assembled for the turn.
+    pub facts_in_prompt: usize,
+    /// Of those not in the prompt, found by a search of the archive or the offload
+    /// store.
+    pub facts_in_archive: usize,
 }
 
 impl Report {
@@ -337,6 +500,10 @@ impl Report {
             needles: 0,
             needles_left: 0,
             needles_found: 0,
+            recall_turns: 0,
+            needed_facts: 0,
+            facts_in_prompt: 0,
+            facts_in_archive: 0,
         };
         for run in runs {
             for (k, t) in run.turns.iter().enumerate() {
@@ -354,6 +521,12 @@ impl Report {
                 r.full_over_window += usize::from(t.full_tokens > window);
                 r.over_window += usize::from(t.tokens > window);
                 r.goal_intact += usize::from(t.goal_intact);
+                r.needed_facts += t.needed;
+                r.facts_in_prompt += t.needed_in_prompt;
+                r.facts_in_archive += t.needed_in_archive;
+            }
+            if let Some(first) = run.events.iter().find(|e| e.error.is_none()) {
+                r.recall_turns += run.turns.len().saturating_sub(first.step as usize);
             }
             r.compactions += run.events.iter().filter(|e| e.error.is_none()).count();
             r.failed_compactions += run.events.iter().filter(|e| e.error.is_some()).count();
@@ -397,15 +570,42 @@ impl Report {
         }
     }
 
+    /// Needed-fact recall: the share of the facts the recorded agent passed on (after
+    /// the first compaction) that were in keel's prompt. 1.0 when none were needed;
+    /// the full history has 1.0 by construction.
+    pub fn recall(&self) -> f64 {
+        share_or_one(self.facts_in_prompt, self.needed_facts)
+    }
+
+    /// The share of needed facts not in the prompt but retrievable from the archive
+    /// or the offload store (`recall() + archive_recall()` is what the agent could
+    /// reach at all).
+    pub fn archive_recall(&self) -> f64 {
+        if self.needed_facts == 0 {
+            0.0
+        } else {
+            self.facts_in_archive as f64 / self.needed_facts as f64
+        }
+    }
+
+    /// The share of needed facts the agent could reach at all: in the prompt or in
+    /// the archive (`recall() + archive_recall()`; 1.0 when none were needed).
+    pub fn reachable(&self) -> f64 {
+        share_or_one(
+            self.facts_in_prompt + self.facts_in_archive,
+            self.needed_facts,
+        )
+    }
+
     /// The column headings of [`Report`]'s `Display` rows.
-    pub const HEADER: &'static str = "dataset    window strategy      runs turns  tokens(full→keel)      saved  cache-weighted(full→keel)  saved  cacheable  peak(full→keel) over(full→keel) goal  needles";
+    pub const HEADER: &'static str = "dataset    window strategy      runs turns  tokens(full→keel)      saved  cache-weighted(full→keel)  saved  cacheable  peak(full→keel) over(full→keel) goal  needles       recall(+archive) facts";
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:<10} {:>6} {:<12} {:>5} {:>5} {:>9}→{:<9} {:>6.1}% {:>11.0}→{:<11.0} {:>6.1}% {:>8.1}% {:>6}→{:<6} {:>5}→{:<5} {:>4.0}% {}/{} ({} left)",
+            "{:<10} {:>6} {:<12} {:>5} {:>5} {:>9}→{:<9} {:>6.1}% {:>11.0}→{:<11.0} {:>6.1}% {:>8.1}% {:>6}→{:<6} {:>5}→{:<5} {:>4.0}% {:<13} {:>6.1}% (+{:>4.1}%) {:>5}",
             self.dataset,
             self.window,
             self.strategy,
@@ -423,9 +623,10 @@ impl fmt::Display for Report {
             self.full_over_window,
             self.over_window,
             100.0 * self.goal_share(),
-            self.needles_found,
-            self.needles_left,
-            self.needles_left,
+            format!("{}/{} left", self.needles_found, self.needles_left),
+            100.0 * self.recall(),
+            100.0 * self.archive_recall(),
+            self.needed_facts,
         )
     }
 }
