@@ -155,6 +155,7 @@ impl OffloadError {
         matches!(self, OffloadError::NotFound { .. })
     }
 
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     pub(crate) fn database(
         op: &'static str,
         key: impl fmt::Display,

@@ -78,7 +78,10 @@
 //! ```
 
 // Without `fs` the docs still name `FsStore`; the links resolve with it.
-#![cfg_attr(not(feature = "fs"), allow(rustdoc::broken_intra_doc_links))]
+#![cfg_attr(
+    not(all(feature = "fs", feature = "sqlite", feature = "postgres")),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
 mod archive;
 #[cfg(feature = "conformance")]
@@ -91,6 +94,8 @@ mod fs;
 mod key;
 mod memory;
 mod policy;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod scan;
 #[cfg(feature = "sqlite")]
 mod sqlite;
@@ -98,17 +103,23 @@ mod store;
 mod tools;
 
 pub use archive::{Appended, Archive, ArchiveGrep, ArchivedMessage};
+#[cfg(feature = "postgres")]
+pub use deadpool_postgres::Pool as PostgresPool;
 pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
 #[cfg(feature = "fs")]
 pub use fs::{FsStore, Fsync};
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
 pub use memory::MemoryStore;
-#[cfg(feature = "sqlite")]
-pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteOptions, SqliteStore};
 pub use policy::{
     EvictLargeResults, Failure, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored, StoredWhat,
     TruncateArguments,
 };
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    DEFAULT_POSTGRES_POOL_SIZE, POSTGRES_SCHEMA_VERSION, PostgresOptions, PostgresStore,
+};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteOptions, SqliteStore};
 pub use store::{
     Entry, GrepMatch, GrepOptions, GrepOutcome, Line, LineRange, Lines, OffloadStore, Pattern,
 };

@@ -1,0 +1,1024 @@
+use std::fmt;
+use std::future::Future;
+use std::io::{self, Read};
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
+
+use deadpool_postgres::{
+    GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction,
+};
+use tokio::sync::mpsc;
+use tokio_postgres::{IsolationLevel, NoTls};
+
+use crate::db::{self, CHUNK, ChunkReader, FETCH};
+use crate::error::OffloadError;
+use crate::key::{Key, StorePath, ThreadId};
+use crate::store::{Entry, OffloadStore};
+
+/// The offload schema version this build writes (the newest row of
+/// `keel_offload_schema`).
+pub const POSTGRES_SCHEMA_VERSION: i64 = PG_MIGRATIONS.len() as i64;
+
+/// Migration `i` brings the schema from version `i` to `i + 1`; `{s}` is the quoted
+/// schema name.
+const PG_MIGRATIONS: &[(&str, &str)] = &[(
+    "files and chunks",
+    r#"
+    -- One row per file: its current generation and size in bytes. Paths compare
+    -- byte-wise (COLLATE "C"), so listing order and directory ranges match the other
+    -- stores whatever the database's locale.
+    CREATE TABLE {s}.keel_offload_files (
+        thread_id  text   NOT NULL,
+        path       text   COLLATE "C" NOT NULL,
+        generation bigint NOT NULL,
+        size       bigint NOT NULL,
+        PRIMARY KEY (thread_id, path)
+    );
+    -- The bytes of each generation in chunks of at most 1 MiB, keyed by offset.
+    CREATE TABLE {s}.keel_offload_chunks (
+        thread_id  text   NOT NULL,
+        generation bigint NOT NULL,
+        off        bigint NOT NULL,
+        data       bytea  NOT NULL,
+        PRIMARY KEY (thread_id, generation, off)
+    );
+    "#,
+)];
+
+/// Pieces of a write a caller may have queued for the connection thread: the memory
+/// a write holds is about this many chunks, whatever the size of the value.
+const WINDOW: usize = 2;
+
+/// The default number of pooled connections of a store that makes its own pool.
+pub const DEFAULT_POSTGRES_POOL_SIZE: usize = 8;
+
+/// How [`PostgresStore`] reaches its tables: the schema they live in, the pool size
+/// and the statement timeout of the connections it opens.
+///
+/// ```
+/// use std::time::Duration;
+/// use keel_offload::PostgresOptions;
+///
+/// let options = PostgresOptions::new()
+///     .schema("agents")?
+///     .pool_size(4)
+///     .statement_timeout(Some(Duration::from_secs(10)));
+/// assert_eq!(options.get_schema(), "agents");
+/// # Ok::<(), keel_offload::OffloadError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PostgresOptions {
+    schema: String,
+    pool_size: usize,
+    statement_timeout: Option<Duration>,
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        PostgresOptions {
+            schema: "public".to_owned(),
+            pool_size: DEFAULT_POSTGRES_POOL_SIZE,
+            statement_timeout: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+impl PostgresOptions {
+    /// Schema `public`, [`DEFAULT_POSTGRES_POOL_SIZE`] connections, a 30 second
+    /// statement timeout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The schema of the `keel_offload_*` tables (created when missing): the
+    /// checkpointer's schema, so checkpoints and archive sit side by side. Any name
+    /// PostgreSQL accepts (it is quoted, never spliced raw): 1 to 63 bytes, no NUL.
+    pub fn schema(mut self, schema: impl Into<String>) -> Result<Self, OffloadError> {
+        let schema = schema.into();
+        if schema.is_empty() || schema.len() > 63 || schema.contains('\0') {
+            return Err(OffloadError::database(
+                "use the schema",
+                crate::Shown::new(&schema),
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a schema name is 1 to 63 bytes without NUL",
+                ),
+            ));
+        }
+        self.schema = schema;
+        Ok(self)
+    }
+
+    /// Connections the store's own pool opens at most (at least 1). Unused with
+    /// [`PostgresStore::from_pool`].
+    #[must_use]
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The session's `statement_timeout` on the connections the store opens (`None`:
+    /// the server's). Unused with [`PostgresStore::from_pool`].
+    #[must_use]
+    pub fn statement_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// The schema.
+    pub fn get_schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The pool size.
+    pub fn get_pool_size(&self) -> usize {
+        self.pool_size
+    }
+
+    /// The statement timeout.
+    pub fn get_statement_timeout(&self) -> Option<Duration> {
+        self.statement_timeout
+    }
+}
+
+/// An [`OffloadStore`] in PostgreSQL: the archive and offloaded results of a fleet of
+/// workers, in the same database (and schema) as `keel_checkpoint_postgres`'s
+/// checkpoints, so any worker can read back what any other offloaded.
+///
+/// # Tables
+///
+/// `keel_offload_files (thread_id, path) → generation, size` and
+/// `keel_offload_chunks (thread_id, generation, off) → data bytea`: every key is led
+/// by the thread id and no statement touches two threads, so a PostgreSQL sharded by
+/// thread id (Citus) takes the tables unchanged. Values are stored in chunks of at
+/// most 1 MiB: a 200 MB result is sent a chunk at a time (never a second copy in
+/// memory) and read back a chunk at a time by `open`, `read_lines` and `grep`;
+/// `append` inserts rows at the end and never rewrites what is stored; `put` writes a
+/// new generation and drops the old one in one transaction, and `get` reads in one
+/// repeatable-read snapshot, so readers see the old value or the new. Applied schema
+/// versions are rows of `keel_offload_schema`; setup runs under an advisory lock, so
+/// many workers may start at once, and a schema written by a newer keel is refused
+/// with [`OffloadError::SchemaTooNew`].
+///
+/// # Blocking, and why a connection thread
+///
+/// The trait is synchronous and keel calls it from async code — on tokio's blocking
+/// pool (the agent's offload policy), but also straight from a runtime's worker (the
+/// compactor's archive append). The synchronous `postgres` crate and
+/// `Handle::block_on` both panic when called from inside a runtime, and
+/// `block_in_place` panics on a current-thread runtime. So the store owns one thread
+/// with its own current-thread runtime: every call sends its work there over a
+/// channel and waits for the answer on a plain `std` channel, which blocks the
+/// calling thread and panics nowhere — a plain thread, a `spawn_blocking` closure, a
+/// worker of a multi-thread runtime, a current-thread runtime's only thread. The
+/// calls run concurrently on that thread over the pool's connections.
+///
+/// The connections of the store's pool are opened and driven on that thread too. So
+/// [`PostgresStore::pool`] can be handed to a `keel_checkpoint_postgres::PostgresSaver`
+/// (`PostgresSaver::from_pool`), and one pool serves checkpoints and archive without a
+/// caller that blocks its runtime ever starving a connection. A pool given to
+/// [`PostgresStore::from_pool`] keeps its connections where they were opened: call
+/// such a store only from threads that do not drive that pool's runtime (a blocking
+/// pool thread or a plain thread).
+///
+/// ```no_run
+/// use keel_offload::{Archive, Key, OffloadStore, PostgresOptions, PostgresStore};
+///
+/// // DATABASE_URL=postgres://keel@localhost:5432/app
+/// let url = std::env::var("DATABASE_URL")?;
+/// let store = PostgresStore::connect_with(&url, PostgresOptions::new().schema("agents")?)?;
+/// store.put(&Key::new("ticket-42", "large_tool_results/call_1")?, "30,000 lines…")?;
+/// let archive = Archive::new(std::sync::Arc::new(store.clone()));
+/// // The same pool for the checkpointer:
+/// // PostgresSaver::from_pool(store.pool().clone(), "agents")?
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    bridge: Arc<Bridge>,
+    pool: Pool,
+    sql: Arc<Sql>,
+    schema: String,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
+}
+
+type Job = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()>>> + Send>;
+
+/// The connection thread: a current-thread runtime running the jobs it is sent.
+struct Bridge {
+    jobs: mpsc::UnboundedSender<Job>,
+    handle: tokio::runtime::Handle,
+}
+
+impl Bridge {
+    fn start() -> Result<Bridge, OffloadError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| OffloadError::database("start the connection thread", "postgres", e))?;
+        let handle = rt.handle().clone();
+        // Unbounded, yet bounded in practice: each caller waits for its answer, so at
+        // most one job per calling thread is queued.
+        let (jobs, mut rx) = mpsc::unbounded_channel::<Job>();
+        std::thread::Builder::new()
+            .name("keel-offload-postgres".to_owned())
+            .spawn(move || {
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&rt, async move {
+                    while let Some(job) = rx.recv().await {
+                        tokio::task::spawn_local(job());
+                    }
+                });
+            })
+            .map_err(|e| OffloadError::database("start the connection thread", "postgres", e))?;
+        Ok(Bridge { jobs, handle })
+    }
+
+    /// Runs `work` on the connection thread and waits for its answer.
+    fn run<T, F, Fut>(&self, what: &str, work: F) -> Result<T, OffloadError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, OffloadError>> + 'static,
+    {
+        let (tx, rx) = std_mpsc::sync_channel(1);
+        let job: Job = Box::new(move || {
+            Box::pin(async move {
+                let _ = tx.send(work().await);
+            })
+        });
+        self.jobs.send(job).map_err(|_| gone(what))?;
+        rx.recv().map_err(|_| gone(what))?
+    }
+}
+
+fn gone(what: &str) -> OffloadError {
+    OffloadError::database(
+        "reach the connection thread",
+        what,
+        io::Error::other("the store's connection thread stopped"),
+    )
+}
+
+/// Opens the pool's connections on the connection thread, whoever asks for one.
+struct BridgeConnect {
+    handle: tokio::runtime::Handle,
+    /// Keeps the connection thread running while the pool lives.
+    _keep: mpsc::UnboundedSender<Job>,
+}
+
+type ConnectFuture<'a> = Pin<
+    Box<
+        dyn Future<
+                Output = Result<
+                    (tokio_postgres::Client, tokio::task::JoinHandle<()>),
+                    tokio_postgres::Error,
+                >,
+            > + Send
+            + 'a,
+    >,
+>;
+
+impl deadpool_postgres::Connect for BridgeConnect {
+    fn connect(&self, pg_config: &tokio_postgres::Config) -> ConnectFuture<'_> {
+        let config = pg_config.clone();
+        let handle = self.handle.clone();
+        Box::pin(async move {
+            let there = config.clone();
+            let opened = handle.spawn(async move {
+                let (client, connection) = there.connect(NoTls).await?;
+                let task = tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                Ok((client, task))
+            });
+            match opened.await {
+                Ok(result) => result,
+                // The connection thread is gone: open the connection here instead.
+                Err(_) => {
+                    let (client, connection) = config.connect(NoTls).await?;
+                    let task = tokio::spawn(async move {
+                        let _ = connection.await;
+                    });
+                    Ok((client, task))
+                }
+            }
+        })
+    }
+}
+
+/// The statements, with the schema filled in.
+struct Sql {
+    meta: String,
+    is_dir: String,
+    ancestor: String,
+    put_insert: String,
+    lock: String,
+    drop_generation: String,
+    set_generation: String,
+    append_upsert: String,
+    insert_chunk: String,
+    chunks_whole: String,
+    chunks_cut: String,
+    chunk_start: String,
+    list_all: String,
+    list_under: String,
+    delete_file: String,
+    delete_thread_chunks: String,
+    delete_thread_files: String,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Sql {
+        let s = quote_ident(schema);
+        let files = format!("{s}.keel_offload_files");
+        let chunks = format!("{s}.keel_offload_chunks");
+        Sql {
+            meta: format!("SELECT generation, size FROM {files} WHERE thread_id = $1 AND path = $2"),
+            is_dir: format!(
+                "SELECT EXISTS (SELECT 1 FROM {files} WHERE thread_id = $1 AND path >= $2 AND path < $3)"
+            ),
+            ancestor: format!(
+                "SELECT path FROM {files} WHERE thread_id = $1 AND path = ANY($2) LIMIT 1"
+            ),
+            put_insert: format!(
+                "INSERT INTO {files} (thread_id, path, generation, size) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (thread_id, path) DO NOTHING RETURNING generation"
+            ),
+            lock: format!(
+                "SELECT generation FROM {files} WHERE thread_id = $1 AND path = $2 FOR UPDATE"
+            ),
+            drop_generation: format!("DELETE FROM {chunks} WHERE thread_id = $1 AND generation = $2"),
+            set_generation: format!(
+                "UPDATE {files} SET generation = $3, size = $4 WHERE thread_id = $1 AND path = $2"
+            ),
+            append_upsert: format!(
+                "INSERT INTO {files} AS f (thread_id, path, generation, size) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (thread_id, path) DO UPDATE SET size = f.size + EXCLUDED.size
+                 RETURNING generation, size"
+            ),
+            insert_chunk: format!(
+                "INSERT INTO {chunks} (thread_id, generation, off, data) VALUES ($1, $2, $3, $4)"
+            ),
+            chunks_whole: format!(
+                "SELECT off, data FROM {chunks}
+                 WHERE thread_id = $1 AND generation = $2 AND off >= $3 AND off < $4 ORDER BY off"
+            ),
+            chunks_cut: format!(
+                "SELECT off, substring(data FROM (greatest($5 - off, 0) + 1)::int
+                                           FOR least($6 - greatest($5, off), {CHUNK})::int)
+                 FROM {chunks}
+                 WHERE thread_id = $1 AND generation = $2 AND off >= $3 AND off < $4 ORDER BY off"
+            ),
+            chunk_start: format!(
+                "SELECT coalesce(max(off), 0) FROM {chunks}
+                 WHERE thread_id = $1 AND generation = $2 AND off <= $3"
+            ),
+            list_all: format!(
+                "SELECT path, size FROM {files} WHERE thread_id = $1 ORDER BY path"
+            ),
+            list_under: format!(
+                "SELECT path, size FROM {files}
+                 WHERE thread_id = $1 AND path >= $2 AND path < $3 ORDER BY path"
+            ),
+            delete_file: format!(
+                "DELETE FROM {files} WHERE thread_id = $1 AND path = $2 RETURNING generation"
+            ),
+            delete_thread_chunks: format!("DELETE FROM {chunks} WHERE thread_id = $1"),
+            delete_thread_files: format!("DELETE FROM {files} WHERE thread_id = $1"),
+        }
+    }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// The advisory lock key that serializes setups of one schema.
+fn lock_key(schema: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in "keel-offload/migrations/".bytes().chain(schema.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+fn pg<E: std::error::Error + Send + Sync + 'static>(
+    op: &'static str,
+    key: impl fmt::Display,
+) -> impl FnOnce(E) -> OffloadError {
+    move |e| OffloadError::database(op, key, e)
+}
+
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn uint(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+/// Creates the schema and tables, or upgrades them; refuses a newer schema.
+async fn migrate(pool: &Pool, schema: &str) -> Result<(), OffloadError> {
+    let err = |e: tokio_postgres::Error| OffloadError::database("migrate the schema", schema, e);
+    let mut client = pool
+        .get()
+        .await
+        .map_err(pg("connect to the database", schema))?;
+    let tx = client.transaction().await.map_err(err)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])
+        .await
+        .map_err(err)?;
+    let s = quote_ident(schema);
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {s};
+         CREATE TABLE IF NOT EXISTS {s}.keel_offload_schema (
+             version    integer     PRIMARY KEY,
+             name       text        NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );"
+    ))
+    .await
+    .map_err(err)?;
+    let found: i64 = tx
+        .query_one(
+            format!("SELECT coalesce(max(version), 0)::bigint FROM {s}.keel_offload_schema")
+                .as_str(),
+            &[],
+        )
+        .await
+        .and_then(|r| r.try_get(0))
+        .map_err(err)?;
+    if found > POSTGRES_SCHEMA_VERSION {
+        return Err(OffloadError::SchemaTooNew {
+            store: format!("schema {s}"),
+            found,
+            supported: POSTGRES_SCHEMA_VERSION,
+        });
+    }
+    for (i, (name, sql)) in PG_MIGRATIONS
+        .iter()
+        .enumerate()
+        .skip(usize::try_from(found).unwrap_or(0))
+    {
+        tx.batch_execute(&sql.replace("{s}", &s))
+            .await
+            .map_err(err)?;
+        let version = i32::try_from(i + 1).unwrap_or(i32::MAX);
+        tx.execute(
+            format!("INSERT INTO {s}.keel_offload_schema (version, name) VALUES ($1, $2)").as_str(),
+            &[&version, name],
+        )
+        .await
+        .map_err(err)?;
+    }
+    tx.commit().await.map_err(err)
+}
+
+/// `(generation, size)` of the file at `key`; `NotFound`, or an error when it is a
+/// directory.
+async fn meta<C: GenericClient>(
+    client: &C,
+    sql: &Sql,
+    key: &Key,
+) -> Result<(i64, u64), OffloadError> {
+    let (thread, path) = (key.thread().as_str(), key.path().as_str());
+    let row = client
+        .query_opt(sql.meta.as_str(), &[&thread, &path])
+        .await
+        .map_err(pg("read", key))?;
+    if let Some(row) = row {
+        let generation: i64 = row.try_get(0).map_err(pg("read", key))?;
+        let size: i64 = row.try_get(1).map_err(pg("read", key))?;
+        return Ok((generation, uint(size)));
+    }
+    if is_dir(client, sql, thread, path)
+        .await
+        .map_err(pg("read", key))?
+    {
+        return Err(db::is_a_directory(key));
+    }
+    Err(db::not_found(key))
+}
+
+async fn is_dir<C: GenericClient>(
+    client: &C,
+    sql: &Sql,
+    thread: &str,
+    dir: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let (lo, hi) = db::dir_bounds(dir);
+    client
+        .query_one(sql.is_dir.as_str(), &[&thread, &lo, &hi])
+        .await?
+        .try_get(0)
+}
+
+/// A new file at `key` needs no file among its ancestors and no file under it.
+async fn check_shape(tx: &Transaction<'_>, sql: &Sql, key: &Key) -> Result<(), OffloadError> {
+    let (thread, path) = (key.thread().as_str(), key.path().as_str());
+    let ancestors = db::ancestors(path);
+    if !ancestors.is_empty() {
+        let found = tx
+            .query_opt(sql.ancestor.as_str(), &[&thread, &ancestors])
+            .await
+            .map_err(pg("read", key))?;
+        if let Some(row) = found {
+            let at: String = row.try_get(0).map_err(pg("read", key))?;
+            return Err(db::not_a_directory(key, &at));
+        }
+    }
+    if is_dir(tx, sql, thread, path)
+        .await
+        .map_err(pg("read", key))?
+    {
+        return Err(db::is_a_directory(key));
+    }
+    Ok(())
+}
+
+/// Chunks of `generation` starting in `[from, until)`, whole, or cut to
+/// `[start, end)` of the value.
+#[allow(clippy::too_many_arguments)]
+async fn chunk_rows<C: GenericClient>(
+    client: &C,
+    sql: &Sql,
+    thread: &str,
+    generation: i64,
+    from: u64,
+    until: u64,
+    cut: Option<(u64, u64)>,
+) -> Result<Vec<(u64, Vec<u8>)>, tokio_postgres::Error> {
+    let rows = match cut {
+        None => {
+            client
+                .query(
+                    sql.chunks_whole.as_str(),
+                    &[&thread, &generation, &int(from), &int(until)],
+                )
+                .await?
+        }
+        Some((start, end)) => {
+            client
+                .query(
+                    sql.chunks_cut.as_str(),
+                    &[
+                        &thread,
+                        &generation,
+                        &int(from),
+                        &int(until),
+                        &int(start),
+                        &int(end),
+                    ],
+                )
+                .await?
+        }
+    };
+    rows.into_iter()
+        .map(|r| Ok((uint(r.try_get(0)?), r.try_get(1)?)))
+        .collect()
+}
+
+enum Ack {
+    Piece,
+    Done(Result<u64, OffloadError>),
+}
+
+impl PostgresStore {
+    /// Connects to `url` (a URL or `key=value` pairs, without TLS) with default
+    /// [`PostgresOptions`], and creates or upgrades the tables.
+    pub fn connect(url: &str) -> Result<Self, OffloadError> {
+        Self::connect_with(url, PostgresOptions::default())
+    }
+
+    /// Connects to `url` with `options`, and creates or upgrades the tables.
+    pub fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, OffloadError> {
+        let mut config = tokio_postgres::Config::from_str(url)
+            .map_err(pg("parse the connection string", "postgres"))?;
+        if config.get_application_name().is_none() {
+            config.application_name("keel-offload");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(10));
+        }
+        if let Some(timeout) = options.statement_timeout {
+            let millis = timeout.as_millis().max(1);
+            let session = match config.get_options() {
+                Some(existing) if !existing.trim().is_empty() => {
+                    format!("{existing} -c statement_timeout={millis}")
+                }
+                _ => format!("-c statement_timeout={millis}"),
+            };
+            config.options(&session);
+        }
+        let bridge = Bridge::start()?;
+        let connect = BridgeConnect {
+            handle: bridge.handle.clone(),
+            _keep: bridge.jobs.clone(),
+        };
+        let manager = Manager::from_connect(
+            config,
+            connect,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(options.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(60)))
+            .create_timeout(Some(Duration::from_secs(15)))
+            .build()
+            .map_err(pg("build the connection pool", "postgres"))?;
+        Self::setup(Arc::new(bridge), pool, options.schema)
+    }
+
+    /// A store over an existing pool (the checkpointer's, say, or one with TLS), with
+    /// the schema of `options`; creates or upgrades the tables. See the type's docs for
+    /// where such a pool's connections run.
+    pub fn from_pool(pool: Pool, options: PostgresOptions) -> Result<Self, OffloadError> {
+        Self::setup(Arc::new(Bridge::start()?), pool, options.schema)
+    }
+
+    fn setup(bridge: Arc<Bridge>, pool: Pool, schema: String) -> Result<Self, OffloadError> {
+        let (p, s) = (pool.clone(), schema.clone());
+        bridge.run(&schema, move || async move { migrate(&p, &s).await })?;
+        Ok(PostgresStore {
+            bridge,
+            pool,
+            sql: Arc::new(Sql::new(&schema)),
+            schema,
+        })
+    }
+
+    /// The connection pool: hand it to the checkpointer
+    /// (`keel_checkpoint_postgres::PostgresSaver::from_pool`) to share connections.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The schema of the tables.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Runs `work` with a pooled connection on the connection thread.
+    fn with_client<T, F, Fut>(&self, what: String, work: F) -> Result<T, OffloadError>
+    where
+        T: Send + 'static,
+        F: FnOnce(deadpool_postgres::Object, Arc<Sql>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, OffloadError>> + 'static,
+    {
+        let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
+        let shown = what.clone();
+        self.bridge.run(&what, move || async move {
+            let client = pool
+                .get()
+                .await
+                .map_err(pg("connect to the database", shown))?;
+            work(client, sql).await
+        })
+    }
+
+    /// Writes `text` to `key` (replacing it, or at its end) in one transaction, sent
+    /// to the connection thread a chunk at a time. Returns where the text starts.
+    fn write(&self, key: &Key, text: &str, replace: bool) -> Result<u64, OffloadError> {
+        let (pieces_tx, mut pieces) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (acks_tx, acks) = std_mpsc::channel::<Ack>();
+        let (pool, sql, key2) = (self.pool.clone(), Arc::clone(&self.sql), key.clone());
+        let len = int(text.len() as u64);
+        let job: Job = Box::new(move || {
+            Box::pin(async move {
+                let progress = acks_tx.clone();
+                let result = async {
+                    let key = &key2;
+                    let (thread, path) = (key.thread().as_str(), key.path().as_str());
+                    let mut client = pool
+                        .get()
+                        .await
+                        .map_err(pg("connect to the database", key))?;
+                    let tx = client
+                        .transaction()
+                        .await
+                        .map_err(pg("begin a write", key))?;
+                    let fresh = db::new_gen();
+                    let (generation, start) = if replace {
+                        let inserted = tx
+                            .query_opt(sql.put_insert.as_str(), &[&thread, &path, &fresh, &len])
+                            .await
+                            .map_err(pg("write", key))?;
+                        if inserted.is_some() {
+                            check_shape(&tx, &sql, key).await?;
+                        } else {
+                            let row = tx
+                                .query_opt(sql.lock.as_str(), &[&thread, &path])
+                                .await
+                                .map_err(pg("write", key))?
+                                .ok_or_else(|| OffloadError::io("write", key, db::changed()))?;
+                            let old: i64 = row.try_get(0).map_err(pg("write", key))?;
+                            tx.execute(sql.drop_generation.as_str(), &[&thread, &old])
+                                .await
+                                .map_err(pg("write", key))?;
+                            tx.execute(
+                                sql.set_generation.as_str(),
+                                &[&thread, &path, &fresh, &len],
+                            )
+                            .await
+                            .map_err(pg("write", key))?;
+                        }
+                        (fresh, 0)
+                    } else {
+                        let row = tx
+                            .query_one(sql.append_upsert.as_str(), &[&thread, &path, &fresh, &len])
+                            .await
+                            .map_err(pg("write", key))?;
+                        let generation: i64 = row.try_get(0).map_err(pg("write", key))?;
+                        let size: i64 = row.try_get(1).map_err(pg("write", key))?;
+                        if generation == fresh {
+                            check_shape(&tx, &sql, key).await?;
+                        }
+                        (generation, size - len)
+                    };
+                    let insert = tx
+                        .prepare_cached(&sql.insert_chunk)
+                        .await
+                        .map_err(pg("write", key))?;
+                    let mut off = start;
+                    while let Some(piece) = pieces.recv().await {
+                        if piece.is_empty() {
+                            tx.commit().await.map_err(pg("commit a write", key))?;
+                            return Ok(uint(start));
+                        }
+                        tx.execute(&insert, &[&thread, &generation, &off, &piece])
+                            .await
+                            .map_err(pg("write", key))?;
+                        off += int(piece.len() as u64);
+                        let _ = progress.send(Ack::Piece);
+                    }
+                    // The caller went away before the end: roll back.
+                    Err(gone("write"))
+                }
+                .await;
+                let _ = acks_tx.send(Ack::Done(result));
+            })
+        });
+        self.bridge.jobs.send(job).map_err(|_| gone("write"))?;
+        let wait = |acks: &std_mpsc::Receiver<Ack>| acks.recv().map_err(|_| gone("write"));
+        let mut queued = 0usize;
+        for piece in text.as_bytes().chunks(CHUNK) {
+            if pieces_tx.send(piece.to_vec()).is_err() {
+                break; // the job ended early: its answer says why
+            }
+            queued += 1;
+            while queued > WINDOW {
+                match wait(&acks)? {
+                    Ack::Piece => queued -= 1,
+                    Ack::Done(result) => return result.and(Err(gone("write"))),
+                }
+            }
+        }
+        let _ = pieces_tx.send(Vec::new());
+        loop {
+            if let Ack::Done(result) = wait(&acks)? {
+                return result;
+            }
+        }
+    }
+}
+
+impl OffloadStore for PostgresStore {
+    fn put(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
+        self.write(key, text, true)?;
+        Ok(text.len() as u64)
+    }
+
+    fn append(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
+        self.write(key, text, false)
+    }
+
+    fn get(&self, key: &Key) -> Result<String, OffloadError> {
+        let k = key.clone();
+        let bytes = self.with_client(key.to_string(), move |mut client, sql| async move {
+            let key = &k;
+            // One repeatable-read snapshot: the value as of one moment, even across
+            // many chunk reads.
+            let tx = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg("read", key))?;
+            let (generation, size) = meta(&tx, &sql, key).await?;
+            let thread = key.thread().as_str();
+            let mut out = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+            let mut pos = 0u64;
+            while pos < size {
+                let rows = chunk_rows(&tx, &sql, thread, generation, pos, pos + FETCH, None)
+                    .await
+                    .map_err(pg("read", key))?;
+                if rows.is_empty() {
+                    return Err(OffloadError::io("read", key, db::changed()));
+                }
+                db::follow(&mut pos, &rows).map_err(|e| OffloadError::io("read", key, e))?;
+                for (_, data) in rows {
+                    out.extend_from_slice(&data);
+                }
+            }
+            tx.commit().await.map_err(pg("read", key))?;
+            Ok(out)
+        })?;
+        String::from_utf8(bytes).map_err(|_| OffloadError::NotUtf8 {
+            key: key.to_string(),
+        })
+    }
+
+    fn open(&self, key: &Key) -> Result<Box<dyn Read + Send + '_>, OffloadError> {
+        let k = key.clone();
+        let (generation, size) = self
+            .with_client(key.to_string(), move |client, sql| async move {
+                meta(&client, &sql, &k).await
+            })?;
+        let store = self.clone();
+        let key = key.clone();
+        Ok(Box::new(ChunkReader::new(size, move |pos| {
+            let k = key.clone();
+            store
+                .with_client(key.to_string(), move |client, sql| async move {
+                    chunk_rows(
+                        &client,
+                        &sql,
+                        k.thread().as_str(),
+                        generation,
+                        pos,
+                        pos + FETCH,
+                        None,
+                    )
+                    .await
+                    .map_err(pg("read", &k))
+                })
+                .map_err(io::Error::other)
+        })))
+    }
+
+    fn read_at(&self, key: &Key, offset: u64, len: usize) -> Result<Vec<u8>, OffloadError> {
+        let k = key.clone();
+        self.with_client(key.to_string(), move |mut client, sql| async move {
+            let key = &k;
+            let tx = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(pg("read", key))?;
+            let (generation, size) = meta(&tx, &sql, key).await?;
+            let start = offset.min(size);
+            let end = start.saturating_add(len as u64).min(size);
+            if start == end {
+                return Ok(Vec::new());
+            }
+            let thread = key.thread().as_str();
+            let first: i64 = tx
+                .query_one(
+                    sql.chunk_start.as_str(),
+                    &[&thread, &generation, &int(start)],
+                )
+                .await
+                .and_then(|r| r.try_get(0))
+                .map_err(pg("read", key))?;
+            let rows = chunk_rows(
+                &tx,
+                &sql,
+                thread,
+                generation,
+                uint(first),
+                end,
+                Some((start, end)),
+            )
+            .await
+            .map_err(pg("read", key))?;
+            tx.commit().await.map_err(pg("read", key))?;
+            db::join_slices(start, end - start, rows).map_err(|e| OffloadError::io("read", key, e))
+        })
+    }
+
+    fn size(&self, key: &Key) -> Result<Option<u64>, OffloadError> {
+        let k = key.clone();
+        let found = self.with_client(key.to_string(), move |client, sql| async move {
+            meta(&client, &sql, &k).await
+        });
+        match found {
+            Ok((_, size)) => Ok(Some(size)),
+            Err(OffloadError::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn list(
+        &self,
+        thread: &ThreadId,
+        under: Option<&StorePath>,
+    ) -> Result<Vec<Entry>, OffloadError> {
+        let shown = match under {
+            Some(p) => format!("{thread}/{p}"),
+            None => thread.to_string(),
+        };
+        let (t, u, s) = (thread.clone(), under.cloned(), shown.clone());
+        let rows: Vec<(String, i64)> =
+            self.with_client(shown.clone(), move |client, sql| async move {
+                let thread = t.as_str();
+                let rows = match &u {
+                    None => client.query(sql.list_all.as_str(), &[&thread]).await,
+                    Some(p) => {
+                        let found = client
+                            .query_opt(sql.meta.as_str(), &[&thread, &p.as_str()])
+                            .await
+                            .map_err(pg("list", &s))?;
+                        if let Some(row) = found {
+                            let size: i64 = row.try_get(1).map_err(pg("list", &s))?;
+                            return Ok(vec![(p.as_str().to_owned(), size)]);
+                        }
+                        let (lo, hi) = db::dir_bounds(p.as_str());
+                        client
+                            .query(sql.list_under.as_str(), &[&thread, &lo, &hi])
+                            .await
+                    }
+                }
+                .map_err(pg("list", &s))?;
+                rows.into_iter()
+                    .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                    .collect::<Result<_, tokio_postgres::Error>>()
+                    .map_err(pg("list", &s))
+            })?;
+        if under.is_some() && rows.is_empty() {
+            return Err(OffloadError::NotFound { key: shown });
+        }
+        rows.into_iter()
+            .map(|(path, size)| {
+                Ok(Entry {
+                    path: StorePath::new(path)?,
+                    bytes: uint(size),
+                })
+            })
+            .collect()
+    }
+
+    fn delete(&self, key: &Key) -> Result<bool, OffloadError> {
+        let k = key.clone();
+        self.with_client(key.to_string(), move |mut client, sql| async move {
+            let key = &k;
+            let thread = key.thread().as_str();
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg("begin a delete", key))?;
+            let Some(row) = tx
+                .query_opt(sql.delete_file.as_str(), &[&thread, &key.path().as_str()])
+                .await
+                .map_err(pg("delete", key))?
+            else {
+                return Ok(false);
+            };
+            let generation: i64 = row.try_get(0).map_err(pg("delete", key))?;
+            tx.execute(sql.drop_generation.as_str(), &[&thread, &generation])
+                .await
+                .map_err(pg("delete", key))?;
+            tx.commit().await.map_err(pg("commit a delete", key))?;
+            Ok(true)
+        })
+    }
+
+    /// Deletes the thread's rows of both tables in one transaction.
+    fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
+        let t = thread.clone();
+        self.with_client(thread.to_string(), move |mut client, sql| async move {
+            let thread = t.as_str();
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg("begin a delete", &t))?;
+            tx.execute(sql.delete_thread_chunks.as_str(), &[&thread])
+                .await
+                .map_err(pg("delete", &t))?;
+            let files = tx
+                .execute(sql.delete_thread_files.as_str(), &[&thread])
+                .await
+                .map_err(pg("delete", &t))?;
+            tx.commit().await.map_err(pg("commit a delete", &t))?;
+            Ok(files)
+        })
+    }
+}
