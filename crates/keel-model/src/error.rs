@@ -62,6 +62,28 @@ pub enum ModelError {
     /// The reply is not what the API promises (malformed JSON, missing fields).
     #[error("malformed response: {0}")]
     Malformed(String),
+    /// A reply body is longer than
+    /// [`HttpConfig::max_body_bytes`](crate::HttpConfig::max_body_bytes); the rest of it
+    /// was not read.
+    #[error("response body larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// A line (or one server-sent event) of a streamed reply is longer than
+    /// [`HttpConfig::max_line_bytes`](crate::HttpConfig::max_line_bytes).
+    #[error("stream line longer than {limit} bytes")]
+    LineTooLong {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// A streamed reply's text and tool calls together are longer than
+    /// [`HttpConfig::max_answer_bytes`](crate::HttpConfig::max_answer_bytes).
+    #[error("streamed answer larger than {limit} bytes")]
+    AnswerTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
     /// The client was configured wrongly (bad URL, bad header value).
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -153,8 +175,8 @@ pub(crate) fn looks_like_overflow(message: &str) -> bool {
 /// At most `max` characters of `s`, for error messages built from response bodies.
 #[cfg(any(feature = "openai", feature = "ollama"))]
 pub(crate) fn snippet(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((i, _)) => format!("{}…", &s[..i]),
+    match s.char_indices().nth(max).and_then(|(i, _)| s.get(..i)) {
+        Some(head) => format!("{head}…"),
         None => s.to_owned(),
     }
 }

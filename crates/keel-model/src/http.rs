@@ -30,27 +30,58 @@ pub(crate) fn env(name: &str) -> Option<String> {
 /// and a slow or rate-limited summarizer never takes the agent's slots. Clones of one
 /// client share its limits.
 ///
+/// Everything a server sends is bounded, so a misbehaving server can neither grow the
+/// process without limit nor keep a call alive forever:
+///
+/// | what | setting | default | error |
+/// |---|---|---|---|
+/// | a non-streamed reply body | [`max_body_bytes`](Self::max_body_bytes) | 32 MiB | [`ModelError::BodyTooLarge`] |
+/// | an error reply's body | read up to its first 64 KiB to classify it | | |
+/// | one line (or SSE event) of a stream | [`max_line_bytes`](Self::max_line_bytes) | 4 MiB | [`ModelError::LineTooLong`] |
+/// | a streamed answer (text and tool calls) | [`max_answer_bytes`](Self::max_answer_bytes) | 16 MiB | [`ModelError::AnswerTooLarge`] |
+/// | a whole streamed call | [`stream_timeout`](Self::stream_timeout) | 10 min | [`ModelError::Timeout`] |
+/// | a stream's silence | [`stream_idle_timeout`](Self::stream_idle_timeout) | 60 s | [`ModelError::Timeout`] |
+///
 /// ```
 /// use std::time::Duration;
 /// use keel_model::{HttpConfig, RateLimit, RetryPolicy};
 ///
 /// let config = HttpConfig::default()
 ///     .request_timeout(Duration::from_secs(60))
+///     .stream_timeout(Duration::from_secs(300))
+///     .max_body_bytes(8 << 20)
 ///     .max_concurrency(4)
 ///     .rate_limit(RateLimit::per_second(2.0, 4))
 ///     .retry(RetryPolicy::default().max_retries(5));
 /// assert_eq!(config.max_concurrency, 4);
+/// assert_eq!(config.max_body_bytes, 8 << 20);
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct HttpConfig {
     /// Deadline for a whole non-streamed call, and for a streamed call's response
-    /// headers (default 120 s). [`ChatOptions::timeout`](crate::ChatOptions::timeout)
-    /// overrides it per call.
+    /// headers (default 120 s), per attempt.
+    /// [`ChatOptions::timeout`](crate::ChatOptions::timeout) overrides it per call.
     pub request_timeout: Duration,
     /// Deadline for opening a connection (default 10 s).
     pub connect_timeout: Duration,
     /// The longest a stream may go without sending anything (default 60 s).
     pub stream_idle_timeout: Duration,
+    /// Deadline for a whole streamed call, from its first attempt to its last event,
+    /// however steadily the server keeps sending (default 10 min). Past it the stream
+    /// ends with [`ModelError::Timeout`].
+    pub stream_timeout: Duration,
+    /// The most bytes of a non-streamed reply body (default 32 MiB). A longer body is
+    /// [`ModelError::BodyTooLarge`], found out without reading more than the limit. An
+    /// error reply is classified from its first 64 KiB, whatever its length.
+    pub max_body_bytes: usize,
+    /// The longest line of a streamed reply, and the longest server-sent event (its
+    /// `data:` lines together), in bytes (default 4 MiB). A longer one ends the stream
+    /// with [`ModelError::LineTooLong`].
+    pub max_line_bytes: usize,
+    /// The most bytes of text and tool-call fragments a streamed reply may carry
+    /// (default 16 MiB). More ends the stream with [`ModelError::AnswerTooLarge`].
+    pub max_answer_bytes: usize,
     /// How failed attempts are retried.
     pub retry: RetryPolicy,
     /// The most calls this client has in flight at once, retries and streams included
@@ -66,6 +97,10 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(120),
             connect_timeout: Duration::from_secs(10),
             stream_idle_timeout: Duration::from_secs(60),
+            stream_timeout: Duration::from_secs(600),
+            max_body_bytes: 32 << 20,
+            max_line_bytes: 4 << 20,
+            max_answer_bytes: 16 << 20,
             retry: RetryPolicy::default(),
             max_concurrency: 8,
             rate_limit: None,
@@ -92,6 +127,34 @@ impl HttpConfig {
     #[must_use]
     pub fn stream_idle_timeout(mut self, d: Duration) -> Self {
         self.stream_idle_timeout = d;
+        self
+    }
+
+    /// Sets [`HttpConfig::stream_timeout`].
+    #[must_use]
+    pub fn stream_timeout(mut self, d: Duration) -> Self {
+        self.stream_timeout = d;
+        self
+    }
+
+    /// Sets [`HttpConfig::max_body_bytes`].
+    #[must_use]
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+
+    /// Sets [`HttpConfig::max_line_bytes`].
+    #[must_use]
+    pub fn max_line_bytes(mut self, bytes: usize) -> Self {
+        self.max_line_bytes = bytes;
+        self
+    }
+
+    /// Sets [`HttpConfig::max_answer_bytes`].
+    #[must_use]
+    pub fn max_answer_bytes(mut self, bytes: usize) -> Self {
+        self.max_answer_bytes = bytes;
         self
     }
 
@@ -123,8 +186,11 @@ impl HttpConfig {
 /// error (including a non-streamed reply cut off mid-body). A `Retry-After` (or
 /// `retry-after-ms`) header is honoured exactly; one asking for more than
 /// [`max_retry_after`](RetryPolicy::max_retry_after) ends the call at once with
-/// [`ModelError::RateLimited`] carrying the wait, so the caller can decide. Context
-/// overflow, other 4xx statuses, timeouts and malformed replies are never retried.
+/// [`ModelError::RateLimited`] carrying the wait, so the caller can decide (a wait over
+/// a year, or too large to represent, is reported as a year; a negative, NaN or
+/// infinite one is ignored and the backoff applies). Context overflow, other 4xx
+/// statuses, timeouts, replies over a size limit and malformed replies are never
+/// retried.
 ///
 /// The `n`th retry (from 0) waits `initial_backoff * multiplier^n`, capped at
 /// `max_backoff`; with jitter, a uniformly random time between half that and all of it.
@@ -215,8 +281,10 @@ impl RetryPolicy {
     pub fn backoff(&self, retry: u32) -> Duration {
         let factor = self.multiplier.max(1.0).powi(retry.min(64) as i32);
         let secs = self.initial_backoff.as_secs_f64() * factor;
-        let cap = self.max_backoff.as_secs_f64();
-        Duration::from_secs_f64(if secs.is_finite() { secs.min(cap) } else { cap })
+        // Too large for a Duration (or not finite): the cap.
+        Duration::try_from_secs_f64(secs)
+            .unwrap_or(self.max_backoff)
+            .min(self.max_backoff)
     }
 
     /// The wait before retry number `retry`: the provider's `retry_after` when it gave
@@ -233,7 +301,8 @@ impl RetryPolicy {
         }
         let base = self.backoff(retry);
         Some(if self.jitter {
-            base.mul_f64(0.5 + 0.5 * unit.clamp(0.0, 1.0))
+            let secs = base.as_secs_f64() * (0.5 + 0.5 * unit.clamp(0.0, 1.0));
+            Duration::try_from_secs_f64(secs).unwrap_or(base).min(base)
         } else {
             base
         })
@@ -241,6 +310,10 @@ impl RetryPolicy {
 }
 
 /// A token-bucket limit on how often a client starts requests (retries included).
+///
+/// The rate must be positive and finite, and slow enough a rate still has a wait that
+/// fits a [`Duration`] (one request in under about 584 billion years); building a
+/// client with any other rate is [`ModelError::Config`].
 ///
 /// ```
 /// let limit = keel_model::RateLimit::per_second(5.0, 10);
@@ -273,10 +346,16 @@ struct TokenBucket {
 
 impl TokenBucket {
     fn new(limit: RateLimit) -> Result<Self, ModelError> {
-        if !(limit.requests_per_second.is_finite() && limit.requests_per_second > 0.0) {
+        let rate = limit.requests_per_second;
+        if !(rate.is_finite() && rate > 0.0) {
             return Err(ModelError::Config(format!(
-                "rate limit must be a positive number of requests per second, got {}",
-                limit.requests_per_second
+                "rate limit must be a positive number of requests per second, got {rate}"
+            )));
+        }
+        if Duration::try_from_secs_f64(1.0 / rate).is_err() {
+            return Err(ModelError::Config(format!(
+                "rate limit of {rate} requests per second is too small: one request would \
+                 take longer than the longest wait there is"
             )));
         }
         let burst = f64::from(limit.burst.max(1));
@@ -299,7 +378,11 @@ impl TokenBucket {
                     state.0 -= 1.0;
                     return;
                 }
-                Duration::from_secs_f64((1.0 - state.0) / self.rate)
+                // At most 1/rate (checked in `new`); at least a nanosecond, so time
+                // moves on even when a huge rate rounds the wait to zero.
+                Duration::try_from_secs_f64((1.0 - state.0) / self.rate)
+                    .unwrap_or(Duration::MAX)
+                    .max(Duration::from_nanos(1))
             };
             tokio::time::sleep(wait).await;
         }
@@ -416,7 +499,7 @@ impl Http {
             return Ok(response);
         }
         let retry_after = retry_after(response.headers());
-        let body = response.bytes().await.map_err(transport_error)?;
+        let body = read_prefix(response, ERROR_BODY_PREFIX).await?;
         Err((self.classify)(status.as_u16(), &body, retry_after))
     }
 
@@ -432,8 +515,7 @@ impl Http {
         self.retrying(url, || async {
             let attempt = async {
                 let response = self.send(url, body.unwrap_or(&[]), body.is_none()).await?;
-                let bytes = response.bytes().await.map_err(transport_error)?;
-                Ok(bytes.to_vec())
+                read_capped(response, self.config.max_body_bytes).await
             };
             tokio::time::timeout(deadline, attempt)
                 .await
@@ -451,21 +533,66 @@ impl Http {
         decoder: D,
     ) -> Result<ChatStream, ModelError> {
         let slot = self.slot().await?;
-        let deadline = timeout.unwrap_or(self.config.request_timeout);
-        let response = self
-            .retrying(url, || async {
-                tokio::time::timeout(deadline, self.send(url, body, false))
-                    .await
-                    .map_err(|_| ModelError::Timeout(deadline))?
-            })
-            .await?;
-        Ok(drive(
-            response.bytes_stream(),
-            slot,
-            decoder,
-            self.config.stream_idle_timeout,
-        ))
+        let limits = StreamLimits::of(&self.config);
+        // The whole call, retries and response headers included, ends by then.
+        let end = Instant::now().checked_add(limits.total);
+        let headers_timeout = timeout.unwrap_or(self.config.request_timeout);
+        let attempts = self.retrying(url, || async {
+            tokio::time::timeout(headers_timeout, self.send(url, body, false))
+                .await
+                .map_err(|_| ModelError::Timeout(headers_timeout))?
+        });
+        let response = match end {
+            Some(end) => tokio::time::timeout_at(end, attempts)
+                .await
+                .map_err(|_| ModelError::Timeout(limits.total))??,
+            None => attempts.await?,
+        };
+        Ok(drive(response.bytes_stream(), slot, decoder, limits, end))
     }
+}
+
+/// How much of an error reply's body is read to classify it.
+pub(crate) const ERROR_BODY_PREFIX: usize = 64 * 1024;
+
+/// A successful reply's body, at most `limit` bytes: a longer one is
+/// [`ModelError::BodyTooLarge`], known from `Content-Length` when the server sent one,
+/// else found after reading `limit` bytes and no more.
+async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, ModelError> {
+    let too_large = ModelError::BodyTooLarge { limit };
+    let announced = response.content_length();
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(too_large);
+    }
+    // Trust the announced length only for a first allocation of at most 1 MiB.
+    let first = announced.map_or(0, |n| n.min(1 << 20) as usize);
+    let mut body = Vec::with_capacity(first);
+    while let Some(chunk) = response.chunk().await.map_err(transport_error)? {
+        let needed = body.len().saturating_add(chunk.len());
+        if needed > limit {
+            return Err(too_large);
+        }
+        if needed > body.capacity() {
+            // Double as `Vec` would, but never past the limit.
+            let capacity = body.capacity().saturating_mul(2).max(needed).min(limit);
+            body.reserve_exact(capacity - body.len());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// The first `limit` bytes of an error reply's body (the rest is never read).
+async fn read_prefix(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, ModelError> {
+    let mut body = Vec::new();
+    while body.len() < limit {
+        let Some(chunk) = response.chunk().await.map_err(transport_error)? else {
+            break;
+        };
+        let room = limit - body.len();
+        body.extend_from_slice(chunk.get(..room).unwrap_or(&chunk));
+    }
+    Ok(body)
 }
 
 /// The error of a request that got no (complete) response.
@@ -492,6 +619,25 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The longest wait a `Retry-After` header is read as: longer ones (and ones too large
+/// for a [`Duration`]) are taken as this, which is more than any client waits, so the
+/// call ends at once with [`ModelError::RateLimited`] carrying a wait that callers can
+/// still add to an `Instant`.
+pub(crate) const RETRY_AFTER_CEILING: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A number of seconds from a header as a wait: `None` if negative or not finite,
+/// at most [`RETRY_AFTER_CEILING`].
+fn wait_of(secs: f64) -> Option<Duration> {
+    if !(secs.is_finite() && secs >= 0.0) {
+        return None;
+    }
+    Some(
+        Duration::try_from_secs_f64(secs)
+            .unwrap_or(RETRY_AFTER_CEILING)
+            .min(RETRY_AFTER_CEILING),
+    )
+}
+
 /// `retry-after-ms` (OpenAI), else `retry-after` in seconds or as an HTTP date.
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let text = |name: &str| {
@@ -500,22 +646,28 @@ pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
     };
-    if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
+    if let Some(wait) = text("retry-after-ms")
+        .and_then(|v| v.parse::<f64>().ok())
+        .and_then(|ms| wait_of(ms / 1000.0))
     {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
+        return Some(wait);
     }
     parse_retry_after(text("retry-after")?, std::time::SystemTime::now())
 }
 
 /// Parses a `Retry-After` value: delta seconds, or an HTTP date (relative to `now`).
+/// Negative or non-finite seconds are ignored; long waits are capped at
+/// [`RETRY_AFTER_CEILING`].
 pub(crate) fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
     if let Ok(secs) = value.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return wait_of(secs);
     }
     let when = httpdate::parse_http_date(value).ok()?;
-    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+    Some(
+        when.duration_since(now)
+            .unwrap_or(Duration::ZERO)
+            .min(RETRY_AFTER_CEILING),
+    )
 }
 
 /// The shared mapping of an error status and message to a [`ModelError`].
@@ -608,14 +760,68 @@ pub(crate) trait Decoder: Send + 'static {
     fn eof(&mut self, out: &mut VecDeque<Result<ChatEvent, ModelError>>) -> Result<(), ModelError>;
 }
 
+/// The bounds of one streamed reply, from [`HttpConfig`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StreamLimits {
+    /// The longest silence.
+    pub(crate) idle: Duration,
+    /// The whole call's deadline, from its start.
+    pub(crate) total: Duration,
+    /// The longest line.
+    pub(crate) max_line: usize,
+    /// The most text and tool-call bytes.
+    pub(crate) max_answer: usize,
+}
+
+impl StreamLimits {
+    pub(crate) fn of(config: &HttpConfig) -> Self {
+        StreamLimits {
+            idle: config.stream_idle_timeout,
+            total: config.stream_timeout,
+            max_line: config.max_line_bytes,
+            max_answer: config.max_answer_bytes,
+        }
+    }
+}
+
+/// Splits a streamed body into lines for a [`Decoder`], within [`StreamLimits`].
+///
+/// Each byte is searched for a line end once: `scanned` remembers how far the
+/// unfinished line at the front of `buf` was already searched, so a long line arriving
+/// in many chunks costs linear, not quadratic, time; and it may not grow past
+/// `max_line` bytes.
 struct Driver<S, D> {
     body: S,
     decoder: D,
+    /// Bytes received and not yet handed to the decoder: at most one unfinished line
+    /// after each chunk.
     buf: Vec<u8>,
+    /// `buf[..scanned]` holds no line end.
+    scanned: usize,
     pending: VecDeque<Result<ChatEvent, ModelError>>,
     finished: bool,
-    idle: Duration,
+    limits: StreamLimits,
+    /// Text and tool-call bytes the decoder has emitted.
+    answer: usize,
+    /// When the whole call must have ended (`None`: too far away to represent).
+    end: Option<Instant>,
+    /// Bytes searched for line ends, for tests of the linear scan.
+    #[cfg(test)]
+    searched: usize,
     _slot: OwnedSemaphorePermit,
+}
+
+/// Bytes of text and tool-call fragments an event adds to the answer.
+fn answer_bytes(event: &ChatEvent) -> usize {
+    match event {
+        ChatEvent::Text(t) => t.len(),
+        ChatEvent::ToolCall(d) => {
+            d.arguments.len()
+                + d.name.as_ref().map_or(0, String::len)
+                + d.id.as_ref().map_or(0, String::len)
+        }
+        ChatEvent::Done(_) => 0,
+    }
 }
 
 impl<S, D, B> Driver<S, D>
@@ -624,38 +830,71 @@ where
     B: AsRef<[u8]>,
     D: Decoder,
 {
+    fn fail(&mut self, e: ModelError) {
+        self.pending.push_back(Err(e));
+        self.finished = true;
+    }
+
     /// Feeds complete lines of `buf` to the decoder; with `all`, the rest too.
     fn lines(&mut self, all: bool) {
+        let max_line = self.limits.max_line;
         let mut start = 0;
         while !self.finished {
-            let end = match self.buf[start..].iter().position(|&b| b == b'\n') {
-                Some(i) => start + i,
-                None if all && start < self.buf.len() => self.buf.len(),
-                None => break,
-            };
-            let mut line = &self.buf[start..end];
-            if let [rest @ .., b'\r'] = line {
-                line = rest;
+            let unsearched = self.buf.get(self.scanned..).unwrap_or_default();
+            #[cfg(test)]
+            {
+                self.searched += unsearched.len();
             }
-            start = (end + 1).min(self.buf.len());
-            let result = match std::str::from_utf8(line) {
-                Ok(text) => self.decoder.line(text, &mut self.pending),
-                Err(e) => Err(ModelError::Malformed(format!(
-                    "stream line is not UTF-8: {e}"
-                ))),
+            let end = match unsearched.iter().position(|&b| b == b'\n') {
+                Some(i) => self.scanned + i,
+                None => {
+                    self.scanned = self.buf.len();
+                    if all && start < self.buf.len() {
+                        self.buf.len()
+                    } else {
+                        break;
+                    }
+                }
             };
+            let line = self.buf.get(start..end).unwrap_or_default();
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let before = self.pending.len();
+            let result = if line.len() > max_line {
+                Err(ModelError::LineTooLong { limit: max_line })
+            } else {
+                match std::str::from_utf8(line) {
+                    Ok(text) => self.decoder.line(text, &mut self.pending),
+                    Err(e) => Err(ModelError::Malformed(format!(
+                        "stream line is not UTF-8: {e}"
+                    ))),
+                }
+            };
+            start = end.saturating_add(1).min(self.buf.len());
+            self.scanned = start;
             match result {
                 Ok(done) => self.finished = done,
-                Err(e) => {
-                    self.pending.push_back(Err(e));
-                    self.finished = true;
-                }
+                Err(e) => self.fail(e),
             }
-            if end == self.buf.len() {
-                break;
+            let added: usize = self
+                .pending
+                .iter()
+                .skip(before)
+                .map(|item| match item {
+                    Ok(event) => answer_bytes(event),
+                    Err(_) => 0,
+                })
+                .sum();
+            self.answer = self.answer.saturating_add(added);
+            if self.answer > self.limits.max_answer && !self.finished {
+                let limit = self.limits.max_answer;
+                self.fail(ModelError::AnswerTooLarge { limit });
             }
         }
-        self.buf.drain(..start.min(self.buf.len()));
+        if !self.finished && self.buf.len() - start > max_line {
+            self.fail(ModelError::LineTooLong { limit: max_line });
+        }
+        self.buf.drain(..start);
+        self.scanned = self.scanned.saturating_sub(start);
     }
 
     async fn next(&mut self) -> Option<Result<ChatEvent, ModelError>> {
@@ -666,18 +905,31 @@ where
             if self.finished {
                 return None;
             }
-            match tokio::time::timeout(self.idle, self.body.next()).await {
-                Err(_) => {
-                    self.finished = true;
-                    return Some(Err(ModelError::Timeout(self.idle)));
-                }
+            let now = Instant::now();
+            // Checked here too: a server that always has more ready never lets a
+            // timer fire.
+            if self.end.is_some_and(|end| now >= end) {
+                self.fail(ModelError::Timeout(self.limits.total));
+                continue;
+            }
+            let idle_end = now.checked_add(self.limits.idle);
+            let (wake, timeout) = match (self.end, idle_end) {
+                (Some(end), Some(idle)) if idle < end => (Some(idle), self.limits.idle),
+                (Some(end), _) => (Some(end), self.limits.total),
+                (None, idle) => (idle, self.limits.idle),
+            };
+            let item = match wake {
+                Some(wake) => tokio::time::timeout_at(wake, self.body.next()).await,
+                None => Ok(self.body.next().await),
+            };
+            match item {
+                Err(_) => self.fail(ModelError::Timeout(timeout)),
                 Ok(Some(Ok(chunk))) => {
                     self.buf.extend_from_slice(chunk.as_ref());
                     self.lines(false);
                 }
                 Ok(Some(Err(e))) => {
-                    self.finished = true;
-                    return Some(Err(ModelError::StreamInterrupted(error_chain(&e))));
+                    self.fail(ModelError::StreamInterrupted(error_chain(&e)));
                 }
                 Ok(None) => {
                     self.lines(true);
@@ -693,25 +945,50 @@ where
     }
 }
 
-fn drive<S, D, B>(body: S, slot: OwnedSemaphorePermit, decoder: D, idle: Duration) -> ChatStream
+fn drive<S, D, B>(
+    body: S,
+    slot: OwnedSemaphorePermit,
+    decoder: D,
+    limits: StreamLimits,
+    end: Option<Instant>,
+) -> ChatStream
 where
     S: Stream<Item = Result<B, reqwest::Error>> + Unpin + Send + 'static,
     B: AsRef<[u8]> + Send + 'static,
     D: Decoder,
 {
-    let driver = Driver {
-        body,
-        decoder,
-        buf: Vec::new(),
-        pending: VecDeque::new(),
-        finished: false,
-        idle,
-        _slot: slot,
-    };
-    Box::pin(futures::stream::unfold(driver, |mut d| async move {
-        let item = d.next().await?;
-        Some((item, d))
-    }))
+    Box::pin(futures::stream::unfold(
+        Driver::new(body, decoder, limits, end, slot),
+        |mut d| async move {
+            let item = d.next().await?;
+            Some((item, d))
+        },
+    ))
+}
+
+impl<S, D> Driver<S, D> {
+    fn new(
+        body: S,
+        decoder: D,
+        limits: StreamLimits,
+        end: Option<Instant>,
+        slot: OwnedSemaphorePermit,
+    ) -> Self {
+        Driver {
+            body,
+            decoder,
+            buf: Vec::new(),
+            scanned: 0,
+            pending: VecDeque::new(),
+            finished: false,
+            limits,
+            answer: 0,
+            end,
+            #[cfg(test)]
+            searched: 0,
+            _slot: slot,
+        }
+    }
 }
 
 /// A request body as JSON bytes.
@@ -776,6 +1053,210 @@ mod tests {
         h.insert("retry-after", HeaderValue::from_static("20"));
         h.insert("retry-after-ms", HeaderValue::from_static("1500"));
         assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
+    }
+
+    #[test]
+    fn absurd_retry_after_values_are_clamped_or_ignored_never_a_panic() {
+        let now = std::time::SystemTime::UNIX_EPOCH;
+        let year = Duration::from_secs(365 * 24 * 3600);
+        assert_eq!(parse_retry_after("1e30", now), Some(year));
+        assert_eq!(parse_retry_after("1e300", now), Some(year));
+        assert_eq!(parse_retry_after("18446744073709551616", now), Some(year));
+        assert_eq!(
+            parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", now),
+            Some(year)
+        );
+        for ignored in ["-1", "NaN", "inf", "-inf", "1e-400x"] {
+            assert_eq!(parse_retry_after(ignored, now), None, "{ignored}");
+        }
+        for (value, expected) in [
+            ("1e300", Some(year)),
+            ("1e19", Some(year)),
+            ("-3", None),
+            ("NaN", None),
+            ("inf", None),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert("retry-after-ms", HeaderValue::from_static(value));
+            assert_eq!(retry_after(&h), expected, "{value}");
+        }
+    }
+
+    #[test]
+    fn backoff_and_jitter_never_overflow() {
+        let p = RetryPolicy::default()
+            .initial_backoff(Duration::MAX)
+            .max_backoff(Duration::MAX);
+        assert_eq!(p.backoff(0), Duration::MAX);
+        assert_eq!(p.backoff(64), Duration::MAX);
+        assert_eq!(p.delay(3, None, 1.0), Some(Duration::MAX));
+        assert!(p.delay(3, None, 0.5).is_some_and(|d| d < Duration::MAX));
+        let mut huge = RetryPolicy::default().max_backoff(Duration::MAX);
+        huge.multiplier = f64::MAX;
+        assert_eq!(huge.backoff(40), Duration::MAX);
+        huge.multiplier = f64::NAN;
+        assert_eq!(huge.backoff(2), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn a_rate_too_small_to_wait_for_is_a_config_error() {
+        for rate in [1e-300, f64::MIN_POSITIVE, 1e-20] {
+            assert!(
+                matches!(
+                    TokenBucket::new(RateLimit::per_second(rate, 1)),
+                    Err(ModelError::Config(_))
+                ),
+                "{rate}"
+            );
+        }
+        assert!(TokenBucket::new(RateLimit::per_second(1e-6, 1)).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_huge_rate_never_spins_without_time_passing() {
+        // With a rate this large the wait for the next token rounds to zero; each wait
+        // must still let (paused, virtual) time move on, or this loops forever.
+        for rate in [1e300, f64::MAX] {
+            let Ok(bucket) = TokenBucket::new(RateLimit::per_second(rate, 1)) else {
+                unreachable!("a huge rate is valid")
+            };
+            for _ in 0..5 {
+                bucket.acquire().await;
+            }
+        }
+    }
+
+    /// Records each line; never done.
+    struct Lines(Vec<String>);
+
+    impl Decoder for Lines {
+        fn line(
+            &mut self,
+            line: &str,
+            out: &mut VecDeque<Result<ChatEvent, ModelError>>,
+        ) -> Result<bool, ModelError> {
+            self.0.push(line.to_owned());
+            out.push_back(Ok(ChatEvent::Text(line.to_owned())));
+            Ok(false)
+        }
+
+        fn eof(
+            &mut self,
+            _: &mut VecDeque<Result<ChatEvent, ModelError>>,
+        ) -> Result<(), ModelError> {
+            Ok(())
+        }
+    }
+
+    type Chunks = futures::stream::Iter<std::vec::IntoIter<Result<Vec<u8>, reqwest::Error>>>;
+
+    fn driver(chunks: Vec<&[u8]>, max_line: usize, max_answer: usize) -> Driver<Chunks, Lines> {
+        let chunks: Vec<Result<Vec<u8>, reqwest::Error>> =
+            chunks.into_iter().map(|c| Ok(c.to_vec())).collect();
+        let Ok(slot) = Arc::new(Semaphore::new(1)).try_acquire_owned() else {
+            unreachable!("a fresh semaphore has a permit")
+        };
+        let limits = StreamLimits {
+            idle: Duration::from_secs(3600),
+            total: Duration::from_secs(3600),
+            max_line,
+            max_answer,
+        };
+        Driver::new(
+            futures::stream::iter(chunks),
+            Lines(Vec::new()),
+            limits,
+            None,
+            slot,
+        )
+    }
+
+    async fn drain(d: &mut Driver<Chunks, Lines>) -> Vec<Result<ChatEvent, ModelError>> {
+        let mut items = Vec::new();
+        while let Some(item) = d.next().await {
+            items.push(item);
+        }
+        items
+    }
+
+    #[tokio::test]
+    async fn lines_split_across_chunks_crlf_and_a_last_line_without_an_end() {
+        let mut d = driver(
+            vec![b"one\r", b"\ntw", b"o\n\nthr", b"ee\r\nfour"],
+            1024,
+            1024,
+        );
+        drain(&mut d).await;
+        assert_eq!(d.decoder.0, ["one", "two", "", "three", "four"]);
+    }
+
+    #[tokio::test]
+    async fn a_long_line_in_many_chunks_is_searched_once() {
+        // 1 MiB without a line end, in 1 KiB chunks, then its end: searching from the
+        // start of the buffer for every chunk would look at 512 MiB.
+        let piece = [b'x'; 1024];
+        let mut chunks: Vec<&[u8]> = vec![&piece; 1024];
+        chunks.push(b"\nok\n");
+        let mut d = driver(chunks, 2 << 20, 4 << 20);
+        drain(&mut d).await;
+        assert_eq!(d.decoder.0.len(), 2);
+        assert_eq!(d.decoder.0.first().map(String::len), Some(1 << 20));
+        assert!(d.searched <= (1 << 20) + 8, "searched {} bytes", d.searched);
+    }
+
+    #[tokio::test]
+    async fn a_line_over_the_limit_fails_before_it_is_complete() {
+        let piece = [b'x'; 100];
+        let mut d = driver(vec![&piece; 1000], 1000, 1 << 20);
+        let items = drain(&mut d).await;
+        assert!(
+            matches!(
+                items.as_slice(),
+                [Err(ModelError::LineTooLong { limit: 1000 })]
+            ),
+            "{items:?}"
+        );
+        assert!(d.buf.len() <= 1100, "buffered {} bytes", d.buf.len());
+        // A complete line over the limit too.
+        let long = [b'y'; 1001];
+        let mut d = driver(vec![b"short\n", &long, b"\n"], 1000, 1 << 20);
+        let items = drain(&mut d).await;
+        assert!(
+            matches!(
+                items.as_slice(),
+                [Ok(_), Err(ModelError::LineTooLong { limit: 1000 })]
+            ),
+            "{items:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_answer_is_capped_across_lines() {
+        let mut d = driver(vec![b"aaaa\nbbbb\ncccc\ndddd\n"], 1000, 10);
+        let items = drain(&mut d).await;
+        assert!(
+            matches!(
+                items.as_slice(),
+                [
+                    Ok(_),
+                    Ok(_),
+                    Ok(_),
+                    Err(ModelError::AnswerTooLarge { limit: 10 })
+                ]
+            ),
+            "{items:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_past_its_end_fails_even_with_data_ready() {
+        let mut d = driver(vec![b"a\n", b"b\n"], 1000, 1000);
+        d.end = Some(Instant::now());
+        let items = drain(&mut d).await;
+        assert!(
+            matches!(items.as_slice(), [Err(ModelError::Timeout(_))]),
+            "{items:?}"
+        );
     }
 
     #[test]

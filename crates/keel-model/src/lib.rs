@@ -25,6 +25,13 @@
 //! exceeded" reply is always [`ModelError::ContextOverflow`], so the runtime can match
 //! on it, compact the history and try again.
 //!
+//! Everything a server sends is bounded, so no server can grow the process without
+//! limit, keep a call alive forever or panic it: a non-streamed body
+//! ([`HttpConfig::max_body_bytes`], 32 MiB), an error body (its first 64 KiB), a stream
+//! line or event ([`HttpConfig::max_line_bytes`], 4 MiB), a streamed answer
+//! ([`HttpConfig::max_answer_bytes`], 16 MiB), a whole streamed call
+//! ([`HttpConfig::stream_timeout`], 10 min), and header values such as `Retry-After`.
+//!
 //! # Features
 //!
 //! `openai` and `ollama` (both on by default) each bring the shared HTTP layer
@@ -72,6 +79,9 @@
     not(all(feature = "openai", feature = "ollama")),
     allow(rustdoc::broken_intra_doc_links)
 )]
+// Nothing a server sends may panic the process: no indexing or slicing that can fail
+// (use `get`), in library code and its unit tests alike.
+#![deny(clippy::indexing_slicing, clippy::string_slice)]
 
 mod error;
 #[cfg(any(feature = "openai", feature = "ollama"))]

@@ -271,7 +271,10 @@ impl ChatModel for OpenAiModel {
         options: &ChatOptions,
     ) -> Result<ChatStream, ModelError> {
         let body = self.encode(messages, tools, options, true)?;
-        let decoder = SseDecoder::new(options.model.as_deref().unwrap_or(&self.config.model));
+        let decoder = SseDecoder::new(
+            options.model.as_deref().unwrap_or(&self.config.model),
+            self.config.http.max_line_bytes,
+        );
         self.http
             .stream(&self.chat_url, &body, options.timeout, decoder)
             .await
@@ -392,6 +395,8 @@ struct PartialCall {
 struct SseDecoder {
     data: String,
     has_data: bool,
+    /// The longest event (its `data:` lines together), in bytes.
+    max_event: usize,
     text: String,
     calls: Vec<PartialCall>,
     finish: Option<FinishReason>,
@@ -400,10 +405,11 @@ struct SseDecoder {
 }
 
 impl SseDecoder {
-    fn new(model: &str) -> Self {
+    fn new(model: &str, max_event: usize) -> Self {
         SseDecoder {
             data: String::new(),
             has_data: false,
+            max_event,
             text: String::new(),
             calls: Vec::new(),
             finish: None,
@@ -485,7 +491,11 @@ impl SseDecoder {
                 if self.calls.len() <= index {
                     self.calls.resize_with(index + 1, PartialCall::default);
                 }
-                let slot = &mut self.calls[index];
+                let Some(slot) = self.calls.get_mut(index) else {
+                    return Err(ModelError::Malformed(format!(
+                        "tool call index {index} out of range"
+                    )));
+                };
                 let id = call.get("id").and_then(Value::as_str).map(str::to_owned);
                 let function = call.get("function");
                 let name = function
@@ -532,10 +542,16 @@ impl Decoder for SseDecoder {
             };
         }
         if let Some(rest) = line.strip_prefix("data:") {
+            let rest = rest.strip_prefix(' ').unwrap_or(rest);
+            if self.data.len() + rest.len() + 1 > self.max_event {
+                return Err(ModelError::LineTooLong {
+                    limit: self.max_event,
+                });
+            }
             if self.has_data {
                 self.data.push('\n');
             }
-            self.data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+            self.data.push_str(rest);
             self.has_data = true;
         }
         // Comments (`:`) and the `event`, `id` and `retry` fields carry nothing here.

@@ -230,14 +230,16 @@ fn split_words(text: &str) -> Vec<String> {
         if c.is_whitespace() {
             in_space = true;
         } else if in_space {
-            pieces.push(text[start..i].to_owned());
+            pieces.extend(text.get(start..i).map(str::to_owned));
             start = i;
             in_space = false;
         }
     }
-    if start < text.len() {
-        pieces.push(text[start..].to_owned());
-    }
+    pieces.extend(
+        text.get(start..)
+            .filter(|rest| !rest.is_empty())
+            .map(str::to_owned),
+    );
     pieces
 }
 

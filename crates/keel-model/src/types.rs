@@ -210,21 +210,25 @@ impl Usage {
         self
     }
 
-    /// Prompt plus completion.
+    /// Prompt plus completion (saturating: counts come from the provider).
     pub fn total(&self) -> u64 {
-        self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 }
 
+/// Adds field by field, saturating at `u64::MAX` (counts come from the provider, and
+/// a server reporting absurd numbers must not panic a summing caller).
 impl std::ops::Add for Usage {
     type Output = Usage;
     fn add(self, other: Usage) -> Usage {
         Usage {
-            prompt_tokens: self.prompt_tokens + other.prompt_tokens,
-            completion_tokens: self.completion_tokens + other.completion_tokens,
+            prompt_tokens: self.prompt_tokens.saturating_add(other.prompt_tokens),
+            completion_tokens: self
+                .completion_tokens
+                .saturating_add(other.completion_tokens),
             cached_tokens: match (self.cached_tokens, other.cached_tokens) {
                 (None, None) => None,
-                (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+                (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
             },
         }
     }

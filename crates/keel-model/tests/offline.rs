@@ -123,3 +123,12 @@ async fn replay_reproduces_recorded_tau_bench_runs() {
     }
     assert!(turns > 1000, "replayed {turns} turns");
 }
+
+#[test]
+fn usage_sums_saturate_instead_of_overflowing() {
+    // Counts come from a server: absurd ones must not panic a caller that sums them.
+    let absurd = Usage::new(u64::MAX, u64::MAX).with_cached_tokens(u64::MAX);
+    let sum = absurd + Usage::new(1, 1).with_cached_tokens(1);
+    assert_eq!(sum, absurd);
+    assert_eq!(absurd.total(), u64::MAX);
+}

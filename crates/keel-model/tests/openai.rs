@@ -324,6 +324,53 @@ async fn retry_after_longer_than_allowed_fails_at_once_with_the_wait() {
 }
 
 #[tokio::test]
+async fn absurd_retry_after_values_never_panic() {
+    // Too large for a Duration: taken as a year, longer than any client waits, so the
+    // call ends at once with the wait. Negative, NaN or infinite: ignored, backoff used.
+    let cases = [
+        (
+            "retry-after-ms",
+            "1e300",
+            Some(Duration::from_secs(365 * 24 * 3600)),
+        ),
+        (
+            "retry-after",
+            "1e30",
+            Some(Duration::from_secs(365 * 24 * 3600)),
+        ),
+        ("retry-after", "-5", None),
+        ("retry-after-ms", "NaN", None),
+        ("retry-after", "inf", None),
+    ];
+    for (name, value, expected) in cases {
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .respond_with(
+                ResponseTemplate::new(429)
+                    .insert_header(name, value)
+                    .set_body_json(json!({"error": {"message": "slow down"}})),
+            )
+            .mount(&server)
+            .await;
+        let err = model_at(&server.uri())
+            .chat(&history(), &[], &ChatOptions::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ModelError::RateLimited { retry_after, .. } if *retry_after == expected),
+            "{name}: {value}: {err:?}"
+        );
+        // Ignored values fall back to backoff: the retries were made.
+        let attempts = server.received_requests().await.unwrap().len();
+        assert_eq!(
+            attempts,
+            if expected.is_some() { 1 } else { 3 },
+            "{name}: {value}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn insufficient_quota_429_is_not_retried() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))

@@ -29,6 +29,8 @@ pub fn fast_http() -> HttpConfig {
 pub enum Step {
     /// Write these bytes.
     Write(Vec<u8>),
+    /// Write these bytes this many times (a large body without holding it in memory).
+    Repeat(Vec<u8>, usize),
     /// Wait.
     Sleep(Duration),
     /// Never answer (until the client gives up).
@@ -45,9 +47,40 @@ pub fn chunked_head(content_type: &str) -> Step {
     )
 }
 
+/// A response head with no length: the body runs until the connection closes.
+pub fn unframed_head(status: u16, content_type: &str) -> Step {
+    Step::Write(
+        format!("HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\nconnection: close\r\n\r\n")
+            .into_bytes(),
+    )
+}
+
+/// `times` chunks of a chunked body, each `size` bytes of `byte`.
+pub fn repeated_chunks(byte: u8, size: usize, times: usize) -> Step {
+    let mut frame = format!("{size:x}\r\n").into_bytes();
+    frame.extend(std::iter::repeat_n(byte, size));
+    frame.extend_from_slice(b"\r\n");
+    Step::Repeat(frame, times)
+}
+
+/// A chunked HTTP/1.1 response head with this status.
+pub fn chunked_status_head(status: u16, content_type: &str) -> Step {
+    Step::Write(
+        format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        )
+        .into_bytes(),
+    )
+}
+
 /// One chunk of a chunked body.
 pub fn chunk(data: &str) -> Step {
-    Step::Write(format!("{:x}\r\n{data}\r\n", data.len()).into_bytes())
+    Step::Write(chunk_bytes(data))
+}
+
+/// The bytes of one chunk of a chunked body.
+pub fn chunk_bytes(data: &str) -> Vec<u8> {
+    format!("{:x}\r\n{data}\r\n", data.len()).into_bytes()
 }
 
 /// A complete response with a JSON body.
@@ -129,6 +162,12 @@ async fn serve_one(mut stream: TcpStream, steps: Vec<Step>) -> std::io::Result<(
         match step {
             Step::Write(bytes) => {
                 stream.write_all(&bytes).await?;
+                stream.flush().await?;
+            }
+            Step::Repeat(bytes, times) => {
+                for _ in 0..times {
+                    stream.write_all(&bytes).await?;
+                }
                 stream.flush().await?;
             }
             Step::Sleep(d) => tokio::time::sleep(d).await,
