@@ -31,6 +31,8 @@
 //! line or event ([`HttpConfig::max_line_bytes`], 4 MiB), a streamed answer
 //! ([`HttpConfig::max_answer_bytes`], 16 MiB), a whole streamed call
 //! ([`HttpConfig::stream_timeout`], 10 min), and header values such as `Retry-After`.
+//! Replies that are not in the API's shape are [`ModelError::Malformed`] for both
+//! providers, streamed or not, never an empty answer.
 //!
 //! # Features
 //!

@@ -84,6 +84,10 @@ impl OllamaConfig {
 ///   `prompt_eval_count` and `eval_count`, reported as [`Usage`] (Ollama leaves out
 ///   `prompt_eval_count` when the whole prompt came from its cache: that is reported
 ///   as 0 prompt tokens).
+/// * A reply that is not in `/api/chat`'s shape (no `message` object in a non-streamed
+///   reply; a `message` that is not an object, text that is not a string, tool calls
+///   that are not a list; a stream line with neither a message nor `"done": true`) is
+///   [`ModelError::Malformed`], as the OpenAI provider treats the same shapes.
 /// * Tool calls without an id get a fresh one, so results can answer them.
 ///
 /// ```
@@ -238,6 +242,12 @@ impl ChatModel for OllamaModel {
         let v = http::parse_body(&reply)?;
         let mut acc = Accumulator::new(options.model.as_deref().unwrap_or(&self.config.model));
         acc.absorb(&v, &mut VecDeque::new())?;
+        if v.get("message").is_none() {
+            return Err(ModelError::Malformed(format!(
+                "reply has no message: {}",
+                snippet(&v.to_string(), 200)
+            )));
+        }
         if !v.get("done").and_then(Value::as_bool).unwrap_or(true) {
             return Err(ModelError::Malformed(
                 "non-streamed reply is not marked done".into(),
@@ -394,6 +404,7 @@ impl Accumulator {
                 ModelError::StreamInterrupted(format!("server error: {message}"))
             });
         }
+        check_shape(v)?;
         if let Some(model) = v.get("model").and_then(Value::as_str) {
             model.clone_into(&mut self.model);
         }
@@ -440,6 +451,43 @@ impl Accumulator {
             finish_reason: self.finish.take(),
             model: std::mem::take(&mut self.model),
         }
+    }
+}
+
+/// Checks an `/api/chat` object's shape, as the OpenAI provider checks its replies: a
+/// `message` (when there is one) is an object whose `content` is text (or null) and
+/// whose `tool_calls` are a list of objects (or null); `done` (when there is one) is a
+/// boolean; and an object with neither a message nor `"done": true` says nothing.
+/// Anything else is [`ModelError::Malformed`], never an empty answer.
+fn check_shape(v: &Value) -> Result<(), ModelError> {
+    let malformed = |what: &str| {
+        Err(ModelError::Malformed(format!(
+            "reply object {what}: {}",
+            snippet(&v.to_string(), 200)
+        )))
+    };
+    let done = match v.get("done") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(done)) => *done,
+        Some(_) => return malformed("has `done` that is not a boolean"),
+    };
+    match v.get("message") {
+        None | Some(Value::Null) if done => Ok(()),
+        None | Some(Value::Null) => malformed("has no message and is not done"),
+        Some(Value::Object(message)) => {
+            if !message
+                .get("content")
+                .is_none_or(|c| c.is_string() || c.is_null())
+            {
+                return malformed("has `message.content` that is not text");
+            }
+            match message.get("tool_calls") {
+                None | Some(Value::Null) => Ok(()),
+                Some(Value::Array(calls)) if calls.iter().all(Value::is_object) => Ok(()),
+                Some(_) => malformed("has `message.tool_calls` that is not a list of objects"),
+            }
+        }
+        Some(_) => malformed("has a `message` that is not an object"),
     }
 }
 

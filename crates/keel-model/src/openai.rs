@@ -384,6 +384,55 @@ fn parse_response(v: &Value, default_model: &str) -> Result<ChatResponse, ModelE
     })
 }
 
+/// Checks a stream chunk's shape: an object with a `choices` list (empty in a final
+/// usage chunk) or a `usage` object; each choice an object, its `delta` (when there is
+/// one) an object whose `content` is text (or null) and whose `tool_calls` are a list
+/// (or null). Anything
+/// else is [`ModelError::Malformed`], as the same shape is in a non-streamed reply.
+fn check_chunk(chunk: &Value) -> Result<(), ModelError> {
+    let malformed = |what: &str| {
+        Err(ModelError::Malformed(format!(
+            "stream chunk {what}: {}",
+            snippet(&chunk.to_string(), 200)
+        )))
+    };
+    if !chunk.is_object() {
+        return malformed("is not a JSON object");
+    }
+    let choices = match chunk.get("choices") {
+        Some(Value::Array(choices)) => choices,
+        None | Some(Value::Null) if chunk.get("usage").is_some_and(Value::is_object) => {
+            return Ok(());
+        }
+        None | Some(Value::Null) => return malformed("has neither `choices` nor `usage`"),
+        Some(_) => return malformed("has `choices` that is not a list"),
+    };
+    for choice in choices {
+        if !choice.is_object() {
+            return malformed("has a choice that is not an object");
+        }
+        // A choice without a delta carries nothing (Azure's content-filter chunks).
+        let Some(delta) = choice.get("delta") else {
+            continue;
+        };
+        if !delta.is_object() {
+            return malformed("has a `delta` that is not an object");
+        }
+        if !delta
+            .get("content")
+            .is_none_or(|c| c.is_string() || c.is_null())
+        {
+            return malformed("has `content` that is not text");
+        }
+        match delta.get("tool_calls") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) if calls.iter().all(Value::is_object) => {}
+            Some(_) => return malformed("has `tool_calls` that is not a list of objects"),
+        }
+    }
+    Ok(())
+}
+
 #[derive(Default)]
 struct PartialCall {
     id: Option<String>,
@@ -454,6 +503,7 @@ impl SseDecoder {
         if let Some(err) = embedded_error(&chunk) {
             return Err(err);
         }
+        check_chunk(&chunk)?;
         if let Some(model) = chunk.get("model").and_then(Value::as_str) {
             model.clone_into(&mut self.model);
         }
