@@ -3,10 +3,20 @@
 //! The one abstraction is [`OffloadStore`]: a namespace of text files per thread, with
 //! `put`, `append`, `get`, line ranges, `list`, `grep` and `delete`. Keys are a
 //! [`ThreadId`] and a [`StorePath`], validated when built, so `../../etc/passwd`, an
-//! absolute path, a NUL byte or a 4 KB name never reach the disk. [`FsStore`] (feature
-//! `fs`, on by default) keeps the files in a directory (atomic writes, append-only
-//! appends, configurable fsync, symbolic links never followed); [`MemoryStore`] keeps
-//! them in memory.
+//! absolute path, a NUL byte or a 4 KB name never reach the disk. Four backends pass
+//! one conformance suite ([`conformance`], feature `conformance`):
+//!
+//! | backend | feature | where the files live |
+//! |---|---|---|
+//! | [`FsStore`] | `fs` (default) | a directory: atomic writes, append-only appends, configurable fsync, symbolic links never followed |
+//! | [`MemoryStore`] | — | memory, optionally with a byte limit |
+//! | [`SqliteStore`] | `sqlite` | a SQLite file, possibly the checkpointer's: one file for checkpoints and archive |
+//! | [`PostgresStore`] | `postgres` | PostgreSQL, beside the checkpointer's tables: every worker of a fleet reads what any other offloaded |
+//!
+//! The database backends keep a value as a row per file and its bytes in chunks of at
+//! most 1 MiB, keyed by thread id first, so a 200 MB result is never held twice and
+//! an append never rewrites what is stored; [`OffloadStore::delete_thread`] removes a
+//! thread's rows in one transaction.
 //!
 //! Everything else in the crate is built on a store and used by the compaction engine
 //! and the agent loop (DESIGN.md, invariant 2: whatever leaves the context is stored
@@ -25,8 +35,10 @@
 //! * **Retrieval tools** — [`RetrievalTools`] gives the agent `ls`, `read_file` and
 //!   `grep` over its thread's files, with JSON schemas and capped output.
 //!
-//! All store operations block (plain `std::fs`); async callers run them on a blocking
-//! thread — see [`OffloadStore`].
+//! All store operations block (plain `std::fs`, SQLite calls, a wait for
+//! [`PostgresStore`]'s connection thread); async callers run them on a blocking
+//! thread — see [`OffloadStore`]. [`PostgresStore`] also works, without panicking,
+//! when called straight from a runtime's worker.
 //!
 //! # Example
 //!

@@ -11,9 +11,12 @@ use crate::scan;
 
 /// Where offloaded text lives: a namespace of UTF-8 files per thread.
 ///
-/// Two backends ship with the crate: [`FsStore`](crate::FsStore) (a directory on
-/// disk, atomic writes, optional fsync) and [`MemoryStore`](crate::MemoryStore) (for
-/// tests and short-lived agents). Both pass the same conformance tests.
+/// Four backends ship with the crate: [`FsStore`](crate::FsStore) (a directory on
+/// disk, atomic writes, optional fsync), [`MemoryStore`](crate::MemoryStore) (for
+/// tests and short-lived agents), [`SqliteStore`](crate::SqliteStore) (feature
+/// `sqlite`) and [`PostgresStore`](crate::PostgresStore) (feature `postgres`). All pass
+/// the same conformance suite ([`conformance`](crate::conformance), feature
+/// `conformance`), which other backends can run too.
 ///
 /// # Blocking
 ///
