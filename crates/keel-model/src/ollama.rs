@@ -83,7 +83,9 @@ impl OllamaConfig {
 /// * Streaming reads newline-delimited JSON; the final `"done": true` line carries
 ///   `prompt_eval_count` and `eval_count`, reported as [`Usage`] (Ollama leaves out
 ///   `prompt_eval_count` when the whole prompt came from its cache: that is reported
-///   as 0 prompt tokens).
+///   as 0 prompt tokens). Servers that send `prompt_eval_cached_count` (the prompt
+///   tokens read from the KV cache, newer Ollama versions) have it reported as
+///   [`Usage::cached_tokens`]; older ones send nothing comparable and it stays `None`.
 /// * A reply that is not in `/api/chat`'s shape (no `message` object in a non-streamed
 ///   reply; a `message` that is not an object, text that is not a string, tool calls
 ///   that are not a list; a stream line with neither a message nor `"done": true`) is
@@ -431,8 +433,13 @@ impl Accumulator {
         if done {
             let prompt = v.get("prompt_eval_count").and_then(Value::as_u64);
             let completion = v.get("eval_count").and_then(Value::as_u64);
+            let cached = v.get("prompt_eval_cached_count").and_then(Value::as_u64);
             if prompt.is_some() || completion.is_some() {
-                self.usage = Some(Usage::new(prompt.unwrap_or(0), completion.unwrap_or(0)));
+                let usage = Usage::new(prompt.unwrap_or(0), completion.unwrap_or(0));
+                self.usage = Some(match cached {
+                    Some(c) => usage.with_cached_tokens(c),
+                    None => usage,
+                });
             }
             self.finish = v
                 .get("done_reason")

@@ -189,7 +189,9 @@ pub struct Usage {
     /// Tokens of the reply (OpenAI `completion_tokens`, Ollama `eval_count`).
     pub completion_tokens: u64,
     /// Of the prompt tokens, those the provider served from its prompt cache, when it
-    /// reports them (OpenAI `prompt_tokens_details.cached_tokens`; Ollama does not).
+    /// reports them (OpenAI `prompt_tokens_details.cached_tokens`; Ollama
+    /// `prompt_eval_cached_count`, which only newer Ollama servers send: from older ones
+    /// this stays `None`).
     pub cached_tokens: Option<u64>,
 }
 

@@ -399,3 +399,48 @@ async fn arguments_that_are_not_an_object_are_wrapped() {
         json!({"arguments": "{broken"})
     );
 }
+
+#[tokio::test]
+async fn cached_prompt_tokens_are_reported_when_ollama_sends_them() {
+    // Newer Ollama servers count the prompt tokens read from the KV cache in
+    // `prompt_eval_cached_count` (included in `prompt_eval_count`); older ones send
+    // nothing comparable, and the count stays unknown.
+    let mut cached = done_reply();
+    cached["prompt_eval_cached_count"] = json!(150);
+    let mut last = partial("");
+    last["done"] = json!(true);
+    last["prompt_eval_count"] = json!(40);
+    last["prompt_eval_cached_count"] = json!(32);
+    last["eval_count"] = json!(5);
+    let streamed = ndjson(&[partial("ok"), last]);
+    for (body, expected) in [
+        (cached.to_string(), Some(150)),
+        (done_reply().to_string(), None),
+    ] {
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .respond_with(ResponseTemplate::new(200).set_body_raw(body, "application/json"))
+            .mount(&server)
+            .await;
+        let reply = model_at(&server.uri())
+            .chat(&history(), &[], &ChatOptions::new())
+            .await
+            .unwrap();
+        let usage = reply.usage.unwrap();
+        assert_eq!((usage.prompt_tokens, usage.cached_tokens), (169, expected));
+    }
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_raw(streamed, "application/x-ndjson"))
+        .mount(&server)
+        .await;
+    let reply = collect_stream(
+        model_at(&server.uri())
+            .chat_stream(&history(), &[], &ChatOptions::new())
+            .await
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.usage, Some(Usage::new(40, 5).with_cached_tokens(32)));
+}
