@@ -12,7 +12,7 @@ use keel_checkpoint::support;
 use keel_checkpoint::{
     ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
     CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions, PendingWrite, PutRequest,
-    ThreadKey,
+    ThreadInfo, ThreadKey,
 };
 use serde_json::{Map, Value};
 use tokio_postgres::NoTls;
@@ -823,5 +823,34 @@ impl Checkpointer for PostgresSaver {
         }
         let cutoff = uuid_of(&support::idle_cutoff(idle_for))?;
         self.sweep(cutoff, limit).await
+    }
+
+    async fn list_threads(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ThreadInfo>, CheckpointError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.list_threads).await?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(&stmt, &[&after, &limit])
+            .await
+            .map_err(|e| self.query_error(e))?;
+        rows.iter()
+            .map(|row| {
+                let thread_id: String = row.try_get(0).map_err(corrupt)?;
+                let head: Uuid = row.try_get(1).map_err(corrupt)?;
+                let namespaces: i64 = row.try_get(2).map_err(corrupt)?;
+                Ok(ThreadInfo::new(
+                    thread_id,
+                    id_of(head)?,
+                    usize::try_from(namespaces).unwrap_or(0),
+                ))
+            })
+            .collect()
     }
 }

@@ -19,6 +19,7 @@ pub(crate) struct Statements {
     pub prune_deltas: String,
     pub prune_head: String,
     pub idle_threads: String,
+    pub list_threads: String,
     pub thread_bytes: String,
 }
 
@@ -206,6 +207,12 @@ impl Statements {
                      WHERE f.thread_id = h.thread_id AND (f.head IS NULL OR f.head >= $1))
                  ORDER BY h.head
                  LIMIT $2"
+            ),
+            // A range of the heads primary key, grouped by thread.
+            list_threads: format!(
+                "SELECT thread_id, max(head::text)::uuid, count(*) FROM {s}.keel_heads
+                 WHERE head IS NOT NULL AND ($1::text IS NULL OR thread_id > $1)
+                 GROUP BY thread_id ORDER BY thread_id LIMIT $2"
             ),
             thread_bytes: format!(
                 "SELECT

@@ -10,7 +10,7 @@ use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 use keel_checkpoint::{
     CheckpointError, CheckpointId, CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions,
-    PendingWrite, PutRequest, ThreadKey, support,
+    PendingWrite, PutRequest, ThreadInfo, ThreadKey, support,
 };
 
 use crate::error::SqliteError;
@@ -307,6 +307,16 @@ impl Checkpointer for SqliteSaver {
         }
         let cutoff = support::idle_cutoff(idle_for);
         self.write(move |conn| store::sweep_idle(conn, &cutoff, limit))
+            .await
+    }
+
+    async fn list_threads(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ThreadInfo>, CheckpointError> {
+        let after = after.map(str::to_owned);
+        self.read(move |conn| store::list_threads(conn, after.as_deref(), limit))
             .await
     }
 }

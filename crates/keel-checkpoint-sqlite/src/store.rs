@@ -7,7 +7,7 @@ use keel_checkpoint::support;
 use keel_checkpoint::{
     ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
     CheckpointSource, CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest,
-    ThreadKey,
+    ThreadInfo, ThreadKey,
 };
 use rusqlite::types::{Value as SqlValue, ValueRef};
 use rusqlite::{CachedStatement, Connection, OptionalExtension, Row, TransactionBehavior, params};
@@ -520,6 +520,37 @@ pub(crate) fn sweep_idle(
     }
     tx.commit()?;
     Ok(doomed)
+}
+
+/// `Checkpointer::list_threads`: a range of the heads table's primary key, grouped by
+/// thread (the rows of one thread are adjacent in key order).
+pub(crate) fn list_threads(
+    conn: &mut Connection,
+    after: Option<&str>,
+    limit: usize,
+) -> OpResult<Vec<ThreadInfo>> {
+    if limit == 0 {
+        return Ok(Vec::new());
+    }
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(
+        "SELECT thread_id, max(head), count(*) FROM heads \
+         WHERE ?1 IS NULL OR thread_id > ?1 \
+         GROUP BY thread_id ORDER BY thread_id LIMIT ?2",
+    )?;
+    let mut rows = stmt.query(params![after, limit])?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let thread_id = text(row, 0, "heads thread id")?.to_owned();
+        let head = parse_id(text(row, 1, "heads head")?, "heads head")?;
+        let namespaces: i64 = row.get(2)?;
+        out.push(ThreadInfo::new(
+            thread_id,
+            head,
+            usize::try_from(namespaces).unwrap_or(0),
+        ));
+    }
+    Ok(out)
 }
 
 /// `Checkpointer::prune`, in one transaction: drops all but the newest `keep_last`

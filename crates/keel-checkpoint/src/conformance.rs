@@ -59,6 +59,7 @@ where
     delete_thread(&make().await).await;
     prune(&make().await).await;
     sweep_idle(&make().await).await;
+    list_threads(&make().await).await;
     stale_writes_refused(&make().await).await;
     racing_writers(&make().await).await;
     invalid_puts_refused(&make().await).await;
@@ -1205,6 +1206,82 @@ async fn put_again<C: Checkpointer + ?Sized>(
         d.thread,
         tuple.pending_writes
     );
+}
+
+/// `list_threads` pages through the stored threads in id order, each once, with its
+/// newest checkpoint over every namespace and the number of namespaces; a deleted
+/// thread is gone from it. Other checks' threads may share the saver, so only this
+/// check's own ids (one random prefix) are compared.
+pub async fn list_threads<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "list_threads";
+    let prefix = format!("conformance-{CHECK}-{}", uuid::Uuid::new_v4());
+    let key = |n: usize| ThreadKey::new(format!("{prefix}-{n}"));
+    let mut expected: Vec<(String, CheckpointId, usize)> = Vec::new();
+    for n in 0..5 {
+        let mut root = Driver::on(CHECK, saver, key(n));
+        let first = root.step(None, &[("log", append(&["a"]))]).await;
+        let mut newest = root.step(Some(&first), &[("log", append(&["b"]))]).await;
+        let mut namespaces = 1;
+        if n == 2 {
+            let mut sub = Driver::on(CHECK, saver, key(n).with_ns("sub:1"));
+            newest = sub.step(None, &[("log", append(&["s"]))]).await;
+            namespaces = 2;
+        }
+        expected.push((key(n).thread_id.clone(), newest, namespaces));
+    }
+    let seen = listed_with_prefix(saver, &prefix).await;
+    assert_eq!(
+        seen, expected,
+        "[conformance::{CHECK}] threads in id order, each with its newest checkpoint and namespace count"
+    );
+    if let Err(err) = saver.delete_thread(&expected[1].0).await {
+        panic!("[conformance::{CHECK}] delete_thread failed: {err}");
+    }
+    expected.remove(1);
+    assert_eq!(
+        listed_with_prefix(saver, &prefix).await,
+        expected,
+        "[conformance::{CHECK}] a deleted thread is no longer listed"
+    );
+    match saver.list_threads(None, 0).await {
+        Ok(none) => assert!(
+            none.is_empty(),
+            "[conformance::{CHECK}] limit 0 lists nothing"
+        ),
+        Err(err) => panic!("[conformance::{CHECK}] list_threads(None, 0) failed: {err}"),
+    }
+}
+
+/// Every thread `list_threads` returns whose id starts with `prefix`, paging by 2.
+async fn listed_with_prefix<C: Checkpointer + ?Sized>(
+    saver: &C,
+    prefix: &str,
+) -> Vec<(String, CheckpointId, usize)> {
+    const CHECK: &str = "list_threads";
+    let mut seen = Vec::new();
+    let mut after = prefix.to_owned();
+    loop {
+        let page = match saver.list_threads(Some(&after), 2).await {
+            Ok(p) => p,
+            Err(err) => panic!("[conformance::{CHECK}] list_threads failed: {err}"),
+        };
+        assert!(
+            page.len() <= 2,
+            "[conformance::{CHECK}] a page over its limit"
+        );
+        let Some(last) = page.last() else { break };
+        after.clone_from(&last.thread_id);
+        let done = !last.thread_id.starts_with(prefix);
+        seen.extend(
+            page.into_iter()
+                .filter(|t| t.thread_id.starts_with(prefix))
+                .map(|t| (t.thread_id, t.head, t.namespaces)),
+        );
+        if done {
+            break;
+        }
+    }
+    seen
 }
 
 /// `sweep_idle` deletes the threads whose newest checkpoint, over every namespace, is

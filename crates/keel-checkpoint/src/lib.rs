@@ -117,5 +117,5 @@ pub use memory::{MemorySaver, MemoryStats};
 pub use saver::Checkpointer;
 pub use types::{
     ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointMetadata, CheckpointSource,
-    CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest,
+    CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest, ThreadInfo,
 };

@@ -14,7 +14,7 @@ use crate::saver::Checkpointer;
 use crate::support::{self, WriteKey};
 use crate::types::{
     ChannelDelta, Checkpoint, CheckpointMetadata, CheckpointSummary, CheckpointTuple, ListOptions,
-    PendingWrite, PutRequest,
+    PendingWrite, PutRequest, ThreadInfo,
 };
 
 /// A [`Checkpointer`] that keeps everything in memory, for tests, examples and
@@ -423,6 +423,30 @@ impl Checkpointer for MemorySaver {
                 threads.remove(thread_id);
             }
             doomed
+        }))
+    }
+
+    /// Reads every thread under the read lock and keeps the `limit` smallest ids
+    /// after `after` (memory has no ordered index).
+    async fn list_threads(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ThreadInfo>, CheckpointError> {
+        Ok(self.read(|threads| {
+            let mut found: Vec<ThreadInfo> = threads
+                .iter()
+                .filter(|(id, _)| after.is_none_or(|a| id.as_str() > a))
+                .filter_map(|(id, namespaces)| {
+                    let heads: Vec<&CheckpointId> =
+                        namespaces.values().filter_map(Space::head).collect();
+                    let newest = heads.iter().max()?;
+                    Some(ThreadInfo::new(id.clone(), (*newest).clone(), heads.len()))
+                })
+                .collect();
+            found.sort_unstable_by(|a, b| a.thread_id.cmp(&b.thread_id));
+            found.truncate(limit);
+            found
         }))
     }
 }

@@ -8,7 +8,9 @@ use futures::stream::BoxStream;
 
 use crate::error::CheckpointError;
 use crate::id::{CheckpointId, ThreadKey};
-use crate::types::{CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest};
+use crate::types::{
+    CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest, ThreadInfo,
+};
 
 /// Stores checkpoints, their channel deltas and pending writes, per thread and namespace.
 ///
@@ -163,6 +165,52 @@ pub trait Checkpointer: Send + Sync + 'static {
             operation: "sweep_idle",
         })
     }
+
+    /// The stored threads, a page at a time: up to `limit` threads whose ids sort after
+    /// `after` (byte order; `None` = from the first), ascending, each with its newest
+    /// checkpoint over every namespace. Page with the last id of the previous page.
+    ///
+    /// Bounded: one call reads at most `limit` threads' heads (SQLite and Postgres: a
+    /// range of the heads table's primary key), whatever the number of threads.
+    ///
+    /// The default implementation fails with [`CheckpointError::Unsupported`]; keel's
+    /// backends implement it and pass the conformance check `list_threads`.
+    ///
+    /// ```
+    /// use keel_checkpoint::*;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), CheckpointError> {
+    /// let saver = MemorySaver::new();
+    /// for thread in ["b", "a", "c"] {
+    ///     saver
+    ///         .put(PutRequest {
+    ///             thread: ThreadKey::new(thread),
+    ///             checkpoint: Checkpoint::new(None),
+    ///             metadata: CheckpointMetadata::new(CheckpointSource::Input, -1),
+    ///             deltas: vec![],
+    ///             expected_head: None,
+    ///         })
+    ///         .await?;
+    /// }
+    /// let first = saver.list_threads(None, 2).await?;
+    /// let ids: Vec<_> = first.iter().map(|t| t.thread_id.as_str()).collect();
+    /// assert_eq!(ids, ["a", "b"]);
+    /// let rest = saver.list_threads(Some("b"), 2).await?;
+    /// assert_eq!(rest[0].thread_id, "c");
+    /// # Ok(())
+    /// # }
+    /// ```
+    async fn list_threads(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ThreadInfo>, CheckpointError> {
+        let _ = (after, limit);
+        Err(CheckpointError::Unsupported {
+            operation: "list_threads",
+        })
+    }
 }
 
 #[async_trait]
@@ -210,5 +258,13 @@ impl<T: Checkpointer + ?Sized> Checkpointer for Arc<T> {
         limit: usize,
     ) -> Result<Vec<String>, CheckpointError> {
         (**self).sweep_idle(idle_for, limit).await
+    }
+
+    async fn list_threads(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ThreadInfo>, CheckpointError> {
+        (**self).list_threads(after, limit).await
     }
 }

@@ -356,6 +356,31 @@ pub struct CheckpointSummary {
     pub metadata: CheckpointMetadata,
 }
 
+/// A stored thread, as [`Checkpointer::list_threads`](crate::Checkpointer::list_threads)
+/// returns it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ThreadInfo {
+    /// The thread id.
+    pub thread_id: String,
+    /// Its newest checkpoint over every namespace (its id carries the time it was made:
+    /// [`CheckpointId::timestamp_millis`](crate::CheckpointId::timestamp_millis)).
+    pub head: CheckpointId,
+    /// Namespaces holding checkpoints (1 for a thread without subgraphs).
+    pub namespaces: usize,
+}
+
+impl ThreadInfo {
+    /// A thread whose newest checkpoint is `head`.
+    pub fn new(thread_id: impl Into<String>, head: CheckpointId, namespaces: usize) -> Self {
+        Self {
+            thread_id: thread_id.into(),
+            head,
+            namespaces,
+        }
+    }
+}
+
 /// A checkpoint to store, with the deltas its step wrote and the head the writer
 /// expects (fencing, invariant 7).
 #[derive(Debug, Clone, PartialEq)]
