@@ -51,6 +51,7 @@ const MAX_IDLE_READERS: usize = 4;
 pub struct SqliteOptions {
     busy_timeout: Duration,
     full_sync: bool,
+    max_size: Option<u64>,
 }
 
 impl Default for SqliteOptions {
@@ -58,6 +59,7 @@ impl Default for SqliteOptions {
         SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             full_sync: false,
+            max_size: None,
         }
     }
 }
@@ -83,6 +85,31 @@ impl SqliteOptions {
     pub fn full_sync(mut self, full: bool) -> Self {
         self.full_sync = full;
         self
+    }
+
+    /// The most bytes the database may grow to (whole pages; `None`, the default: no
+    /// limit). A write past it fails as a full disk would
+    /// ([`OffloadError::is_storage_full`]) and changes nothing; in memory it is the
+    /// bound on what the store holds.
+    ///
+    /// ```
+    /// use keel_offload::{Key, OffloadStore, SqliteOptions, SqliteStore};
+    ///
+    /// let store = SqliteStore::in_memory_with(SqliteOptions::new().max_size(Some(256 * 1024)))?;
+    /// let err = store.put(&Key::new("t1", "big")?, &"x".repeat(1 << 20)).unwrap_err();
+    /// assert!(err.is_storage_full());
+    /// store.put(&Key::new("t1", "small")?, "fits")?;
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    #[must_use]
+    pub fn max_size(mut self, bytes: Option<u64>) -> Self {
+        self.max_size = bytes;
+        self
+    }
+
+    /// The size limit.
+    pub fn get_max_size(&self) -> Option<u64> {
+        self.max_size
     }
 
     /// The busy timeout.
@@ -197,9 +224,15 @@ impl SqliteStore {
     }
 
     /// A private in-memory database: for tests, and agents whose offloaded data may
-    /// die with the process.
+    /// die with the process. Without a [`SqliteOptions::max_size`] it grows without
+    /// bound, as [`MemoryStore::new`](crate::MemoryStore::new) does.
     pub fn in_memory() -> Result<Self, OffloadError> {
-        let options = SqliteOptions::default();
+        Self::in_memory_with(SqliteOptions::default())
+    }
+
+    /// A private in-memory database with `options` (the busy timeout and sync
+    /// setting do not apply).
+    pub fn in_memory_with(options: SqliteOptions) -> Result<Self, OffloadError> {
         let mut conn =
             Connection::open_in_memory().map_err(sql_error("open the database", ":memory:"))?;
         configure(&conn, &options, ":memory:")?;
@@ -356,6 +389,17 @@ fn configure(conn: &Connection, options: &SqliteOptions, shown: &str) -> Result<
     conn.pragma_update(None, "synchronous", sync)
         .map_err(sql_error("configure the connection", shown))?;
     conn.set_prepared_statement_cache_capacity(32);
+    if let Some(bytes) = options.max_size {
+        let page: i64 = conn
+            .pragma_query_value(None, "page_size", |r| r.get(0))
+            .map_err(sql_error("configure the connection", shown))?;
+        let pages = i64::try_from(bytes / u64::try_from(page.max(1)).unwrap_or(4096))
+            .unwrap_or(i64::MAX)
+            .max(1);
+        let _: i64 = conn
+            .pragma_update_and_check(None, "max_page_count", pages, |r| r.get(0))
+            .map_err(sql_error("configure the connection", shown))?;
+    }
     Ok(())
 }
 

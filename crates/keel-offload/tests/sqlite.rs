@@ -189,3 +189,35 @@ async fn the_checkpointers_file_holds_the_archive_too() {
         "the checkpointer's tables too: {tables:?}"
     );
 }
+
+/// A database at its size limit fails writes as a full disk would, changes nothing,
+/// and the archive policy keeps the messages in context (invariant 2).
+#[test]
+fn a_full_database_keeps_messages_in_context() {
+    use keel_offload::{Archive, SqliteOptions};
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("small.db");
+    let store = Arc::new(
+        SqliteStore::open_with(&path, SqliteOptions::new().max_size(Some(512 * 1024))).unwrap(),
+    );
+    let big = "y".repeat(2 << 20);
+    let err = store
+        .put(&Key::new("t", "large_tool_results/call_1").unwrap(), &big)
+        .unwrap_err();
+    assert!(err.is_storage_full(), "{err}");
+    assert_eq!(rows(&path, "t"), (0, 0), "a failed put leaves no rows");
+
+    let archive = Archive::new(store.clone());
+    let t = ThreadId::new("t").unwrap();
+    let history: Vec<keel_message::Message> = (0..4)
+        .map(|i| keel_message::Message::user("z".repeat(300 * 1024)).with_id(format!("m{i}")))
+        .collect();
+    let out = archive.archive_and_remove(history.clone(), 0..4, &t);
+    assert_eq!(out.messages, history);
+    assert!(out.failures[0].error.is_storage_full());
+    assert_eq!(archive.len(&t).unwrap(), 0);
+    let ok = archive.archive_and_remove(history.clone(), 0..1, &t);
+    assert!(ok.is_complete(), "{:?}", ok.failures);
+    assert_eq!(ok.messages.len(), 3);
+}
