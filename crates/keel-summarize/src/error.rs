@@ -72,6 +72,13 @@ pub enum Rejection {
         /// The budget.
         budget: usize,
     },
+    /// The reply reads like a provider's error (rate limit, quota, server error,
+    /// gateway) and names almost nothing from the input: an error delivered as a
+    /// successful reply, not a summary.
+    ProviderError(String),
+    /// The reply shares no distinctive term (a name, path, number, word) with the
+    /// input: whatever it is, it does not summarize this span.
+    Unrelated,
 }
 
 impl fmt::Display for Rejection {
@@ -92,6 +99,13 @@ impl fmt::Display for Rejection {
             Rejection::OverBudget { tokens, budget } => {
                 write!(f, "the reply has {tokens} tokens, the budget is {budget}")
             }
+            Rejection::ProviderError(phrase) => write!(
+                f,
+                "the reply looks like a provider error (\"{phrase}\"), not a summary of the input"
+            ),
+            Rejection::Unrelated => f.write_str(
+                "the reply names nothing from the input (no file, command, value or word of it)",
+            ),
         }
     }
 }

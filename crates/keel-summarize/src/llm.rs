@@ -1,4 +1,5 @@
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, LazyLock};
 
 use async_trait::async_trait;
 use keel_message::Message;
@@ -38,8 +39,13 @@ pub enum SummaryFormat {
 ///   marked, never by keeping only the latest messages.
 /// * The reply is asked for with `max_tokens` = the budget and checked: it must be
 ///   non-empty, not cut off, within the budget (counted with this summarizer's
-///   counter), and in the requested shape (bullet count, or all four sections). A reply
-///   that fails is retried once with the reason; a second failure is
+///   counter), in the requested shape (bullet count, or all four sections), and about
+///   the input: it must share at least one distinctive term (a name, path, number or
+///   uncommon word) with the span it summarizes ([`Rejection::Unrelated`]), and one
+///   that reads like a provider's error ("rate limit exceeded", "internal server
+///   error", "upstream", "quota", ...) must share at least two
+///   ([`Rejection::ProviderError`]): some proxies answer 200 with their error as the
+///   content. A reply that fails is retried once with the reason; a second failure is
 ///   [`SummarizeError::Rejected`]. Model errors are [`SummarizeError::Model`]. No error
 ///   text ever becomes a summary.
 /// * The goal is never part of the input: callers pass no goal, and messages marked with
@@ -153,6 +159,15 @@ impl LlmSummarizer {
         &self,
         request: &SummaryRequest<'_>,
     ) -> Result<Vec<Message>, SummarizeError> {
+        self.prompt(request).map(|(messages, _)| messages)
+    }
+
+    /// The prompt, and the terms of the input it shows the model (the previous summary
+    /// and the fitted messages), which a reply must be about.
+    fn prompt(
+        &self,
+        request: &SummaryRequest<'_>,
+    ) -> Result<(Vec<Message>, Terms), SummarizeError> {
         request.check()?;
         let template = self.template(request.level);
         let level = request.level;
@@ -192,13 +207,32 @@ impl LlmSummarizer {
         if omitted > 0 {
             tracing::debug!(omitted, "summarizer input fitted to the window");
         }
-        Ok(vec![
-            Message::system(template.system),
-            Message::user(format!("{head}{body}{tail}")),
-        ])
+        let mut input = Terms::of(&body);
+        if let Some(previous) = request.previous {
+            input.add(previous);
+        }
+        Ok((
+            vec![
+                Message::system(template.system),
+                Message::user(format!("{head}{body}{tail}")),
+            ],
+            input,
+        ))
     }
 
     fn check_reply(
+        &self,
+        level: Level,
+        budget: usize,
+        input: &Terms,
+        reply: &ChatResponse,
+    ) -> Result<(String, Vec<Section>), Rejection> {
+        let (text, sections) = self.check_shape(level, budget, reply)?;
+        check_grounded(input, &sections)?;
+        Ok((text, sections))
+    }
+
+    fn check_shape(
         &self,
         level: Level,
         budget: usize,
@@ -267,6 +301,179 @@ impl LlmSummarizer {
     }
 }
 
+/// Phrases of provider and gateway errors (matched lowercase, anywhere in the reply).
+const PROVIDER_ERROR_PHRASES: &[&str] = &[
+    "rate limit",
+    "ratelimit",
+    "too many requests",
+    "quota",
+    "internal server error",
+    "server error",
+    "service unavailable",
+    "temporarily unavailable",
+    "bad gateway",
+    "gateway timeout",
+    "upstream",
+    "overloaded",
+    "try again later",
+    "an error occurred",
+    "invalid api key",
+    "incorrect api key",
+    "unauthorized",
+];
+
+/// Words that say nothing about what a span is about: common English, the labels of
+/// the rendered input and the templates, and the vocabulary of provider errors (so an
+/// error text does not count as being about a span that merely mentions an error).
+const NOT_DISTINCTIVE: [&str; 3] = [
+    "the and for with that this these those from into onto was were are been being has \
+     have had not but all any can could will would should may might must then than its \
+     also only when which what who how why where there their they them now our out one \
+     two some more most each other such very just yet still did does done you your about \
+     after before here over under per via nor both new use used using get got set see",
+    "user assistant system tool result call calls message messages omitted characters \
+     summary milestone epoch note notes step steps none session intent artifacts next \
+     previous",
+    "error errors rate limit limits exceed exceeded reach reached too many request \
+     requests response internal server service unavailable temporarily bad gateway \
+     timeout upstream quota overloaded please try again later retry occurred invalid api \
+     key unauthorized authentication insufficient status code model provider failed \
+     failure",
+];
+
+/// [`NOT_DISTINCTIVE`] as a set, built once.
+fn not_distinctive(word: &str) -> bool {
+    static WORDS: LazyLock<HashSet<&'static str>> = LazyLock::new(|| {
+        NOT_DISTINCTIVE
+            .iter()
+            .flat_map(|list| list.split_whitespace())
+            .collect()
+    });
+    WORDS.contains(word)
+}
+
+/// The distinctive terms of a text: its words and numbers, lowercased and lightly
+/// stemmed (`fails`, `failed`, `failing` are one term), less [`NOT_DISTINCTIVE`].
+#[derive(Debug, Default)]
+struct Terms(HashSet<String>);
+
+impl Terms {
+    fn of(text: &str) -> Self {
+        let mut terms = Terms::default();
+        terms.add(text);
+        terms
+    }
+
+    fn add(&mut self, text: &str) {
+        for word in text.split(|c: char| !c.is_alphanumeric()) {
+            if word.chars().any(is_cjk) {
+                self.add_cjk(word);
+            } else if let Some(term) = term(word) {
+                self.0.insert(term);
+            }
+        }
+    }
+
+    /// Chinese, Japanese and Korean text has no spaces between words: each pair of
+    /// neighbouring characters is a term, and the rest of the word as usual.
+    fn add_cjk(&mut self, word: &str) {
+        let mut previous = None;
+        let mut other = String::new();
+        for c in word.chars() {
+            if is_cjk(c) {
+                if let Some(p) = previous {
+                    self.0.insert(format!("{p}{c}"));
+                }
+                previous = Some(c);
+                if let Some(term) = term(&std::mem::take(&mut other)) {
+                    self.0.insert(term);
+                }
+            } else {
+                previous = None;
+                other.push(c);
+            }
+        }
+        if let Some(term) = term(&other) {
+            self.0.insert(term);
+        }
+    }
+
+    /// How many of `other`'s terms are also ours.
+    fn shared(&self, other: &Terms) -> usize {
+        other.0.iter().filter(|t| self.0.contains(*t)).count()
+    }
+}
+
+/// Han, kana and Hangul: scripts written without spaces between words.
+fn is_cjk(c: char) -> bool {
+    matches!(
+        c,
+        '\u{3040}'..='\u{30ff}'
+            | '\u{3400}'..='\u{4dbf}'
+            | '\u{4e00}'..='\u{9fff}'
+            | '\u{ac00}'..='\u{d7af}'
+            | '\u{f900}'..='\u{faff}'
+    )
+}
+
+/// A word as a term, or `None` when it carries nothing: shorter than three
+/// characters (two for numbers), or [`NOT_DISTINCTIVE`].
+fn term(word: &str) -> Option<String> {
+    let lower = word.to_lowercase();
+    let chars = lower.chars().count();
+    let numeric = lower.chars().any(char::is_numeric);
+    if chars < 2 || (chars < 3 && !numeric) || not_distinctive(&lower) {
+        return None;
+    }
+    Some(stem(&lower))
+}
+
+/// Drops one common English ending, then a final `e`, keeping at least three
+/// characters: `files` and `file`, `passes` and `pass`, `failing` and `fails` meet.
+fn stem(word: &str) -> String {
+    let mut stem = word;
+    for suffix in ["ing", "ed", "es", "s"] {
+        if let Some(rest) = stem.strip_suffix(suffix)
+            && rest.chars().count() >= 3
+            && !(suffix == "s" && rest.ends_with('s'))
+        {
+            stem = rest;
+            break;
+        }
+    }
+    if let Some(rest) = stem.strip_suffix('e')
+        && rest.chars().count() >= 3
+    {
+        stem = rest;
+    }
+    stem.to_owned()
+}
+
+/// Whether a reply is about its input: see [`LlmSummarizer`]. An input with no
+/// distinctive term at all cannot be checked and passes.
+fn check_grounded(input: &Terms, sections: &[Section]) -> Result<(), Rejection> {
+    if input.0.is_empty() {
+        return Ok(());
+    }
+    let mut reply = Terms::default();
+    let mut text = String::new();
+    for item in sections.iter().flat_map(|s| &s.items) {
+        reply.add(item);
+        text.push_str(&item.to_lowercase());
+        text.push('\n');
+    }
+    let shared = input.shared(&reply);
+    if shared < 2
+        && let Some(phrase) = PROVIDER_ERROR_PHRASES.iter().find(|p| text.contains(**p))
+    {
+        return Err(Rejection::ProviderError((*phrase).to_owned()));
+    }
+    if shared == 0 {
+        return Err(Rejection::Unrelated);
+    }
+    Ok(())
+}
+
 fn is_none_item(item: &str) -> bool {
     let t = item.trim().trim_end_matches('.');
     t.eq_ignore_ascii_case("none")
@@ -303,7 +510,7 @@ fn add(total: Option<Usage>, more: Option<Usage>) -> Option<Usage> {
 #[async_trait]
 impl Summarizer for LlmSummarizer {
     async fn summarize(&self, request: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
-        let mut messages = self.build_prompt(request)?;
+        let (mut messages, input) = self.prompt(request)?;
         let budget = request.budget_tokens;
         let options = self
             .options
@@ -317,7 +524,7 @@ impl Summarizer for LlmSummarizer {
             let reply = self.model.chat(&messages, &[], &options).await?;
             attempts += 1;
             usage = add(usage, reply.usage);
-            match self.check_reply(request.level, budget, &reply) {
+            match self.check_reply(request.level, budget, &input, &reply) {
                 Ok((text, sections)) => {
                     return Ok(Summary {
                         level: request.level,
@@ -341,5 +548,61 @@ impl Summarizer for LlmSummarizer {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grounded(input: &str, reply: &[&str]) -> Result<(), Rejection> {
+        let sections = [Section {
+            title: SUMMARY.to_owned(),
+            items: reply.iter().map(|s| (*s).to_owned()).collect(),
+        }];
+        check_grounded(&Terms::of(input), &sections)
+    }
+
+    #[test]
+    fn endings_meet_and_common_words_are_no_terms() {
+        for (a, b) in [
+            ("fails", "failing"),
+            ("file", "files"),
+            ("passes", "pass"),
+            ("tests", "testing"),
+        ] {
+            assert_eq!(term(a), term(b), "{a} {b}");
+        }
+        for word in ["the", "Error", "upstream", "a", "x", "ok"] {
+            assert_eq!(term(word), None, "{word}");
+        }
+        assert_eq!(term("88").as_deref(), Some("88"));
+        assert_eq!(term("MSG").as_deref(), Some("msg"));
+    }
+
+    #[test]
+    fn a_reply_must_name_something_of_its_input() {
+        let input = "gcc -c net.c\nnet.c:88: error: 'MSG_NOSIGNAL' undeclared";
+        assert_eq!(grounded(input, &["net.c:88 does not compile"]), Ok(()));
+        assert_eq!(grounded(input, &["MSG_NOSIGNAL is undeclared"]), Ok(()));
+        assert_eq!(
+            grounded(input, &["Everything went well"]),
+            Err(Rejection::Unrelated)
+        );
+        // One shared term is not enough for a reply that reads like a provider error.
+        assert_eq!(
+            grounded(input, &["upstream error compiling net.c, try again later"]),
+            Err(Rejection::ProviderError("upstream".into()))
+        );
+        // An input with nothing distinctive cannot be checked.
+        assert_eq!(grounded("ok", &["Everything went well"]), Ok(()));
+    }
+
+    #[test]
+    fn text_without_spaces_is_compared_by_character_pairs() {
+        let input = "构建失败：net.c 第88行 未声明 MSG_NOSIGNAL";
+        assert_eq!(grounded(input, &["构建失败，原因未知"]), Ok(()));
+        assert_eq!(grounded(input, &["一切顺利"]), Err(Rejection::Unrelated));
+        assert_eq!(grounded("ビルドが失敗した", &["ビルドの失敗"]), Ok(()));
     }
 }

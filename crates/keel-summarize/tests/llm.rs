@@ -72,7 +72,7 @@ async fn milestone_prompt_and_summary() {
 
 #[tokio::test]
 async fn epoch_uses_the_epoch_template() {
-    let model = scripted([Turn::text("- merged")]);
+    let model = scripted([Turn::text("- Step one done; step two failed on a timeout")]);
     let notes = [
         Message::assistant("- step one done"),
         Message::assistant("- step two failed: timeout"),
@@ -173,7 +173,7 @@ async fn empty_truncated_over_budget_and_too_many_bullets_are_rejected() {
         ..ChatResponse::new(Message::assistant("- a very long"), "m")
     };
     let long = format!("- {}", "word ".repeat(400));
-    let six = "- a\n- b\n- c\n- d\n- e\n- f";
+    let six = "- net.c:88 fails\n- b\n- c\n- d\n- e\n- f";
     let cases: Vec<(Vec<Turn>, Rejection)> = vec![
         (vec![Turn::text(""), Turn::text("  \n")], Rejection::Empty),
         (
@@ -245,7 +245,7 @@ async fn input_is_capped_per_message_and_fitted_by_head_and_tail() {
             )
         })
         .collect();
-    let model = scripted([Turn::text("- ok")]);
+    let model = scripted([Turn::text("- OUTPUT-000 to OUTPUT-199 were printed")]);
     LlmSummarizer::new(model.clone())
         .with_window_tokens(8_000)
         .summarize(&SummaryRequest::milestone(&msgs, 500))
@@ -338,4 +338,116 @@ async fn an_http_provider_error_is_a_summarize_error() {
         matches!(err, SummarizeError::Model(ModelError::Malformed(_))),
         "{err:?}"
     );
+}
+
+/// An OpenAI-compatible server answering every call with 200 and `content`.
+#[allow(clippy::unwrap_used)]
+async fn misbehaving_server(content: &str) -> (MockServer, Arc<OpenAiModel>) {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(json!({
+            "id": "x", "object": "chat.completion", "created": 1, "model": "proxy",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}]
+        })))
+        .mount(&server)
+        .await;
+    let model = Arc::new(
+        OpenAiModel::new(OpenAiConfig::new("proxy").base_url(format!("{}/v1", server.uri())))
+            .unwrap(),
+    );
+    (server, model)
+}
+
+#[tokio::test]
+async fn a_provider_error_written_as_bullets_is_rejected_not_stored() {
+    // Proxies and gateways that answer 200 with their error as the message content.
+    let msgs = steps();
+    for content in [
+        "- Error: rate limit exceeded for model proxy\n- Please try again in 20s",
+        "- 500 Internal Server Error\n- The server encountered an unexpected condition",
+        "- upstream connect error or disconnect/reset before headers",
+        "- You exceeded your current quota, please check your plan and billing details",
+        "SESSION INTENT:\n- none\nSUMMARY:\n- Internal server error\nARTIFACTS:\n- none\nNEXT STEPS:\n- retry later",
+    ] {
+        let (server, model) = misbehaving_server(content).await;
+        let format = if content.starts_with("SESSION") {
+            SummaryFormat::Structured
+        } else {
+            SummaryFormat::Bullets
+        };
+        let err = LlmSummarizer::new(model)
+            .with_format(format)
+            .summarize(&SummaryRequest::milestone(&msgs, 200))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SummarizeError::Rejected {
+                    reason: Rejection::ProviderError(_),
+                    attempts: 2
+                }
+            ),
+            "{content}: {err:?}"
+        );
+        let retry: serde_json::Value = server.received_requests().await.unwrap()[1]
+            .body_json()
+            .unwrap();
+        assert!(
+            retry["messages"][3]["content"]
+                .as_str()
+                .is_some_and(|m| m.contains("looks like a provider error")),
+            "{retry}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_reply_with_nothing_from_the_span_is_rejected() {
+    let msgs = steps();
+    let (_server, model) =
+        misbehaving_server("- Paris is the capital of France\n- Water boils at 100 degrees").await;
+    let err = LlmSummarizer::new(model)
+        .summarize(&SummaryRequest::milestone(&msgs, 200))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SummarizeError::Rejected {
+                reason: Rejection::Unrelated,
+                attempts: 2
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_summary_that_quotes_an_error_from_the_span_is_kept() {
+    // The span itself is about rate limits and a 500: a faithful summary says so, and
+    // names what the span names.
+    let msgs = vec![
+        Message::user("Mirror the issues of acme/widgets."),
+        Message::assistant("").with_tool_calls(vec![ToolCall::new(
+            "c1",
+            "http_get",
+            json!({"url": "https://api.github.com/repos/acme/widgets/issues"}),
+        )]),
+        Message::tool(
+            "c1",
+            "HTTP 403: API rate limit exceeded for 203.0.113.7. Then HTTP 500 Internal Server Error.",
+        ),
+    ];
+    for reply in [
+        "- GET api.github.com/repos/acme/widgets/issues failed: `API rate limit exceeded`, then a 500 Internal Server Error\n- Issues of acme/widgets not mirrored yet",
+        "- rate limit exceeded on the widgets issues endpoint",
+    ] {
+        let summary = LlmSummarizer::new(scripted([Turn::text(reply)]))
+            .summarize(&SummaryRequest::milestone(&msgs, 200))
+            .await
+            .unwrap();
+        assert!(summary.text.contains("rate limit exceeded"), "{reply}");
+    }
 }
