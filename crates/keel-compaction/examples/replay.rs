@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use keel_compaction::Strategy;
 use keel_compaction::replay::{
     ReplayConfig, Report, load_swe_agent_dir, load_tau_bench, replay_all,
 };
+use keel_compaction::{StepTrigger, Strategy};
 use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
 
 #[tokio::main(flavor = "current_thread")]
@@ -62,8 +62,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         timed[2]
     );
     let long: Vec<_> = tau
-        .into_iter()
+        .iter()
         .filter(|t| t.messages.len() >= min_messages)
+        .cloned()
         .collect();
     let swe = load_swe_agent_dir(&dir.join("swe-agent"))?;
     println!(
@@ -78,7 +79,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Strategy::hybrid(),
     ];
     println!("{}", Report::HEADER);
-    for set in [&long, &swe] {
+    // The long tau-bench runs, all 200 of them (`tau-all`), and swe-agent.
+    for (label, set) in [("tau-bench", &long), ("tau-all", &tau), ("swe-agent", &swe)] {
         for window in [8_000, 15_000, 32_000, 128_000] {
             for strategy in strategies {
                 let mut config = ReplayConfig::new(window, strategy);
@@ -99,7 +101,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     config.compaction.window_fraction = v as f64 / 100.0;
                 }
                 let started = Instant::now();
-                let (report, runs) = replay_all(set, &config, Arc::clone(&counter)).await?;
+                if let Some(v) = env("KEEL_PAYBACK") {
+                    config.compaction.step_trigger = StepTrigger::WhenItPays {
+                        payback_steps: v as u32,
+                    };
+                }
+                let (_, runs) = replay_all(set, &config, Arc::clone(&counter)).await?;
+                let report = Report::from_runs(label, strategy.name(), window, &runs);
                 println!("{report}  [{:.2}s]", started.elapsed().as_secs_f64());
                 if show_missed {
                     for run in &runs {

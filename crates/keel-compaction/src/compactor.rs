@@ -9,7 +9,7 @@ use keel_offload::{Archive, EvictLargeResults, PolicyEnv, ThreadId, TruncateArgu
 use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
 use keel_token::{ModelProfile, TokenCounter};
 
-use crate::config::{CompactionConfig, Strategy};
+use crate::config::{CompactionConfig, StepTrigger, Strategy};
 use crate::cut::safe_cut_at_or_before;
 use crate::error::{CallError, CompactionError};
 use crate::event::{CompactionEvent, EventKind, Trigger};
@@ -40,6 +40,41 @@ pub struct LayerTokens {
     pub total: usize,
 }
 
+/// What compacting now would cost and save, by the step trigger's cost model
+/// ([`StepTrigger::WhenItPays`]); see [`Compactor::step_estimate`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepEstimate {
+    /// Raw tokens that would leave the prompt (`R`).
+    pub leaving: usize,
+    /// Raw tokens kept as the recent tail (`T`).
+    pub tail: usize,
+    /// Tokens of the summary replacing them (`S`, estimated at the milestone budget).
+    pub summary: usize,
+    /// What the next model call pays extra: the summary and the tail sent uncached
+    /// instead of read from the cache, plus the summarizer's own call when its last
+    /// call reported usage.
+    pub reset_cost: f64,
+    /// What each later call saves: `R - S` fewer cached tokens.
+    pub saving_per_call: f64,
+    /// Calls the saving is counted over (the reset call included).
+    pub payback_steps: u32,
+}
+
+impl StepEstimate {
+    /// What compacting saves over `payback_steps` calls (negative: it costs more).
+    pub fn net_saving(&self) -> f64 {
+        f64::from(self.payback_steps.saturating_sub(1)) * self.saving_per_call - self.reset_cost
+    }
+
+    /// Whether compacting pays within `payback_steps` calls.
+    pub fn pays(&self) -> bool {
+        self.leaving > 0 && self.net_saving() > 0.0
+    }
+}
+
+/// The summarizer's last reported call, for the cost model: (prompt, cached, output).
+type LastCall = Arc<std::sync::Mutex<Option<(u64, u64, u64)>>>;
+
 /// Keeps one agent's context within its model's window: decides when to compact,
 /// assembles the prompt, and compacts.
 ///
@@ -64,9 +99,11 @@ pub struct LayerTokens {
 /// let mut state = ContextState::new(GoalAnchor::new("Find why the build fails."));
 /// for i in 0..7 {
 ///     let call = ToolCall::new(format!("c{i}"), "sh", serde_json::json!({"cmd": "cargo build"}));
-///     state.push_step(
+///     let log: String = (0..20).map(|k| format!("   Compiling dep-{k} v0.1.{i}\n")).collect();
+///     compactor.push_step(
+///         &mut state,
 ///         Message::assistant(format!("Attempt {i}.")).with_tool_calls(vec![call]),
-///         [Message::tool(format!("c{i}"), format!("error[E0{i}]: something broke in src/lib.rs"))],
+///         vec![Message::tool(format!("c{i}"), format!("{log}error[E0{i}]: something broke in src/lib.rs"))],
 ///     );
 ///     compactor.after_step(&mut state, &[]).await?;
 /// }
@@ -93,6 +130,8 @@ pub struct Compactor {
     /// steps, and counting their schemas costs more than comparing them). Shared by
     /// the clones [`Compactor::for_thread`] makes.
     tools_tokens: Arc<std::sync::Mutex<Option<ToolsTokens>>>,
+    /// The summarizer's last reported usage (shared by the clones).
+    last_call: LastCall,
 }
 
 impl std::fmt::Debug for Compactor {
@@ -129,6 +168,7 @@ impl Compactor {
             ),
             profile,
             tools_tokens: Arc::default(),
+            last_call: Arc::default(),
         }
     }
 
@@ -262,9 +302,19 @@ impl Compactor {
         self.profile.input_budget()
     }
 
+    /// The budget the prompt is kept within: the model's input budget, or
+    /// [`CompactionConfig::max_prompt_tokens`] when that is smaller. The token trigger,
+    /// the recent tail and the summary budgets follow it.
+    pub fn prompt_budget(&self) -> usize {
+        let budget = self.budget();
+        self.config
+            .max_prompt_tokens
+            .map_or(budget, |ceiling| ceiling.min(budget))
+    }
+
     /// The token threshold of the token trigger.
     pub fn threshold(&self) -> usize {
-        let budget = self.budget() as f64;
+        let budget = self.prompt_budget() as f64;
         (budget * self.config.window_fraction.clamp(0.0, 1.0)) as usize
     }
 
@@ -339,9 +389,65 @@ impl Compactor {
             && let Some(n) = self.config.every_steps
             && state.steps_since_compaction() >= n as u64
         {
-            return Some(Trigger::Steps);
+            match self.config.step_trigger {
+                StepTrigger::Always => return Some(Trigger::Steps),
+                StepTrigger::WhenItPays { .. } => {
+                    let estimate = self.step_estimate(state, tools);
+                    if estimate.pays() {
+                        return Some(Trigger::Steps);
+                    }
+                    tracing::debug!(
+                        step = state.step,
+                        leaving = estimate.leaving,
+                        tail = estimate.tail,
+                        summary = estimate.summary,
+                        net_saving = estimate.net_saving(),
+                        "step trigger waits: compacting would not pay for the cache it resets"
+                    );
+                }
+            }
         }
         None
+    }
+
+    /// What a step-triggered milestone now would cost and save (the cost model of
+    /// [`StepTrigger::WhenItPays`]; with [`StepTrigger::Always`] the payback horizon is
+    /// `every_steps`).
+    pub fn step_estimate(&self, state: &mut ContextState, tools: &[ToolSpec]) -> StepEstimate {
+        let payback_steps = match self.config.step_trigger {
+            StepTrigger::WhenItPays { payback_steps } => payback_steps,
+            StepTrigger::Always => self
+                .config
+                .every_steps
+                .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+        };
+        let cut = self.cut_for(state, Trigger::Steps, tools).unwrap_or(0);
+        let leaving: usize = state.ledger.raw.iter().take(cut).sum();
+        let tail = state.ledger.raw_total.saturating_sub(leaving);
+        let summary = self
+            .config
+            .milestone_budget(self.prompt_budget())
+            .min(leaving);
+        let p = self.config.cached_input_price.clamp(0.0, 1.0);
+        let call = self
+            .last_call
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map_or(0.0, |(input, cached, output)| {
+                let cached = cached.min(input);
+                (input - cached) as f64
+                    + p * cached as f64
+                    + self.config.output_price * output as f64
+            });
+        let reset_cost = (summary + tail) as f64 - p * (leaving + tail) as f64 + call;
+        StepEstimate {
+            leaving,
+            tail,
+            summary,
+            reset_cost,
+            saving_per_call: p * leaving.saturating_sub(summary) as f64,
+            payback_steps,
+        }
     }
 
     /// Checks and compacts until no trigger fires (at most a few rounds). Call it after
@@ -365,7 +471,9 @@ impl Compactor {
             }
             match self.compact(state, trigger, tools).await {
                 Ok(e) => events.push(e),
-                Err(CompactionError::NothingToCompact) => break,
+                Err(CompactionError::NothingToCompact | CompactionError::NotSmaller { .. }) => {
+                    break;
+                }
                 Err(e) => return Err(e),
             }
             if matches!(trigger, Trigger::Force) {
@@ -397,6 +505,7 @@ impl Compactor {
             Err(_) => EventKind::Milestone,
         };
         let after = self.tokens(state, tools).total;
+        let usage = result.as_ref().map_or((0, 0, 0), |d| d.usage);
         let event = CompactionEvent {
             step: state.step,
             trigger,
@@ -412,10 +521,20 @@ impl Compactor {
             fallback: result.as_ref().is_ok_and(|d| d.fallback),
             duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
             error: result.as_ref().err().map(ToString::to_string),
+            summary_input_tokens: usage.0,
+            summary_cached_tokens: usage.1,
+            summary_output_tokens: usage.2,
         };
-        event.emit();
-        if !matches!(result, Err(CompactionError::NothingToCompact)) {
-            state.events.push(event.clone());
+        match &result {
+            // Nothing happened: no event (a result that was not smaller is logged).
+            Err(CompactionError::NothingToCompact) => {}
+            Err(e @ CompactionError::NotSmaller { .. }) => {
+                tracing::info!(step = state.step, error = %e, "compaction not applied");
+            }
+            _ => {
+                event.emit();
+                state.events.push(event.clone());
+            }
         }
         result.map(|_| event)
     }
@@ -519,6 +638,14 @@ impl Compactor {
                 targets.push(i);
             }
         }
+        // A result is masked only when its placeholder is smaller (the seq is not
+        // known before the append: counted with a long one).
+        targets.retain(|&i| {
+            let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
+            let mut stub = state.raw[i].clone();
+            stub.content = mask_placeholder(tokens, stub.id.as_deref(), u64::MAX).into();
+            self.counter.count_message(&stub) < tokens
+        });
         if targets.is_empty() {
             state.masked_turns = state.masked_turns.max(boundary);
             return Ok(Done::masked(0));
@@ -532,12 +659,7 @@ impl Compactor {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
             let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
             let m = &mut state.raw[i];
-            let id = m.id.clone().unwrap_or_else(|| format!("#{seq}"));
-            m.content = format!(
-                "[tool result masked: {tokens} tokens, archived as message {id} (archive seq {seq}); \
-                 search the archive to read it again]"
-            )
-            .into();
+            m.content = mask_placeholder(tokens, m.id.as_deref(), seq).into();
             m.metadata
                 .insert(MASKED_METADATA_KEY.to_owned(), seq.into());
             if let Some(slot) = state.ledger.raw.get_mut(i) {
@@ -575,8 +697,8 @@ impl Compactor {
         tools: &[ToolSpec],
     ) -> Option<usize> {
         let keep = match trigger {
-            Trigger::Overflow => self.config.keep_recent(self.budget()) / 4,
-            _ => self.config.keep_recent(self.budget()),
+            Trigger::Overflow => self.config.keep_recent(self.prompt_budget()) / 4,
+            _ => self.config.keep_recent(self.prompt_budget()),
         };
         let overflowing =
             trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
@@ -617,8 +739,10 @@ impl Compactor {
         safe_cut_at_or_before(&state.raw, target)
     }
 
-    /// Archives and summarizes the older part of the raw buffer into a milestone, then
-    /// folds milestones into an epoch when there are enough.
+    /// Summarizes the older part of the raw buffer into a milestone, archives it and
+    /// flushes it, then folds milestones into an epoch when there are enough. The state
+    /// changes only once everything that can fail has succeeded (invariant 4), and not
+    /// at all when the milestone would not be smaller than its span.
     async fn milestone(
         &self,
         state: &mut ContextState,
@@ -636,22 +760,14 @@ impl Compactor {
             .cut_for(state, trigger, tools)
             .ok_or(CompactionError::NothingToCompact)?;
         let leaving = &state.raw[..cut];
-
-        // Invariant 2: archive before anything leaves. Masked stubs are not archived:
-        // their originals already are.
-        let to_archive: Vec<Message> = leaving
-            .iter()
-            .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
-            .cloned()
-            .collect();
-        let appended = self
-            .archive
-            .append(&self.thread, &to_archive)
-            .map_err(CompactionError::Archive)?;
+        let leaving_tokens: usize = state.ledger.raw.iter().take(cut).sum();
 
         let summary = self
             .summarize(
-                SummaryRequest::milestone(leaving, self.config.milestone_budget(self.budget())),
+                SummaryRequest::milestone(
+                    leaving,
+                    self.config.milestone_budget(self.prompt_budget()),
+                ),
                 overflowing,
             )
             .await?;
@@ -665,6 +781,25 @@ impl Compactor {
             state.step,
             format!("keel-milestone-{number}"),
         );
+        if layer.tokens >= leaving_tokens {
+            return Err(CompactionError::NotSmaller {
+                before: leaving_tokens,
+                after: layer.tokens,
+            });
+        }
+
+        // Invariant 2: archive before anything leaves. Masked stubs are not archived:
+        // their originals already are.
+        let to_archive: Vec<Message> = leaving
+            .iter()
+            .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
+            .cloned()
+            .collect();
+        let appended = self
+            .archive
+            .append(&self.thread, &to_archive)
+            .map_err(CompactionError::Archive)?;
+
         // From here nothing can fail: flush.
         state.raw.drain(..cut);
         let removed: usize = state
@@ -682,12 +817,16 @@ impl Compactor {
             prompt_version: summary.1.prompt_version.clone(),
             model: summary.1.model.clone(),
             fallback: summary.2,
+            usage: usage_of(&summary.1),
         };
 
         if self.config.epoch_inline && self.epoch_due(state) {
             // A failed epoch keeps the milestones; it is retried at the next milestone.
             match self.epoch(state, overflowing).await {
-                Ok(()) => done.kind = EventKind::Epoch,
+                Ok(usage) => {
+                    done.kind = EventKind::Epoch;
+                    done.usage = add_usage(done.usage, usage);
+                }
                 Err(e) => tracing::warn!(error = %e, "epoch summary failed; milestones kept"),
             }
         }
@@ -717,8 +856,9 @@ impl Compactor {
         let overflowing = trigger == Trigger::Overflow || before >= self.budget();
         let result = self.epoch(state, overflowing).await;
         let after = self.tokens(state, tools).total;
+        let usage = result.as_ref().map_or((0, 0, 0), |u| *u);
         let (prompt_version, model) = match (&result, &state.epoch) {
-            (Ok(()), Some(l)) => (l.prompt_version.clone(), l.model.clone()),
+            (Ok(_), Some(l)) => (l.prompt_version.clone(), l.model.clone()),
             _ => (String::new(), String::new()),
         };
         let event = CompactionEvent {
@@ -733,24 +873,36 @@ impl Compactor {
             fallback: false,
             duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
             error: result.as_ref().err().map(ToString::to_string),
+            summary_input_tokens: usage.0,
+            summary_cached_tokens: usage.1,
+            summary_output_tokens: usage.2,
         };
-        event.emit();
-        state.events.push(event.clone());
-        result.map(|()| event)
+        if let Err(e @ CompactionError::NotSmaller { .. }) = &result {
+            tracing::info!(step = state.step, error = %e, "epoch not applied");
+        } else {
+            event.emit();
+            state.events.push(event.clone());
+        }
+        result.map(|_| event)
     }
 
+    /// Folds the milestones (and the previous epoch) into a new epoch summary, unless
+    /// it would not be smaller than what it replaces. Returns the summarizer's usage.
     async fn epoch(
         &self,
         state: &mut ContextState,
         overflowing: bool,
-    ) -> Result<(), CompactionError> {
+    ) -> Result<(u64, u64, u64), CompactionError> {
         let inputs: Vec<Message> = state.milestones.iter().map(|l| l.message.clone()).collect();
         let previous = state.epoch.as_ref().map(|l| l.text.clone());
-        let mut request = SummaryRequest::epoch(&inputs, self.config.epoch_budget(self.budget()));
+        let mut request =
+            SummaryRequest::epoch(&inputs, self.config.epoch_budget(self.prompt_budget()));
         if let Some(p) = &previous {
             request = request.previous(p);
         }
         let (text, summary, _) = self.summarize(request, overflowing).await?;
+        let usage = usage_of(&summary);
+        let replaced: usize = state.layers().map(|l| l.tokens).sum();
         let last_step = state.milestones.last().map_or(state.step, |l| l.last_step);
         let number = state.epochs_made + 1;
         let layer = self.layer(
@@ -761,10 +913,16 @@ impl Compactor {
             last_step,
             format!("keel-epoch-{number}"),
         );
+        if layer.tokens >= replaced {
+            return Err(CompactionError::NotSmaller {
+                before: replaced,
+                after: layer.tokens,
+            });
+        }
         state.epoch = Some(layer);
         state.epochs_made = number;
         state.milestones.clear();
-        Ok(())
+        Ok(usage)
     }
 
     fn layer(
@@ -809,7 +967,10 @@ impl Compactor {
         let mut last_error = None;
         for attempt in 1..=attempts {
             match self.summarizer.summarize(&request).await {
-                Ok(s) if !s.text.trim().is_empty() => return Ok((s.text.clone(), s, false)),
+                Ok(s) if !s.text.trim().is_empty() => {
+                    self.remember_call(&s);
+                    return Ok((s.text.clone(), s, false));
+                }
                 Ok(_) => last_error = Some(keel_summarize::SummarizeError::EmptyInput),
                 Err(e) => last_error = Some(e),
             }
@@ -829,6 +990,21 @@ impl Compactor {
         Err(CompactionError::Summarize(
             last_error.unwrap_or(keel_summarize::SummarizeError::EmptyInput),
         ))
+    }
+
+    /// Keeps the summarizer's reported usage for the cost model.
+    fn remember_call(&self, summary: &keel_summarize::Summary) {
+        let mut last = self
+            .last_call
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *last = summary.usage.map(|u| {
+            (
+                u.prompt_tokens,
+                u.cached_tokens.unwrap_or(0),
+                u.completion_tokens,
+            )
+        });
     }
 
     /// Replaces long string arguments of old write/edit calls with pointers (stored
@@ -859,6 +1035,14 @@ impl Compactor {
     }
 }
 
+/// The text a masked tool result is replaced by.
+fn mask_placeholder(tokens: usize, id: Option<&str>, seq: u64) -> String {
+    match id {
+        Some(id) => format!("[masked: {tokens}-token result, archived as {id} (seq {seq})]"),
+        None => format!("[masked: {tokens}-token result, archive seq {seq}]"),
+    }
+}
+
 /// A tool result, or a user message flagged as an observation.
 fn is_observation(m: &Message) -> bool {
     m.role == Role::Tool
@@ -874,6 +1058,8 @@ struct Done {
     prompt_version: String,
     model: String,
     fallback: bool,
+    /// The summarizer's usage: (prompt, cached, output) tokens.
+    usage: (u64, u64, u64),
 }
 
 impl Done {
@@ -884,6 +1070,21 @@ impl Done {
             prompt_version: String::new(),
             model: String::new(),
             fallback: false,
+            usage: (0, 0, 0),
         }
     }
+}
+
+fn usage_of(summary: &keel_summarize::Summary) -> (u64, u64, u64) {
+    summary.usage.map_or((0, 0, 0), |u| {
+        (
+            u.prompt_tokens,
+            u.cached_tokens.unwrap_or(0),
+            u.completion_tokens,
+        )
+    })
+}
+
+fn add_usage(a: (u64, u64, u64), b: (u64, u64, u64)) -> (u64, u64, u64) {
+    (a.0 + b.0, a.1 + b.1, a.2 + b.2)
 }

@@ -67,14 +67,56 @@ impl Strategy {
     }
 }
 
+/// When the step trigger ([`CompactionConfig::every_steps`]) fires.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum StepTrigger {
+    /// Every `every_steps` steps, whatever it costs: each milestone resets the
+    /// provider's prompt cache for everything after it, so on a roomy window this can
+    /// cost more than sending the full history.
+    Always,
+    /// Once `every_steps` steps have passed, only when compacting pays for the cache it
+    /// resets within `payback_steps` model calls (the default, with 5).
+    ///
+    /// The cost model prices a prompt token at 1 and a cached one at
+    /// [`CompactionConfig::cached_input_price`] (`p`). Compacting turns `R` raw tokens
+    /// into a summary of `S` (estimated at the milestone budget) and keeps a tail of `T`:
+    /// the next call sends `S + T` uncached where it would have read `R + T` from the
+    /// cache, and every later call reads `R - S` fewer cached tokens. Over `H =
+    /// payback_steps` calls it pays when `(H - 1)·p·(R - S) > S + T - p·(R + T)` (plus
+    /// the summarizer's own call, when it reported usage before). With `p = 0.1`
+    /// and `H = 5` that is `R > 2.8·S + 1.8·T`: the span leaving must be about three
+    /// times the summary plus twice the tail.
+    ///
+    /// `H` is how many more calls the run is trusted to make. A compaction just before
+    /// the run ends never pays, so the default horizon is half the default step
+    /// interval: on the recorded tau-bench and SWE-agent runs, 10 was still dearer
+    /// than the full history at a 128,000 window on SWE-agent, 5 is cheaper at every
+    /// window.
+    WhenItPays {
+        /// Model calls the saving has to pay the reset back in.
+        payback_steps: u32,
+    },
+}
+
+impl Default for StepTrigger {
+    fn default() -> Self {
+        StepTrigger::WhenItPays { payback_steps: 5 }
+    }
+}
+
 /// Compaction settings. The defaults suit production agents; tests and replays lower
 /// the thresholds (or set [`CompactionConfig::force`]) so compaction happens often.
 ///
 /// ```
-/// use keel_compaction::{CompactionConfig, Strategy};
+/// use keel_compaction::{CompactionConfig, StepTrigger, Strategy};
 ///
 /// let config = CompactionConfig::default();
 /// assert_eq!(config.every_steps, Some(10));
+/// // ... but only when compacting pays for the prompt cache it resets:
+/// assert_eq!(config.step_trigger, StepTrigger::WhenItPays { payback_steps: 5 });
+/// assert_eq!(config.cached_input_price, 0.1);
+/// assert_eq!(config.max_prompt_tokens, None);
 /// assert_eq!(config.window_fraction, 0.85);
 /// assert_eq!(config.epoch_every, 5);
 /// assert_eq!(config.max_steps, 500);
@@ -92,7 +134,26 @@ pub struct CompactionConfig {
     /// nothing can leave and the trigger waits: with small steps the first milestone
     /// comes later than `every_steps` (`Compactor::would_compact` tells). Lower
     /// `keep_recent_tokens` for a milestone every N steps exactly.
+    ///
+    /// By default the trigger also waits until compacting pays for the prompt cache it
+    /// resets ([`StepTrigger::WhenItPays`]); [`CompactionConfig::with_every_steps`]
+    /// asks for every N steps unconditionally ([`StepTrigger::Always`]).
     pub every_steps: Option<usize>,
+    /// Whether the step trigger waits until compacting pays.
+    pub step_trigger: StepTrigger,
+    /// The price of a prompt token the provider serves from its cache, relative to an
+    /// uncached one (0.1 for OpenAI's and Anthropic's cache reads). The step trigger's
+    /// cost model uses it.
+    pub cached_input_price: f64,
+    /// The price of an output token relative to an uncached prompt token (4 for
+    /// GPT-4o, 5 for Claude): what a summary written by a model costs, in the step
+    /// trigger's cost model.
+    pub output_price: f64,
+    /// A ceiling on the prompt, below the model's input budget: when set, the token
+    /// trigger fires at `window_fraction` of the smaller of the two, and recent-tail
+    /// and summary sizes follow it. It keeps prompts small (and focused) on huge
+    /// windows. `None` (the default): the model's input budget alone.
+    pub max_prompt_tokens: Option<usize>,
     /// Compact when the assembled prompt reaches this fraction of the model's input
     /// budget (its window minus its maximum output).
     pub window_fraction: f64,
@@ -128,6 +189,10 @@ impl Default for CompactionConfig {
         CompactionConfig {
             strategy: Strategy::Hierarchical,
             every_steps: Some(10),
+            step_trigger: StepTrigger::default(),
+            cached_input_price: 0.1,
+            output_price: 4.0,
+            max_prompt_tokens: None,
             window_fraction: 0.85,
             epoch_every: 5,
             epoch_inline: true,
@@ -150,10 +215,36 @@ impl CompactionConfig {
         self
     }
 
-    /// Sets the step trigger.
+    /// Compacts every `steps` steps, unconditionally ([`StepTrigger::Always`]; `None`
+    /// turns the step trigger off). For a step trigger that waits until compacting
+    /// pays, see [`CompactionConfig::with_cost_aware_steps`].
     #[must_use]
     pub fn with_every_steps(mut self, steps: Option<usize>) -> Self {
         self.every_steps = steps;
+        self.step_trigger = StepTrigger::Always;
+        self
+    }
+
+    /// A step trigger every `steps` steps that fires only when compacting pays for the
+    /// cache it resets within `payback_steps` model calls ([`StepTrigger::WhenItPays`]).
+    #[must_use]
+    pub fn with_cost_aware_steps(mut self, steps: usize, payback_steps: u32) -> Self {
+        self.every_steps = Some(steps);
+        self.step_trigger = StepTrigger::WhenItPays { payback_steps };
+        self
+    }
+
+    /// Sets the relative price of a cached prompt token.
+    #[must_use]
+    pub fn with_cached_input_price(mut self, ratio: f64) -> Self {
+        self.cached_input_price = ratio;
+        self
+    }
+
+    /// Sets (or, with `None`, removes) the prompt ceiling below the model's budget.
+    #[must_use]
+    pub fn with_max_prompt_tokens(mut self, tokens: Option<usize>) -> Self {
+        self.max_prompt_tokens = tokens;
         self
     }
 

@@ -9,6 +9,17 @@ pub enum CompactionError {
     /// keeps tool calls with their results.
     #[error("nothing to compact")]
     NothingToCompact,
+    /// The compaction's result was not smaller than what it would replace (a summary
+    /// as long as its span, an epoch as long as its milestones), so it was not applied.
+    #[error(
+        "not applied: the result ({after} tokens) is not smaller than its input ({before} tokens)"
+    )]
+    NotSmaller {
+        /// Tokens of what would have been replaced.
+        before: usize,
+        /// Tokens of the result.
+        after: usize,
+    },
     /// The archive write failed, so nothing left the context.
     #[error("archiving failed: {0}")]
     Archive(#[source] OffloadError),

@@ -56,6 +56,16 @@ pub struct CompactionEvent {
     pub duration_ms: u64,
     /// The error, if it failed (nothing was changed then).
     pub error: Option<String>,
+    /// Prompt tokens the summarizer's model was billed (0 for the extractive
+    /// summarizer and for masking).
+    #[serde(default)]
+    pub summary_input_tokens: u64,
+    /// Of those, tokens its provider served from the prompt cache.
+    #[serde(default)]
+    pub summary_cached_tokens: u64,
+    /// Tokens the summarizer's model wrote.
+    #[serde(default)]
+    pub summary_output_tokens: u64,
 }
 
 impl CompactionEvent {

@@ -77,6 +77,35 @@ async fn tau_bench_meets_the_targets() {
     }
 }
 
+/// The default configuration never costs more than sending the full history,
+/// cache-weighted, on any recorded dataset at any window: a step-triggered milestone
+/// that would not pay for the prompt cache it resets waits.
+#[tokio::test]
+async fn the_default_is_never_dearer_than_the_full_history() {
+    let Some(dir) = data() else { return };
+    let tau = load_tau_bench(&dir.join("tau-bench/gpt-4o-airline.json")).unwrap();
+    let long: Vec<Trajectory> = tau
+        .iter()
+        .filter(|t| t.messages.len() >= 40)
+        .cloned()
+        .collect();
+    let swe = load_swe_agent_dir(&dir.join("swe-agent")).unwrap();
+    for (name, set) in [
+        ("tau-bench", &tau),
+        ("tau-bench >= 40", &long),
+        ("swe-agent", &swe),
+    ] {
+        for window in [8_000, 15_000, 32_000, 128_000] {
+            let (r, _) = replay(set, window, Strategy::Hierarchical).await;
+            eprintln!("{name}: {r}");
+            assert!(r.cost <= r.full_cost, "{name} at {window}: {r}");
+            assert!(r.tokens <= r.full_tokens, "{name} at {window}: {r}");
+            assert_eq!(r.goal_intact, r.turns);
+            assert_eq!(r.failed_compactions, 0);
+        }
+    }
+}
+
 #[tokio::test]
 async fn swe_agent_keeps_the_goal_and_loses_nothing() {
     let Some(dir) = data() else { return };

@@ -1,0 +1,179 @@
+//! Cost-aware triggers: the step trigger fires only when compacting pays for the cache
+//! it resets, a result that is not smaller is not applied, and the prompt ceiling.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use keel_compaction::{
+    CompactionConfig, CompactionError, Compactor, ContextState, GoalAnchor, MASKED_METADATA_KEY,
+    StepTrigger, Strategy, Trigger,
+};
+use keel_message::{Message, ToolCall};
+use keel_offload::{Archive, MemoryStore, ThreadId};
+use keel_summarize::ExtractiveSummarizer;
+use keel_token::{ApproxCounter, Encoding, ModelProfile};
+use serde_json::json;
+
+fn compactor(config: CompactionConfig, window: usize) -> (Compactor, Arc<Archive>, ThreadId) {
+    let archive = Arc::new(Archive::new(Arc::new(MemoryStore::new())));
+    let thread = ThreadId::new("t").unwrap();
+    let c = Compactor::new(
+        Arc::new(ExtractiveSummarizer::new()),
+        archive.clone(),
+        thread.clone(),
+        Arc::new(ApproxCounter::new()),
+        ModelProfile::new("test", window, window / 10, Encoding::Approximate),
+    )
+    .with_config(config);
+    (c, archive, thread)
+}
+
+/// A step whose tool result has `lines` lines of log.
+fn step(i: usize, lines: usize) -> (Message, Vec<Message>) {
+    let reply = Message::assistant(format!("Step {i}: reading the log."))
+        .with_id(format!("a{i}"))
+        .with_tool_calls(vec![ToolCall::new(
+            format!("c{i}"),
+            "sh",
+            json!({"cmd": format!("tail -n {lines} build-{i}.log")}),
+        )]);
+    let log: String = (0..lines)
+        .map(|k| format!("[{i}:{k}] compiling module number {k} of the build, all fine\n"))
+        .collect();
+    (
+        reply,
+        vec![Message::tool(format!("c{i}"), log).with_id(format!("r{i}"))],
+    )
+}
+
+#[tokio::test]
+async fn the_step_trigger_waits_until_compacting_pays() {
+    // A roomy window: no pressure, only the step trigger.
+    let config = CompactionConfig::default().with_cost_aware_steps(3, 5);
+    let (c, archive, thread) = compactor(config, 200_000);
+    let mut state = ContextState::new(GoalAnchor::new("Find why the build is slow."));
+    // Small steps: after 3 of them the span that would leave is smaller than the
+    // summary and tail the next call would send uncached.
+    for i in 0..3 {
+        let (reply, results) = step(i, 2);
+        c.push_step(&mut state, reply, results);
+    }
+    let estimate = c.step_estimate(&mut state, &[]);
+    assert!(!estimate.pays(), "{estimate:?}");
+    assert_eq!(c.check(&mut state, &[]), None);
+    assert!(c.after_step(&mut state, &[]).await.unwrap().is_empty());
+    assert_eq!(archive.len(&thread).unwrap(), 0);
+    // Large steps: the span leaving dwarfs the reset, so the milestone pays.
+    for i in 3..8 {
+        let (reply, results) = step(i, 200);
+        c.push_step(&mut state, reply, results);
+    }
+    let estimate = c.step_estimate(&mut state, &[]);
+    assert!(estimate.pays(), "{estimate:?}");
+    assert!(estimate.net_saving() > 0.0);
+    assert_eq!(c.check(&mut state, &[]), Some(Trigger::Steps));
+    let events = c.after_step(&mut state, &[]).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert!(events[0].tokens_after < events[0].tokens_before);
+}
+
+#[tokio::test]
+async fn every_n_steps_stays_available_unconditionally() {
+    let config = CompactionConfig::default().with_every_steps(Some(3));
+    assert_eq!(config.step_trigger, StepTrigger::Always);
+    let (c, _, _) = compactor(config, 200_000);
+    let mut state = ContextState::new(GoalAnchor::new("Find why the build is slow."));
+    for i in 0..3 {
+        let (reply, results) = step(i, 2);
+        c.push_step(&mut state, reply, results);
+    }
+    // It would not pay, and fires anyway.
+    assert!(!c.step_estimate(&mut state, &[]).pays());
+    assert_eq!(c.check(&mut state, &[]), Some(Trigger::Steps));
+}
+
+#[tokio::test]
+async fn a_milestone_not_smaller_than_its_span_is_not_applied() {
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(1))
+        .with_keep_recent_tokens(0);
+    let (c, archive, thread) = compactor(config, 200_000);
+    let mut state = ContextState::new(GoalAnchor::new("Say hi."));
+    // Two tiny steps: any summary with its heading is longer than they are.
+    for i in 0..2 {
+        c.push_step(
+            &mut state,
+            Message::assistant("hi").with_id(format!("a{i}")),
+            vec![Message::user("ok").with_id(format!("u{i}"))],
+        );
+    }
+    let before = state.clone();
+    let err = c
+        .compact(&mut state, Trigger::Steps, &[])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CompactionError::NotSmaller { .. }), "{err}");
+    assert_eq!(state.raw, before.raw);
+    assert!(state.milestones.is_empty());
+    assert_eq!(state.step_at_compaction, before.step_at_compaction);
+    // Nothing archived (so a later milestone archives it exactly once), no event.
+    assert_eq!(archive.len(&thread).unwrap(), 0);
+    assert!(state.events.is_empty());
+    // after_step treats it as nothing to do.
+    assert!(c.after_step(&mut state, &[]).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn masking_leaves_results_shorter_than_their_placeholder() {
+    let config = CompactionConfig::default()
+        .with_strategy(Strategy::Masking {
+            keep_turns: 1,
+            block: 1,
+        })
+        .with_window_fraction(0.3);
+    let (c, _, _) = compactor(config, 4_000);
+    let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    for i in 0..12 {
+        // Every other result is one short line.
+        let (reply, mut results) = step(i, if i % 2 == 0 { 30 } else { 0 });
+        if i % 2 == 1 {
+            results[0].content = "ok".into();
+        }
+        c.push_step(&mut state, reply, results);
+        c.after_step(&mut state, &[]).await.unwrap();
+    }
+    let masked: Vec<&Message> = state
+        .raw
+        .iter()
+        .filter(|m| m.metadata.contains_key(MASKED_METADATA_KEY))
+        .collect();
+    assert!(!masked.is_empty());
+    assert!(masked.iter().all(|m| m.text().starts_with("[masked: ")));
+    // The short results stayed as they were.
+    let short = state.raw.iter().filter(|m| m.text() == "ok").count();
+    assert_eq!(short, 6);
+}
+
+#[tokio::test]
+async fn the_prompt_ceiling_compacts_below_a_huge_window() {
+    let config = CompactionConfig::default()
+        .with_every_steps(None)
+        .with_max_prompt_tokens(Some(3_000));
+    let (c, _, _) = compactor(config, 1_000_000);
+    assert_eq!(c.prompt_budget(), 3_000);
+    let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    for i in 0..40 {
+        let (reply, results) = step(i, 20);
+        c.push_step(&mut state, reply, results);
+        c.after_step(&mut state, &[]).await.unwrap();
+        let tokens = c.tokens(&mut state, &[]).total;
+        assert!(tokens <= 3_000, "step {i}: {tokens}");
+    }
+    assert!(!state.events.is_empty());
+    assert!(
+        state
+            .events
+            .iter()
+            .all(|e| e.trigger == Trigger::Tokens && e.error.is_none())
+    );
+}
