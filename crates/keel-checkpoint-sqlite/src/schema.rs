@@ -183,8 +183,10 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<(), SqliteError> {
         });
     }
     if version == 0 {
+        // keel-offload's `SqliteStore` may have made its own tables in this file first
+        // (`keel_offload_*`, with their own version table): those are keel's too.
         let tables: i64 = tx.query_row(
-            "SELECT count(*) FROM sqlite_schema WHERE type = 'table'",
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'keel\\_offload\\_%' ESCAPE '\\'",
             [],
             |r| r.get(0),
         )?;

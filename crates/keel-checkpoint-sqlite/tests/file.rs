@@ -209,6 +209,33 @@ async fn foreign_files_are_refused() {
     assert_eq!(err.code(), Some(ErrorCode::NotADatabase), "{err}");
 }
 
+/// keel-offload's `SqliteStore` may open the file first: its `keel_offload_*` tables
+/// are keel's, not a foreign schema, and the saver adds its own beside them.
+#[tokio::test(flavor = "current_thread")]
+async fn the_offload_stores_tables_are_not_foreign() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.db");
+    let conn = Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE keel_offload_schema (version INTEGER NOT NULL);
+         CREATE TABLE keel_offload_files (thread_id TEXT, path TEXT);",
+    )
+    .unwrap();
+    drop(conn);
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    keel_checkpoint::conformance::round_trip(&saver).await;
+    // A table of someone else's still makes the file foreign.
+    let other = dir.path().join("other.db");
+    let conn = Connection::open(&other).unwrap();
+    conn.execute_batch("CREATE TABLE keel_offloaded (x); CREATE TABLE keel_offload_x (y);")
+        .unwrap();
+    drop(conn);
+    assert!(matches!(
+        SqliteSaver::open(&other).await,
+        Err(SqliteError::ForeignDatabase { .. })
+    ));
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_full_disk_is_a_typed_error_and_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
