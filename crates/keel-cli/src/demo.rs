@@ -255,7 +255,7 @@ impl Tally {
 /// A line above the progress bar, or on stdout when the bar is hidden (not a terminal).
 fn say(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
-        println!("{line}");
+        crate::outln!("{line}");
     } else {
         bar.println(line);
     }
@@ -334,21 +334,22 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         None => "model: a scripted policy (deterministic, no model server), posing as gpt-4o for its token profile".to_owned(),
     };
     if !args.json {
-        println!("keel demo — the compacting agent on embedded defaults");
-        println!("{label}");
-        println!(
+        crate::outln!("keel demo — the compacting agent on embedded defaults");
+        crate::outln!("{label}");
+        crate::outln!(
             "directory: {} ({} text files)",
             scenario.dir.display(),
             scenario.files.len()
         );
-        println!(
+        crate::outln!(
             "checkpoints: {}; offload store and archive: {}",
             storage.described,
             store::offload_dir(&home).display()
         );
-        println!(
+        crate::outln!(
             "thread: {thread}; a milestone every {} steps, an epoch every {} milestones\n",
-            args.every, args.epoch
+            args.every,
+            args.epoch
         );
     }
 
@@ -480,7 +481,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .with_context(|| format!("cannot write {}", report_path.display()))?;
 
     if args.json {
-        println!("{json}");
+        crate::outln!("{json}");
     } else {
         print_summary(&report, survey_answer.as_deref());
     }
@@ -554,12 +555,12 @@ fn print_summary(r: &Report, survey_answer: Option<&str>) {
         vec!["final context".into(), thousands(r.final_context_tokens)],
         vec!["wall time".into(), format!("{:.2}s", r.wall_seconds)],
     ];
-    println!("{}", table(&rows));
+    crate::outln!("{}", table(&rows));
     if let Some(a) = survey_answer {
-        println!("survey report: {a}\n");
+        crate::outln!("survey report: {a}\n");
     }
-    println!("question: {}", r.question.text);
-    println!("answer:   {}", r.question.answer);
+    crate::outln!("question: {}", r.question.text);
+    crate::outln!("answer:   {}", r.question.answer);
     let verdict = if r.question.correct {
         "correct"
     } else {
@@ -576,9 +577,9 @@ fn print_summary(r: &Report, survey_answer: Option<&str>) {
         ),
         _ => "answered from the context".to_owned(),
     };
-    println!(
+    crate::outln!(
         "          {verdict}: expected {:?}; {source}\n",
         r.question.expected
     );
-    println!("report: {}\nchart:  {}", r.files.report, r.files.chart);
+    crate::outln!("report: {}\nchart:  {}", r.files.report, r.files.chart);
 }

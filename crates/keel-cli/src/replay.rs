@@ -140,7 +140,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
     }
     if !args.json {
         for l in &loaded {
-            println!(
+            crate::outln!(
                 "{}: {} ({}), {} run(s)",
                 l.path.display(),
                 l.format.name(),
@@ -209,12 +209,12 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
             })).collect::<Vec<_>>(),
             "seconds": started.elapsed().as_secs_f64(),
         });
-        println!(
+        crate::outln!(
             "{}",
             serde_json::to_string_pretty(&out).context("cannot encode the report")?
         );
     } else {
-        println!(
+        crate::outln!(
             "\n{} run(s), {} model turns; window {} tokens ({}), goal: the first user message of each run\n",
             runs.len(),
             thousands(turns as u64),
@@ -233,18 +233,18 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
                     );
                     rows.push(row(&format!("{} ({})", rr.id, name.name()), &one));
                 }
-                println!("{}", table(&rows));
+                crate::outln!("{}", table(&rows));
             }
         }
         let mut rows = vec![header("strategy")];
         for (name, r) in &totals {
             rows.push(row(name.name(), r));
         }
-        println!("{}", table(&rows));
-        println!(
+        crate::outln!("{}", table(&rows));
+        crate::outln!(
             "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
         );
-        println!("replayed in {:.2}s", started.elapsed().as_secs_f64());
+        crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
     }
     if let Some(path) = &args.chart
         && let Some((name, reports)) = results.first()
@@ -282,7 +282,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
                 &marks,
             )?;
             if !args.json {
-                println!(
+                crate::outln!(
                     "chart of {} ({} turns): {}",
                     rr.id,
                     turns.len(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use keel::checkpoint::Checkpointer;
-use keel::offload::{FsStore, OffloadStore};
+use keel::offload::{FsStore, OffloadStore, PostgresStore};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::sqlite::SqliteSaver;
 
@@ -75,6 +75,29 @@ pub fn offload(home: &Path) -> anyhow::Result<Arc<dyn OffloadStore>> {
     let store = FsStore::new(&dir)
         .with_context(|| format!("cannot open the offload store at {}", dir.display()))?;
     Ok(Arc::new(store))
+}
+
+/// The offload store that goes with the checkpointer: Postgres (the same database, so
+/// every worker reads every archive) when a URL is given, else the directory under
+/// `home`. `None` when `create` is off and the directory does not exist.
+pub fn offload_for(
+    home: &Path,
+    database_url: Option<&str>,
+    create: bool,
+) -> anyhow::Result<Option<Arc<dyn OffloadStore>>> {
+    if let Some(url) = database_url {
+        let store = PostgresStore::connect(url).with_context(|| {
+            format!(
+                "cannot open the offload store in Postgres at {}",
+                redact(url)
+            )
+        })?;
+        return Ok(Some(Arc::new(store)));
+    }
+    if !create && !offload_dir(home).exists() {
+        return Ok(None);
+    }
+    offload(home).map(Some)
 }
 
 /// A URL with its password replaced, for messages.

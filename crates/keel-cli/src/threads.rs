@@ -1,11 +1,553 @@
-//! placeholder
-use crate::config::Settings;
-use clap::Args;
+//! `keel threads`: admin of stored threads, on the embedded file or Postgres.
+
+use std::path::PathBuf;
 use std::process::ExitCode;
-/// args
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Subcommand};
+use futures::StreamExt;
+use keel::agent::{Agent, AgentState};
+use keel::checkpoint::{Checkpointer, ListOptions, ThreadKey};
+use keel::message::Message;
+use keel::model::{ModelError, PolicyModel};
+use keel::offload::{OffloadStore, ThreadId};
+use keel::token::{MemoCounter, ModelProfiles, TiktokenCounter, TokenCounter};
+use serde_json::json;
+
+use crate::config::Settings;
+use crate::store;
+use crate::ui::{table, thousands};
+
+/// `keel threads`
 #[derive(Debug, Args)]
-pub struct ThreadsArgs {}
-/// run
-pub async fn run(_args: ThreadsArgs, _s: &Settings) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not yet")
+#[command(after_help = "\
+Examples:
+  keel threads list                          threads in ./.keel/keel.sqlite
+  keel threads show demo-1796164962          the goal, epoch, milestones and raw tail, with tokens
+  keel threads history demo-1796164962 --limit 5
+  keel threads prune demo-1796164962 --keep 3
+  keel threads delete demo-1796164962        checkpoints and archived history
+  keel threads gc --older-than 7d            delete threads idle for a week
+  DATABASE_URL=postgres://postgres@127.0.0.1/test keel threads list")]
+pub struct ThreadsArgs {
+    /// The home directory of the embedded SQLite file and offload store.
+    #[arg(long, global = true)]
+    home: Option<PathBuf>,
+    /// A Postgres URL (else `DATABASE_URL`, else `database_url` in keel.toml, else the
+    /// embedded file).
+    #[arg(long, global = true)]
+    database_url: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: ThreadsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum ThreadsCommand {
+    /// List threads, in id order.
+    List {
+        /// Threads shown at most.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Start after this thread id (paging).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// The thread's context as the model would see it, with token counts per layer.
+    Show {
+        /// The thread id.
+        thread: String,
+        /// Print every raw message in full (default: the last 10, cut to 300 characters).
+        #[arg(long)]
+        full: bool,
+    },
+    /// The thread's checkpoints, newest first.
+    History {
+        /// The thread id.
+        thread: String,
+        /// Checkpoints shown at most.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+    /// Keep the newest N checkpoints of a thread; delete the rest.
+    Prune {
+        /// The thread id.
+        thread: String,
+        /// Checkpoints kept.
+        #[arg(long)]
+        keep: usize,
+    },
+    /// Delete a thread: its checkpoints and its archived history.
+    Delete {
+        /// The thread id.
+        thread: String,
+    },
+    /// Delete every thread idle for longer than a duration.
+    Gc {
+        /// `90s`, `30m`, `12h`, `7d` or `2w`.
+        #[arg(long, value_parser = parse_duration)]
+        older_than: Duration,
+    },
+}
+
+/// Runs `keel threads`.
+pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let home = settings.home(args.home.as_deref());
+    let url = settings.database_url(args.database_url.as_deref());
+    let storage = store::open(&home, url.as_deref(), false).await?;
+    let offload = store::offload_for(&home, url.as_deref(), false)?;
+    let saver = storage.saver.clone();
+    match args.command {
+        ThreadsCommand::List { limit, after } => list(&saver, limit, after, args.json).await?,
+        ThreadsCommand::Show { thread, full } => show(&saver, &thread, full, args.json).await?,
+        ThreadsCommand::History { thread, limit } => {
+            history(&saver, &thread, limit, args.json).await?;
+        }
+        ThreadsCommand::Prune { thread, keep } => {
+            exists(&saver, &thread).await?;
+            let removed = saver
+                .prune(&ThreadKey::new(thread.clone()), keep)
+                .await
+                .with_context(|| format!("cannot prune thread `{thread}`"))?;
+            report(
+                args.json,
+                json!({"thread": thread, "removed": removed, "kept": keep}),
+                || {
+                    format!(
+                        "thread `{thread}`: removed {removed} checkpoint(s), kept the newest {keep}"
+                    )
+                },
+            );
+        }
+        ThreadsCommand::Delete { thread } => {
+            exists(&saver, &thread).await?;
+            saver
+                .delete_thread(&thread)
+                .await
+                .with_context(|| format!("cannot delete thread `{thread}`"))?;
+            let files = delete_offloaded(offload.as_deref(), &thread).await?;
+            report(
+                args.json,
+                json!({"thread": thread, "offloaded_files_deleted": files}),
+                || {
+                    format!(
+                        "deleted thread `{thread}` ({files} archived or offloaded file(s) with it)"
+                    )
+                },
+            );
+        }
+        ThreadsCommand::Gc { older_than } => {
+            let mut deleted = Vec::new();
+            loop {
+                let batch = saver
+                    .sweep_idle(older_than, 500)
+                    .await
+                    .context("the idle-thread sweep failed")?;
+                let done = batch.len() < 500;
+                deleted.extend(batch);
+                if done {
+                    break;
+                }
+            }
+            let mut files = 0;
+            for t in &deleted {
+                files += delete_offloaded(offload.as_deref(), t).await?;
+            }
+            report(
+                args.json,
+                json!({"deleted": deleted, "offloaded_files_deleted": files}),
+                || {
+                    format!(
+                        "deleted {} thread(s) idle for over {}{}",
+                        deleted.len(),
+                        human_duration(older_than),
+                        if deleted.is_empty() {
+                            String::new()
+                        } else {
+                            format!(": {}", deleted.join(", "))
+                        }
+                    )
+                },
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report(json: bool, value: serde_json::Value, text: impl FnOnce() -> String) {
+    if json {
+        crate::outln!("{value}");
+    } else {
+        crate::outln!("{}", text());
+    }
+}
+
+async fn exists(saver: &Arc<dyn Checkpointer>, thread: &str) -> anyhow::Result<()> {
+    let found = saver
+        .get(&ThreadKey::new(thread.to_owned()), None)
+        .await
+        .with_context(|| format!("cannot read thread `{thread}`"))?;
+    if found.is_none() {
+        bail!("no thread `{thread}`: `keel threads list` shows the stored ones");
+    }
+    Ok(())
+}
+
+async fn delete_offloaded(store: Option<&dyn OffloadStore>, thread: &str) -> anyhow::Result<u64> {
+    let Some(store) = store else {
+        return Ok(0);
+    };
+    let Ok(id) = ThreadId::new(thread) else {
+        // Not a name the offload store accepts: nothing of it can be there.
+        return Ok(0);
+    };
+    // Deleting files is blocking I/O.
+    let result = tokio::task::block_in_place(|| store.delete_thread(&id));
+    result.with_context(|| format!("cannot delete the archived history of `{thread}`"))
+}
+
+/// An agent over `saver` to read states with; its model is never called.
+fn reader(saver: Arc<dyn Checkpointer>) -> anyhow::Result<Agent> {
+    let model = PolicyModel::new("gpt-4o", |_, _| {
+        Err(ModelError::Malformed(
+            "keel threads does not call models".into(),
+        ))
+    });
+    Agent::builder()
+        .model(Arc::new(model))
+        .retrieval_tools(false)
+        .checkpointer(saver)
+        .build()
+        .context("cannot set up the thread reader")
+}
+
+async fn state_of(
+    saver: &Arc<dyn Checkpointer>,
+    thread: &str,
+) -> anyhow::Result<Option<AgentState>> {
+    reader(saver.clone())?
+        .state(thread)
+        .await
+        .with_context(|| format!("thread `{thread}` is not an agent thread keel can read"))
+}
+
+async fn list(
+    saver: &Arc<dyn Checkpointer>,
+    limit: usize,
+    after: Option<String>,
+    json_out: bool,
+) -> anyhow::Result<()> {
+    let threads = saver
+        .list_threads(after.as_deref(), limit)
+        .await
+        .context("cannot list threads")?;
+    let mut rows = vec![vec![
+        "thread".to_owned(),
+        "last active (UTC)".into(),
+        "steps".into(),
+        "milestones".into(),
+        "epochs".into(),
+        "goal".into(),
+    ]];
+    let mut out = Vec::new();
+    for t in &threads {
+        let state = state_of(saver, &t.thread_id).await.ok().flatten();
+        let when = utc(t.head.timestamp_millis());
+        let goal = state
+            .as_ref()
+            .and_then(|s| {
+                s.goal()
+                    .map(|g| g.text().chars().take(60).collect::<String>())
+            })
+            .unwrap_or_default();
+        let (steps, milestones, epochs) = state.as_ref().map_or((None, None, None), |s| {
+            (Some(s.step), Some(s.milestones_made), Some(s.epochs_made))
+        });
+        out.push(
+            json!({"thread": t.thread_id, "last_active": when, "namespaces": t.namespaces,
+            "steps": steps, "milestones": milestones, "epochs": epochs, "goal": goal}),
+        );
+        let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |n| thousands(n));
+        rows.push(vec![
+            t.thread_id.clone(),
+            when,
+            show(steps),
+            show(milestones),
+            show(epochs),
+            goal,
+        ]);
+    }
+    if json_out {
+        crate::outln!("{}", serde_json::to_string_pretty(&out)?);
+    } else if threads.is_empty() {
+        crate::outln!(
+            "no threads{}",
+            after.map(|a| format!(" after `{a}`")).unwrap_or_default()
+        );
+    } else {
+        crate::out!("{}", table(&rows));
+        if threads.len() == limit {
+            if let Some(last) = threads.last() {
+                crate::outln!("(more may follow: --after {})", last.thread_id);
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn show(
+    saver: &Arc<dyn Checkpointer>,
+    thread: &str,
+    full: bool,
+    json_out: bool,
+) -> anyhow::Result<()> {
+    exists(saver, thread).await?;
+    let state = state_of(saver, thread)
+        .await?
+        .with_context(|| format!("thread `{thread}` has no state"))?;
+    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
+        TiktokenCounter::new(ModelProfiles::new().lookup("gpt-4o").encoding)
+            .context("cannot load the tokenizer")?,
+    ));
+    let count = |m: &Message| counter.count_message(m);
+    let system = state.system.as_ref();
+    let goal = state.goal();
+    let system_tokens = system.map_or(0, count);
+    let goal_tokens = goal.map_or(0, |g| count(g.message()));
+    let epoch_tokens = state.epoch.as_ref().map_or(0, |e| count(&e.message));
+    let milestone_tokens: usize = state.milestones.iter().map(|m| count(&m.message)).sum();
+    let raw_tokens: usize = state.messages.iter().map(count).sum();
+    if json_out {
+        let layer = |l: &keel::compaction::Layer| json!({"steps": [l.first_step, l.last_step], "tokens": count(&l.message), "text": l.text});
+        crate::outln!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "thread": thread, "step": state.step, "milestones_made": state.milestones_made, "epochs_made": state.epochs_made,
+                "stop": state.stop,
+                "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
+                "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
+                "epoch": state.epoch.as_ref().map(layer),
+                "milestones": state.milestones.iter().map(layer).collect::<Vec<_>>(),
+                "raw": {"tokens": raw_tokens, "messages": state.messages.iter().map(|m| json!({
+                    "role": format!("{:?}", m.role).to_lowercase(), "tokens": count(m), "text": m.text(),
+                    "tool_calls": m.tool_calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments.to_json_string()})).collect::<Vec<_>>()})).collect::<Vec<_>>()},
+            }))?
+        );
+        return Ok(());
+    }
+    let total = system_tokens + goal_tokens + epoch_tokens + milestone_tokens + raw_tokens;
+    crate::outln!(
+        "thread `{thread}`: step {}, {} milestones and {} epochs made{}",
+        state.step,
+        state.milestones_made,
+        state.epochs_made,
+        state
+            .stop
+            .as_ref()
+            .map(|s| format!(", stopped: {s:?}"))
+            .unwrap_or_default()
+    );
+    crate::outln!(
+        "the prompt in order, {} tokens (o200k) before tool specs:\n",
+        thousands(total as u64)
+    );
+    let section = |name: &str, tokens: usize| {
+        crate::outln!("== {name} ({} tokens)", thousands(tokens as u64))
+    };
+    section("system", system_tokens);
+    crate::outln!(
+        "{}\n",
+        system
+            .map(|m| m.text().into_owned())
+            .unwrap_or_else(|| "(none)".into())
+    );
+    section("goal (never compacted)", goal_tokens);
+    crate::outln!(
+        "{}\n",
+        goal.map(|g| g.text().into_owned())
+            .unwrap_or_else(|| "(none)".into())
+    );
+    match &state.epoch {
+        Some(e) => {
+            section(
+                &format!("epoch summary, steps {}-{}", e.first_step, e.last_step),
+                epoch_tokens,
+            );
+            crate::outln!("{}\n", e.text);
+        }
+        None => {
+            section("epoch summary", 0);
+            crate::outln!("(none yet)\n");
+        }
+    }
+    section(
+        &format!("milestones ({})", state.milestones.len()),
+        milestone_tokens,
+    );
+    for m in &state.milestones {
+        crate::outln!(
+            "-- steps {}-{} ({} tokens)\n{}\n",
+            m.first_step,
+            m.last_step,
+            count(&m.message),
+            m.text
+        );
+    }
+    section(
+        &format!("raw tail ({} messages)", state.messages.len()),
+        raw_tokens,
+    );
+    let skip = if full {
+        0
+    } else {
+        state.messages.len().saturating_sub(10)
+    };
+    if skip > 0 {
+        crate::outln!("({skip} earlier messages not shown; --full shows them)");
+    }
+    for m in state.messages.iter().skip(skip) {
+        let mut text = m.text().into_owned();
+        if !full && text.chars().count() > 300 {
+            text = text.chars().take(300).collect::<String>() + " …";
+        }
+        let calls: Vec<String> = m
+            .tool_calls
+            .iter()
+            .map(|c| format!("{}({})", c.name, c.arguments.to_json_string()))
+            .collect();
+        crate::outln!(
+            "[{:?}, {} tokens] {text}{}",
+            m.role,
+            count(m),
+            if calls.is_empty() {
+                String::new()
+            } else {
+                format!(" -> {}", calls.join(", "))
+            }
+        );
+    }
+    Ok(())
+}
+
+async fn history(
+    saver: &Arc<dyn Checkpointer>,
+    thread: &str,
+    limit: usize,
+    json_out: bool,
+) -> anyhow::Result<()> {
+    exists(saver, thread).await?;
+    let key = ThreadKey::new(thread.to_owned());
+    let mut items = saver.list(&key, ListOptions::default().limit(limit));
+    let mut rows = vec![vec![
+        "checkpoint".to_owned(),
+        "made (UTC)".into(),
+        "step".into(),
+        "source".into(),
+        "written by".into(),
+    ]];
+    let mut out = Vec::new();
+    while let Some(item) = items.next().await {
+        let c = item.with_context(|| format!("cannot read the history of `{thread}`"))?;
+        let when = utc(c.checkpoint.id.timestamp_millis());
+        let source = format!("{:?}", c.metadata.source).to_lowercase();
+        out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": when, "step": c.metadata.step, "source": source, "writes": c.metadata.writes}));
+        rows.push(vec![
+            c.checkpoint.id.to_string(),
+            when,
+            c.metadata.step.to_string(),
+            source,
+            c.metadata.writes.join(", "),
+        ]);
+    }
+    if json_out {
+        crate::outln!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        crate::out!("{}", table(&rows));
+    }
+    Ok(())
+}
+
+/// `90s`, `30m`, `12h`, `7d`, `2w`.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (n, unit) = text.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration: write e.g. 90s, 30m, 12h, 7d or 2w"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        "w" => 604_800,
+        _ => {
+            return Err(format!(
+                "`{text}`: the unit must be s, m, h, d or w (e.g. 7d)"
+            ));
+        }
+    };
+    n.checked_mul(secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("`{text}` is too long a duration"))
+}
+
+fn human_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        s if s % 86_400 == 0 && s > 0 => format!("{} day(s)", s / 86_400),
+        s if s % 3_600 == 0 && s > 0 => format!("{} hour(s)", s / 3_600),
+        s if s % 60 == 0 && s > 0 => format!("{} minute(s)", s / 60),
+        s => format!("{s} second(s)"),
+    }
+}
+
+/// Unix milliseconds as `2026-12-01 22:30:05`.
+fn utc(millis: u64) -> String {
+    let secs = millis / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_bad_ones_say_how_to_write_them() {
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2w"), Ok(Duration::from_secs(14 * 86_400)));
+        assert!(parse_duration("7").unwrap_err().contains("unit"));
+        assert!(parse_duration("d").unwrap_err().contains("90s"));
+        assert!(parse_duration("99999999999999999999w").is_err());
+    }
+
+    #[test]
+    fn utc_formats_known_instants() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(utc(1_796_164_962_000), "2026-12-01 22:42:42");
+    }
 }

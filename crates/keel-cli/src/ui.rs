@@ -3,6 +3,33 @@
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
+/// `println!` that ends the process quietly when stdout is closed (`keel threads show T
+/// | head`), instead of panicking as `println!` does on a broken pipe.
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::ui::write_out(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::ui::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` with the same care.
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::ui::write_out(format_args!($($arg)*)) };
+}
+
+/// Writes to stdout; a closed pipe exits with success, another failure with code 1.
+pub fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Logs go to stderr, filtered by `RUST_LOG` (default: warnings and errors).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
