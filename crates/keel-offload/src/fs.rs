@@ -544,6 +544,51 @@ impl OffloadStore for FsStore {
             Err(e) => Err(OffloadError::io("delete", key, e)),
         }
     }
+
+    /// Deletes the thread's files, then its directories, so a deleted thread leaves no
+    /// empty tree behind. Directories are removed only when empty, deepest first, and
+    /// symbolic links are never followed.
+    fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
+        let mut removed = 0;
+        for entry in self.list(thread, None)? {
+            if self.delete(&Key::from_parts(thread.clone(), entry.path))? {
+                removed += 1;
+            }
+        }
+        let dir = self.root.join(thread.as_str());
+        remove_empty_dirs(&dir).map_err(|e| OffloadError::Io {
+            op: "delete a thread's directories",
+            key: thread.as_str().to_owned(),
+            source: e,
+        })?;
+        Ok(removed)
+    }
+}
+
+/// Removes `dir` and the directories under it that are (or become) empty; leaves
+/// anything else, links included, where it is.
+fn remove_empty_dirs(dir: &Path) -> io::Result<()> {
+    let meta = match fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.is_dir() {
+        return Ok(());
+    }
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            remove_empty_dirs(&entry.path())?;
+        }
+    }
+    match fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        // Not empty (a file the store does not know, a link): keep it.
+        Err(e) if e.kind() == io::ErrorKind::DirectoryNotEmpty => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]

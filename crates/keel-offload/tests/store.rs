@@ -289,3 +289,47 @@ fn a_memory_store_with_a_limit_fills_up_like_a_disk() {
     store.put(&k, "0123456789").unwrap();
     assert_eq!(store.bytes(), 10);
 }
+
+/// Deleting a thread from the file store leaves no empty directory tree behind, keeps
+/// other threads, and never follows a link planted in the thread's directory.
+#[test]
+fn fs_delete_thread_removes_the_threads_directories() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never);
+    store
+        .put(&key("t1", "archive/messages.jsonl"), "{}\n")
+        .unwrap();
+    store
+        .put(&key("t1", "large_tool_results/call_1"), "big")
+        .unwrap();
+    store
+        .put(&key("t2", "archive/messages.jsonl"), "{}\n")
+        .unwrap();
+    assert_eq!(store.delete_thread(&thread("t1")).unwrap(), 2);
+    assert!(
+        !dir.path().join("t1").exists(),
+        "the thread's directory is gone"
+    );
+    assert_eq!(
+        store.get(&key("t2", "archive/messages.jsonl")).unwrap(),
+        "{}\n"
+    );
+
+    #[cfg(unix)]
+    {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep.txt"), "keep").unwrap();
+        store.put(&key("t3", "notes/a"), "a").unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("t3/link")).unwrap();
+        store.delete_thread(&thread("t3")).unwrap();
+        assert!(
+            outside.path().join("keep.txt").exists(),
+            "a link is not followed"
+        );
+        assert!(
+            dir.path().join("t3/link").exists(),
+            "what the store does not own stays"
+        );
+        assert!(!dir.path().join("t3/notes").exists());
+    }
+}
