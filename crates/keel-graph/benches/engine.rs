@@ -176,7 +176,8 @@ fn history(c: &mut Criterion) {
     let mut group = c.benchmark_group("history");
     group.sample_size(10);
     group.measurement_time(Duration::from_secs(10));
-    for n in [200u64] {
+    {
+        let n = 200u64;
         let (g, config) = stored_thread(&rt, n);
         group.bench_function(BenchmarkId::from_parameter(n), |b| {
             b.iter(|| {

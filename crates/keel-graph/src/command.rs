@@ -289,7 +289,12 @@ impl NodeContext {
     }
 }
 
-/// Retry on node failure, with exponential backoff.
+/// Retry on node failure, with exponential backoff: the wait after failed attempt `k`
+/// is `initial_backoff * multiplier^(k-1)`, at most `max_backoff`.
+///
+/// `compile` refuses a policy with `max_attempts` 0 or a `multiplier` that is not a
+/// finite number of at least 1 ([`BuildError::InvalidRetryPolicy`](crate::BuildError::InvalidRetryPolicy));
+/// a wait too long for a `Duration` is `max_backoff`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     /// Attempts in all, including the first (1 = no retry).
@@ -314,13 +319,37 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+    /// The wait after failed attempt `retry + 1`: `initial_backoff * multiplier^retry`,
+    /// at most `max_backoff`. Total for any field values: a wait that is not a
+    /// representable duration (NaN, negative, past `Duration::MAX`) is `max_backoff`
+    /// (`compile` refuses such a policy; this keeps the engine from panicking anyway).
+    pub(crate) fn backoff(&self, retry: u32) -> Duration {
         let factor = self
             .multiplier
-            .powi(i32::try_from(attempt).unwrap_or(i32::MAX));
-        self.initial_backoff
-            .mul_f64(factor.min(1e6))
-            .min(self.max_backoff)
+            .powi(i32::try_from(retry).unwrap_or(i32::MAX));
+        let secs = self.initial_backoff.as_secs_f64() * factor;
+        Duration::try_from_secs_f64(secs).map_or(self.max_backoff, |d| d.min(self.max_backoff))
+    }
+
+    /// The first setting `compile` refuses, as `(setting, why)`.
+    pub(crate) fn problem(&self) -> Option<(&'static str, String)> {
+        if self.max_attempts == 0 {
+            return Some((
+                "max_attempts",
+                "is 0; it counts the first attempt, so it must be at least 1".to_owned(),
+            ));
+        }
+        if !self.multiplier.is_finite() || self.multiplier < 1.0 {
+            return Some((
+                "multiplier",
+                format!(
+                    "is {}; it must be a finite number of at least 1 (1 waits the same \
+                     each time)",
+                    self.multiplier
+                ),
+            ));
+        }
+        None
     }
 }
 

@@ -23,7 +23,8 @@ use tokio::sync::mpsc;
 
 use crate::command::{Command, Goto, InvocationInfo, NodeContext, NodeError};
 use crate::config::{Durability, Interrupt, Run, RunConfig, StateSnapshot};
-use crate::graph::{Join, NodeSpec, RouterSpec};
+use crate::graph::{BuildError, Join, NodeSpec, RouterSpec};
+use crate::state::{self as st, channel_name};
 use crate::stream::{Event, StreamMode};
 use crate::{END, GraphError, START, State, StateError, channel_index};
 
@@ -38,30 +39,56 @@ const SNAPSHOT_RATIO: usize = 2;
 /// Capacity of the async writer's queue.
 const ASYNC_QUEUE: usize = 64;
 
+/// A node of a compiled graph, by position. Made only by [`Inner::new`] from positions
+/// in its `nodes` (and looked up by name in `index`, which holds the same positions);
+/// `nodes` never changes afterwards, so a `NodeIx` is always in range for its graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct NodeIx(usize);
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Target {
-    Node(usize),
+    Node(NodeIx),
     End,
 }
 
 struct JoinIdx {
-    sources: Vec<usize>,
+    sources: Vec<NodeIx>,
     target: Target,
 }
 
+/// Where a node (or `START`) leads: its static edges and its routers.
+struct Outgoing<S: State> {
+    edges: Vec<Target>,
+    routers: Vec<RouterSpec<S>>,
+}
+
+impl<S: State> Default for Outgoing<S> {
+    fn default() -> Self {
+        Outgoing {
+            edges: Vec::new(),
+            routers: Vec::new(),
+        }
+    }
+}
+
+/// A node with everything the engine looks up for it.
+struct Node<S: State> {
+    spec: NodeSpec<S>,
+    out: Outgoing<S>,
+    interrupt_before: bool,
+    interrupt_after: bool,
+}
+
 pub(crate) struct Inner<S: State> {
-    nodes: Vec<NodeSpec<S>>,
-    index: HashMap<String, usize>,
-    /// Static edges per source; index `nodes.len()` is START.
-    edges: Vec<Vec<Target>>,
-    routers: Vec<Vec<RouterSpec<S>>>,
+    nodes: Vec<Node<S>>,
+    index: HashMap<String, NodeIx>,
+    start: Outgoing<S>,
     joins: Vec<JoinIdx>,
     checkpointer: Option<Arc<dyn Checkpointer>>,
-    interrupt_before: Vec<bool>,
-    interrupt_after: Vec<bool>,
 }
 
 impl<S: State> Inner<S> {
+    /// Indexes a graph `compile` has checked (an unknown name is still a typed error).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         nodes: Vec<NodeSpec<S>>,
@@ -71,57 +98,112 @@ impl<S: State> Inner<S> {
         checkpointer: Option<Arc<dyn Checkpointer>>,
         interrupt_before: Vec<String>,
         interrupt_after: Vec<String>,
-    ) -> Self {
-        let index: HashMap<String, usize> = nodes
+    ) -> Result<Self, BuildError> {
+        let index: HashMap<String, NodeIx> = nodes
             .iter()
             .enumerate()
-            .map(|(i, n)| (n.name.to_string(), i))
+            .map(|(i, n)| (n.name.to_string(), NodeIx(i)))
             .collect();
-        let start = nodes.len();
-        // `compile` validated every name, so lookups below succeed.
-        let source = |n: &str| if n == START { start } else { index[n] };
+        let lookup = |n: &str| {
+            index
+                .get(n)
+                .copied()
+                .ok_or_else(|| BuildError::UnknownNode { name: n.to_owned() })
+        };
         let target = |n: &str| {
             if n == END {
-                Target::End
+                Ok(Target::End)
             } else {
-                Target::Node(index[n])
+                lookup(n).map(Target::Node)
             }
         };
-        let mut edge_lists = vec![Vec::new(); start + 1];
+        let mut entries: Vec<Node<S>> = nodes
+            .into_iter()
+            .map(|spec| Node {
+                spec,
+                out: Outgoing::default(),
+                interrupt_before: false,
+                interrupt_after: false,
+            })
+            .collect();
+        let mut start = Outgoing::default();
+        let unknown = |n: &str| BuildError::UnknownNode { name: n.to_owned() };
         for (f, t) in &edges {
-            let t = target(t);
-            let list: &mut Vec<Target> = &mut edge_lists[source(f)];
-            if !list.contains(&t) {
-                list.push(t);
+            let t = target(t)?;
+            let out = if f == START {
+                &mut start
+            } else {
+                &mut entries.get_mut(lookup(f)?.0).ok_or_else(|| unknown(f))?.out
+            };
+            if !out.edges.contains(&t) {
+                out.edges.push(t);
             }
         }
-        let mut router_lists: Vec<Vec<RouterSpec<S>>> = (0..=start).map(|_| Vec::new()).collect();
         for (f, r) in routers {
-            router_lists[source(&f)].push(r);
+            let out = if f == START {
+                &mut start
+            } else {
+                &mut entries
+                    .get_mut(lookup(&f)?.0)
+                    .ok_or_else(|| unknown(&f))?
+                    .out
+            };
+            out.routers.push(r);
         }
         let joins = joins
             .iter()
-            .map(|j| JoinIdx {
-                sources: j.sources.iter().map(|s| index[s.as_str()]).collect(),
-                target: target(&j.target),
+            .map(|j| {
+                Ok(JoinIdx {
+                    sources: j
+                        .sources
+                        .iter()
+                        .map(|s| lookup(s))
+                        .collect::<Result<_, BuildError>>()?,
+                    target: target(&j.target)?,
+                })
             })
-            .collect();
-        let flags = |names: &[String]| {
-            let mut v = vec![false; start];
-            for n in names {
-                v[index[n.as_str()]] = true;
-            }
-            v
-        };
-        Inner {
-            interrupt_before: flags(&interrupt_before),
-            interrupt_after: flags(&interrupt_after),
-            nodes,
+            .collect::<Result<_, BuildError>>()?;
+        for n in &interrupt_before {
+            entries
+                .get_mut(lookup(n)?.0)
+                .ok_or_else(|| unknown(n))?
+                .interrupt_before = true;
+        }
+        for n in &interrupt_after {
+            entries
+                .get_mut(lookup(n)?.0)
+                .ok_or_else(|| unknown(n))?
+                .interrupt_after = true;
+        }
+        Ok(Inner {
+            nodes: entries,
             index,
-            edges: edge_lists,
-            routers: router_lists,
+            start,
             joins,
             checkpointer,
+        })
+    }
+
+    /// The node at `n`.
+    // In range: a `NodeIx` is a position in `nodes` (see `NodeIx`).
+    #[allow(clippy::indexing_slicing)]
+    fn node(&self, n: NodeIx) -> &Node<S> {
+        &self.nodes[n.0]
+    }
+
+    /// The name of the node at `n`.
+    fn name(&self, n: NodeIx) -> &Arc<str> {
+        &self.node(n).spec.name
+    }
+
+    /// Where `from` leads (`None` = `START`), and its name.
+    fn outgoing(&self, from: Option<NodeIx>) -> (&Outgoing<S>, &str) {
+        match from {
+            None => (&self.start, START),
+            Some(n) => {
+                let node = self.node(n);
+                (&node.out, &node.spec.name)
+            }
         }
     }
 }
@@ -150,7 +232,7 @@ struct TaskSpec {
 
 /// A task of the current step.
 struct Task {
-    node: usize,
+    node: NodeIx,
     path: String,
     id: String,
     payload: Option<Value>,
@@ -368,24 +450,15 @@ impl<S: State> CompiledGraph<S> {
                     })?,
             ),
         };
-        let encoded = S::encode_update(&update)?;
-        let written = Arc::make_mut(&mut run.state).apply(vec![update])?;
+        let encoded = st::encode_update::<S>(&update)?;
+        let written = st::apply(Arc::make_mut(&mut run.state), vec![update])?;
         if let Some(node) = as_node {
             let mut next = Vec::new();
             let mut sends = Vec::new();
             let state = Arc::clone(&run.state);
-            run.route_from(node, &state, &mut next, &mut sends)?;
-            run.tasks = next
-                .into_iter()
-                .map(|n| TaskSpec {
-                    node: self.inner.nodes[n].name.to_string(),
-                    payload: None,
-                })
-                .chain(sends)
-                .collect();
-        }
-        if let Some(node) = as_node {
-            run.writers.insert(self.inner.nodes[node].name.to_string());
+            run.route_from(Some(node), &state, &mut next, &mut sends)?;
+            run.tasks = run.specs(next, sends);
+            run.writers.insert(self.inner.name(node).to_string());
         }
         let per_channel = group_by_channel(&written, vec![encoded]);
         run.step += 1;
@@ -475,17 +548,17 @@ impl<S: State> CompiledGraph<S> {
             let mut per_channel = BTreeMap::new();
             if let Some(update) = input.update {
                 let encoded = if writer.stores() {
-                    S::encode_update(&update)?
+                    st::encode_update::<S>(&update)?
                 } else {
                     Vec::new()
                 };
-                let written = Arc::make_mut(&mut run.state).apply(vec![update])?;
+                let written = st::apply(Arc::make_mut(&mut run.state), vec![update])?;
                 per_channel = group_by_channel(&written, vec![encoded]);
             }
             let mut next = Vec::new();
             let mut sends = Vec::new();
             let state = Arc::clone(&run.state);
-            run.route_from(g.nodes.len(), &state, &mut next, &mut sends)?;
+            run.route_from(None, &state, &mut next, &mut sends)?;
             run.goto(START, input.goto, &mut next, &mut sends)?;
             run.tasks = run.specs(next, sends);
             run.pending.clear();
@@ -504,7 +577,7 @@ impl<S: State> CompiledGraph<S> {
         let mut steps = 0usize;
         while !run.tasks.is_empty() {
             let tasks = tasks_with_ids(g, &run.tasks, &run.checkpoint.id)?;
-            if !skip_breakpoint && tasks.iter().any(|t| g.interrupt_before[t.node]) {
+            if !skip_breakpoint && tasks.iter().any(|t| g.node(t.node).interrupt_before) {
                 writer.flush(&mut run).await?;
                 return Ok(run.finish(Vec::new(), steps));
             }
@@ -522,7 +595,7 @@ impl<S: State> CompiledGraph<S> {
                 .zip(&outcomes)
                 .filter_map(|(t, o)| match o {
                     Outcome::Interrupted(v) => Some(Interrupt {
-                        node: g.nodes[t.node].name.to_string(),
+                        node: g.name(t.node).to_string(),
                         task_id: t.id.clone(),
                         value: v.clone(),
                     }),
@@ -546,7 +619,7 @@ impl<S: State> CompiledGraph<S> {
                 })
                 .collect();
             run.advance(&tasks, commands, &mut writer).await?;
-            if tasks.iter().any(|t| g.interrupt_after[t.node]) && !run.tasks.is_empty() {
+            if tasks.iter().any(|t| g.node(t.node).interrupt_after) && !run.tasks.is_empty() {
                 writer.flush(&mut run).await?;
                 return Ok(run.finish(Vec::new(), steps));
             }
@@ -591,7 +664,7 @@ struct RunState<S: State> {
     /// The nodes that wrote the steps since the last stored checkpoint: the next
     /// checkpoint's `writes` metadata.
     writers: BTreeSet<String>,
-    joins_seen: Vec<BTreeSet<usize>>,
+    joins_seen: Vec<BTreeSet<NodeIx>>,
     metadata: serde_json::Map<String, Value>,
     /// What every task's [`NodeContext`] shares about this invocation.
     invocation: Arc<InvocationInfo>,
@@ -668,36 +741,33 @@ impl<S: State> RunState<S> {
         Ok(run)
     }
 
-    fn specs(&self, next: Vec<usize>, sends: Vec<TaskSpec>) -> Vec<TaskSpec> {
+    fn specs(&self, next: Vec<NodeIx>, sends: Vec<TaskSpec>) -> Vec<TaskSpec> {
         next.into_iter()
             .map(|n| TaskSpec {
-                node: self.graph.nodes[n].name.to_string(),
+                node: self.graph.name(n).to_string(),
                 payload: None,
             })
             .chain(sends)
             .collect()
     }
 
-    /// Adds the targets of `source`'s static edges and routers (evaluated on `state`).
+    /// Adds the targets of `source`'s static edges and routers (evaluated on `state`);
+    /// `None` is `START`.
     fn route_from(
         &mut self,
-        source: usize,
+        source: Option<NodeIx>,
         state: &S,
-        next: &mut Vec<usize>,
+        next: &mut Vec<NodeIx>,
         sends: &mut Vec<TaskSpec>,
     ) -> Result<(), GraphError> {
         let g = Arc::clone(&self.graph);
-        for t in &g.edges[source] {
+        let (out, from) = g.outgoing(source);
+        for t in &out.edges {
             if let Target::Node(n) = t {
                 push_unique(next, *n);
             }
         }
-        let from = if source == g.nodes.len() {
-            START
-        } else {
-            &g.nodes[source].name
-        };
-        for r in &g.routers[source] {
+        for r in &out.routers {
             let route = (r.route)(state);
             self.goto(from, route.0, next, sends)?;
         }
@@ -708,7 +778,7 @@ impl<S: State> RunState<S> {
         &self,
         from: &str,
         targets: Vec<Goto>,
-        next: &mut Vec<usize>,
+        next: &mut Vec<NodeIx>,
         sends: &mut Vec<TaskSpec>,
     ) -> Result<(), GraphError> {
         for t in targets {
@@ -743,17 +813,17 @@ impl<S: State> RunState<S> {
         tasks: &[Task],
         writer: &mut Writer,
     ) -> Result<Vec<Outcome<S>>, GraphError> {
-        let mut outcomes: Vec<Option<Outcome<S>>> = (0..tasks.len()).map(|_| None).collect();
-        let mut to_run = Vec::new();
+        let mut outcomes: Vec<Option<Outcome<S>>> = Vec::with_capacity(tasks.len());
+        let mut to_run: Vec<(usize, &Task)> = Vec::new();
         for (i, t) in tasks.iter().enumerate() {
-            match self.stored_outcome(t)? {
-                Some(o) => outcomes[i] = Some(o),
-                None => to_run.push(i),
+            let stored = self.stored_outcome(t)?;
+            if stored.is_none() {
+                to_run.push((i, t));
             }
+            outcomes.push(stored);
         }
         let g = Arc::clone(&self.graph);
-        let make = |i: usize| {
-            let t = &tasks[i];
+        let make = |i: usize, t: &Task| {
             let resume: Vec<Value> = self
                 .pending
                 .iter()
@@ -761,7 +831,7 @@ impl<S: State> RunState<S> {
                 .map(|w| w.value.clone())
                 .collect();
             let ctx = NodeContext {
-                node: Arc::clone(&g.nodes[t.node].name),
+                node: Arc::clone(g.name(t.node)),
                 step: self.step + 1,
                 task_id: t.id.as_str().into(),
                 payload: t.payload.clone(),
@@ -772,51 +842,52 @@ impl<S: State> RunState<S> {
             let g = Arc::clone(&g);
             let state = Arc::clone(&self.state);
             let node = t.node;
-            async move { (i, run_task(&g.nodes[node], state, ctx).await) }
+            async move { (i, run_task(&g.node(node).spec, state, ctx).await) }
         };
 
-        let results: Vec<(usize, Result<Outcome<S>, GraphError>)> = if to_run.len() == 1 {
-            vec![make(to_run[0]).await]
-        } else {
-            let mut set = tokio::task::JoinSet::new();
-            for &i in &to_run {
-                set.spawn(make(i));
-            }
-            let mut results = Vec::with_capacity(to_run.len());
-            while let Some(joined) = set.join_next().await {
-                match joined {
-                    Ok((i, r)) => {
-                        // Store finished work at once: a crash later in the step does
-                        // not lose it.
-                        let writes = match (&r, &self.thread) {
-                            (Ok(o), Some(_)) => Some(self.task_writes(&tasks[i], o)?),
-                            _ => None,
-                        };
-                        if let (Some(writes), Some(thread)) = (writes, self.thread.clone()) {
-                            writer
-                                .put_writes(&thread, &self.checkpoint.id, writes.clone())
-                                .await?;
-                            self.pending.extend(writes);
-                        }
-                        results.push((i, r));
-                    }
-                    // Panics are caught inside the task; a join error means the
-                    // task was aborted.
-                    Err(_) => results.push((usize::MAX, Err(GraphError::Cancelled))),
-                }
-            }
-            results
-        };
         let single = to_run.len() == 1;
+        let results: Vec<(usize, Result<Outcome<S>, GraphError>)> = match to_run.as_slice() {
+            [(i, t)] => vec![make(*i, t).await],
+            _ => {
+                let mut set = tokio::task::JoinSet::new();
+                for (i, t) in &to_run {
+                    set.spawn(make(*i, t));
+                }
+                let mut results = Vec::with_capacity(to_run.len());
+                while let Some(joined) = set.join_next().await {
+                    match joined {
+                        Ok((i, r)) => {
+                            // Store finished work at once: a crash later in the step
+                            // does not lose it.
+                            let writes = match (&r, &self.thread, tasks.get(i)) {
+                                (Ok(o), Some(_), Some(t)) => Some(self.task_writes(t, o)?),
+                                _ => None,
+                            };
+                            if let (Some(writes), Some(thread)) = (writes, self.thread.clone()) {
+                                writer
+                                    .put_writes(&thread, &self.checkpoint.id, writes.clone())
+                                    .await?;
+                                self.pending.extend(writes);
+                            }
+                            results.push((i, r));
+                        }
+                        // Panics are caught inside the task; a join error means the
+                        // task was aborted.
+                        Err(_) => results.push((usize::MAX, Err(GraphError::Cancelled))),
+                    }
+                }
+                results
+            }
+        };
         let mut first_error = None;
         for (i, r) in results {
             match r {
                 Ok(o) => {
                     // A lone task's writes go with the step's checkpoint right after;
                     // only an interrupt must be stored on its own.
-                    let writes = match (&o, &self.thread) {
-                        (Outcome::Interrupted(_), Some(_)) if single => {
-                            Some(self.task_writes(&tasks[i], &o)?)
+                    let writes = match (&o, &self.thread, tasks.get(i)) {
+                        (Outcome::Interrupted(_), Some(_), Some(t)) if single => {
+                            Some(self.task_writes(t, &o)?)
                         }
                         _ => None,
                     };
@@ -826,7 +897,9 @@ impl<S: State> RunState<S> {
                             .await?;
                         self.pending.extend(writes);
                     }
-                    outcomes[i] = Some(o);
+                    if let Some(slot) = outcomes.get_mut(i) {
+                        *slot = Some(o);
+                    }
                 }
                 Err(e) => {
                     if let (Some(thread), Some(t)) = (self.thread.clone(), tasks.get(i)) {
@@ -943,11 +1016,11 @@ impl<S: State> RunState<S> {
             )),
             Outcome::Done(c) => {
                 if let Some(u) = &c.update {
-                    for (ch, v) in S::encode_update(u)? {
+                    for (ch, v) in st::encode_update::<S>(u)? {
                         writes.push(PendingWrite::new(
                             t.id.clone(),
                             t.path.clone(),
-                            S::CHANNELS[ch],
+                            channel_name::<S>(ch, "State::encode_update")?,
                             v,
                         ));
                     }
@@ -988,7 +1061,7 @@ impl<S: State> RunState<S> {
     ) -> Result<(), GraphError> {
         let g = Arc::clone(&self.graph);
         let multi = tasks.len() > 1;
-        let needs_local = multi && tasks.iter().any(|t| !g.routers[t.node].is_empty());
+        let needs_local = multi && tasks.iter().any(|t| !g.node(t.node).out.routers.is_empty());
         let before = if needs_local {
             Some((*self.state).clone())
         } else {
@@ -1003,42 +1076,42 @@ impl<S: State> RunState<S> {
         for c in commands {
             let u = c.update.unwrap_or_default();
             encoded.push(if encode {
-                S::encode_update(&u)?
+                st::encode_update::<S>(&u)?
             } else {
                 Vec::new()
             });
             updates.push(u);
             gotos.push(c.goto);
         }
-        let written = Arc::make_mut(&mut self.state).apply(updates)?;
+        let written = st::apply(Arc::make_mut(&mut self.state), updates)?;
 
         let mut next = Vec::new();
         let mut sends = Vec::new();
         let state = Arc::clone(&self.state);
         for ((t, goto), enc) in tasks.iter().zip(gotos).zip(&encoded) {
-            let from = g.nodes[t.node].name.to_string();
-            if !g.routers[t.node].is_empty() {
+            let node = g.node(t.node);
+            if !node.out.routers.is_empty() {
                 match &before {
                     Some(before) => {
                         let mut local = before.clone();
-                        local.apply(vec![S::decode_update(enc)?])?;
-                        self.route_from(t.node, &local, &mut next, &mut sends)?;
+                        st::apply(&mut local, vec![S::decode_update(enc)?])?;
+                        self.route_from(Some(t.node), &local, &mut next, &mut sends)?;
                     }
-                    None => self.route_from(t.node, &state, &mut next, &mut sends)?,
+                    None => self.route_from(Some(t.node), &state, &mut next, &mut sends)?,
                 }
             } else {
-                self.route_from(t.node, &state, &mut next, &mut sends)?;
+                self.route_from(Some(t.node), &state, &mut next, &mut sends)?;
             }
-            self.goto(&from, goto, &mut next, &mut sends)?;
-            for (j, join) in g.joins.iter().enumerate() {
+            self.goto(&node.spec.name, goto, &mut next, &mut sends)?;
+            for (join, seen) in g.joins.iter().zip(self.joins_seen.iter_mut()) {
                 if join.sources.contains(&t.node) {
-                    self.joins_seen[j].insert(t.node);
+                    seen.insert(t.node);
                 }
             }
         }
-        for (j, join) in g.joins.iter().enumerate() {
-            if join.sources.iter().all(|s| self.joins_seen[j].contains(s)) {
-                self.joins_seen[j].clear();
+        for (join, seen) in g.joins.iter().zip(self.joins_seen.iter_mut()) {
+            if join.sources.iter().all(|s| seen.contains(s)) {
+                seen.clear();
                 if let Target::Node(n) = join.target {
                     push_unique(&mut next, n);
                 }
@@ -1052,11 +1125,13 @@ impl<S: State> RunState<S> {
                 for (t, enc) in tasks.iter().zip(&encoded) {
                     let update = enc
                         .iter()
-                        .map(|(c, v)| (S::CHANNELS[*c], v.clone()))
-                        .collect();
+                        .map(|(c, v)| {
+                            Ok((channel_name::<S>(*c, "State::encode_update")?, v.clone()))
+                        })
+                        .collect::<Result<_, StateError>>()?;
                     sink.send(Event::Updates {
                         step: self.step,
-                        node: g.nodes[t.node].name.to_string(),
+                        node: g.name(t.node).to_string(),
                         update,
                     })
                     .await?;
@@ -1072,7 +1147,7 @@ impl<S: State> RunState<S> {
         }
         if writer.stores() {
             self.writers
-                .extend(tasks.iter().map(|t| g.nodes[t.node].name.to_string()));
+                .extend(tasks.iter().map(|t| g.name(t.node).to_string()));
         }
         let per_channel = group_by_channel(&written, encoded);
         self.persist(writer, CheckpointSource::Loop, per_channel)
@@ -1154,7 +1229,12 @@ impl<S: State> RunState<S> {
     fn next_checkpoint(
         &mut self,
         channels: &BTreeMap<usize, Vec<Value>>,
-    ) -> Vec<(usize, Option<ChannelVersion>, ChannelVersion)> {
+    ) -> Result<Vec<(usize, Option<ChannelVersion>, ChannelVersion)>, StateError> {
+        // Every index is checked before anything changes.
+        let names = channels
+            .keys()
+            .map(|&c| Ok((c, channel_name::<S>(c, "State::apply")?)))
+            .collect::<Result<Vec<_>, StateError>>()?;
         let mut next = self.checkpoint.successor();
         // Ids order a thread's history: a new one must sort after the thread's head,
         // even when that head was written by another machine or this run forked.
@@ -1176,24 +1256,24 @@ impl<S: State> RunState<S> {
                 next.versions_seen.insert(
                     key,
                     seen.iter()
-                        .map(|n| (self.graph.nodes[*n].name.to_string(), 1))
+                        .map(|n| (self.graph.name(*n).to_string(), 1))
                         .collect(),
                 );
             }
         }
         let mut versions = Vec::new();
-        for &c in channels.keys() {
-            let name = S::CHANNELS[c];
-            let base = self.books[c].version.clone();
+        for (c, name) in names {
+            let book = book_mut::<S>(&mut self.books, c)?;
+            let base = book.version.clone();
             let version =
                 ChannelVersion::new(base.as_ref().map_or(1, |v| v.seq + 1), next.id.clone());
             next.channel_versions
                 .insert(name.to_owned(), version.clone());
-            self.books[c].version = Some(version.clone());
+            book.version = Some(version.clone());
             versions.push((c, base, version));
         }
         self.checkpoint = next;
-        versions
+        Ok(versions)
     }
 
     fn build_put(
@@ -1212,11 +1292,11 @@ impl<S: State> RunState<S> {
         for c in &dirty {
             per_channel.entry(*c).or_default();
         }
-        let versions = self.next_checkpoint(&per_channel);
+        let versions = self.next_checkpoint(&per_channel)?;
         let mut deltas = Vec::with_capacity(versions.len());
         for (c, base, version) in versions {
             let updates = per_channel.remove(&c).unwrap_or_default();
-            let book = &mut self.books[c];
+            let book = book_mut::<S>(&mut self.books, c)?;
             let bytes: usize = updates.iter().map(json_size).sum();
             book.delta_bytes += bytes;
             // Snapshot when the deltas since the last snapshot outweigh it
@@ -1244,7 +1324,7 @@ impl<S: State> RunState<S> {
                 updates
             };
             deltas.push(ChannelDelta {
-                channel: S::CHANNELS[c].to_owned(),
+                channel: channel_name::<S>(c, "State::apply")?.to_owned(),
                 version,
                 base: if snapshot_only.contains(&c) {
                     None
@@ -1476,7 +1556,7 @@ impl Writer {
     }
 }
 
-fn push_unique(v: &mut Vec<usize>, n: usize) {
+fn push_unique(v: &mut Vec<NodeIx>, n: NodeIx) {
     if !v.contains(&n) {
         v.push(n);
     }
@@ -1578,7 +1658,7 @@ fn rebuild<S: State>(tuple: &CheckpointTuple) -> Result<(S, Vec<ChannelBook>), G
         let c = channel_index::<S>(name).ok_or_else(|| StateError::UnknownChannel {
             channel: name.clone(),
         })?;
-        let book = &mut books[c];
+        let book = book_mut::<S>(&mut books, c)?;
         if let Some(s) = &chain.snapshot {
             book.snapshot_bytes = json_size(s);
             state.restore_channel(c, s.clone())?;
@@ -1590,6 +1670,16 @@ fn rebuild<S: State>(tuple: &CheckpointTuple) -> Result<(S, Vec<ChannelBook>), G
         book.version = tuple.checkpoint.channel_versions.get(name).cloned();
     }
     Ok((state, books))
+}
+
+/// The book of channel `c` (`books` has one per channel of `S`).
+fn book_mut<S: State>(books: &mut [ChannelBook], c: usize) -> Result<&mut ChannelBook, StateError> {
+    match books.get_mut(c) {
+        Some(book) => Ok(book),
+        None => Err(channel_name::<S>(c, "State::apply")
+            .err()
+            .unwrap_or_else(|| StateError::unknown_index(c))),
+    }
 }
 
 /// Groups encoded task updates by channel, keeping task order within each channel.

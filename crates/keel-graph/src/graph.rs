@@ -209,8 +209,9 @@ impl<S: State> StateGraph<S> {
     /// Checks the graph and makes it runnable.
     ///
     /// Rejects: duplicate or reserved node names, edges/joins/routers/breakpoints that
-    /// name unknown nodes, a graph with no edge from `START`, and nodes that cannot
-    /// reach `END`.
+    /// name unknown nodes, a graph with no edge from `START`, nodes that cannot reach
+    /// `END`, and retry policies with a setting out of range
+    /// ([`BuildError::InvalidRetryPolicy`]).
     pub fn compile(self) -> Result<CompiledGraph<S>, BuildError> {
         if let Some(e) = self.errors.into_iter().next() {
             return Err(e);
@@ -257,6 +258,13 @@ impl<S: State> StateGraph<S> {
         for n in &self.nodes {
             if let Some(d) = n.options.destinations.iter().find(|d| !known_target(d)) {
                 return Err(unknown(d));
+            }
+            if let Some((setting, problem)) = n.options.retry.as_ref().and_then(|r| r.problem()) {
+                return Err(BuildError::InvalidRetryPolicy {
+                    node: n.name.to_string(),
+                    setting,
+                    problem,
+                });
             }
         }
         for n in self.interrupt_before.iter().chain(&self.interrupt_after) {
@@ -319,7 +327,7 @@ impl<S: State> StateGraph<S> {
             self.checkpointer,
             self.interrupt_before,
             self.interrupt_after,
-        )))
+        )?))
     }
 }
 
@@ -354,6 +362,18 @@ pub enum BuildError {
     /// Nothing leaves `START`.
     #[error("no edge from START: the graph has no entry point")]
     NoEntry,
+    /// A node's [`RetryPolicy`](crate::RetryPolicy) has a setting out of range: no
+    /// attempt at all (`max_attempts` 0), or a `multiplier` that is not a finite number
+    /// of at least 1 (NaN, infinite, negative, zero or shrinking).
+    #[error("node `{node}`: retry policy `{setting}` {problem}")]
+    InvalidRetryPolicy {
+        /// The node.
+        node: String,
+        /// The setting (a field of `RetryPolicy`).
+        setting: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A node from which no path leads to `END`.
     #[error("node `{node}` cannot reach END")]
     CannotReachEnd {

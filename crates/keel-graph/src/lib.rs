@@ -42,6 +42,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// Nothing a caller or a hand-written `State` passes in may panic the engine (invariant
+// 9): no indexing that can go out of range (the few proven indexes carry a narrow,
+// commented allow), and no float-to-duration conversion that panics (clippy.toml
+// disallows them; `Duration::try_from_secs_f64` instead).
+#![deny(clippy::indexing_slicing, clippy::disallowed_methods)]
+
 mod command;
 mod config;
 mod engine;

@@ -89,6 +89,23 @@ pub enum StateError {
         /// The name or index found.
         channel: String,
     },
+    /// A [`State`] implementation returned a channel index that is not a position in
+    /// its [`State::CHANNELS`] (a hand-written `apply` or `encode_update` with a wrong
+    /// number). The engine refuses the step; nothing is stored.
+    #[error(
+        "state `{state}`: `{method}` returned channel #{index}, but CHANNELS has {count} \
+         (channels are numbered from 0 in CHANNELS order)"
+    )]
+    ChannelOutOfRange {
+        /// The state type.
+        state: &'static str,
+        /// The method that returned it (`State::apply` or `State::encode_update`).
+        method: &'static str,
+        /// The index returned.
+        index: usize,
+        /// How many channels [`State::CHANNELS`] names.
+        count: usize,
+    },
 }
 
 impl StateError {
@@ -98,6 +115,47 @@ impl StateError {
             channel: format!("#{channel}"),
         }
     }
+}
+
+/// The name of channel `index` of `S`, or [`StateError::ChannelOutOfRange`] naming the
+/// method that returned the index.
+pub(crate) fn channel_name<S: State>(
+    index: usize,
+    method: &'static str,
+) -> Result<&'static str, StateError> {
+    S::CHANNELS
+        .get(index)
+        .copied()
+        .ok_or_else(|| StateError::ChannelOutOfRange {
+            state: std::any::type_name::<S>(),
+            method,
+            index,
+            count: S::CHANNELS.len(),
+        })
+}
+
+/// [`State::apply`], with every returned index checked against [`State::CHANNELS`].
+pub(crate) fn apply<S: State>(
+    state: &mut S,
+    updates: Vec<S::Update>,
+) -> Result<Vec<usize>, StateError> {
+    let written = state.apply(updates)?;
+    for &c in &written {
+        channel_name::<S>(c, "State::apply")?;
+    }
+    Ok(written)
+}
+
+/// [`State::encode_update`], with every returned index checked against
+/// [`State::CHANNELS`].
+pub(crate) fn encode_update<S: State>(
+    update: &S::Update,
+) -> Result<Vec<(usize, Value)>, StateError> {
+    let encoded = S::encode_update(update)?;
+    for (c, _) in &encoded {
+        channel_name::<S>(*c, "State::encode_update")?;
+    }
+    Ok(encoded)
 }
 
 /// Helpers for implementing [`State`] by hand (the derive calls the same ones): each

@@ -421,6 +421,107 @@ async fn timeout_and_retry_policy() {
     assert!(matches!(err, GraphError::NodeTimeout { .. }), "{err:?}");
 }
 
+fn retrying(policy: RetryPolicy) -> Result<keel_graph::CompiledGraph<S>, BuildError> {
+    StateGraph::<S>::new()
+        .add_node_with(
+            "flaky",
+            NodeOptions {
+                retry: Some(policy),
+                ..Default::default()
+            },
+            logger("flaky"),
+        )
+        .add_edge(START, "flaky")
+        .add_edge("flaky", END)
+        .compile()
+}
+
+#[test]
+fn compile_refuses_retry_settings_out_of_range() {
+    for multiplier in [-2.0, 0.0, 0.5, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let err = retrying(RetryPolicy {
+            multiplier,
+            ..Default::default()
+        })
+        .err();
+        assert!(
+            matches!(&err, Some(BuildError::InvalidRetryPolicy { node, setting: "multiplier", .. }) if node == "flaky"),
+            "multiplier {multiplier}: {err:?}"
+        );
+    }
+    let err = retrying(RetryPolicy {
+        max_attempts: 0,
+        ..Default::default()
+    })
+    .err();
+    assert!(
+        matches!(
+            &err,
+            Some(BuildError::InvalidRetryPolicy {
+                setting: "max_attempts",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let message = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        message.contains("`flaky`") && message.contains("max_attempts"),
+        "{message}"
+    );
+    // In range: constant and growing waits, any durations.
+    for multiplier in [1.0, 2.0, 1e300] {
+        assert!(
+            retrying(RetryPolicy {
+                multiplier,
+                initial_backoff: Duration::MAX,
+                max_backoff: Duration::ZERO,
+                ..Default::default()
+            })
+            .is_ok()
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backoff_past_duration_max_waits_max_backoff_instead_of_panicking() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = Arc::clone(&calls);
+    let g = StateGraph::<S>::new()
+        .add_node_with(
+            "flaky",
+            NodeOptions {
+                retry: Some(RetryPolicy {
+                    max_attempts: 4,
+                    initial_backoff: Duration::MAX,
+                    multiplier: 1e300,
+                    max_backoff: Duration::from_millis(1),
+                }),
+                ..Default::default()
+            },
+            move |_s, _ctx| {
+                let n = c.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n < 3 {
+                        Err(NodeError::msg("transient"))
+                    } else {
+                        Ok(log("ok"))
+                    }
+                }
+            },
+        )
+        .add_edge(START, "flaky")
+        .add_edge("flaky", END)
+        .compile()
+        .unwrap();
+    let run = g
+        .invoke(SUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.log, ["ok"]);
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
 fn approval_graph(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
     StateGraph::<S>::new()
         .add_node("draft", logger("draft"))

@@ -152,3 +152,182 @@ async fn a_hand_written_state_runs_and_checkpoints() {
     assert_eq!(stored.values, run.state);
     assert_eq!(stored.values.status, "written");
 }
+
+/// A hand-written state whose index functions can lie: `apply` returning a channel
+/// number past `CHANNELS`, or `encode_update` encoding under one.
+#[derive(Clone, Debug, Default)]
+struct Liar {
+    value: i64,
+}
+
+#[derive(Default)]
+struct LiarUpdate {
+    value: Option<i64>,
+    /// `apply` reports this channel as written.
+    apply_says: Option<usize>,
+    /// `encode_update` puts the value under this channel.
+    encode_says: Option<usize>,
+}
+
+impl From<LiarUpdate> for Command<Liar> {
+    fn from(u: LiarUpdate) -> Self {
+        Command::update(u)
+    }
+}
+
+impl State for Liar {
+    type Update = LiarUpdate;
+    const CHANNELS: &'static [&'static str] = &["value"];
+
+    fn empty() -> Self {
+        Liar::default()
+    }
+
+    fn apply(&mut self, updates: Vec<LiarUpdate>) -> Result<Vec<usize>, StateError> {
+        let mut written = Vec::new();
+        for u in updates {
+            if let Some(v) = u.value {
+                self.value = v;
+                written.push(u.apply_says.unwrap_or(0));
+            }
+        }
+        Ok(written)
+    }
+
+    fn encode_update(u: &LiarUpdate) -> Result<Vec<(usize, Value)>, StateError> {
+        Ok(u.value
+            .map(|v| (u.encode_says.unwrap_or(0), Value::from(v)))
+            .into_iter()
+            .collect())
+    }
+
+    fn decode_update(values: &[(usize, Value)]) -> Result<LiarUpdate, StateError> {
+        let mut u = LiarUpdate::default();
+        for (c, v) in values {
+            match c {
+                0 => u.value = Some(help::decode("value", v.clone())?),
+                other => return Err(StateError::unknown_index(*other)),
+            }
+        }
+        Ok(u)
+    }
+
+    fn encode_channel(&self, c: usize) -> Result<Value, StateError> {
+        match c {
+            0 => help::encode("value", &self.value),
+            other => Err(StateError::unknown_index(other)),
+        }
+    }
+
+    fn restore_channel(&mut self, c: usize, v: Value) -> Result<(), StateError> {
+        match c {
+            0 => self.value = help::decode("value", v)?,
+            other => return Err(StateError::unknown_index(other)),
+        }
+        Ok(())
+    }
+
+    fn fold_channel(&mut self, c: usize, updates: Vec<Value>) -> Result<(), StateError> {
+        match c {
+            0 => {
+                for v in updates {
+                    self.value = help::decode("value", v)?;
+                }
+                Ok(())
+            }
+            other => Err(StateError::unknown_index(other)),
+        }
+    }
+}
+
+fn liar_graph(
+    node_update: fn() -> LiarUpdate,
+    cp: Option<Arc<MemorySaver>>,
+) -> keel_graph::CompiledGraph<Liar> {
+    let mut g = StateGraph::<Liar>::new()
+        .add_node("lie", move |_s, _c| async move { Ok(node_update()) })
+        .add_edge(START, "lie")
+        .add_edge("lie", END);
+    if let Some(cp) = cp {
+        g = g.with_checkpointer(cp);
+    }
+    g.compile().unwrap()
+}
+
+fn assert_out_of_range(
+    result: Result<impl std::fmt::Debug, keel_graph::GraphError>,
+    method: &str,
+    index: usize,
+) {
+    let err = result.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            keel_graph::GraphError::State(StateError::ChannelOutOfRange { method: m, index: i, count: 1, state })
+                if *m == method && *i == index && state.ends_with("Liar")
+        ),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("#{index}")) && message.contains(method),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_state_returning_a_channel_past_channels_is_a_typed_error_not_a_panic() {
+    let apply_lies = || LiarUpdate {
+        value: Some(1),
+        apply_says: Some(7),
+        encode_says: None,
+    };
+    let encode_lies = || LiarUpdate {
+        value: Some(1),
+        apply_says: None,
+        encode_says: Some(9),
+    };
+    // Without a checkpointer.
+    let g = liar_graph(apply_lies, None);
+    assert_out_of_range(
+        g.invoke(LiarUpdate::default(), &RunConfig::default()).await,
+        "State::apply",
+        7,
+    );
+    // With one: the step's checkpoint would be written under the channel.
+    let cp = Arc::new(MemorySaver::new());
+    let g = liar_graph(apply_lies, Some(Arc::clone(&cp)));
+    let config = RunConfig::thread("liar");
+    assert_out_of_range(
+        g.invoke(LiarUpdate::default(), &config).await,
+        "State::apply",
+        7,
+    );
+    // The thread stays at its input checkpoint.
+    let stored = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(stored.next, ["lie"]);
+
+    let g = liar_graph(encode_lies, Some(Arc::new(MemorySaver::new())));
+    assert_out_of_range(
+        g.invoke(LiarUpdate::default(), &RunConfig::thread("liar"))
+            .await,
+        "State::encode_update",
+        9,
+    );
+    // As input, and streamed as an update.
+    let g = liar_graph(LiarUpdate::default, Some(Arc::new(MemorySaver::new())));
+    assert_out_of_range(
+        g.invoke(encode_lies(), &RunConfig::thread("x")).await,
+        "State::encode_update",
+        9,
+    );
+    let g = liar_graph(encode_lies, None);
+    let events: Vec<_> = futures::StreamExt::collect::<Vec<_>>(g.stream(
+        LiarUpdate::default(),
+        RunConfig::default(),
+        keel_graph::StreamMode::updates(),
+    ))
+    .await;
+    let last = events.into_iter().last().unwrap();
+    assert_out_of_range(last, "State::encode_update", 9);
+}
