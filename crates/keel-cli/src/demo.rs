@@ -15,7 +15,7 @@ use keel::compaction::{CompactionConfig, EventKind};
 use keel::message::{Message, Role};
 use keel::model::ChatModel;
 use keel::offload::EvictLargeResults;
-use keel::token::{MemoCounter, ModelProfile, ModelProfiles, TiktokenCounter, TokenCounter};
+use keel::token::{ModelProfile, ModelProfiles, TokenCounter};
 use serde::Serialize;
 
 use crate::chart::{self, Mark, Turn};
@@ -192,31 +192,29 @@ impl Tally {
                 }
             }
             AgentUpdate::Event(AgentEvent::Offload { .. }) => self.offloads += 1,
-            AgentUpdate::Event(AgentEvent::Compaction(e)) => {
-                if e.error.is_none() {
-                    let kind = kind_name(e.kind);
-                    if !quiet {
-                        say(
-                            bar,
-                            format!(
-                                "step {:>4}  {kind}: prompt {} -> {} tokens, {} messages archived",
-                                e.step,
-                                thousands(e.tokens_before as u64),
-                                thousands(e.tokens_after as u64),
-                                e.messages_archived
-                            ),
-                        );
-                    }
-                    self.compactions.push(CompactionRow {
-                        step: e.step,
-                        kind: kind.to_owned(),
-                        trigger: format!("{:?}", e.trigger).to_lowercase(),
-                        tokens_before: e.tokens_before,
-                        tokens_after: e.tokens_after,
-                        messages_archived: e.messages_archived,
-                        prompt_version: e.prompt_version.clone(),
-                    });
+            AgentUpdate::Event(AgentEvent::Compaction(e)) if e.error.is_none() => {
+                let kind = kind_name(e.kind);
+                if !quiet {
+                    say(
+                        bar,
+                        format!(
+                            "step {:>4}  {kind}: prompt {} -> {} tokens, {} messages archived",
+                            e.step,
+                            thousands(e.tokens_before as u64),
+                            thousands(e.tokens_after as u64),
+                            e.messages_archived
+                        ),
+                    );
                 }
+                self.compactions.push(CompactionRow {
+                    step: e.step,
+                    kind: kind.to_owned(),
+                    trigger: format!("{:?}", e.trigger).to_lowercase(),
+                    tokens_before: e.tokens_before,
+                    tokens_after: e.tokens_after,
+                    messages_archived: e.messages_archived,
+                    prompt_version: e.prompt_version.clone(),
+                });
             }
             AgentUpdate::Message(m) => {
                 if self.saw_first_call {
@@ -289,9 +287,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     // Exact counts with the model's tokenizer; the scripted agent poses as gpt-4o.
     let model_name = live.as_ref().map_or("gpt-4o", ModelSpec::name).to_owned();
     let profile: ModelProfile = ModelProfiles::new().lookup(&model_name).clone();
-    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
-        TiktokenCounter::new(profile.encoding).context("cannot load the tokenizer")?,
-    ));
+    let counter = model::counter(&profile)?;
     let chat: Arc<dyn ChatModel> = match &live {
         Some(spec) => spec.client(settings)?,
         None => Arc::new(scenario.policy(&model_name)),

@@ -163,29 +163,34 @@ pub fn detect(path: &Path, bytes: &[u8]) -> anyhow::Result<Format> {
     let text = std::str::from_utf8(bytes).unwrap_or_default();
     let first = text.trim_start();
     let jsonl_ext = path.extension().is_some_and(|e| e == "jsonl");
-    let value = match serde_json::from_slice::<Value>(bytes) {
+    let whole = serde_json::from_slice::<Value>(bytes);
+    let first_line = first.lines().next().unwrap_or_default();
+    let first_object = serde_json::from_str::<Value>(first_line)
+        .ok()
+        .filter(Value::is_object);
+    // JSON Lines: a `.jsonl` file, or several lines of which the first is an object
+    // on its own while the whole is not one JSON value.
+    if jsonl_ext || (whole.is_err() && first_object.is_some()) {
+        let Some(v) = first_object else {
+            return Err(anyhow!(
+                "{}: line 1 is not a JSON object; keel replays JSON Lines of chat messages or {{\"messages\": [...]}} objects",
+                path.display()
+            ));
+        };
+        return match message_kind(&v).or_else(|| v.get("messages").and_then(container_kind)) {
+            Some(Format::Openai) => Ok(Format::OpenaiJsonl),
+            Some(Format::Langchain) => bail!(
+                "{}: LangChain dicts as JSON Lines are not supported; write them as a JSON array",
+                path.display()
+            ),
+            _ => bail!(
+                "{}: JSON Lines whose first line is neither a chat message nor a {{\"messages\": [...]}} object",
+                path.display()
+            ),
+        };
+    }
+    let value = match whole {
         Ok(v) => v,
-        Err(_) if jsonl_ext || first.lines().count() > 1 => {
-            // JSON Lines: each line an object.
-            let line = first.lines().next().unwrap_or_default();
-            let v: Value = serde_json::from_str(line).map_err(|e| {
-                anyhow!(
-                    "{}: line 1 is not JSON ({e}); keel replays JSON and JSON Lines files",
-                    path.display()
-                )
-            })?;
-            return match message_kind(&v).or_else(|| v.get("messages").and_then(container_kind)) {
-                Some(Format::Openai) => Ok(Format::OpenaiJsonl),
-                Some(Format::Langchain) => bail!(
-                    "{}: LangChain dicts as JSON Lines are not supported; write them as a JSON array",
-                    path.display()
-                ),
-                _ => bail!(
-                    "{}: JSON Lines whose first line is neither a chat message nor a {{\"messages\": [...]}} object",
-                    path.display()
-                ),
-            };
-        }
         Err(_) => return parse(path, bytes).map(|_| Format::Auto),
     };
     if value.get("history").is_some_and(Value::is_array) {

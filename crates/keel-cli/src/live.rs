@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
@@ -12,7 +11,7 @@ use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::offload::EvictLargeResults;
-use keel::token::{MemoCounter, ModelProfile, ModelProfiles, TiktokenCounter, TokenCounter};
+use keel::token::{ModelProfile, ModelProfiles};
 use serde_json::{Value, json};
 
 use crate::config::Settings;
@@ -97,9 +96,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             thousands(profile.context_window as u64)
         );
     }
-    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
-        TiktokenCounter::new(profile.encoding).context("cannot load the tokenizer")?,
-    ));
+    let counter = model::counter(&profile)?;
     let mut tools = FileTools::new(&args.dir)
         .with_context(|| format!("cannot root the file tools at {}", args.dir.display()))?;
     if !args.approve {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use anyhow::{Context as _, bail};
 use keel::model::{ChatModel, OllamaConfig, OllamaModel, OpenAiConfig, OpenAiModel};
 use keel::summarize::{ExtractiveSummarizer, LlmSummarizer, Summarizer};
+use keel::token::{MemoCounter, ModelProfile, TokenCounter};
 
 use crate::config::{Settings, env};
 
@@ -82,6 +83,15 @@ impl std::fmt::Display for ModelSpec {
             Self::OpenAi(n) => write!(f, "openai/{n}"),
         }
     }
+}
+
+/// The token counter of a model profile: exact for the OpenAI encodings, an estimate
+/// for models keel has no tokenizer for; memoized either way.
+pub fn counter(profile: &ModelProfile) -> anyhow::Result<Arc<dyn TokenCounter>> {
+    let inner = profile
+        .counter()
+        .with_context(|| format!("cannot load the tokenizer of {}", profile.name))?;
+    Ok(Arc::new(MemoCounter::new(inner)))
 }
 
 /// `extractive` (no model) or a model spec for LLM summaries.

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
@@ -10,12 +9,13 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::compaction::replay::{ReplayConfig, Report, RunReport, Trajectory, replay_trajectory};
 use keel::compaction::{EventKind, Strategy};
-use keel::token::{MemoCounter, ModelProfiles, TiktokenCounter, TokenCounter};
+use keel::token::ModelProfiles;
 use serde_json::json;
 
 use crate::chart::{self, Mark, Turn};
 use crate::config::Settings;
 use crate::formats::{self, Format, Loaded};
+use crate::model;
 use crate::ui::{percent, table, thousands};
 
 /// `keel replay`
@@ -113,9 +113,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
     if window < 1_000 {
         anyhow::bail!("--window {window} is too small to hold a prompt: use at least 1,000 tokens");
     }
-    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
-        TiktokenCounter::new(profile.encoding).context("cannot load the tokenizer")?,
-    ));
+    let counter = model::counter(&profile)?;
 
     // Load every file; a bad one is reported and skipped.
     let mut loaded: Vec<Loaded> = Vec::new();

@@ -13,7 +13,7 @@ use keel::checkpoint::{Checkpointer, ListOptions, ThreadKey};
 use keel::message::Message;
 use keel::model::{ModelError, PolicyModel};
 use keel::offload::{OffloadStore, ThreadId};
-use keel::token::{MemoCounter, ModelProfiles, TiktokenCounter, TokenCounter};
+use keel::token::ModelProfiles;
 use serde_json::json;
 
 use crate::config::Settings;
@@ -271,7 +271,7 @@ async fn list(
             json!({"thread": t.thread_id, "last_active": when, "namespaces": t.namespaces,
             "steps": steps, "milestones": milestones, "epochs": epochs, "goal": goal}),
         );
-        let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |n| thousands(n));
+        let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
         rows.push(vec![
             t.thread_id.clone(),
             when,
@@ -290,10 +290,10 @@ async fn list(
         );
     } else {
         crate::out!("{}", table(&rows));
-        if threads.len() == limit {
-            if let Some(last) = threads.last() {
-                crate::outln!("(more may follow: --after {})", last.thread_id);
-            }
+        if threads.len() == limit
+            && let Some(last) = threads.last()
+        {
+            crate::outln!("(more may follow: --after {})", last.thread_id);
         }
     }
     Ok(())
@@ -309,10 +309,7 @@ async fn show(
     let state = state_of(saver, thread)
         .await?
         .with_context(|| format!("thread `{thread}` has no state"))?;
-    let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(
-        TiktokenCounter::new(ModelProfiles::new().lookup("gpt-4o").encoding)
-            .context("cannot load the tokenizer")?,
-    ));
+    let counter = crate::model::counter(ModelProfiles::new().lookup("gpt-4o"))?;
     let count = |m: &Message| counter.count_message(m);
     let system = state.system.as_ref();
     let goal = state.goal();
