@@ -17,7 +17,7 @@ use crate::State;
 pub struct Command<S: State> {
     /// The update to fold into the state.
     pub update: Option<S::Update>,
-    /// Nodes (or [`Send`] packets) to run next, in addition to the node's edges.
+    /// Nodes (or [`SendTo`] packets) to run next, in addition to the node's edges.
     pub goto: Vec<Goto>,
     /// For input to `invoke`: the answer to a pending `interrupt`.
     pub resume: Option<Value>,
@@ -75,36 +75,50 @@ impl<S: State> Command<S> {
 }
 
 /// One target of a route: a node (run once per step however often named) or a
-/// [`Send`] packet (one task per packet).
+/// [`SendTo`] packet (one task per packet).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Goto {
     /// Run this node (or `END`).
     Node(String),
     /// Run a node with its own payload.
-    Send(Send),
+    Send(SendTo),
 }
 
-/// Fan-out: run `node` as its own task with `payload` (read with
-/// [`NodeContext::payload`]). Several `Send`s to one node run as several tasks.
+/// Fan-out (LangGraph's `Send`): run `node` as its own task with `payload` as its
+/// input (read with [`NodeContext::payload`]). Several packets to one node run as
+/// several tasks, in the order sent.
+///
+/// Named `SendTo` rather than `Send` so that `use keel_graph::*` does not shadow the
+/// `Send` marker trait.
+///
+/// ```
+/// use keel_graph::{Route, SendTo};
+/// use serde_json::json;
+///
+/// // What a router returns to fan out one `work` task per item.
+/// let packets: Vec<SendTo> = ["a", "b"].iter().map(|item| SendTo::new("work", json!(item))).collect();
+/// let route = Route::from(packets);
+/// assert_eq!(route.0.len(), 2);
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
-pub struct Send {
+pub struct SendTo {
     /// The node to run.
     pub node: String,
     /// The task's own input.
     pub payload: Value,
 }
 
-impl Send {
+impl SendTo {
     /// A packet for `node`.
     pub fn new(node: impl Into<String>, payload: impl Into<Value>) -> Self {
-        Send {
+        SendTo {
             node: node.into(),
             payload: payload.into(),
         }
     }
 }
 
-/// Where a router sends the run: any number of nodes and `Send` packets.
+/// Where a router sends the run: any number of nodes and [`SendTo`] packets.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Route(pub Vec<Goto>);
 
@@ -123,13 +137,13 @@ impl From<Vec<&str>> for Route {
         Route(v.into_iter().map(|s| Goto::Node(s.to_owned())).collect())
     }
 }
-impl From<Send> for Route {
-    fn from(s: Send) -> Self {
+impl From<SendTo> for Route {
+    fn from(s: SendTo) -> Self {
         Route(vec![Goto::Send(s)])
     }
 }
-impl From<Vec<Send>> for Route {
-    fn from(v: Vec<Send>) -> Self {
+impl From<Vec<SendTo>> for Route {
+    fn from(v: Vec<SendTo>) -> Self {
         Route(v.into_iter().map(Goto::Send).collect())
     }
 }
@@ -148,12 +162,12 @@ pub enum NodeError {
     Interrupt(Value),
     /// The node failed.
     #[error(transparent)]
-    Failed(Box<dyn std::error::Error + std::marker::Send + Sync>),
+    Failed(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl NodeError {
     /// A failure from any error.
-    pub fn new(e: impl Into<Box<dyn std::error::Error + std::marker::Send + Sync>>) -> Self {
+    pub fn new(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         NodeError::Failed(e.into())
     }
 
@@ -245,7 +259,7 @@ impl NodeContext {
         &self.task_id
     }
 
-    /// The payload of the [`Send`] that started this task, if any.
+    /// The payload of the [`SendTo`] that started this task, if any.
     pub fn payload(&self) -> Option<&Value> {
         self.payload.as_ref()
     }

@@ -3,7 +3,7 @@
 //! One invocation loads the thread's checkpoint, applies the input, then runs
 //! supersteps until no task is scheduled: every scheduled task runs concurrently, their
 //! updates are folded into the state in task-path order once all have finished, the
-//! next tasks are computed from edges, joins, routers, `goto`s and `Send`s, and the step
+//! next tasks are computed from edges, joins, routers, `goto`s and `SendTo`s, and the step
 //! is checkpointed as per-channel deltas.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -979,7 +979,7 @@ impl<S: State> RunState<S> {
                     })?;
                 goto.extend(specs.into_iter().map(|s| match s.payload {
                     None => Goto::Node(s.node),
-                    Some(p) => Goto::Send(crate::Send {
+                    Some(p) => Goto::Send(crate::SendTo {
                         node: s.node,
                         payload: p,
                     }),
@@ -1563,7 +1563,7 @@ fn push_unique(v: &mut Vec<NodeIx>, n: NodeIx) {
 }
 
 /// A scheduled task's path: `pull:<node>`, or `push:<n>:<node>` for the `n`-th
-/// scheduled task when it comes from a `Send`.
+/// scheduled task when it comes from a `SendTo`.
 fn task_path(i: usize, spec: &TaskSpec) -> String {
     match &spec.payload {
         None => format!("pull:{}", spec.node),
@@ -1573,7 +1573,7 @@ fn task_path(i: usize, spec: &TaskSpec) -> String {
 
 /// Gives each scheduled task its node, path and id, sorted by path. Pull tasks
 /// (`pull:<node>`) sort by node name before push tasks (`push:<n>:<node>`, one per
-/// `Send`, in the order sent). The id is derived from the checkpoint and the path, so it
+/// `SendTo`, in the order sent). The id is derived from the checkpoint and the path, so it
 /// is the same when a crashed step is run again. A task for a node this graph does not
 /// have is [`GraphError::UnknownNode`].
 fn tasks_with_ids<S: State>(

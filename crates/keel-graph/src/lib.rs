@@ -56,7 +56,7 @@ mod graph;
 pub mod state;
 mod stream;
 
-pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, RetryPolicy, Route, Send};
+pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, RetryPolicy, Route, SendTo};
 pub use config::{DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot};
 pub use engine::CompiledGraph;
 pub use error::GraphError;

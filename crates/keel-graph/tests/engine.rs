@@ -10,7 +10,7 @@ use keel_checkpoint::{CheckpointSource, Checkpointer, MemorySaver};
 use keel_graph::reducer::{AddMessages, AddMessagesUpdate, Append, Messages};
 use keel_graph::{
     BuildError, Command, Durability, END, Event, GraphError, NodeError, NodeOptions, RetryPolicy,
-    RunConfig, START, Send, State, StateError, StateGraph, StreamMode,
+    RunConfig, START, SendTo, State, StateError, StateGraph, StreamMode,
 };
 use keel_message::Message;
 use serde_json::json;
@@ -36,7 +36,7 @@ fn saver() -> Arc<dyn Checkpointer> {
 fn logger(
     name: &'static str,
 ) -> impl Fn(Arc<S>, keel_graph::NodeContext) -> futures::future::Ready<Result<SUpdate, NodeError>>
-+ std::marker::Send
++ Send
 + Sync
 + 'static {
     move |_s, _c| futures::future::ready(Ok(log(name)))
@@ -186,7 +186,7 @@ async fn send_fans_out_one_task_per_payload() {
         .add_edge(START, "split")
         .add_conditional_edges(
             "split",
-            |_s: &S| (1..=3).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            |_s: &S| (1..=3).map(|i| SendTo::new("work", i)).collect::<Vec<_>>(),
             Some(&["work"]),
         )
         .add_edge("work", END)
@@ -968,7 +968,7 @@ async fn nodes_see_the_thread_namespace_and_configurable_of_their_invocation() {
         .add_edge(START, "split")
         .add_conditional_edges(
             "split",
-            |_s: &S| (1..=2).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            |_s: &S| (1..=2).map(|i| SendTo::new("work", i)).collect::<Vec<_>>(),
             Some(&["work"]),
         )
         .add_edge("work", END)
@@ -1089,7 +1089,7 @@ impl Checkpointer for CountingSaver {
     }
 }
 
-/// `plan`, then `a` and `b` in parallel, then three `work` tasks (one `Send` each).
+/// `plan`, then `a` and `b` in parallel, then three `work` tasks (one `SendTo` each).
 fn fan_graph(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
     StateGraph::<S>::new()
         .add_node("plan", logger("plan"))
@@ -1103,7 +1103,7 @@ fn fan_graph(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
         .add_node("fan", |_s, _c| async { Ok(SUpdate::default()) })
         .add_conditional_edges(
             "fan",
-            |_s: &S| (0..3).map(|i| Send::new("work", i)).collect::<Vec<_>>(),
+            |_s: &S| (0..3).map(|i| SendTo::new("work", i)).collect::<Vec<_>>(),
             Some(&["work"]),
         )
         .add_edge("work", END)
