@@ -101,71 +101,25 @@
 //!
 //! # Errors
 //!
-//! Every problem is reported as a compile error at the offending tokens, all at once.
+//! Every problem is reported as a compile error at the offending tokens, all at once:
+//! an enum, tuple struct, unit struct or union (a state is a struct with named
+//! fields); a generic struct; `#[reducer]` without its type, or with an option other
+//! than `with = expr`; a `crate = ..` that is not a path; an option on the wrong item.
+//! A field whose type is not its reducer's `Value` is a type mismatch at the field's
+//! type.
 //!
-//! An enum (or tuple struct, unit struct, union) is not a state:
-//!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! enum Phase {
-//!     Plan,
-//!     Act,
-//! }
-//! ```
-//!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! struct Pair(u32, String);
-//! ```
-//!
-//! A reducer attribute needs a type, and `with` is its only option:
-//!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! struct S {
-//!     #[reducer(Sum<u32>, init = 3)]
+//! ```ignore
+//! #[derive(Clone, State)]
+//! struct Counter {
+//!     #[reducer(Sum<u32>, init = 3)] // error: unknown `reducer` option `init`; the only one is `with = expr`
 //!     total: u32,
 //! }
 //! ```
 //!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! struct S {
-//!     #[reducer]
-//!     total: u32,
-//! }
-//! ```
-//!
-//! `crate = ..` needs a path:
-//!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! #[state(crate = "keel graph")]
-//! struct S {
-//!     total: u32,
-//! }
-//! ```
-//!
-//! Generic structs are refused:
-//!
-//! ```compile_fail
-//! use keel_graph_macros::State;
-//!
-//! #[derive(State)]
-//! struct S<T> {
-//!     value: T,
-//! }
-//! ```
+//! Each of these errors, with its exact text, is a UI test in keel-graph
+//! (`crates/keel-graph/tests/ui/*.rs` and `.stderr`, run by `tests/ui.rs` with
+//! trybuild), where the derive and keel-graph are both in scope, so a case fails only
+//! for the reason its `.stderr` gives.
 
 mod expand;
 mod parse;

@@ -154,6 +154,10 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
                     ));
                     continue;
                 }
+                if matches!(attr.meta, syn::Meta::Path(_)) {
+                    errors.push(syn::Error::new(attr.meta.span(), EXPECTED_REDUCER));
+                    continue;
+                }
                 match attr.parse_args_with(parse_reducer_args) {
                     Ok(parsed) => reducer_attr = Some(parsed),
                     Err(e) => errors.push(e),
@@ -256,12 +260,14 @@ fn parse_crate_path(input: ParseStream<'_>) -> syn::Result<Path> {
     input.call(Path::parse_mod_style)
 }
 
+/// What a `#[reducer]` without its type is told.
+const EXPECTED_REDUCER: &str =
+    "expected the reducer type: `#[reducer(Type)]` or `#[reducer(Type, with = expr)]`";
+
 /// The inside of `#[reducer(Type)]` or `#[reducer(Type, with = expr)]`.
 fn parse_reducer_args(input: ParseStream<'_>) -> syn::Result<(Type, Option<Expr>)> {
     if input.is_empty() {
-        return Err(input.error(
-            "expected the reducer type: `#[reducer(Type)]` or `#[reducer(Type, with = expr)]`",
-        ));
+        return Err(input.error(EXPECTED_REDUCER));
     }
     let ty: Type = input.parse()?;
     if input.is_empty() {
@@ -474,7 +480,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_attributes() {
-        assert!(err("struct S { #[reducer] a: u8 }").contains("expected attribute arguments"));
+        assert!(err("struct S { #[reducer] a: u8 }").contains("expected the reducer type"));
         assert!(err("struct S { #[reducer()] a: u8 }").contains("expected the reducer type"));
         assert!(
             err("struct S { #[reducer(Sum<u8>, init = 3)] a: u8 }")
