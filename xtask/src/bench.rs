@@ -5,6 +5,7 @@ use anyhow::{Result, bail};
 
 mod agent;
 mod agent_keel;
+mod cli;
 mod compaction;
 mod graph;
 mod model;
@@ -26,6 +27,7 @@ pub fn bench(target: &str) -> Result<()> {
         "compaction" => compaction::run_bench(),
         "reducer" => reducer::run_bench(),
         "agent" => agent::run(),
+        "cli" => cli::run_bench(),
         "all" => {
             token::run()?;
             reducer::run_bench()?;
@@ -35,10 +37,11 @@ pub fn bench(target: &str) -> Result<()> {
             offload::run()?;
             model::run()?;
             compaction::run_bench()?;
-            agent::run()
+            agent::run()?;
+            cli::run_bench()
         }
         other => bail!(
-            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction, agent or all)"
+            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction, agent, cli or all)"
         ),
     }
 }

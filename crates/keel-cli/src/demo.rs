@@ -81,6 +81,10 @@ struct Report {
     directory: String,
     files_seen: usize,
     wall_seconds: f64,
+    /// Peak resident memory of the whole process (Linux).
+    peak_rss_bytes: Option<u64>,
+    /// Time to draw and write the chart.
+    chart_ms: f64,
     model_calls: u64,
     tool_calls: u64,
     tool_errors: u64,
@@ -407,6 +411,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         })
         .collect();
     let marks = marks_for(&tally);
+    let chart_started = Instant::now();
     chart::write_svg(
         &chart_path,
         &format!(
@@ -417,6 +422,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         &turns,
         &marks,
     )?;
+    let chart_ms = chart_started.elapsed().as_secs_f64() * 1e3;
     let sent: u64 = tally.turns.iter().map(|t| t.context_tokens).sum();
     let full: u64 = tally.turns.iter().map(|t| t.full_history_tokens).sum();
     let report = Report {
@@ -428,6 +434,8 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         directory: scenario.dir.display().to_string(),
         files_seen: scenario.files.len(),
         wall_seconds: started.elapsed().as_secs_f64(),
+        peak_rss_bytes: crate::ui::peak_rss_bytes(),
+        chart_ms,
         model_calls: tally.turns.len() as u64,
         tool_calls: tally.tool_calls,
         tool_errors: tally.tool_errors,

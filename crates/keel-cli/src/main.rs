@@ -14,6 +14,7 @@
 mod chart;
 mod config;
 mod demo;
+mod fleet;
 mod formats;
 mod live;
 mod model;
@@ -59,6 +60,10 @@ enum Command {
     Run(live::RunArgs),
     /// List, inspect, prune and delete stored threads.
     Threads(threads::ThreadsArgs),
+    /// Queue a run for a thread in the fleet's Postgres; prints its id.
+    Submit(fleet::SubmitArgs),
+    /// Run queued runs from the fleet's Postgres until Ctrl-C.
+    Worker(fleet::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +88,8 @@ fn main() -> ExitCode {
             Command::Replay(args) => replay::run(args, &settings).await,
             Command::Run(args) => live::run(args, &settings).await,
             Command::Threads(args) => threads::run(args, &settings).await,
+            Command::Submit(args) => fleet::submit(args, &settings).await,
+            Command::Worker(args) => fleet::worker(args, &settings).await,
         }
     });
     match result {

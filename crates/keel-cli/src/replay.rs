@@ -206,6 +206,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
                 }).collect::<Vec<_>>()).unwrap_or_default(),
             })).collect::<Vec<_>>(),
             "seconds": started.elapsed().as_secs_f64(),
+            "peak_rss_bytes": crate::ui::peak_rss_bytes(),
         });
         crate::outln!(
             "{}",

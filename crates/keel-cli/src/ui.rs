@@ -108,6 +108,15 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
+/// This process's peak resident memory (Linux `VmHWM`), for the reports the benchmarks
+/// read; `None` elsewhere.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// A share as a percentage with one decimal: `0.4012` → `40.1%`.
 pub fn percent(share: f64) -> String {
     if share.is_finite() {

@@ -611,6 +611,73 @@ async fn run_reports_an_unreachable_server_as_a_sentence() {
     );
 }
 
+/// Asks to write `notes.txt` once, then answers from the tool result.
+struct Writer;
+
+impl Respond for Writer {
+    fn respond(&self, request: &Request) -> ResponseTemplate {
+        let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+        let result = body["messages"]
+            .as_array()
+            .and_then(|m| m.iter().rev().find(|m| m["role"] == "tool"))
+            .map(|m| m["content"].as_str().unwrap_or_default().to_owned());
+        let message = match result {
+            Some(r) => json!({"role": "assistant", "content": format!("Tool said: {r}")}),
+            None => json!({"role": "assistant", "content": "", "tool_calls": [{"function": {
+                "name": "write_file", "arguments": {"path": "notes.txt", "content": "hello\n"}}}]}),
+        };
+        ResponseTemplate::new(200).set_body_json(json!({
+            "model": "local", "message": message, "done": true, "prompt_eval_count": 50, "eval_count": 5}))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approve_asks_at_the_terminal_before_a_write() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/api/chat"))
+        .respond_with(Writer)
+        .mount(&server)
+        .await;
+    for (answer, written) in [("y\n", true), ("n\n", false), ("", false)] {
+        let proj = project();
+        let home = tempfile::tempdir().unwrap();
+        let (h, d, uri) = (home.path().to_owned(), proj.path().to_owned(), server.uri());
+        let out = tokio::task::spawn_blocking(move || {
+            let mut cmd = keel();
+            cmd.args([
+                "run",
+                "--model",
+                "ollama/local",
+                "--window",
+                "8000",
+                "--approve",
+                "--goal",
+                "Write a note.",
+            ])
+            .arg("--home")
+            .arg(&h)
+            .arg("--dir")
+            .arg(&d)
+            .env("OLLAMA_BASE_URL", uri)
+            .write_stdin(answer);
+            cmd.output().unwrap()
+        })
+        .await
+        .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{answer:?}: {stdout}\n{stderr}");
+        assert!(stdout.contains("approve write_file("), "{stdout}");
+        assert_eq!(
+            proj.path().join("notes.txt").exists(),
+            written,
+            "{answer:?}: {stdout}"
+        );
+        let verdict = if written { "approved" } else { "denied" };
+        assert!(stdout.contains(verdict), "{answer:?}: {stdout}");
+    }
+}
+
 fn database_url() -> Option<String> {
     match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => Some(url),

@@ -1,0 +1,275 @@
+//! `keel submit` and `keel worker`: a fleet of agent workers on one Postgres.
+//!
+//! `keel submit` stores a run (a goal for a new thread, or a follow-up message) in the
+//! run queue and prints its id; any number of `keel worker` processes, on any
+//! machines, claim runs under leases and run their threads from the last checkpoint.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{ArgGroup, Args};
+use keel::agent::Agent;
+use keel::agent::tools::FileTools;
+use keel::compaction::CompactionConfig;
+use keel::message::{Message, Role, ToolCall};
+use keel::model::{ChatModel, ChatResponse, PolicyModel};
+use keel::token::{Encoding, ModelProfile, ModelProfiles};
+use keel_fleet::{FleetError, Policy, Queue, RunInput, Worker};
+use serde_json::json;
+
+use crate::config::Settings;
+use crate::model::ModelSpec;
+use crate::outln;
+use crate::store;
+
+/// `keel submit`
+#[derive(Debug, Args)]
+#[command(
+    group(ArgGroup::new("what").required(true).args(["goal", "message"])),
+    after_help = "\
+Examples:
+  keel submit --database-url postgres://keel@db/app --thread ticket-42 --goal \"Find where the config is parsed\"
+  keel submit --thread ticket-42 --message \"Now list its callers\" --policy enqueue
+  keel submit --thread ticket-42 --message \"Stop; summarize what you found\" --policy interrupt
+
+Prints the run's id. The run is stored when the command returns; a `keel worker`
+on the same database runs it. A thread with a queued or running run refuses a second
+one unless --policy says otherwise: enqueue (run after it) or interrupt (cancel it at
+its next step, keeping its steps, and run this one next). The URL may also come from
+DATABASE_URL or keel.toml; the queue's tables are created when missing."
+)]
+pub struct SubmitArgs {
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// The thread to run.
+    #[arg(long)]
+    thread: String,
+    /// The goal of a new thread (written once; heads every prompt).
+    #[arg(long)]
+    goal: Option<String>,
+    /// A follow-up message to the thread.
+    #[arg(long)]
+    message: Option<String>,
+    /// What to do when the thread already has a queued or running run.
+    #[arg(long, default_value = "reject", value_parser = ["reject", "enqueue", "interrupt"])]
+    policy: String,
+}
+
+/// `keel worker`
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  keel worker --database-url postgres://keel@db/app --model scripted
+  keel worker --model ollama/qwen2.5:7b --concurrency 4 --dir ../project
+  OPENAI_BASE_URL=http://127.0.0.1:8080/v1 keel worker --model openai/local --name gpu-1
+
+Runs queued runs until Ctrl-C, then stops each held run at its next step and puts it
+back in the queue. Start as many workers as you like, on any machines: a run is held
+by one worker at a time under a lease the database times; a worker that dies loses its
+runs after --lease seconds and another continues them from their last checkpoint.
+Checkpoints, the archive and offloaded results live in the same database. The file
+tools are read-only and rooted at --dir. `--model scripted` needs no model server: a
+deterministic agent that lists the directory, greps it twice and answers.")]
+pub struct WorkerArgs {
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Runs held at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// `ollama/<name>`, `openai/<name>` or `scripted` [default: KEEL_MODEL, or `model` in keel.toml].
+    #[arg(long)]
+    model: Option<String>,
+    /// The directory the (read-only) file tools are rooted at.
+    #[arg(long, default_value = ".")]
+    dir: PathBuf,
+    /// The worker's name in run statuses [default: host name and process id].
+    #[arg(long)]
+    name: Option<String>,
+    /// Seconds a silent worker keeps its runs before another takes them over.
+    #[arg(long, default_value_t = 30)]
+    lease: u64,
+    /// Model calls at most per run (a resumable stop).
+    #[arg(long, default_value_t = 100)]
+    max_steps: u64,
+}
+
+fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyhow::Result<String> {
+    settings.database_url(flag).with_context(|| {
+        format!("`keel {command}` needs the fleet's Postgres: --database-url postgres://user@host/db (or DATABASE_URL)")
+    })
+}
+
+fn queue(url: &str) -> anyhow::Result<Queue> {
+    Queue::connect(url)
+        .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")
+}
+
+/// Runs `keel submit`.
+pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let url = database_url(args.database_url.as_deref(), settings, "submit")?;
+    let queue = queue(&url)?;
+    queue.setup().await.with_context(|| {
+        format!(
+            "cannot reach Postgres at {} or create the run queue's tables there",
+            store::redact(&url)
+        )
+    })?;
+    let mut input = RunInput::new();
+    if let Some(goal) = args.goal {
+        input = input.goal(goal);
+    }
+    if let Some(message) = args.message {
+        input = input.message(Message::user(message));
+    }
+    let policy: Policy = args.policy.parse()?;
+    let run = match queue.submit_with(&args.thread, input, policy).await {
+        Ok(run) => run,
+        Err(e @ FleetError::ThreadBusy { .. }) => {
+            bail!("{e}; pass --policy enqueue or --policy interrupt")
+        }
+        Err(e) => return Err(e).context("cannot submit the run"),
+    };
+    outln!("{run}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `keel worker`.
+pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let url = database_url(args.database_url.as_deref(), settings, "worker")?;
+    let model = settings.model(args.model.as_deref()).context(
+        "`keel worker` needs a model: --model scripted (no server), ollama/<name> or openai/<name> (or KEEL_MODEL)",
+    )?;
+    let queue = queue(&url)?;
+    match queue.check().await {
+        Ok(()) => {}
+        // A new database: create the tables. An older or newer schema is an operator's
+        // decision, so it stays an error naming the version.
+        Err(FleetError::NotSetUp { .. }) => {
+            queue
+                .setup()
+                .await
+                .context("cannot create the run queue's tables")?;
+        }
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!("the run queue at {} cannot be used", store::redact(&url))
+            });
+        }
+    }
+    let home = settings.home(None);
+    let storage = store::open(&home, Some(&url), true).await?;
+    let offload = store::offload_for(&home, Some(&url), true)?
+        .context("no offload store could be opened")?;
+    let (client, profile, described): (Arc<dyn ChatModel>, ModelProfile, String) =
+        if model == "scripted" {
+            (
+                Arc::new(scripted()),
+                ModelProfile::new("scripted", 32_000, 2_000, Encoding::Approximate),
+                "scripted (no server)".to_owned(),
+            )
+        } else {
+            let spec = ModelSpec::parse(&model).context(
+                "--model takes `scripted`, `ollama/<name>` or `openai/<name>`",
+            )?;
+            let profile = ModelProfiles::new().lookup(spec.name()).clone();
+            let described = format!("{spec} at {}", spec.base_url(settings));
+            (spec.client(settings)?, profile, described)
+        };
+    let tools = FileTools::new(&args.dir)
+        .with_context(|| format!("cannot root the file tools at {}", args.dir.display()))?
+        .read_only();
+    let agent = Agent::builder()
+        .model(client)
+        .profile(profile)
+        .system("You are a careful engineering agent. Use your tools to look at the files before you answer; answer plainly when you are done. History that leaves your context is archived under archive/, and large results under large_tool_results/; read them back with read_file and grep.")
+        .file_tools(tools)
+        .offload_store(offload)
+        .compaction(CompactionConfig::default().with_max_steps(args.max_steps));
+    let mut builder = Worker::builder(queue, storage.saver.clone())
+        .agent(agent)
+        .concurrency(args.concurrency)
+        .lease(Duration::from_secs(args.lease.max(1)))
+        .heartbeat(Duration::from_secs(args.lease.max(1)) / 10);
+    if let Some(name) = &args.name {
+        builder = builder.name(name.clone());
+    }
+    let worker = builder.build().context("cannot set up the worker")?;
+    outln!(
+        "worker {}: {} slot(s), model {described}, files {} (read-only), {}; Ctrl-C stops",
+        worker.name(),
+        args.concurrency.max(1),
+        args.dir.display(),
+        storage.described
+    );
+    let report = worker
+        .run(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("the worker stopped")?;
+    outln!(
+        "stopped: {} run(s) claimed, {} done, {} failed, {} cancelled, {} put back in the queue, {} taken over by other workers",
+        report.claimed,
+        report.done,
+        report.failed,
+        report.cancelled,
+        report.released,
+        report.superseded
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The `scripted` model: after each user message (or the goal) it lists the root,
+/// greps for TODO/FIXME lines, greps Markdown headings, and answers with what the
+/// three calls returned. Deterministic: the reply is a function of the prompt.
+fn scripted() -> PolicyModel {
+    PolicyModel::new("scripted", |messages, _tools| {
+        let since_user: Vec<&Message> = messages
+            .iter()
+            .rev()
+            .take_while(|m| m.role != Role::User)
+            .collect();
+        let results: Vec<&Message> = since_user
+            .iter()
+            .rev()
+            .filter(|m| m.role == Role::Tool)
+            .copied()
+            .collect();
+        let call = |id: &str, name: &str, args: serde_json::Value, say: &str| {
+            Message::assistant(say).with_tool_calls(vec![ToolCall::new(id, name, args)])
+        };
+        let step = messages.len();
+        let reply = match results.len() {
+            0 => call(&format!("ls-{step}"), "ls", json!({}), "Listing the directory."),
+            1 => call(
+                &format!("todo-{step}"),
+                "grep",
+                json!({"pattern": "(?i)\\b(todo|fixme)\\b", "max_results": 20}),
+                "Looking for open TODO and FIXME notes.",
+            ),
+            2 => call(
+                &format!("md-{step}"),
+                "grep",
+                json!({"pattern": "^#{1,3} ", "glob": "*.md", "max_results": 20}),
+                "Reading the Markdown headings.",
+            ),
+            _ => {
+                let lines = |m: &Message| m.text().lines().filter(|l| !l.trim().is_empty()).count();
+                Message::assistant(format!(
+                    "Scripted survey: the root lists {} entries; {} TODO/FIXME line(s) and {} Markdown heading(s) found (first of each: {}; {}).",
+                    lines(results[0]),
+                    lines(results[1]),
+                    lines(results[2]),
+                    results[1].text().lines().next().unwrap_or("none"),
+                    results[2].text().lines().next().unwrap_or("none"),
+                ))
+            }
+        };
+        Ok(ChatResponse::new(reply, "scripted"))
+    })
+}
