@@ -101,6 +101,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     config.compaction.window_fraction = v as f64 / 100.0;
                 }
                 let started = Instant::now();
+                if let Some(v) = env("KEEL_RATIO") {
+                    config.compaction.summary_ratio = v as f64 / 100.0;
+                }
                 if let Some(v) = env("KEEL_PAYBACK") {
                     config.compaction.step_trigger = StepTrigger::WhenItPays {
                         payback_steps: v as u32,

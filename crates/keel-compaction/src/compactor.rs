@@ -426,7 +426,7 @@ impl Compactor {
         let tail = state.ledger.raw_total.saturating_sub(leaving);
         let summary = self
             .config
-            .milestone_budget(self.prompt_budget())
+            .milestone_budget_for(self.prompt_budget(), leaving)
             .min(leaving);
         let p = self.config.cached_input_price.clamp(0.0, 1.0);
         let call = self
@@ -766,7 +766,8 @@ impl Compactor {
             .summarize(
                 SummaryRequest::milestone(
                     leaving,
-                    self.config.milestone_budget(self.prompt_budget()),
+                    self.config
+                        .milestone_budget_for(self.prompt_budget(), leaving_tokens),
                 ),
                 overflowing,
             )

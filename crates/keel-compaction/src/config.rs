@@ -67,6 +67,9 @@ impl Strategy {
     }
 }
 
+/// The smallest milestone budget: room for the section headings and a few items.
+pub const MIN_MILESTONE_TOKENS: usize = 80;
+
 /// When the step trigger ([`CompactionConfig::every_steps`]) fires.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
@@ -89,10 +92,9 @@ pub enum StepTrigger {
     /// times the summary plus twice the tail.
     ///
     /// `H` is how many more calls the run is trusted to make. A compaction just before
-    /// the run ends never pays, so the default horizon is half the default step
-    /// interval: on the recorded tau-bench and SWE-agent runs, 10 was still dearer
-    /// than the full history at a 128,000 window on SWE-agent, 5 is cheaper at every
-    /// window.
+    /// the run ends never pays, so the default horizon is short: on the recorded
+    /// tau-bench and SWE-agent runs, 10 was still dearer than the full history at a
+    /// 128,000 window on SWE-agent, 5 is cheaper at every window.
     WhenItPays {
         /// Model calls the saving has to pay the reset back in.
         payback_steps: u32,
@@ -112,7 +114,7 @@ impl Default for StepTrigger {
 /// use keel_compaction::{CompactionConfig, StepTrigger, Strategy};
 ///
 /// let config = CompactionConfig::default();
-/// assert_eq!(config.every_steps, Some(10));
+/// assert_eq!(config.every_steps, Some(4));
 /// // ... but only when compacting pays for the prompt cache it resets:
 /// assert_eq!(config.step_trigger, StepTrigger::WhenItPays { payback_steps: 5 });
 /// assert_eq!(config.cached_input_price, 0.1);
@@ -128,6 +130,11 @@ pub struct CompactionConfig {
     pub strategy: Strategy,
     /// Compact after this many steps (a step is one model call and its tool results).
     /// `None` turns the step trigger off. Only [`Strategy::Hierarchical`] uses it.
+    ///
+    /// The default, 4, is short because the default trigger also asks the cost model
+    /// ([`StepTrigger::WhenItPays`]): on a roomy window it waits until compacting
+    /// pays, on a tight one it keeps the prompt small between token-triggered
+    /// compactions.
     ///
     /// A compaction keeps the most recent [`keep_recent`](Self::keep_recent) tokens
     /// (and always the newest step), so when the raw buffer holds no more than that,
@@ -170,6 +177,11 @@ pub struct CompactionConfig {
     /// Token budget of one milestone summary (`None`: 2% of the input budget, between
     /// 100 and 500).
     pub milestone_budget_tokens: Option<usize>,
+    /// The most of its span a milestone may take: its budget is this fraction of the
+    /// tokens it replaces, at least [`MIN_MILESTONE_TOKENS`] and at most the milestone
+    /// budget. A short span gets a short milestone, so a compaction pays for the cache
+    /// it resets sooner (0.2).
+    pub summary_ratio: f64,
     /// Token budget of the epoch summary (`None`: 3% of the input budget, between 150
     /// and 800).
     pub epoch_budget_tokens: Option<usize>,
@@ -188,7 +200,7 @@ impl Default for CompactionConfig {
     fn default() -> Self {
         CompactionConfig {
             strategy: Strategy::Hierarchical,
-            every_steps: Some(10),
+            every_steps: Some(4),
             step_trigger: StepTrigger::default(),
             cached_input_price: 0.1,
             output_price: 4.0,
@@ -198,6 +210,7 @@ impl Default for CompactionConfig {
             epoch_inline: true,
             keep_recent_tokens: None,
             milestone_budget_tokens: None,
+            summary_ratio: 0.3,
             epoch_budget_tokens: None,
             force: false,
             max_steps: 500,
@@ -306,7 +319,23 @@ impl CompactionConfig {
     /// The milestone summary budget for an input budget of `budget` tokens.
     pub fn milestone_budget(&self, budget: usize) -> usize {
         self.milestone_budget_tokens
-            .unwrap_or((budget / 50).clamp(100, 500))
+            .unwrap_or((budget / 40).clamp(300, 2_000))
+    }
+
+    /// The budget of a milestone replacing `span` tokens, for an input budget of
+    /// `budget`: [`CompactionConfig::summary_ratio`] of the span, between
+    /// [`MIN_MILESTONE_TOKENS`] and [`CompactionConfig::milestone_budget`].
+    ///
+    /// ```
+    /// let c = keel_compaction::CompactionConfig::default();
+    /// assert_eq!(c.milestone_budget_for(7_200, 500), 150);
+    /// assert_eq!(c.milestone_budget_for(7_200, 100), keel_compaction::config::MIN_MILESTONE_TOKENS);
+    /// assert_eq!(c.milestone_budget_for(7_200, 100_000), c.milestone_budget(7_200));
+    /// ```
+    pub fn milestone_budget_for(&self, budget: usize, span: usize) -> usize {
+        let cap = self.milestone_budget(budget);
+        let share = (span as f64 * self.summary_ratio.clamp(0.0, 1.0)) as usize;
+        share.clamp(MIN_MILESTONE_TOKENS.min(cap), cap)
     }
 
     /// The epoch summary budget for an input budget of `budget` tokens.

@@ -177,3 +177,28 @@ async fn the_prompt_ceiling_compacts_below_a_huge_window() {
             .all(|e| e.trigger == Trigger::Tokens && e.error.is_none())
     );
 }
+
+/// keel-summarize's extractive summarizer knows an observation by the same metadata key
+/// keel-compaction sets: a tool's output relayed as a user turn is never the intent.
+#[tokio::test]
+async fn observations_relayed_as_user_turns_are_not_the_intent() {
+    use keel_compaction::OBSERVATION_METADATA_KEY;
+    use keel_summarize::{SESSION_INTENT, Summarizer, SummaryRequest};
+    let mut observation = Message::user("total 8\nREADME.md\nsetup.py\n");
+    observation
+        .metadata
+        .insert(OBSERVATION_METADATA_KEY.to_owned(), json!(true));
+    let span = [
+        Message::assistant("Listing the files.").with_id("a1"),
+        observation,
+        Message::user("Please also check the tests.").with_id("u2"),
+    ];
+    let s = ExtractiveSummarizer::new()
+        .summarize(&SummaryRequest::milestone(&span, 200))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.section(SESSION_INTENT).unwrap(),
+        ["Please also check the tests."]
+    );
+}

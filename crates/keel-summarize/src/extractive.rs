@@ -4,10 +4,9 @@ use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
 use async_trait::async_trait;
-use keel_message::{Message, Role};
+use keel_message::{Message, Role, ToolCall};
 use keel_token::{ApproxCounter, TokenCounter};
 
-use crate::llm::render_sections;
 use crate::summary::{bullet_text, heading_of, parse_bullets, parse_sections};
 use crate::{
     ARTIFACTS, Level, NEXT_STEPS, SECTIONS, SESSION_INTENT, SUMMARY, Section, SummarizeError,
@@ -20,6 +19,20 @@ pub const EXTRACTIVE_VERSION: &str = "extractive-v1";
 /// The model name recorded on extractive summaries.
 pub const EXTRACTIVE_MODEL: &str = "extractive";
 
+/// The metadata key marking a user message as an observation (a tool's output relayed
+/// as a user turn, as SWE-agent does); keel-compaction sets it under the same name.
+const OBSERVATION_KEY: &str = "keel.observation";
+
+/// Plain, low-priority lines are added only while the summary is under this share of
+/// its budget (percent).
+const PLAIN_SHARE_PERCENT: usize = 60;
+
+/// The longest line of a user's ask kept, in characters.
+const MAX_ASK_CHARS: usize = 160;
+
+/// The longest facts item, in characters.
+const MAX_FACTS_CHARS: usize = 720;
+
 /// What a keyword says about its line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -28,8 +41,6 @@ enum Kind {
     Decision,
     Next,
     Success,
-    /// A file extension: the token around it is a path.
-    Ext,
 }
 
 impl Kind {
@@ -51,9 +62,29 @@ const KEYWORDS: &[(&str, Kind)] = &[
     ("not found", Kind::Error),
     ("no such file", Kind::Error),
     ("cannot ", Kind::Error),
+    ("can't ", Kind::Error),
+    ("could not", Kind::Error),
+    ("couldn't", Kind::Error),
     ("unable to", Kind::Error),
     ("refused", Kind::Error),
+    ("rejected", Kind::Error),
     ("timed out", Kind::Error),
+    ("timeout", Kind::Error),
+    ("unavailable", Kind::Error),
+    ("forbidden", Kind::Error),
+    ("unauthorized", Kind::Error),
+    ("invalid", Kind::Error),
+    ("does not exist", Kind::Error),
+    ("doesn't exist", Kind::Error),
+    ("not enough", Kind::Error),
+    ("insufficient", Kind::Error),
+    ("exceeded", Kind::Error),
+    ("expired", Kind::Error),
+    ("declined", Kind::Error),
+    ("http 4", Kind::Error),
+    ("http 5", Kind::Error),
+    ("status 4", Kind::Error),
+    ("status 5", Kind::Error),
     ("segmentation fault", Kind::Error),
     ("exit code", Kind::Exit),
     ("exit status", Kind::Exit),
@@ -84,46 +115,71 @@ const KEYWORDS: &[(&str, Kind)] = &[
     ("fixed", Kind::Success),
     ("resolved", Kind::Success),
     ("confirmed", Kind::Success),
-    (".py", Kind::Ext),
-    (".rs", Kind::Ext),
-    (".js", Kind::Ext),
-    (".ts", Kind::Ext),
-    (".go", Kind::Ext),
-    (".java", Kind::Ext),
-    (".cpp", Kind::Ext),
-    (".json", Kind::Ext),
-    (".toml", Kind::Ext),
-    (".yaml", Kind::Ext),
-    (".yml", Kind::Ext),
-    (".md", Kind::Ext),
-    (".txt", Kind::Ext),
-    (".cfg", Kind::Ext),
-    (".ini", Kind::Ext),
-    (".sh", Kind::Ext),
-    (".lock", Kind::Ext),
-    (".html", Kind::Ext),
-    (".sql", Kind::Ext),
-    (".csv", Kind::Ext),
-    (".log", Kind::Ext),
+    ("has been ", Kind::Success),
+    ("have been ", Kind::Success),
+    ("completed", Kind::Success),
+];
+
+/// Decision keywords that give a reason or a choice, not only an intention.
+const STRONG_DECISIONS: &[&str] = &[
+    "decided",
+    "decide to",
+    "instead",
+    "because",
+    "root cause",
+    "the fix",
+    "the issue is",
+    "the problem is",
+];
+
+/// Words that mark the sentence where an agent says what it does next.
+const NEXT_MARKERS: &[&str] = &[
+    "next",
+    "let's",
+    "let me",
+    "i will",
+    "i'll",
+    "we will",
+    "we'll",
+    "going to",
+    "now ",
+    "then ",
+    "need to",
+    "still need",
+    "todo",
+    "pending",
+    "remaining",
+    "plan ",
+    "waiting",
 ];
 
 /// Candidate priorities: higher is kept first when the budget is short.
 mod prio {
+    /// Items below this priority wait for the second selection pass.
+    pub const FIRST_PASS: u16 = 70;
     pub const PENDING: u16 = 100;
     pub const FIRST_ASK: u16 = 95;
+    pub const NEXT_STATED: u16 = 92;
     pub const LAST_ASK: u16 = 90;
-    pub const OPEN_ERROR: u16 = 80;
-    pub const CARRIED_ERROR: u16 = 72;
-    pub const ERROR: u16 = 70;
+    pub const OPEN_ERROR: u16 = 88;
+    pub const FACTS: u16 = 85;
+    pub const ERROR: u16 = 80;
+    pub const CARRIED_NEXT: u16 = 79;
+    pub const CARRIED_ERROR: u16 = 78;
+    pub const ACCOMPLISHED: u16 = 75;
+    pub const FILES: u16 = 72;
+    pub const REASON: u16 = 71;
+    pub const CARRIED_FACTS: u16 = 70;
+    pub const LOG_FACTS: u16 = 68;
+    pub const OTHER_ASK: u16 = 66;
+    pub const CARRIED_INTENT: u16 = 64;
     pub const EXIT: u16 = 62;
     pub const COMMAND: u16 = 60;
     pub const NOTE: u16 = 58;
     pub const DECISION: u16 = 55;
     pub const SUCCESS: u16 = 50;
-    pub const PATH: u16 = 40;
     pub const CARRIED: u16 = 35;
-    pub const OTHER_ASK: u16 = 30;
-    pub const NUMBER: u16 = 20;
+    pub const STALE_NEXT: u16 = 30;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -135,7 +191,8 @@ enum Sec {
 }
 
 /// Where a candidate's text comes from: a slice of a message's text (cut around
-/// `focus` when too long), or an owned string.
+/// `focus` when too long), an owned string, or a facts item (a head and the
+/// identifiers after it, cut to the room left).
 #[derive(Debug, Clone, Copy)]
 enum Src {
     Slice {
@@ -145,6 +202,7 @@ enum Src {
         focus: u32,
     },
     Owned(u32),
+    Facts(u32),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -156,32 +214,77 @@ struct Cand {
     src: Src,
 }
 
+/// A head (`tool(args)`, a command) and the identifiers its output introduced.
+#[derive(Debug, Clone, Default)]
+struct FactsItem {
+    head: String,
+    facts: Vec<String>,
+}
+
+/// What [`ExtractiveSummarizer::collect`] builds: owned texts, facts items and the
+/// candidates pointing into them.
+#[derive(Default)]
+struct Pool {
+    owned: Vec<String>,
+    facts: Vec<FactsItem>,
+    cands: Vec<Cand>,
+}
+
+impl Pool {
+    fn owned(&mut self, text: String) -> Src {
+        self.owned.push(text);
+        Src::Owned((self.owned.len() - 1) as u32)
+    }
+
+    fn facts(&mut self, item: FactsItem) -> Src {
+        self.facts.push(item);
+        Src::Facts((self.facts.len() - 1) as u32)
+    }
+
+    fn push(&mut self, prio: u16, sec: Sec, order: (u32, u32), src: Src) {
+        self.cands.push(Cand {
+            prio,
+            sec,
+            order,
+            src,
+        });
+    }
+}
+
 /// Candidates kept for selection at most (the highest priorities).
 const MAX_CANDIDATES: usize = 4096;
 
 /// The embedded, offline summarizer: deterministic, no model, fast.
 ///
-/// It keeps the lines that carry signal, verbatim, in the four [`SECTIONS`]:
+/// It keeps what a milestone is for, verbatim, in the four [`SECTIONS`]:
 ///
-/// * SESSION INTENT: the user's asks (the first two lines of the first user message,
-///   and of later user messages that read like a person talking: short, not a tool's
-///   output relayed as a user turn);
-/// * SUMMARY: error lines (the latest, unanswered ones first), decisions ("because",
-///   "instead", "the fix", ...), successes, and lines with numbers from the assistant;
-///   lines of source code and numbered file listings in tool output are not taken as
-///   errors, however often they say `Error`;
-/// * ARTIFACTS: tool calls and fenced commands, exit status lines, file paths;
-/// * NEXT STEPS: tool calls still waiting for their result, and the last assistant
-///   message's "next"/"todo"/"pending" lines.
+/// * SESSION INTENT: the user's requests (the first lines of each user message that is
+///   the user talking: not a tool's output relayed as a user turn, which is flagged
+///   `keel.observation` or follows a command the agent ran);
+/// * SUMMARY: unresolved errors with their message (a header line such as `ERROR:`
+///   takes the line after it; plain failures such as `HTTP 503 …` or `not enough
+///   seats` count, a file name containing "error" does not), what was accomplished,
+///   decisions ("because", "instead", "the fix", ...);
+/// * ARTIFACTS: each tool call with the identifiers its result introduced (ids,
+///   codes, emails, paths, dates, numbers of three or more digits: `get_order(id=A1)
+///   → SKU-9 card_77 price=1299`), the files read and changed (any extension), exit
+///   status lines;
+/// * NEXT STEPS: tool calls still waiting for their result, and the next step as the
+///   agent last stated it ("Let me…", "Next, …", a question it is waiting on).
 ///
-/// When the budget is short, higher-priority lines win and later ones beat earlier
-/// ones, with each section first limited to a share of the budget (so error lines
-/// cannot crowd out the commands and paths) and the rest filled by priority; the kept
-/// lines appear in input order, each once. Long lines are cut to a window around
-/// their keyword. The previous summary's items (and, at the epoch level, the items of
-/// milestone summaries given as messages) are carried over with lower priority than
-/// new facts, except their error lines, which stay until the budget forces them out.
-/// System messages are skipped; goal-anchor messages are refused
+/// Lines of source code and numbered listings (`cat -n`, `12:` prefixes) in tool
+/// output are code: they are never taken for errors or prose, however often they say
+/// `Error`.
+///
+/// When the budget is short, higher-priority items win and later ones beat earlier
+/// ones. Each section is first limited to a share of the budget (so error lines cannot
+/// crowd out the facts), and an item over its section's share is not displaced by
+/// lower-priority ones: it keeps first claim on the room left. Facts items are cut to
+/// the room they get, and an identifier already kept elsewhere is not repeated. The
+/// kept items appear in input order, each once. The previous summary's items (and, at
+/// the epoch level, the items of milestone summaries given as messages) are carried
+/// over with lower priority than new facts, except their errors, facts and the latest
+/// next steps. System messages are skipped; goal-anchor messages are refused
 /// ([`SummarizeError::GoalInInput`]).
 ///
 /// Scanning is one Aho-Corasick pass (ASCII case-insensitive DFA) over each message's
@@ -269,13 +372,12 @@ impl ExtractiveSummarizer {
     pub fn summarize_sync(&self, request: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
         request.check()?;
         let texts: Vec<Cow<'_, str>> = request.messages.iter().map(Message::text).collect();
-        let mut owned: Vec<String> = Vec::new();
-        let mut cands: Vec<Cand> = Vec::new();
-        self.collect(request, &texts, &mut owned, &mut cands);
-        let sections = self.select(request.budget_tokens, &texts, &owned, cands)?;
+        let mut pool = Pool::default();
+        self.collect(request, &texts, &mut pool);
+        let sections = self.select(request.budget_tokens, &texts, pool)?;
         Ok(Summary {
             level: request.level,
-            text: render_sections(&sections),
+            text: render(&sections),
             sections,
             prompt_version: EXTRACTIVE_VERSION.to_owned(),
             model: EXTRACTIVE_MODEL.to_owned(),
@@ -283,35 +385,26 @@ impl ExtractiveSummarizer {
         })
     }
 
-    fn collect(
-        &self,
-        request: &SummaryRequest<'_>,
-        texts: &[Cow<'_, str>],
-        owned: &mut Vec<String>,
-        cands: &mut Vec<Cand>,
-    ) {
+    fn collect(&self, request: &SummaryRequest<'_>, texts: &[Cow<'_, str>], pool: &mut Pool) {
         let messages = request.messages;
 
         // Carried over from the previous summary of this level.
         if let Some(previous) = request.previous {
-            for (sec, item) in structured_items(previous) {
-                let prio = if self.has_error(&item) {
-                    prio::CARRIED_ERROR
-                } else {
-                    prio::CARRIED
-                };
-                let src = push_owned(owned, item);
-                cands.push(Cand {
-                    prio,
-                    sec,
-                    order: (0, 0),
-                    src,
-                });
-            }
+            self.carry(previous, (0, 0), false, true, pool);
         }
 
-        let first_user = messages.iter().position(|m| m.role == Role::User);
-        let last_user = messages.iter().rposition(|m| m.role == Role::User);
+        let observation: Vec<bool> = (0..messages.len())
+            .map(|i| is_observation(messages, i))
+            .collect();
+        // The user talking: the first user message that is not an observation, and
+        // later ones that read like a person (short, not a relayed tool output).
+        let mut asks: Vec<usize> = Vec::new();
+        for i in 0..messages.len() {
+            let user = messages[i].role == Role::User && !observation[i] && !is_summary(&texts[i]);
+            if user && (asks.is_empty() || reads_like_ask(&texts[i])) {
+                asks.push(i);
+            }
+        }
         let last_assistant = messages.iter().rposition(|m| m.role == Role::Assistant);
         let last_caller = messages
             .iter()
@@ -320,6 +413,15 @@ impl ExtractiveSummarizer {
             .iter()
             .filter_map(|m| m.tool_call_id.as_deref())
             .collect();
+        let last_summary = (0..messages.len())
+            .rev()
+            .find(|&i| messages[i].role != Role::Tool && is_summary(&texts[i]));
+        let mut files = Files::default();
+        // The call (or command) each observation answers.
+        let mut heads: std::collections::HashMap<&str, (String, &ToolCall)> = Default::default();
+        let mut last_command: Option<String> = None;
+        // Identifiers already given as facts in this span (kept once, first place).
+        let mut seen_facts: HashSet<String> = HashSet::new();
 
         for (i, (m, text)) in messages.iter().zip(texts).enumerate() {
             let order = (i as u32) + 1;
@@ -327,104 +429,117 @@ impl ExtractiveSummarizer {
                 continue;
             }
             // Summaries given as input (epoch level): keep their items.
-            if m.role != Role::Tool && text.lines().any(|l| heading_of(l).is_some()) {
-                for (sec, item) in structured_items(text) {
-                    let prio = if self.has_error(&item) {
-                        prio::CARRIED_ERROR
-                    } else {
-                        prio::NOTE
-                    };
-                    let src = push_owned(owned, item);
-                    cands.push(Cand {
-                        prio,
-                        sec,
-                        order: (order, 0),
-                        src,
-                    });
-                }
+            if m.role != Role::Tool && is_summary(text) {
+                self.carry(text, (order, 0), Some(i) == last_summary, false, pool);
                 continue;
             }
             if request.level == Level::Epoch && m.role != Role::Tool {
-                let (bullets, _) = parse_bullets(text);
-                for item in bullets {
+                for item in parse_bullets(text).0 {
                     let prio = if self.has_error(&item) {
                         prio::CARRIED_ERROR
                     } else {
                         prio::NOTE
                     };
-                    let src = push_owned(owned, item);
-                    cands.push(Cand {
-                        prio,
-                        sec: Sec::Summary,
-                        order: (order, 0),
-                        src,
-                    });
+                    let src = pool.owned(item);
+                    pool.push(prio, Sec::Summary, (order, 0), src);
                 }
             }
 
-            // The user's asks: the first user message, and later ones that read like
-            // a person talking rather than a tool's output relayed as a user turn.
-            let ask = if Some(i) == first_user {
-                Some(prio::FIRST_ASK)
-            } else if m.role == Role::User && reads_like_ask(text) {
-                Some(if Some(i) == last_user {
+            // The user's asks.
+            if let Some(k) = asks.iter().position(|&a| a == i) {
+                let p = if k == 0 {
+                    prio::FIRST_ASK
+                } else if k + 1 == asks.len() {
                     prio::LAST_ASK
                 } else {
                     prio::OTHER_ASK
-                })
-            } else {
-                None
-            };
-            if let Some(ask) = ask {
-                let mut offset = 0;
-                let mut taken = 0;
-                for line in text.split_inclusive('\n') {
-                    let trimmed = line.trim();
-                    if !trimmed.is_empty() && taken < 2 {
-                        let start = offset + (line.len() - line.trim_start().len());
-                        cands.push(Cand {
-                            prio: ask,
-                            sec: Sec::Intent,
-                            order: (order, start as u32),
-                            src: Src::Slice {
-                                msg: i as u32,
-                                start: start as u32,
-                                end: (start + trimmed.len()) as u32,
-                                focus: start as u32,
-                            },
-                        });
-                        taken += 1;
-                    }
-                    offset += line.len();
-                    if taken == 2 {
-                        break;
-                    }
+                };
+                self.ask_lines(i, text, order, p, pool);
+                let facts = new_facts(facts_of(text), &mut seen_facts);
+                if !facts.is_empty() {
+                    let src = pool.facts(FactsItem {
+                        head: "user".to_owned(),
+                        facts,
+                    });
+                    pool.push(prio::FACTS, Sec::Intent, (order, u32::MAX), src);
                 }
             }
 
             if m.role == Role::Assistant {
                 for call in &m.tool_calls {
-                    let line = format!("{}({})", call.name, call.arguments.to_json_string());
-                    let pending = !answered.contains(call.id.as_str());
-                    let src = push_owned(owned, cut(&line, 0, self.max_item_chars).into_owned());
-                    cands.push(Cand {
-                        prio: if pending {
-                            prio::PENDING
-                        } else {
-                            prio::COMMAND
-                        },
-                        sec: if pending { Sec::Next } else { Sec::Artifacts },
-                        order: (order, u32::MAX),
-                        src,
-                    });
+                    let head = call_head(call);
+                    if answered.contains(call.id.as_str()) {
+                        files.note_call(call);
+                        heads.insert(call.id.as_str(), (head, call));
+                    } else {
+                        let src = pool.owned(cut(&head, 0, self.max_item_chars).into_owned());
+                        pool.push(prio::PENDING, Sec::Next, (order, u32::MAX), src);
+                    }
                 }
-                self.fenced_commands(i, text, cands);
+                for command in fenced_commands(text) {
+                    last_command = Some(command.to_owned());
+                    if m.tool_calls.is_empty() {
+                        // Answered by the next (user) message when it is an observation.
+                        let answered_next = observation.get(i + 1).copied().unwrap_or(false);
+                        if answered_next {
+                            files.note_command(command);
+                        }
+                        let p = if answered_next {
+                            prio::COMMAND
+                        } else {
+                            prio::PENDING
+                        };
+                        let sec = if answered_next {
+                            Sec::Artifacts
+                        } else {
+                            Sec::Next
+                        };
+                        if !answered_next {
+                            let src = pool.owned(cut(command, 0, self.max_item_chars).into_owned());
+                            pool.push(p, sec, (order, 0), src);
+                        }
+                    }
+                }
             }
 
-            let is_output = matches!(m.role, Role::Tool | Role::User);
+            let is_output = m.role == Role::Tool || observation[i];
+            if is_output {
+                files.note_output(text);
+                // The call or command this answers, and what its output introduced.
+                let head = match m.tool_call_id.as_deref().and_then(|id| heads.get(id)) {
+                    Some((head, _)) => head.clone(),
+                    None => last_command
+                        .take()
+                        .unwrap_or_else(|| m.name.clone().unwrap_or_else(|| "output".to_owned())),
+                };
+                let structured = looks_structured(text);
+                let exclude: Vec<String> = facts_of(&head);
+                let facts: Vec<String> = facts_of(text)
+                    .into_iter()
+                    .filter(|f| !exclude.contains(f))
+                    .collect();
+                let facts = new_facts(facts, &mut seen_facts);
+                let p = if facts.is_empty() {
+                    prio::COMMAND
+                } else if structured {
+                    prio::FACTS
+                } else {
+                    prio::LOG_FACTS
+                };
+                let head = cut(&head, 0, self.max_item_chars).into_owned();
+                if !facts.is_empty() || head.ends_with(')') || head.contains(' ') {
+                    let src = pool.facts(FactsItem { head, facts });
+                    pool.push(p, Sec::Artifacts, (order, 0), src);
+                }
+            }
+
             let open = last_caller.is_some_and(|c| i > c);
             let tail_start = tail_offset(text, 5);
-            self.scan(text, |line_start, line_end, kinds, focus, exts| {
+            let mut skip_until = 0usize;
+            self.scan(text, |line_start, line_end, kinds, focus| {
+                if line_start < skip_until {
+                    return;
+                }
                 let slice = |focus: usize| Src::Slice {
                     msg: i as u32,
                     start: line_start as u32,
@@ -433,8 +548,8 @@ impl ExtractiveSummarizer {
                 };
                 let at = (order, line_start as u32);
                 let has = |k: Kind| kinds & k.bit() != 0;
-                let code = is_output && looks_like_code(&text[line_start..line_end]);
-                if code {
+                let line = &text[line_start..line_end];
+                if is_output && (looks_like_code(line) || looks_like_listing(line)) {
                     // Source listings mention errors without reporting one.
                 } else if has(Kind::Error) {
                     let p = if !is_output {
@@ -446,179 +561,183 @@ impl ExtractiveSummarizer {
                     } else {
                         prio::ERROR
                     };
-                    cands.push(Cand {
-                        prio: p,
-                        sec: Sec::Summary,
-                        order: at,
-                        src: slice(focus),
-                    });
-                } else if has(Kind::Exit) {
-                    cands.push(Cand {
-                        prio: prio::EXIT,
-                        sec: Sec::Artifacts,
-                        order: at,
-                        src: slice(focus),
-                    });
-                } else if m.role == Role::Assistant && has(Kind::Next) && Some(i) == last_assistant
-                {
-                    cands.push(Cand {
-                        prio: prio::PENDING,
-                        sec: Sec::Next,
-                        order: at,
-                        src: slice(focus),
-                    });
-                } else if m.role == Role::Assistant && has(Kind::Decision) {
-                    cands.push(Cand {
-                        prio: prio::DECISION,
-                        sec: Sec::Summary,
-                        order: at,
-                        src: slice(focus),
-                    });
-                } else if has(Kind::Success) {
-                    cands.push(Cand {
-                        prio: if is_output {
-                            prio::SUCCESS - 5
-                        } else {
-                            prio::SUCCESS
-                        },
-                        sec: Sec::Summary,
-                        order: at,
-                        src: slice(focus),
-                    });
-                }
-                for &e in exts {
-                    if let Some((s, t)) = path_around(text, e) {
-                        cands.push(Cand {
-                            prio: prio::PATH,
-                            sec: Sec::Artifacts,
-                            order: (order, s as u32),
-                            src: Src::Slice {
-                                msg: i as u32,
-                                start: s as u32,
-                                end: t as u32,
-                                focus: s as u32,
-                            },
-                        });
+                    // A header (`ERROR:`, `Error`) takes its message from the next line.
+                    match is_output.then(|| error_with_message(text, line_start, line_end)) {
+                        Some(Some((joined, end))) => {
+                            skip_until = end;
+                            let src = pool.owned(cut(&joined, 0, self.max_item_chars).into_owned());
+                            pool.push(p, Sec::Summary, at, src);
+                        }
+                        _ => pool.push(p, Sec::Summary, at, slice(focus)),
                     }
+                } else if has(Kind::Exit) {
+                    pool.push(prio::EXIT, Sec::Artifacts, at, slice(focus));
+                } else if m.role == Role::Assistant && has(Kind::Decision) {
+                    // A reason or a decision ("because", "instead", "the fix") matters
+                    // more than a plain intention ("I'll", "we will").
+                    let lower = line.to_ascii_lowercase();
+                    let strong = STRONG_DECISIONS.iter().any(|k| lower.contains(k));
+                    // The last message's intentions are the next step, kept there.
+                    if strong || Some(i) != last_assistant {
+                        let p = if strong { prio::REASON } else { prio::DECISION };
+                        pool.push(p, Sec::Summary, at, slice(focus));
+                    }
+                } else if has(Kind::Success) && !line.trim_end().ends_with('?') {
+                    let p = if is_output {
+                        prio::SUCCESS
+                    } else {
+                        prio::ACCOMPLISHED
+                    };
+                    pool.push(p, Sec::Summary, at, slice(focus));
                 }
             });
+        }
 
-            // Numbers the assistant states.
-            if m.role == Role::Assistant {
-                let mut offset = 0;
-                for line in text.split_inclusive('\n') {
-                    let t = line.trim();
-                    if t.len() > 8 && t.bytes().any(|b| b.is_ascii_digit()) && bullet_or_plain(t) {
-                        let start = offset + (line.len() - line.trim_start().len());
-                        cands.push(Cand {
-                            prio: prio::NUMBER,
-                            sec: Sec::Summary,
-                            order: (order, start as u32),
-                            src: Src::Slice {
-                                msg: i as u32,
-                                start: start as u32,
-                                end: (start + t.len()) as u32,
-                                focus: start as u32,
-                            },
-                        });
-                    }
-                    offset += line.len();
-                }
-            }
+        // The next step as the agent last stated it.
+        if let Some((i, start, end)) = last_stated_next(messages, texts) {
+            pool.push(
+                prio::NEXT_STATED,
+                Sec::Next,
+                ((i as u32) + 1, start as u32),
+                Src::Slice {
+                    msg: i as u32,
+                    start: start as u32,
+                    end: end as u32,
+                    focus: start as u32,
+                },
+            );
+        }
+        if let Some(item) = files.item(self.max_item_chars) {
+            let src = pool.owned(item);
+            pool.push(prio::FILES, Sec::Artifacts, (u32::MAX, 0), src);
         }
     }
 
-    /// The first line of each fenced block in an assistant message: the command it ran.
-    fn fenced_commands(&self, i: usize, text: &str, cands: &mut Vec<Cand>) {
+    /// The first two lines of a user's ask (cut at 160 characters each).
+    fn ask_lines(&self, i: usize, text: &str, order: u32, prio: u16, pool: &mut Pool) {
         let mut offset = 0;
-        let mut inside = false;
-        let mut first = false;
+        let mut taken = 0;
         for line in text.split_inclusive('\n') {
-            let t = line.trim();
-            if t.starts_with("```") {
-                inside = !inside;
-                first = inside;
-            } else if inside && first && !t.is_empty() {
-                first = false;
+            let trimmed = line.trim();
+            if !trimmed.is_empty() {
                 let start = offset + (line.len() - line.trim_start().len());
-                cands.push(Cand {
-                    prio: prio::COMMAND,
-                    sec: Sec::Artifacts,
-                    order: ((i as u32) + 1, start as u32),
-                    src: Src::Slice {
+                let src = if trimmed.chars().count() > MAX_ASK_CHARS {
+                    pool.owned(cut(trimmed, 0, MAX_ASK_CHARS).into_owned())
+                } else {
+                    Src::Slice {
                         msg: i as u32,
                         start: start as u32,
-                        end: (start + t.len()) as u32,
+                        end: (start + trimmed.len()) as u32,
                         focus: start as u32,
-                    },
-                });
+                    }
+                };
+                pool.push(prio, Sec::Intent, (order, start as u32), src);
+                taken += 1;
+                if taken == 2 {
+                    break;
+                }
             }
             offset += line.len();
         }
     }
 
+    /// Carries the items of an earlier summary: errors, facts items and (from the
+    /// latest summary) next steps keep a high priority, the rest a low one.
+    fn carry(&self, text: &str, order: (u32, u32), latest: bool, previous: bool, pool: &mut Pool) {
+        for (k, (sec, item)) in structured_items(text).into_iter().enumerate() {
+            let order = (order.0, order.1 + k as u32);
+            if let Some((head, facts)) = item.split_once(" → ") {
+                let facts: Vec<String> = facts.split(' ').map(str::to_owned).collect();
+                let p = if previous {
+                    prio::CARRIED_FACTS - 10
+                } else {
+                    prio::CARRIED_FACTS
+                };
+                let src = pool.facts(FactsItem {
+                    head: head.to_owned(),
+                    facts,
+                });
+                pool.push(p, sec, order, src);
+                continue;
+            }
+            let p = if self.has_error(&item) && sec == Sec::Summary {
+                prio::CARRIED_ERROR
+            } else if sec == Sec::Next {
+                if latest {
+                    prio::CARRIED_NEXT
+                } else {
+                    prio::STALE_NEXT
+                }
+            } else if previous {
+                prio::CARRIED
+            } else if sec == Sec::Intent {
+                prio::CARRIED_INTENT
+            } else {
+                prio::NOTE
+            };
+            let src = pool.owned(item);
+            pool.push(p, sec, order, src);
+        }
+    }
+
     fn has_error(&self, text: &str) -> bool {
         let mut found = false;
-        self.scan(text, |_, _, kinds, _, _| {
+        self.scan(text, |_, _, kinds, _| {
             found |= kinds & Kind::Error.bit() != 0;
         });
         found
     }
 
-    /// Calls `f(line_start, line_end, kinds, focus, ext_offsets)` for every line of
-    /// `text` with at least one keyword; `focus` is the first non-extension match.
-    fn scan(&self, text: &str, mut f: impl FnMut(usize, usize, u8, usize, &[usize])) {
+    /// Calls `f(line_start, line_end, kinds, focus)` for every line of `text` with at
+    /// least one keyword; `focus` is the first match. An error word inside a file name
+    /// (`error_handler.py`, `errors/`) does not count.
+    fn scan(&self, text: &str, mut f: impl FnMut(usize, usize, u8, usize)) {
         let bytes = text.as_bytes();
-        let mut exts: Vec<usize> = Vec::new();
         let mut current: Option<(usize, usize, u8, usize)> = None;
-        let mut flush = |current: &mut Option<(usize, usize, u8, usize)>, exts: &mut Vec<usize>| {
-            if let Some((s, e, kinds, focus)) = current.take() {
-                f(
-                    s,
-                    e,
-                    kinds,
-                    if focus == usize::MAX { s } else { focus },
-                    exts,
-                );
+        let mut flush = |current: &mut Option<(usize, usize, u8, usize)>| {
+            if let Some((s, e, kinds, focus)) = current.take()
+                && kinds != 0
+            {
+                f(s, e, kinds, if focus == usize::MAX { s } else { focus });
             }
-            exts.clear();
         };
-        let mut on_match = |start: usize, kind: Kind| {
+        let mut on_match = |start: usize, end: usize, kind: Kind| {
+            if kind == Kind::Error && inside_file_name(text, start, end) {
+                return;
+            }
             if current.is_none_or(|(_, e, _, _)| start >= e) {
-                flush(&mut current, &mut exts);
+                flush(&mut current);
                 let s = memchr::memrchr(b'\n', &bytes[..start]).map_or(0, |p| p + 1);
                 let e = memchr::memchr(b'\n', &bytes[start..]).map_or(bytes.len(), |p| start + p);
                 current = Some((s, e, 0, usize::MAX));
             }
             if let Some(cur) = current.as_mut() {
-                if kind == Kind::Ext {
-                    exts.push(start);
-                } else {
-                    cur.2 |= kind.bit();
-                    cur.3 = cur.3.min(start);
-                }
+                cur.2 |= kind.bit();
+                cur.3 = cur.3.min(start);
             }
         };
         match &self.matcher {
             Some(ac) => {
                 for m in ac.find_iter(bytes) {
-                    on_match(m.start(), KEYWORDS[m.pattern().as_usize()].1);
+                    on_match(m.start(), m.end(), KEYWORDS[m.pattern().as_usize()].1);
                 }
             }
             None => {
                 // Slow path, only if the automaton failed to build.
                 let lower = text.to_ascii_lowercase();
-                let mut hits: Vec<(usize, Kind)> = KEYWORDS
+                let mut hits: Vec<(usize, usize, Kind)> = KEYWORDS
                     .iter()
-                    .flat_map(|(k, kind)| lower.match_indices(k).map(|(p, _)| (p, *kind)))
+                    .flat_map(|(k, kind)| {
+                        lower.match_indices(k).map(|(p, _)| (p, p + k.len(), *kind))
+                    })
                     .collect();
                 hits.sort_by_key(|h| h.0);
-                for (p, kind) in hits {
-                    on_match(p, kind);
+                for (p, e, kind) in hits {
+                    on_match(p, e, kind);
                 }
             }
         }
-        flush(&mut current, &mut exts);
+        flush(&mut current);
     }
 
     fn resolve<'t>(
@@ -642,6 +761,8 @@ impl ExtractiveSummarizer {
                 let focus = (focus.saturating_sub(start)) as usize;
                 tidy(cut(line.trim_end(), focus, self.max_item_chars))
             }
+            // Facts items are rendered by `select`, which knows the room left.
+            Src::Facts(_) => Cow::Borrowed(""),
         }
     }
 
@@ -649,9 +770,13 @@ impl ExtractiveSummarizer {
         &self,
         budget: usize,
         texts: &[Cow<'_, str>],
-        owned: &[String],
-        mut cands: Vec<Cand>,
+        pool: Pool,
     ) -> Result<Vec<Section>, SummarizeError> {
+        let Pool {
+            owned,
+            facts,
+            mut cands,
+        } = pool;
         let empty: Vec<Section> = SECTIONS
             .iter()
             .map(|t| Section {
@@ -659,11 +784,11 @@ impl ExtractiveSummarizer {
                 items: Vec::new(),
             })
             .collect();
-        let base = self.counter.count_text(&render_sections(&empty));
-        if budget < base {
+        let skeleton = self.counter.count_text(&render_all(&empty));
+        if budget < skeleton {
             return Err(SummarizeError::BudgetTooSmall {
                 budget,
-                needed: base,
+                needed: skeleton,
             });
         }
         let key = |c: &Cand| {
@@ -678,60 +803,310 @@ impl ExtractiveSummarizer {
             cands.truncate(MAX_CANDIDATES);
         }
         cands.sort_by_key(key);
+        let (fact_cands, mut cands): (Vec<Cand>, Vec<Cand>) = cands.into_iter().partition(|c| {
+            matches!(c.src, Src::Facts(k) if facts.get(k as usize).is_some_and(|f| !f.facts.is_empty()))
+        });
 
-        // First pass: each section gets at most its share of the room, so one kind of
-        // line cannot crowd out the others. Second pass: what is left, by priority.
-        let room = budget - base;
-        let caps = [room * 15 / 100, room / 2, room / 4, room / 5];
+        // Headings are paid for when a section gets its first item.
+        let heading_cost: Vec<usize> = SECTIONS
+            .iter()
+            .map(|t| self.counter.count_text(&format!("{t}:\n")))
+            .collect();
+        let mut sel = Selection {
+            budget,
+            used: self.counter.count_text("SUMMARY:\n- none\n").min(budget),
+            opened: [false; 4],
+            heading_cost,
+            seen: HashSet::new(),
+            kept: String::new(),
+            chosen: Vec::new(),
+        };
+        // Three rounds. First, what matters most (asks, pending work, the stated next
+        // step, errors, what was accomplished, files), each section within its share of
+        // the room, so one kind of item cannot crowd out the others; once an item is
+        // over its section's share the section takes nothing more in this round, so
+        // the item keeps first claim on the room left. Then the facts, shared across
+        // all the span's calls by how identifying they are. Last, everything left, by
+        // priority.
+        let room = budget.saturating_sub(sel.used);
+        let caps = [
+            room * 15 / 100,
+            room * 25 / 100,
+            room * 15 / 100,
+            room * 15 / 100,
+        ];
         let mut spent = [0usize; 4];
-        let mut used = base;
-        let mut seen: HashSet<Cow<'_, str>> = HashSet::new();
-        let mut chosen: Vec<(Cand, Cow<'_, str>, usize)> = Vec::new();
+        let mut closed = [false; 4];
         let mut deferred: Vec<Cand> = Vec::new();
-        for pass in 0..2 {
-            let list = if pass == 0 {
-                std::mem::take(&mut cands)
-            } else {
-                std::mem::take(&mut deferred)
-            };
-            for c in list {
-                if budget - used < 3 {
-                    break;
-                }
-                let text = self.resolve(c.src, texts, owned);
-                if text.is_empty() || seen.contains(&text) {
-                    continue;
-                }
-                let cost = self.counter.count_text(&text) + 1;
-                if used + cost > budget {
-                    continue;
-                }
-                let sec = c.sec as usize;
-                if pass == 0 && spent[sec] + cost > caps[sec] {
-                    deferred.push(c);
-                    continue;
-                }
+        for c in std::mem::take(&mut cands) {
+            let sec = c.sec as usize;
+            if closed[sec] || c.prio < prio::FIRST_PASS {
+                deferred.push(c);
+                continue;
+            }
+            let text = self.text_of(c.src, texts, &owned, &facts);
+            if text.is_empty() || sel.seen.contains(text.as_ref()) {
+                continue;
+            }
+            let cost = sel.cost_of(c.sec, self.counter.count_text(&text) + 1);
+            if spent[sec] + cost > caps[sec] {
+                closed[sec] = true;
+                deferred.push(c);
+                continue;
+            }
+            if sel.take(c, text.into_owned(), cost) {
                 spent[sec] += cost;
-                used += cost;
-                seen.insert(text.clone());
-                chosen.push((c, text, cost));
             }
         }
+        // What outranks the facts and was over its share goes first, then the facts,
+        // then the rest (with calls whose facts were all kept elsewhere, as calls).
+        let (before, mut after): (Vec<Cand>, Vec<Cand>) =
+            deferred.into_iter().partition(|c| c.prio > prio::FACTS);
+        let rest = |sel: &mut Selection, list: Vec<Cand>| {
+            for c in list {
+                if sel.budget.saturating_sub(sel.used) < 3 {
+                    break;
+                }
+                let text = self.text_of(c.src, texts, &owned, &facts);
+                if text.is_empty() || sel.seen.contains(text.as_ref()) {
+                    continue;
+                }
+                let cost = sel.cost_of(c.sec, self.counter.count_text(&text) + 1);
+                sel.take(c, text.into_owned(), cost);
+            }
+        };
+        rest(&mut sel, before);
+        let unopened = self.allocate_facts(&mut sel, &fact_cands, &facts);
+        after.extend(unopened.into_iter().map(|mut c| {
+            c.prio = prio::COMMAND;
+            c
+        }));
+        after.sort_by_key(key);
+        // A summary need not fill its budget: plain lines (other asks, decisions,
+        // successes in output, old notes) stop at a share of it, so a span that is
+        // mostly facts gives a short, dense summary.
+        let (plain, important): (Vec<Cand>, Vec<Cand>) =
+            after.into_iter().partition(|c| c.prio < prio::FIRST_PASS);
+        rest(&mut sel, important);
+        let full_budget = sel.budget;
+        sel.budget = sel
+            .budget
+            .min(full_budget * PLAIN_SHARE_PERCENT / 100)
+            .max(sel.used);
+        rest(&mut sel, plain);
+        sel.budget = full_budget;
 
         // Exact check on the rendered text; drop the least important until it fits.
+        let mut chosen = sel.chosen;
         loop {
             let sections = assemble(&chosen);
-            if self.counter.count_text(&render_sections(&sections)) <= budget || chosen.is_empty() {
+            if self.counter.count_text(&render(&sections)) <= budget || chosen.is_empty() {
                 return Ok(sections);
             }
             chosen.pop();
         }
     }
+
+    /// The text of a candidate that is not a facts item with facts (a facts item
+    /// without any is its head, when that is a call or command).
+    fn text_of<'t>(
+        &self,
+        src: Src,
+        texts: &'t [Cow<'_, str>],
+        owned: &'t [String],
+        facts: &'t [FactsItem],
+    ) -> Cow<'t, str> {
+        match src {
+            Src::Facts(k) => facts
+                .get(k as usize)
+                .map_or(Cow::Borrowed(""), |f| tidy(Cow::Borrowed(f.head.as_str()))),
+            src => self.resolve(src, texts, owned),
+        }
+    }
+
+    /// Shares the room left among the facts of every facts item: the most identifying
+    /// facts first (ids, then codes, dates, numbers; structured results before logs,
+    /// later calls before earlier ones), each item's head paid with its first fact.
+    /// Facts already kept elsewhere are skipped. Returns the items that got no fact.
+    fn allocate_facts(
+        &self,
+        sel: &mut Selection,
+        cands: &[Cand],
+        facts: &[FactsItem],
+    ) -> Vec<Cand> {
+        struct Slot<'f> {
+            cand: Cand,
+            head: Cow<'f, str>,
+            head_cost: usize,
+            facts: Vec<(&'f str, usize)>,
+            picked: Vec<bool>,
+            open: bool,
+        }
+        let mut slots: Vec<Slot<'_>> = Vec::new();
+        let mut entries: Vec<(FactKey, usize)> = Vec::new();
+        let mut unique: HashSet<&str> = HashSet::new();
+        for c in cands {
+            let Src::Facts(k) = c.src else { continue };
+            let Some(item) = facts.get(k as usize) else {
+                continue;
+            };
+            let head = tidy(Cow::Borrowed(item.head.as_str()));
+            let head_cost = self.counter.count_text(&head) + 2;
+            let s = slots.len();
+            let fresh: Vec<(&str, usize)> = item
+                .facts
+                .iter()
+                .map(String::as_str)
+                .filter(|f| !contains_token(&sel.kept, f) && unique.insert(f))
+                .map(|f| (f, self.counter.count_text(f) + 1))
+                .collect();
+            for (k, (f, _)) in fresh.iter().enumerate() {
+                let log = u8::from(c.prio == prio::LOG_FACTS);
+                entries.push((
+                    (
+                        fact_rank(f) * 2 + log,
+                        std::cmp::Reverse(c.prio),
+                        std::cmp::Reverse(c.order.0),
+                        k,
+                    ),
+                    s,
+                ));
+            }
+            slots.push(Slot {
+                cand: *c,
+                head,
+                head_cost,
+                picked: vec![false; fresh.len()],
+                facts: fresh,
+                open: false,
+            });
+        }
+        entries.sort();
+        for ((_, _, _, k), s) in entries {
+            let slot = &mut slots[s];
+            let (_, cost) = slot.facts[k];
+            let extra = if slot.open {
+                cost
+            } else {
+                cost + slot.head_cost
+            };
+            let total = sel.cost_of(slot.cand.sec, extra);
+            if sel.used + total > sel.budget {
+                continue;
+            }
+            sel.used += total;
+            sel.opened[slot.cand.sec as usize] = true;
+            slot.open = true;
+            slot.picked[k] = true;
+        }
+        let mut unopened = Vec::new();
+        for slot in slots {
+            if !slot.open {
+                // Without facts, a call or command still says what was done.
+                if slot.head.ends_with(')') || slot.head.contains(' ') {
+                    unopened.push(slot.cand);
+                }
+                continue;
+            }
+            let mut text = String::with_capacity(slot.head.len() + 12 * slot.facts.len());
+            text.push_str(&slot.head);
+            text.push_str(" →");
+            for ((f, _), picked) in slot.facts.iter().zip(&slot.picked) {
+                if *picked && text.len() + f.len() < MAX_FACTS_CHARS {
+                    text.push(' ');
+                    text.push_str(f);
+                }
+            }
+            sel.kept.push_str(&text);
+            sel.kept.push('\n');
+            sel.seen.insert(text.clone());
+            sel.chosen.push((slot.cand, text));
+        }
+        unopened
+    }
 }
 
-fn assemble(chosen: &[(Cand, Cow<'_, str>, usize)]) -> Vec<Section> {
-    let mut sorted: Vec<&(Cand, Cow<'_, str>, usize)> = chosen.iter().collect();
-    sorted.sort_by_key(|(c, _, _)| (c.sec, c.order));
+/// How a fact is ranked for the room: (kind rank, priority, recency, position).
+type FactKey = (u8, std::cmp::Reverse<u16>, std::cmp::Reverse<u32>, usize);
+
+/// The items chosen so far and the room they use.
+struct Selection {
+    budget: usize,
+    used: usize,
+    opened: [bool; 4],
+    heading_cost: Vec<usize>,
+    seen: HashSet<String>,
+    kept: String,
+    chosen: Vec<(Cand, String)>,
+}
+
+impl Selection {
+    /// `cost` plus the section's heading if it has no item yet.
+    fn cost_of(&self, sec: Sec, cost: usize) -> usize {
+        let s = sec as usize;
+        if self.opened[s] {
+            cost
+        } else {
+            cost + self.heading_cost.get(s).copied().unwrap_or(0)
+        }
+    }
+
+    /// Keeps an item if it fits.
+    fn take(&mut self, c: Cand, text: String, cost: usize) -> bool {
+        if self.used + cost > self.budget {
+            return false;
+        }
+        self.used += cost;
+        self.opened[c.sec as usize] = true;
+        self.kept.push_str(&text);
+        self.kept.push('\n');
+        self.seen.insert(text.clone());
+        self.chosen.push((c, text));
+        true
+    }
+}
+
+/// The sections as text: each heading with items on its line, its items as `- `
+/// bullets; empty sections are left out (`SUMMARY:` / `- none` when all are).
+fn render(sections: &[Section]) -> String {
+    let mut out = String::new();
+    for s in sections.iter().filter(|s| !s.items.is_empty()) {
+        out.push_str(&s.title);
+        out.push_str(":\n");
+        for item in &s.items {
+            out.push_str("- ");
+            out.push_str(item);
+            out.push('\n');
+        }
+    }
+    if out.is_empty() {
+        out.push_str(SUMMARY);
+        out.push_str(":\n- none\n");
+    }
+    out
+}
+
+/// Every section, `- none` under an empty one (the skeleton's size).
+fn render_all(sections: &[Section]) -> String {
+    let mut out = String::new();
+    for s in sections {
+        out.push_str(&s.title);
+        out.push_str(":\n");
+        if s.items.is_empty() {
+            out.push_str("- none\n");
+        }
+        for item in &s.items {
+            out.push_str("- ");
+            out.push_str(item);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn assemble(chosen: &[(Cand, String)]) -> Vec<Section> {
+    let mut sorted: Vec<&(Cand, String)> = chosen.iter().collect();
+    sorted.sort_by_key(|(c, _)| (c.sec, c.order));
     let titles = [SESSION_INTENT, SUMMARY, ARTIFACTS, NEXT_STEPS];
     let mut sections: Vec<Section> = titles
         .iter()
@@ -740,12 +1115,223 @@ fn assemble(chosen: &[(Cand, Cow<'_, str>, usize)]) -> Vec<Section> {
             items: Vec::new(),
         })
         .collect();
-    for (c, text, _) in sorted {
+    for (c, text) in sorted {
         if let Some(s) = sections.get_mut(c.sec as usize) {
-            s.items.push(text.to_string());
+            s.items.push(text.clone());
         }
     }
     sections
+}
+
+/// Whether `text` is a structured summary (it has one of the [`SECTIONS`] headings).
+fn is_summary(text: &str) -> bool {
+    text.lines().any(|l| heading_of(l).is_some())
+}
+
+/// Whether message `i` is an observation: a tool result, a user message flagged
+/// `keel.observation`, or a user message right after an assistant message that ran a
+/// command in a fenced block and called no tool (a tool's output relayed as a user
+/// turn, as in SWE-agent).
+fn is_observation(messages: &[Message], i: usize) -> bool {
+    let m = &messages[i];
+    match m.role {
+        Role::Tool => true,
+        Role::User => {
+            m.metadata
+                .get(OBSERVATION_KEY)
+                .is_some_and(|v| v.as_bool() == Some(true))
+                || (i > 0 && {
+                    let prev = &messages[i - 1];
+                    prev.role == Role::Assistant
+                        && prev.tool_calls.is_empty()
+                        && fenced_commands(&prev.text()).next().is_some()
+                })
+        }
+        _ => false,
+    }
+}
+
+/// `name(value, ...)`: a tool call with its argument values, compact.
+fn call_head(call: &ToolCall) -> String {
+    let args = match call.arguments.as_json() {
+        Some(v) => match v.as_object() {
+            Some(map) => map
+                .values()
+                .map(|v| match v.as_str() {
+                    Some(s) => one_line(s),
+                    None => v.to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            None => v.to_string(),
+        },
+        None => one_line(&call.arguments.to_json_string()),
+    };
+    format!("{}({args})", call.name)
+}
+
+fn one_line(s: &str) -> String {
+    let t = s.trim();
+    if t.contains('\n') {
+        t.split_whitespace().collect::<Vec<_>>().join(" ")
+    } else {
+        t.to_owned()
+    }
+}
+
+/// The first line of each fenced block of `text`: the command it runs.
+fn fenced_commands(text: &str) -> impl Iterator<Item = &str> {
+    let mut inside = false;
+    let mut first = false;
+    text.lines().filter_map(move |line| {
+        let t = line.trim();
+        if t.starts_with("```") {
+            inside = !inside;
+            first = inside;
+            None
+        } else if inside && first && !t.is_empty() {
+            first = false;
+            Some(t)
+        } else {
+            None
+        }
+    })
+}
+
+/// Files the span's calls and commands read and changed, in first-seen order.
+#[derive(Default)]
+struct Files {
+    read: Vec<String>,
+    changed: Vec<String>,
+    /// The file an editor command without a path applies to (the last one opened).
+    open: Option<String>,
+}
+
+/// Words in a tool name or command that change files.
+const CHANGING: &[&str] = &[
+    "write",
+    "edit",
+    "create",
+    "replace",
+    "insert",
+    "patch",
+    "apply",
+    "delete",
+    "remove",
+    "move",
+    "rename",
+    "append",
+    "save",
+    "touch",
+    "mkdir",
+    "rm",
+    "mv",
+    "cp",
+    "str_replace",
+];
+
+impl Files {
+    fn add(&mut self, path: &str, changed: bool) {
+        let path = path.trim_end_matches([',', ';', ':', ')', '.']).to_owned();
+        if changed {
+            self.read.retain(|p| *p != path);
+            if !self.changed.contains(&path) {
+                self.changed.push(path);
+            }
+        } else if !self.read.contains(&path) && !self.changed.contains(&path) {
+            self.read.push(path);
+        }
+    }
+
+    fn note_call(&mut self, call: &ToolCall) {
+        let name = call.name.to_ascii_lowercase();
+        let mut changed = CHANGING.iter().any(|w| name.contains(w));
+        let mut values = Vec::new();
+        collect_strings(&call.arguments, &mut values);
+        for v in values {
+            if v.contains(char::is_whitespace) {
+                // A shell command in an argument.
+                self.note_command(v);
+            } else if is_path(v) {
+                self.add(v, changed);
+                changed = changed && !name.contains("mv") && !name.contains("cp");
+            }
+        }
+    }
+
+    fn note_command(&mut self, command: &str) {
+        let mut words = command.split_whitespace();
+        let Some(verb) = words.next() else {
+            return;
+        };
+        let verb = verb.rsplit('/').next().unwrap_or(verb).to_ascii_lowercase();
+        let rest: Vec<&str> = words.collect();
+        let in_place = rest.iter().any(|w| *w == "-i" || w.starts_with("-i."));
+        let redirect = rest
+            .iter()
+            .position(|w| *w == ">" || *w == ">>" || *w == "tee");
+        let changing = CHANGING.iter().any(|w| verb == *w) || (verb == "sed" && in_place);
+        let mut any = false;
+        for (k, w) in rest.iter().enumerate() {
+            let w = w.trim_matches(['"', '\'', '`']);
+            if is_path(w) {
+                let changed = changing || redirect.is_some_and(|r| k > r);
+                self.add(w, changed);
+                any = true;
+                if verb == "open" || verb == "create" {
+                    self.open = Some(w.to_owned());
+                }
+            }
+        }
+        if !any
+            && (verb == "edit" || verb == "insert" || verb == "append")
+            && let Some(open) = self.open.clone()
+        {
+            self.add(&open, true);
+        }
+    }
+
+    /// Notes the file an editor's output names (`[File: /repo/x.py (94 lines total)]`).
+    fn note_output(&mut self, text: &str) {
+        let head = text.trim_start();
+        if let Some(rest) = head.strip_prefix("[File: ")
+            && let Some(path) = rest.split([' ', ']']).next()
+            && is_path(path)
+        {
+            self.open = Some(path.to_owned());
+        }
+    }
+
+    fn item(&self, max: usize) -> Option<String> {
+        let mut parts = Vec::new();
+        if !self.read.is_empty() {
+            parts.push(format!("files read: {}", self.read.join(", ")));
+        }
+        if !self.changed.is_empty() {
+            parts.push(format!("files changed: {}", self.changed.join(", ")));
+        }
+        (!parts.is_empty()).then(|| cut(&parts.join("; "), 0, max * 2).into_owned())
+    }
+}
+
+/// The string values of tool arguments, depth first (an explicit stack: the JSON value
+/// type is only reachable through `ToolArguments`).
+fn collect_strings<'v>(args: &'v keel_message::ToolArguments, out: &mut Vec<&'v str>) {
+    let Some(value) = args.as_json() else {
+        return;
+    };
+    let mut stack = vec![value];
+    while let Some(v) = stack.pop() {
+        if let Some(s) = v.as_str() {
+            out.push(s);
+        } else if let Some(items) = v.as_array() {
+            stack.extend(items.iter().rev());
+        } else if let Some(map) = v.as_object() {
+            let mut values: Vec<_> = map.values().collect();
+            values.reverse();
+            stack.extend(values);
+        }
+    }
 }
 
 /// Items of summary text: section items where it has headings, else its bullets (as
@@ -795,12 +1381,16 @@ fn tidy(text: Cow<'_, str>) -> Cow<'_, str> {
     }
 }
 
-/// A line of source code or of a numbered file listing, rather than a message.
+/// A line of source code or of a numbered file listing (`12:`, `cat -n`'s `   12\t`,
+/// `12 |`, `12    code`), rather than a message.
 fn looks_like_code(line: &str) -> bool {
     let t = line.trim_start();
     let digits = t.bytes().take_while(u8::is_ascii_digit).count();
-    if digits > 0 && t[digits..].starts_with(':') {
-        return true;
+    if digits > 0 {
+        let rest = &t[digits..];
+        if rest.starts_with([':', '\t', '|']) || rest.starts_with(" |") || rest.starts_with("  ") {
+            return true;
+        }
     }
     const STARTS: &[&str] = &[
         "raise ",
@@ -819,19 +1409,70 @@ fn looks_like_code(line: &str) -> bool {
         "return ",
         "catch",
         "throw ",
+        "fn ",
+        "let ",
+        "pub ",
         "Traceback (most recent",
     ];
     STARTS.iter().any(|p| t.starts_with(p))
+}
+
+/// A line of `ls -l` output (`-rw-r--r-- 1 user group 120 Jan 1 12:00 name`).
+fn looks_like_listing(line: &str) -> bool {
+    let b = line.trim_start().as_bytes();
+    b.len() > 10
+        && matches!(b[0], b'-' | b'd' | b'l' | b'c' | b'b' | b'p' | b's')
+        && b[1..10]
+            .iter()
+            .all(|c| matches!(c, b'r' | b'w' | b'x' | b'-' | b's' | b'S' | b't' | b'T'))
+}
+
+/// Whether the match at `start..end` is part of a file name or path token
+/// (`error_handler.py`, `src/errors/`, `--error-log=x.txt`).
+fn inside_file_name(text: &str, start: usize, end: usize) -> bool {
+    let bytes = text.as_bytes();
+    let is_tok = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/');
+    let mut s = start;
+    while s > 0 && is_tok(bytes[s - 1]) {
+        s -= 1;
+    }
+    let mut e = end;
+    while e < bytes.len() && is_tok(bytes[e]) {
+        e += 1;
+    }
+    let token = text[s..e].trim_end_matches('.');
+    token.len() > end - start
+        && (token.contains('/') || token.contains('_') || has_extension(token))
+}
+
+/// An error header and the line after it that says what failed: for a short header
+/// (`ERROR:`, `Error`, `FAILED:`) the next non-empty line, unless it is code, joined.
+/// Returns the joined text and where it ends.
+fn error_with_message(text: &str, start: usize, end: usize) -> Option<(String, usize)> {
+    let line = text[start..end].trim();
+    let short = line.chars().count() < 24 || line.ends_with(':');
+    if !short || end >= text.len() {
+        return None;
+    }
+    let mut at = end + 1;
+    for next in text[at..].split_inclusive('\n').take(3) {
+        let t = next.trim();
+        let line_end = at + next.trim_end_matches('\n').len();
+        if !t.is_empty() {
+            if looks_like_code(t) {
+                return None;
+            }
+            return Some((format!("{line} {t}"), line_end));
+        }
+        at += next.len();
+    }
+    None
 }
 
 /// Short text that does not look like a tool's output relayed as a user turn.
 fn reads_like_ask(text: &str) -> bool {
     let t = text.trim_start();
     t.len() <= 400 && !t.starts_with(['(', '[', '{', '<']) && !t.is_empty()
-}
-
-fn bullet_or_plain(line: &str) -> bool {
-    bullet_text(line).is_some() || !line.starts_with(['{', '[', '<', '|'])
 }
 
 /// Byte offset where the last `n` lines of `text` start.
@@ -850,35 +1491,72 @@ fn tail_offset(text: &str, n: usize) -> usize {
     end + 1
 }
 
-fn is_path_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b'/' | b'~')
+/// The sentence in which the agent last said what it does next: in the span's last
+/// assistant message, the last sentence with a marker ("Let me", "Next", "I'll", ...),
+/// else its last question when no answer followed (the agent waits for it). Returns
+/// (message, start, end).
+fn last_stated_next(messages: &[Message], texts: &[Cow<'_, str>]) -> Option<(usize, usize, usize)> {
+    let i = messages.iter().rposition(|m| m.role == Role::Assistant)?;
+    if texts[i].trim().is_empty() || is_summary(&texts[i]) {
+        return None;
+    }
+    // A question the user already answered is not pending.
+    let answered = messages[i + 1..]
+        .iter()
+        .enumerate()
+        .any(|(k, m)| m.role == Role::User && !is_observation(messages, i + 1 + k));
+    let text: &str = &texts[i];
+    let mut marked = None;
+    let mut question = None;
+    for (s, e) in sentences(text) {
+        let sentence = &text[s..e];
+        let lower = sentence.to_ascii_lowercase();
+        if NEXT_MARKERS.iter().any(|k| lower.contains(k)) {
+            marked = Some((s, e));
+        }
+        if sentence.ends_with('?') {
+            question = Some((s, e));
+        }
+    }
+    marked
+        .or(question.filter(|_| !answered))
+        .map(|(s, e)| (i, s, e))
 }
 
-/// The path token around an extension match at `at`: `(start, end)` byte offsets.
-fn path_around(text: &str, at: usize) -> Option<(usize, usize)> {
-    let bytes = text.as_bytes();
-    let mut start = at;
-    while start > 0 && is_path_byte(bytes[start - 1]) {
-        start -= 1;
+/// Sentences of prose: split at `.`, `!`, `?` followed by a space or a line end, and
+/// at line ends; fenced blocks are skipped. (start, end) byte offsets.
+fn sentences(text: &str) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut offset = 0;
+    let mut fenced = false;
+    for line in text.split_inclusive('\n') {
+        let t = line.trim();
+        if t.starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && !t.is_empty() {
+            let base = offset + (line.len() - line.trim_start().len());
+            let b = t.as_bytes();
+            let mut s = 0;
+            for k in 0..b.len() {
+                let end_mark =
+                    matches!(b[k], b'.' | b'!' | b'?') && (k + 1 == b.len() || b[k + 1] == b' ');
+                if end_mark {
+                    if k + 1 > s {
+                        out.push((base + s, base + k + 1));
+                    }
+                    s = k + 1;
+                    while s < b.len() && b[s] == b' ' {
+                        s += 1;
+                    }
+                }
+            }
+            if s < b.len() {
+                out.push((base + s, base + b.len()));
+            }
+        }
+        offset += line.len();
     }
-    let mut end = at + 1;
-    while end < bytes.len() && bytes[end].is_ascii_alphanumeric() {
-        end += 1;
-    }
-    let stem = &text[start..at];
-    let stem = stem.trim_start_matches(['.', '/', '-']);
-    if stem.is_empty() || !stem.bytes().any(|b| b.is_ascii_alphabetic()) {
-        return None;
-    }
-    // Not part of a URL (`https://host/x.py`) or a dotted identifier (`os.path.join`).
-    if start >= 1 && bytes[start - 1] == b':' && text[start..].starts_with("//") {
-        return None;
-    }
-    let ext = &text[at + 1..end];
-    let known = KEYWORDS
-        .iter()
-        .any(|(k, kind)| *kind == Kind::Ext && k[1..].eq_ignore_ascii_case(ext));
-    known.then_some((start, end))
+    out
 }
 
 /// Cuts `line` to at most `max` characters around byte offset `focus`, marking cuts
@@ -907,9 +1585,336 @@ fn cut(line: &str, focus: usize, max: usize) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-fn push_owned(owned: &mut Vec<String>, text: String) -> Src {
-    owned.push(text);
-    Src::Owned((owned.len() - 1) as u32)
+// ---------------------------------------------------------------------------------
+// Facts: the identifiers a span introduced.
+
+/// The most characters an identifier may have.
+const MAX_FACT_CHARS: usize = 80;
+
+/// How identifying a fact is (lower first): ids mixing letters and digits (`HAT136`,
+/// `gift_card_7480005`), emails and paths; upper-case codes (`AQLBTL`, `JFK`); dates and
+/// other digit strings; keyed numbers (`price=523`).
+fn fact_rank(f: &str) -> u8 {
+    let letters = f.bytes().any(|b| b.is_ascii_alphabetic());
+    let digits = f.bytes().any(|b| b.is_ascii_digit());
+    if f.starts_with('\'') {
+        4
+    } else if f.contains('=') {
+        3
+    } else if letters && digits || f.contains('@') || f.contains('/') {
+        0
+    } else if letters {
+        1
+    } else {
+        2
+    }
+}
+
+/// Keeps the facts not seen before in the span (and remembers them).
+fn new_facts(facts: Vec<String>, seen: &mut HashSet<String>) -> Vec<String> {
+    facts
+        .into_iter()
+        .filter(|f| seen.insert(f.clone()))
+        .collect()
+}
+
+/// Whether a tool output is a structured record (JSON, a Python dict or list).
+fn looks_structured(text: &str) -> bool {
+    text.trim_start().starts_with(['{', '['])
+}
+
+/// The identifiers of a text, in order, each once: for structured output (JSON or a
+/// Python dict) every string value that is an identifier or a short upper-case code
+/// (`HAT136`, `JFK`, `2024-05-15`, `sofia_kim_7287`) and every number of three or more
+/// digits with its key (`price=523`); for other text the identifier-like tokens
+/// (three or more digits, letters mixed with digits, emails, paths, upper-case codes of
+/// five or more characters). Clock times and the line numbers and code of listings are
+/// left out.
+fn facts_of(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut push = |s: String| {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
+    if looks_structured(text) {
+        structured_facts(text, &mut push);
+    } else {
+        let mut literals: Vec<String> = Vec::new();
+        for line in text.lines() {
+            if looks_like_listing(line) {
+                continue;
+            }
+            if looks_like_code(line) {
+                // Code: only its string literals, which edits and searches quote.
+                for lit in string_literals(line) {
+                    if !literals.iter().any(|l| l == lit) {
+                        literals.push(lit.to_owned());
+                    }
+                }
+                continue;
+            }
+            for t in tokens(line) {
+                if is_identifier(t) && !is_clock_time(t) {
+                    push(t.to_owned());
+                }
+            }
+        }
+        for lit in literals {
+            push(format!("'{lit}'"));
+        }
+    }
+    out
+}
+
+/// The string literals of a line of code: quoted, 3 to 40 characters, one word.
+fn string_literals(line: &str) -> impl Iterator<Item = &str> {
+    let b = line.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let q = b[i];
+        if (q == b'"' || q == b'\'')
+            && (i == 0 || !b[i - 1].is_ascii_alphanumeric())
+            && let Some(len) = b[i + 1..].iter().position(|&c| c == q)
+        {
+            {
+                let lit = &line[i + 1..i + 1 + len];
+                if (3..=40).contains(&lit.len())
+                    && lit
+                        .bytes()
+                        .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-')
+                {
+                    out.push(lit);
+                }
+                i += len + 2;
+                continue;
+            }
+        }
+        i += 1;
+    }
+    out.into_iter()
+}
+
+/// Walks JSON-like text: quoted strings followed by `:` are keys, other quoted strings
+/// and bare numbers are values.
+fn structured_facts(text: &str, push: &mut impl FnMut(String)) {
+    let b = text.as_bytes();
+    let mut key: &str = "";
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'"' || c == b'\'' {
+            let start = i + 1;
+            let mut j = start;
+            while j < b.len() && b[j] != c {
+                if b[j] == b'\\' {
+                    j += 1;
+                }
+                j += 1;
+            }
+            let end = j.min(b.len());
+            let s = text.get(start..end).unwrap_or("");
+            let mut k = end + 1;
+            while k < b.len() && b[k] == b' ' {
+                k += 1;
+            }
+            if k < b.len() && b[k] == b':' {
+                key = s;
+            } else {
+                let t = s.trim();
+                if !t.contains(char::is_whitespace) {
+                    if (is_identifier(t) || is_short_code(t)) && !is_clock_time(t) {
+                        push(t.to_owned());
+                    }
+                } else {
+                    for tok in tokens(t) {
+                        if is_identifier(tok) && !is_clock_time(tok) {
+                            push(tok.to_owned());
+                        }
+                    }
+                }
+            }
+            i = end + 1;
+        } else if c.is_ascii_digit() && (i == 0 || !b[i - 1].is_ascii_alphanumeric()) {
+            let start = i;
+            while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                i += 1;
+            }
+            let num = text[start..i].trim_end_matches('.');
+            if num.bytes().filter(u8::is_ascii_digit).count() >= 3 {
+                if key.is_empty() || key.len() > 24 {
+                    push(num.to_owned());
+                } else {
+                    push(format!("{key}={num}"));
+                }
+            }
+        } else {
+            i += 1;
+        }
+    }
+}
+
+/// Characters that end a token.
+fn is_separator(c: char) -> bool {
+    c.is_whitespace()
+        || matches!(
+            c,
+            '"' | '\''
+                | '`'
+                | '('
+                | ')'
+                | '['
+                | ']'
+                | '{'
+                | '}'
+                | '<'
+                | '>'
+                | ','
+                | ';'
+                | '='
+                | '|'
+                | ':'
+                | '*'
+                | '!'
+                | '?'
+                | '$'
+                | '#'
+                | '&'
+                | '\\'
+        )
+}
+
+/// The tokens of a line, trailing dots trimmed.
+fn tokens(text: &str) -> impl Iterator<Item = &str> {
+    let mut spans = Vec::new();
+    let mut start = None;
+    for (i, c) in text.char_indices() {
+        let url = c == ':' && text[i + 1..].starts_with("//");
+        if is_separator(c) && !url {
+            if let Some(s) = start.take() {
+                spans.push((s, i));
+            }
+        } else if start.is_none() {
+            start = Some(i);
+        }
+    }
+    if let Some(s) = start {
+        spans.push((s, text.len()));
+    }
+    spans.into_iter().filter_map(move |(s, e)| {
+        let t = text[s..e]
+            .trim_end_matches(['.', '-', '_', '/'])
+            .trim_start_matches(['-', '_']);
+        (!t.is_empty()).then_some(t)
+    })
+}
+
+/// An identifier token: three or more digits, letters mixed with digits (4+ chars),
+/// an email, a path, or an upper-case code of five or more characters.
+fn is_identifier(t: &str) -> bool {
+    if t.len() < 3 || t.len() > MAX_FACT_CHARS {
+        return false;
+    }
+    let digits = t.bytes().filter(u8::is_ascii_digit).count();
+    let letters = t.bytes().filter(u8::is_ascii_alphabetic).count();
+    if digits >= 3 || (digits > 0 && letters > 0 && t.len() >= 4) {
+        return true;
+    }
+    if let Some(at) = t.find('@')
+        && at > 0
+        && t[at + 1..].contains('.')
+    {
+        return true;
+    }
+    if is_path(t) {
+        return true;
+    }
+    t.len() >= 5
+        && letters >= 3
+        && t.bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// `JFK`, `USD`: a whole value of three or more upper-case letters.
+fn is_short_code(t: &str) -> bool {
+    t.len() >= 3
+        && t.len() <= MAX_FACT_CHARS
+        && t.bytes().any(|b| b.is_ascii_uppercase())
+        && t.bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// `08:00`, `14:30:00`, and timestamps (`2024-05-01T09:08:54`): when something
+/// happened, rarely what an agent passes on.
+fn is_clock_time(t: &str) -> bool {
+    if let Some((date, time)) = t.split_once('T')
+        && date.len() == 10
+        && date.bytes().filter(|b| *b == b'-').count() == 2
+        && time.contains(':')
+    {
+        return true;
+    }
+    // `01:00:00+1`: the next day.
+    let t = t.split_once('+').map_or(t, |(time, _)| time);
+    let parts: Vec<&str> = t.split(':').collect();
+    (2..=3).contains(&parts.len())
+        && parts
+            .iter()
+            .all(|p| p.len() == 2 && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Whether the last segment of `t` has a file extension (`name.ext`, the extension 1
+/// to 8 letters or digits starting with a lower-case letter).
+fn has_extension(t: &str) -> bool {
+    let last = t.rsplit('/').next().unwrap_or(t);
+    last.rsplit_once('.').is_some_and(|(stem, ext)| {
+        stem.len() >= 2
+            && stem.bytes().any(|b| b.is_ascii_alphanumeric())
+            && (1..=8).contains(&ext.len())
+            && ext.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+            && ext.bytes().all(|b| b.is_ascii_alphanumeric())
+    })
+}
+
+/// A file path: `src/lib.rs`, `/tmp/out`, `./run.sh`, `a/b/c`, `setup.py` (any
+/// extension).
+fn is_path(t: &str) -> bool {
+    if t.is_empty() || t.len() > 200 || !t.bytes().any(|b| b.is_ascii_alphabetic()) {
+        return false;
+    }
+    if t.contains(char::is_whitespace) {
+        return false;
+    }
+    if t.contains("://") {
+        return false;
+    }
+    let slashes = t.matches('/').count();
+    if slashes == 0 {
+        return has_extension(t);
+    }
+    t.starts_with('/')
+        || t.starts_with("./")
+        || t.starts_with("~/")
+        || slashes >= 2
+        || has_extension(t)
+}
+
+/// Whether `needle` occurs in `hay` as a whole token.
+fn contains_token(hay: &str, needle: &str) -> bool {
+    if needle.is_empty() {
+        return false;
+    }
+    let h = hay.as_bytes();
+    let n = needle.as_bytes();
+    let edge_start = n[0].is_ascii_alphanumeric();
+    let edge_end = n[n.len() - 1].is_ascii_alphanumeric();
+    memchr::memmem::find_iter(h, n).any(|at| {
+        let before = !edge_start || at == 0 || !h[at - 1].is_ascii_alphanumeric();
+        let end = at + n.len();
+        let after = !edge_end || end >= h.len() || !h[end].is_ascii_alphanumeric();
+        before && after
+    })
 }
 
 #[async_trait]
@@ -924,20 +1929,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_are_found_and_urls_skipped() {
-        let text = "edit src/lib/fields.py then see https://x.io/a.py and os.path.join; notes.md.";
-        let at = |needle: &str| text.find(needle).unwrap_or(0);
-        assert_eq!(
-            path_around(text, at(".py then")).map(|(s, e)| &text[s..e]),
-            Some("src/lib/fields.py")
-        );
-        assert_eq!(path_around(text, at(".py and")), None);
-        assert_eq!(
-            path_around(text, at(".md.")).map(|(s, e)| &text[s..e]),
-            Some("notes.md")
-        );
-        assert_eq!(path_around("v1.2.rs", 4).map(|_| ()), Some(()));
-        assert_eq!(path_around("1.2.rs", 3), None);
+    fn paths_of_any_extension() {
+        for p in [
+            "src/lib/fields.py",
+            "notes.md",
+            "/etc/hosts",
+            "./run.sh",
+            "Cargo.lock",
+            "a/b/c",
+            "data.parquet",
+        ] {
+            assert!(is_path(p), "{p}");
+        }
+        for p in ["https://x.io/a.py", "and/or", "e.g", "1.2.3", "hello"] {
+            assert!(!is_path(p), "{p}");
+        }
     }
 
     #[test]
@@ -961,17 +1967,35 @@ mod tests {
     #[test]
     fn scan_reports_lines_with_keywords() {
         let s = ExtractiveSummarizer::new();
-        let text = "all good\nFatal ERROR: disk\nsaved to out.log\n";
+        let text =
+            "all good\nFatal ERROR: disk\nsaved to out.log\n-rw-r--r-- 1 u g 10 error_log.txt\n";
         let mut lines = Vec::new();
-        s.scan(text, |a, b, kinds, _, exts| {
-            lines.push((&text[a..b], kinds, exts.len()));
-        });
+        s.scan(text, |a, b, kinds, _| lines.push((&text[a..b], kinds)));
+        assert_eq!(lines, [("Fatal ERROR: disk", Kind::Error.bit())]);
+    }
+
+    #[test]
+    fn facts_of_records_and_text() {
+        let record = r#"{"reservation_id": "OI5L9G", "origin": "MCO", "cabin": "business", "flights": [{"flight_number": "HAT017", "date": "2024-05-25", "departure": "08:00:00", "price": 523, "seats": 9}]}"#;
         assert_eq!(
-            lines,
-            [
-                ("Fatal ERROR: disk", Kind::Error.bit(), 0),
-                ("saved to out.log", 0, 1)
-            ]
+            facts_of(record),
+            ["OI5L9G", "MCO", "HAT017", "2024-05-25", "price=523"]
         );
+        let text = "HTTP 503 from api.internal, incident INC-77341 (see /var/log/api.log)\n  12:    x = 1234\n";
+        assert_eq!(
+            facts_of(text),
+            ["503", "api.internal", "INC-77341", "/var/log/api.log"]
+        );
+    }
+
+    #[test]
+    fn sentences_and_the_stated_next_step() {
+        let msgs = [
+            Message::assistant("I checked the file. Now let's run the tests.\n```\npytest\n```"),
+            Message::user("3 passed"),
+        ];
+        let texts: Vec<Cow<'_, str>> = msgs.iter().map(Message::text).collect();
+        let (i, s, e) = last_stated_next(&msgs, &texts).unwrap_or_default();
+        assert_eq!((i, &texts[0][s..e]), (0, "Now let's run the tests."));
     }
 }
