@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use keel_checkpoint::MemorySaver;
+use futures::StreamExt;
+use keel_checkpoint::{ListOptions, MemorySaver};
 use keel_graph::reducer::{AddMessages, AddMessagesUpdate, Append, Messages};
 use keel_graph::{Command, CompiledGraph, END, RunConfig, START, State, StateGraph};
 use keel_message::Message;
@@ -182,8 +183,12 @@ fn history(c: &mut Criterion) {
         group.bench_function(BenchmarkId::from_parameter(n), |b| {
             b.iter(|| {
                 let count = rt.block_on(async {
-                    let history = g.state_history(&config).await.unwrap();
-                    history.len()
+                    let mut history = g.state_history(&config, ListOptions::default());
+                    let mut count = 0;
+                    while let Some(snapshot) = history.next().await {
+                        count += snapshot.unwrap().values.messages.len();
+                    }
+                    count
                 });
                 black_box(count)
             });

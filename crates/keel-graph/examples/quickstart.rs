@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use keel_checkpoint_sqlite::SqliteSaver;
 use keel_graph::reducer::{AddMessages, AddMessagesUpdate, MessageOp, Messages};
 use keel_graph::{
@@ -137,7 +137,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         input = Command::resume("yes");
     }
 
-    let history = graph.state_history(&config).await?;
+    let history: Vec<_> = graph
+        .state_history(&config, keel_checkpoint::ListOptions::default())
+        .try_collect()
+        .await?;
     let latest = &history[0].values;
     println!(
         "\n{} messages, {} model calls, {} checkpoints stored in {}; final answer: {}",

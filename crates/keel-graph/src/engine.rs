@@ -6,16 +6,17 @@
 //! next tasks are computed from edges, joins, routers, `goto`s and `SendTo`s, and the step
 //! is checkpointed as per-channel deltas.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
-use futures::stream::StreamExt;
+use futures::stream::{BoxStream, StreamExt, TryStreamExt};
 use futures::{FutureExt, Stream};
 use keel_checkpoint::{
-    ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata, CheckpointSource,
-    CheckpointTuple, Checkpointer, ListOptions, PendingWrite, PutRequest, ThreadKey,
+    ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata,
+    CheckpointSource, CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions, PendingWrite,
+    PutRequest, ThreadKey,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -320,29 +321,83 @@ impl<S: State> CompiledGraph<S> {
         }
     }
 
-    /// Every checkpoint of a thread, newest first, with its state.
+    /// A thread's checkpoints, newest first (id order, every branch included), each
+    /// with its state, filtered like [`Checkpointer::list`]: `options.before` (only
+    /// checkpoints older than that id: the next page after the last one seen),
+    /// `options.limit` and `options.metadata` (every key equal; `writes` contained,
+    /// see [`ListOptions::written_by`]). `config.checkpoint_id` is not used.
     ///
-    /// Rebuilds the state of every checkpoint; to find one checkpoint by the node that
-    /// wrote it, use [`last_checkpoint_by`](Self::last_checkpoint_by), which reads
-    /// metadata only.
-    pub async fn state_history(
+    /// A stream: each state is rebuilt when the stream reaches its checkpoint, from that
+    /// checkpoint's stored channels, and summaries are read a page at a time, so memory
+    /// holds one state (and the page), however long the history. A checkpoint pruned
+    /// while the stream runs is left out. Without a checkpointer or a thread id the
+    /// stream's one item is [`GraphError::CheckpointerRequired`]. To find one
+    /// checkpoint by the node that wrote it, use
+    /// [`last_checkpoint_by`](Self::last_checkpoint_by).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use futures::TryStreamExt;
+    /// use keel_checkpoint::{ListOptions, MemorySaver};
+    /// use keel_graph::reducer::Append;
+    /// use keel_graph::{END, RunConfig, START, State, StateGraph};
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Log {
+    ///     #[reducer(Append<String>)]
+    ///     lines: Vec<String>,
+    /// }
+    /// let line = |s: &str| LogUpdate::default().lines(vec![s.to_owned()]);
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Log>::new()
+    ///     .add_node("draft", move |_s, _c| async move { Ok(line("draft")) })
+    ///     .add_edge(START, "draft")
+    ///     .add_edge("draft", END)
+    ///     .with_checkpointer(Arc::new(MemorySaver::new()))
+    ///     .compile()?;
+    /// let config = RunConfig::thread("doc-1");
+    /// graph.invoke(line("brief"), &config).await?;
+    ///
+    /// // Newest first: after `draft`, then the input.
+    /// let all: Vec<_> = graph.state_history(&config, ListOptions::default()).try_collect().await?;
+    /// assert_eq!(all.len(), 2);
+    /// assert_eq!(all[0].values.lines, ["brief", "draft"]);
+    /// // The page after the newest one, and a metadata filter.
+    /// let older = ListOptions::default().before(all[0].checkpoint_id.clone()).limit(10);
+    /// let page: Vec<_> = graph.state_history(&config, older).try_collect().await?;
+    /// assert_eq!(page[0].values.lines, ["brief"]);
+    /// let by_draft = ListOptions::default().written_by("draft");
+    /// assert_eq!(graph.state_history(&config, by_draft).try_collect::<Vec<_>>().await?.len(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn state_history(
         &self,
         config: &RunConfig,
-    ) -> Result<Vec<StateSnapshot<S>>, GraphError> {
-        let (cp, thread) = self.require_checkpointer(config, "state_history")?;
-        let summaries: Vec<_> = cp
-            .list(&thread, ListOptions::default())
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_, _>>()?;
-        let mut out = Vec::with_capacity(summaries.len());
-        for s in summaries {
-            if let Some(tuple) = cp.get(&thread, Some(&s.checkpoint.id)).await? {
-                out.push(self.snapshot_of(tuple)?);
-            }
-        }
-        Ok(out)
+        options: ListOptions,
+    ) -> BoxStream<'static, Result<StateSnapshot<S>, GraphError>> {
+        let (cp, thread) = match self.require_checkpointer(config, "state_history") {
+            Ok(found) => found,
+            Err(e) => return futures::stream::once(async move { Err(e) }).boxed(),
+        };
+        let cursor = HistoryCursor {
+            graph: self.clone(),
+            cp,
+            thread,
+            before: options.before,
+            remaining: options.limit.unwrap_or(usize::MAX),
+            metadata: options.metadata,
+            page: VecDeque::new(),
+            listed_all: false,
+        };
+        futures::stream::try_unfold(cursor, |mut cursor| async move {
+            let item = cursor.next().await?;
+            Ok(item.map(|snapshot| (snapshot, cursor)))
+        })
+        .boxed()
     }
 
     /// The newest checkpoint of a thread whose step node `node` wrote (its
@@ -480,20 +535,24 @@ impl<S: State> CompiledGraph<S> {
     }
 
     fn snapshot_of(&self, tuple: CheckpointTuple) -> Result<StateSnapshot<S>, GraphError> {
-        let (state, _) = rebuild::<S>(&tuple)?;
-        let tasks = decode_tasks(&tuple.checkpoint)?;
+        let CheckpointTuple {
+            checkpoint,
+            metadata,
+            channels,
+            pending_writes,
+            ..
+        } = tuple;
+        let (state, _) = rebuild::<S>(channels, &checkpoint)?;
+        let tasks = decode_tasks(&checkpoint)?;
         Ok(StateSnapshot {
             values: state,
             next: tasks.iter().map(|t| t.node.clone()).collect(),
             // Shown even when this graph lacks a scheduled node: running it is what
             // fails (`GraphError::UnknownNode`), not looking at it.
-            interrupts: pending_interrupts(
-                &tuple.pending_writes,
-                &task_names(&tasks, &tuple.checkpoint.id),
-            ),
-            checkpoint_id: tuple.checkpoint.id,
-            parent_id: tuple.checkpoint.parent,
-            metadata: tuple.metadata,
+            interrupts: pending_interrupts(&pending_writes, &task_names(&tasks, &checkpoint.id)),
+            checkpoint_id: checkpoint.id,
+            parent_id: checkpoint.parent,
+            metadata,
         })
     }
 
@@ -629,6 +688,65 @@ impl<S: State> CompiledGraph<S> {
     }
 }
 
+/// Summaries read per `list` call by [`CompiledGraph::state_history`].
+const HISTORY_PAGE: usize = 32;
+
+/// Where a [`CompiledGraph::state_history`] stream is: the next checkpoints to show,
+/// and the id to list the page after them from.
+struct HistoryCursor<S: State> {
+    graph: CompiledGraph<S>,
+    cp: Arc<dyn Checkpointer>,
+    thread: ThreadKey,
+    /// List checkpoints older than this (the last one listed).
+    before: Option<CheckpointId>,
+    /// How many more the caller wants.
+    remaining: usize,
+    metadata: serde_json::Map<String, Value>,
+    page: VecDeque<CheckpointSummary>,
+    /// The last `list` returned less than a page: nothing older matches.
+    listed_all: bool,
+}
+
+impl<S: State> HistoryCursor<S> {
+    /// The next checkpoint's snapshot, or `None` at the end.
+    async fn next(&mut self) -> Result<Option<StateSnapshot<S>>, GraphError> {
+        while self.remaining > 0 {
+            let Some(summary) = self.page.pop_front() else {
+                if self.listed_all {
+                    return Ok(None);
+                }
+                self.list_page().await?;
+                continue;
+            };
+            // Absent only if pruned since it was listed: then it is no longer history.
+            if let Some(tuple) = self
+                .cp
+                .get(&self.thread, Some(&summary.checkpoint.id))
+                .await?
+            {
+                self.remaining -= 1;
+                return self.graph.snapshot_of(tuple).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    async fn list_page(&mut self) -> Result<(), GraphError> {
+        let want = self.remaining.min(HISTORY_PAGE);
+        let mut options = ListOptions::default().limit(want);
+        options.before = self.before.clone();
+        options.metadata = self.metadata.clone();
+        let page: VecDeque<CheckpointSummary> =
+            self.cp.list(&self.thread, options).try_collect().await?;
+        self.listed_all = page.len() < want;
+        if let Some(last) = page.back() {
+            self.before = Some(last.checkpoint.id.clone());
+        }
+        self.page = page;
+        Ok(())
+    }
+}
+
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
@@ -718,26 +836,29 @@ impl<S: State> RunState<S> {
         let Some(tuple) = tuple else {
             return Ok(run);
         };
-        let (state, books) = rebuild::<S>(&tuple)?;
+        let CheckpointTuple {
+            checkpoint,
+            metadata,
+            channels,
+            pending_writes,
+            ..
+        } = tuple;
+        let (state, books) = rebuild::<S>(channels, &checkpoint)?;
         run.state = Arc::new(state);
         run.books = books;
-        run.tasks = decode_tasks(&tuple.checkpoint)?;
+        run.tasks = decode_tasks(&checkpoint)?;
         for (i, seen) in run.joins_seen.iter_mut().enumerate() {
-            if let Some(m) = tuple
-                .checkpoint
-                .versions_seen
-                .get(&format!("{JOIN_PREFIX}{i}"))
-            {
+            if let Some(m) = checkpoint.versions_seen.get(&format!("{JOIN_PREFIX}{i}")) {
                 *seen = m
                     .keys()
                     .filter_map(|n| run.graph.index.get(n).copied())
                     .collect();
             }
         }
-        run.step = tuple.metadata.step;
-        run.pending = tuple.pending_writes;
-        run.stored = Some(tuple.checkpoint.id.clone());
-        run.checkpoint = tuple.checkpoint;
+        run.step = metadata.step;
+        run.pending = pending_writes;
+        run.stored = Some(checkpoint.id.clone());
+        run.checkpoint = checkpoint;
         Ok(run)
     }
 
@@ -1650,24 +1771,28 @@ fn decode_tasks(checkpoint: &Checkpoint) -> Result<Vec<TaskSpec>, GraphError> {
         .collect()
 }
 
-/// Rebuilds the state from a checkpoint's channel chains.
-fn rebuild<S: State>(tuple: &CheckpointTuple) -> Result<(S, Vec<ChannelBook>), GraphError> {
+/// Rebuilds the state from a checkpoint's channel chains, which it consumes: each
+/// stored snapshot and delta is moved into the state, not copied.
+fn rebuild<S: State>(
+    channels: BTreeMap<String, ChannelChain>,
+    checkpoint: &Checkpoint,
+) -> Result<(S, Vec<ChannelBook>), GraphError> {
     let mut state = S::empty();
     let mut books = vec![ChannelBook::default(); S::CHANNELS.len()];
-    for (name, chain) in &tuple.channels {
-        let c = channel_index::<S>(name).ok_or_else(|| StateError::UnknownChannel {
+    for (name, chain) in channels {
+        let c = channel_index::<S>(&name).ok_or_else(|| StateError::UnknownChannel {
             channel: name.clone(),
         })?;
         let book = book_mut::<S>(&mut books, c)?;
-        if let Some(s) = &chain.snapshot {
-            book.snapshot_bytes = json_size(s);
-            state.restore_channel(c, s.clone())?;
+        if let Some(s) = chain.snapshot {
+            book.snapshot_bytes = json_size(&s);
+            state.restore_channel(c, s)?;
         }
-        for d in &chain.deltas {
+        for d in chain.deltas {
             book.delta_bytes += d.iter().map(json_size).sum::<usize>();
-            state.fold_channel(c, d.clone())?;
+            state.fold_channel(c, d)?;
         }
-        book.version = tuple.checkpoint.channel_versions.get(name).cloned();
+        book.version = checkpoint.channel_versions.get(&name).cloned();
     }
     Ok((state, books))
 }

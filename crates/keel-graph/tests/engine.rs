@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
-use keel_checkpoint::{CheckpointSource, Checkpointer, MemorySaver};
+use futures::{StreamExt, TryStreamExt};
+use keel_checkpoint::{CheckpointSource, Checkpointer, ListOptions, MemorySaver};
 use keel_graph::reducer::{AddMessages, AddMessagesUpdate, Append, Messages};
 use keel_graph::{
     BuildError, Command, Durability, END, Event, GraphError, NodeError, NodeOptions, RetryPolicy,
@@ -26,6 +26,17 @@ struct S {
 
 fn log(entry: &str) -> SUpdate {
     SUpdate::default().log(vec![entry.to_owned()])
+}
+
+/// The whole history of the thread, newest first.
+async fn full_history(
+    g: &keel_graph::CompiledGraph<S>,
+    config: &RunConfig,
+) -> Vec<keel_graph::StateSnapshot<S>> {
+    g.state_history(config, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap()
 }
 
 fn saver() -> Arc<dyn Checkpointer> {
@@ -750,7 +761,7 @@ async fn time_travel_history_update_state_and_fork() {
         .unwrap();
     let config = RunConfig::thread("tt");
     g.invoke(log("in"), &config).await.unwrap();
-    let history = g.state_history(&config).await.unwrap();
+    let history = full_history(&g, &config).await;
     let logs: Vec<Vec<String>> = history.iter().map(|h| h.values.log.clone()).collect();
     assert_eq!(
         logs,
@@ -808,7 +819,7 @@ async fn durability_modes_agree_on_the_result() {
         let config = RunConfig::thread("d").with_durability(d);
         g.invoke(SUpdate::default(), &config).await.unwrap();
         let stored = g.get_state(&config).await.unwrap().unwrap();
-        let n = g.state_history(&config).await.unwrap().len();
+        let n = full_history(&g, &config).await.len();
         (stored.values.log, n)
     }
     let (sync, n_sync) = run(Durability::Sync).await;
@@ -888,7 +899,7 @@ async fn stale_writer_is_refused() {
         .unwrap();
     let state = seed.get_state(&config).await.unwrap().unwrap();
     // Fork point: re-run from the input checkpoint on two workers at once.
-    let history = seed.state_history(&config).await.unwrap();
+    let history = full_history(&seed, &config).await;
     let input_cp = history.last().unwrap().checkpoint_id.clone();
     assert_eq!(state.values.log, ["in", "w"]);
     let (g1, g2) = (make(Arc::clone(&gate)), make(Arc::clone(&gate)));
@@ -991,7 +1002,7 @@ async fn nodes_see_the_thread_namespace_and_configurable_of_their_invocation() {
         ]
     );
     // The configuration is not checkpoint metadata: nothing of it is stored.
-    for snap in g.state_history(&config).await.unwrap() {
+    for snap in full_history(&g, &config).await {
         assert!(!snap.metadata.extra.contains_key("model"), "{snap:?}");
         assert!(!snap.metadata.extra.contains_key("user_id"), "{snap:?}");
     }
@@ -1118,10 +1129,8 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
     let g = fan_graph(Arc::clone(&cp));
     let config = RunConfig::thread("writers");
     g.invoke(log("in"), &config).await.unwrap();
-    let writes: Vec<(CheckpointSource, Vec<String>)> = g
-        .state_history(&config)
+    let writes: Vec<(CheckpointSource, Vec<String>)> = full_history(&g, &config)
         .await
-        .unwrap()
         .into_iter()
         .rev()
         .map(|h| (h.metadata.source, h.metadata.writes))
@@ -1146,7 +1155,7 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
         .await
         .unwrap();
     g.update_state(&config, log("note"), None).await.unwrap();
-    let history = g.state_history(&config).await.unwrap();
+    let history = full_history(&g, &config).await;
     assert_eq!(history[1].metadata.writes, ["b"]);
     assert_eq!(history[1].metadata.source, CheckpointSource::Update);
     assert!(history[0].metadata.writes.is_empty());
@@ -1154,7 +1163,7 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
     // Exit durability stores one checkpoint for the whole run: all its writers.
     let exit = RunConfig::thread("writers-exit").with_durability(Durability::Exit);
     g.invoke(log("in"), &exit).await.unwrap();
-    let history = g.state_history(&exit).await.unwrap();
+    let history = full_history(&g, &exit).await;
     assert_eq!(history.len(), 1);
     assert_eq!(
         history[0].metadata.writes,
@@ -1164,10 +1173,8 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
     // Async durability records the same as sync.
     let asynchronous = RunConfig::thread("writers-async").with_durability(Durability::Async);
     g.invoke(log("in"), &asynchronous).await.unwrap();
-    let steps: Vec<Vec<String>> = g
-        .state_history(&asynchronous)
+    let steps: Vec<Vec<String>> = full_history(&g, &asynchronous)
         .await
-        .unwrap()
         .into_iter()
         .rev()
         .map(|h| h.metadata.writes)
@@ -1199,7 +1206,7 @@ async fn last_checkpoint_by_finds_a_nodes_newest_checkpoint_from_metadata() {
     for round in 0..20 {
         g.invoke(log(&format!("in{round}")), &config).await.unwrap();
     }
-    let history = g.state_history(&config).await.unwrap();
+    let history = full_history(&g, &config).await;
     assert_eq!(history.len(), 100);
 
     // The newest checkpoint `plan` wrote: one list and one get, not one get per
@@ -1294,5 +1301,109 @@ async fn last_checkpoint_by_on_sqlite() {
         [
             "one", "plan", "a", "b", "work", "work", "work", "two", "plan", "a", "b"
         ]
+    );
+}
+
+#[tokio::test]
+async fn state_history_is_a_stream_with_before_limit_and_metadata() {
+    // 70 steps: more than one page of summaries.
+    let g = StateGraph::<S>::new()
+        .add_node("step", |s: Arc<S>, _c| async move {
+            Ok(log("s").count(s.count + 1))
+        })
+        .add_edge(START, "step")
+        .add_conditional_edges(
+            "step",
+            |s: &S| if s.count < 70 { "step" } else { END },
+            None,
+        )
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("pages");
+    g.invoke(log("in"), &config).await.unwrap();
+
+    let all = full_history(&g, &config).await;
+    assert_eq!(all.len(), 71);
+    assert!(
+        all.windows(2)
+            .all(|w| w[0].checkpoint_id > w[1].checkpoint_id)
+    );
+    assert!(
+        all.iter()
+            .enumerate()
+            .all(|(i, h)| h.values.count == 70 - i as i64)
+    );
+    let ids = |h: &[keel_graph::StateSnapshot<S>]| -> Vec<_> {
+        h.iter().map(|s| s.checkpoint_id.clone()).collect()
+    };
+    let page = |options: ListOptions| {
+        let g = g.clone();
+        let config = config.clone();
+        async move {
+            g.state_history(&config, options)
+                .try_collect::<Vec<_>>()
+                .await
+                .unwrap()
+        }
+    };
+
+    assert_eq!(
+        ids(&page(ListOptions::default().limit(5)).await),
+        ids(&all[..5])
+    );
+    let older = page(
+        ListOptions::default()
+            .before(all[40].checkpoint_id.clone())
+            .limit(50),
+    )
+    .await;
+    assert_eq!(ids(&older), ids(&all[41..]));
+    // Paging with `before` from the last id seen walks the whole history.
+    let mut walked = Vec::new();
+    let mut options = ListOptions::default().limit(9);
+    loop {
+        let got = page(options.clone()).await;
+        let Some(last) = got.last() else { break };
+        options = options.before(last.checkpoint_id.clone());
+        walked.extend(got);
+    }
+    assert_eq!(ids(&walked), ids(&all));
+    // Metadata filters, as `Checkpointer::list` takes them.
+    let inputs = page(ListOptions::default().metadata("source", json!("input"))).await;
+    assert_eq!(ids(&inputs), ids(&all[70..]));
+    let by_step = page(ListOptions::default().written_by("step").limit(100)).await;
+    assert_eq!(ids(&by_step), ids(&all[..70]));
+    let at_step = page(ListOptions::default().metadata("step", json!(3))).await;
+    assert_eq!(at_step.len(), 1);
+    assert_eq!(at_step[0].values.count, 4);
+
+    // The stream rebuilds states as it is read: taking two reads two.
+    let first_two: Vec<_> = g
+        .state_history(&config, ListOptions::default())
+        .take(2)
+        .collect()
+        .await;
+    assert_eq!(first_two.len(), 2);
+
+    // Without a checkpointer (or a thread) the one item is the error.
+    let bare = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .compile()
+        .unwrap();
+    let items: Vec<_> = bare
+        .state_history(&config, ListOptions::default())
+        .collect()
+        .await;
+    assert!(
+        matches!(
+            items.as_slice(),
+            [Err(GraphError::CheckpointerRequired {
+                what: "state_history"
+            })]
+        ),
+        "{items:?}"
     );
 }
