@@ -233,10 +233,18 @@ impl Compactor {
     }
 
     /// Appends one step to the raw buffer: the model's `reply` and the messages that
-    /// followed it. Tool results over the eviction threshold are written to the
-    /// offload store first and enter the context as a stub (path, size, head and tail
-    /// lines); a result whose write fails enters in full, so nothing is lost.
-    pub fn push_step(&self, state: &mut ContextState, reply: Message, results: Vec<Message>) {
+    /// followed it, each with an id (`keel-<step>-<k>` when it has none, so the
+    /// archive can find it again). Tool results over the eviction threshold are
+    /// written to the offload store first and enter the context as a stub (path, size,
+    /// head and tail lines); a result whose write fails enters in full, so nothing is
+    /// lost. This is the one way into the raw buffer, with [`Compactor::push`].
+    pub fn push_step(&self, state: &mut ContextState, mut reply: Message, results: Vec<Message>) {
+        let step = state.step + u64::from(reply.role == Role::Assistant);
+        crate::state::ensure_id(&mut reply, || format!("keel-{step}-0"));
+        let mut results = results;
+        for (k, m) in results.iter_mut().enumerate() {
+            crate::state::ensure_id(m, || format!("keel-{step}-{}", k + 1));
+        }
         let results = match &self.evict {
             Some(policy) if results.iter().any(is_observation) => {
                 self.evict(policy, &reply, results)
@@ -244,6 +252,21 @@ impl Compactor {
             _ => results,
         };
         state.push_step(reply, results);
+    }
+
+    /// Appends messages that are not a step (a user's turn between model calls), each
+    /// with an id (`keel-<step>-p<n>` when it has none); observations among them are
+    /// offloaded as [`Compactor::push_step`] offloads results.
+    pub fn push(&self, state: &mut ContextState, messages: Vec<Message>) {
+        let mut messages = messages;
+        state.assign_push_ids(&mut messages);
+        let messages = match &self.evict {
+            Some(policy) if messages.iter().any(is_observation) => {
+                self.evict(policy, &Message::assistant(""), messages)
+            }
+            _ => messages,
+        };
+        state.push(messages);
     }
 
     /// Runs the evict policy over `results`. Observations that arrived as user messages
@@ -593,9 +616,19 @@ impl Compactor {
         if !hybrid && enough && trigger != Trigger::Overflow && trigger != Trigger::Force {
             return Err(CompactionError::NothingToCompact);
         }
-        let mut done = self.milestone(state, trigger, tools).await?;
-        done.archived += masked.archived;
-        Ok(done)
+        match self.milestone(state, trigger, tools).await {
+            Ok(mut done) => {
+                done.archived += masked.archived;
+                Ok(done)
+            }
+            // The masking happened (its originals are archived): that is what this
+            // compaction did; the milestone is tried again at the next check.
+            Err(e) if masked.archived > 0 => {
+                tracing::warn!(error = %e, "milestone after masking failed; masking kept");
+                Ok(masked)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Where the masking boundary should be: turns whose results are masked.
@@ -717,22 +750,20 @@ impl Compactor {
             tail += n;
             target -= 1;
         }
-        // When overflowing, at least the oldest step must go even if the tail is large.
-        let target = if target == 0 && overflowing {
-            state.raw.len().saturating_sub(1)
-        } else {
-            target
-        };
-        // The newest step (the last model reply and what followed it) stays, so the
-        // model does not act without the result it just asked for; only a prompt over
-        // the budget, which could not be sent at all, may cut into it.
+        // The newest step (the last model reply and what followed it) always stays, so
+        // the model never acts without the result it just asked for, however large it
+        // is: a result too large for the window is the eviction policy's to offload.
         let newest = state
             .raw
             .iter()
             .rposition(|m| m.role == Role::Assistant)
             .unwrap_or(state.raw.len());
-        let target = if overflowing {
-            target
+        // When the tail would keep everything, everything older than the newest step
+        // goes if the prompt is over the budget, or if the step trigger was asked to
+        // fire every N steps unconditionally (a milestone at step N, not later).
+        let every_n = trigger == Trigger::Steps && self.config.step_trigger == StepTrigger::Always;
+        let target = if target == 0 && (overflowing || every_n) {
+            newest
         } else {
             target.min(newest)
         };
@@ -749,8 +780,25 @@ impl Compactor {
         trigger: Trigger,
         tools: &[ToolSpec],
     ) -> Result<Done, CompactionError> {
-        self.truncate_arguments(state, tools);
+        // Truncating old arguments rewrites the raw buffer: undone if the milestone is
+        // not made (invariant 4: a failed compaction changes nothing).
+        let before = self.truncate_arguments(state, tools);
+        let result = self.milestone_after_truncation(state, trigger, tools).await;
+        if result.is_err()
+            && let Some((raw, ledger)) = before
+        {
+            state.raw = raw;
+            state.ledger = ledger;
+        }
+        result
+    }
 
+    async fn milestone_after_truncation(
+        &self,
+        state: &mut ContextState,
+        trigger: Trigger,
+        tools: &[ToolSpec],
+    ) -> Result<Done, CompactionError> {
         // Keep a recent tail of about `keep_recent_tokens` (a quarter of it after a
         // provider's overflow: the window is smaller than the profile says), cut where
         // no tool call is separated from its results.
@@ -772,14 +820,17 @@ impl Compactor {
                 overflowing,
             )
             .await?;
-        let first_step = state.step_at_compaction + 1;
+        let (first_step, last_step) = steps_of(state, cut);
         let number = state.milestones_made + 1;
         let layer = self.layer(
             LayerLevel::Milestone,
-            format!("[Milestone {number}: steps {first_step}–{}]", state.step),
+            format!(
+                "[Milestone {number}: {}]",
+                steps_label(first_step, last_step)
+            ),
             (summary.0, summary.1.clone()),
             first_step,
-            state.step,
+            last_step,
             format!("keel-milestone-{number}"),
         );
         if layer.tokens >= leaving_tokens {
@@ -1009,23 +1060,32 @@ impl Compactor {
     }
 
     /// Replaces long string arguments of old write/edit calls with pointers (stored
-    /// once), when the context passes the policy's fraction of the window.
-    fn truncate_arguments(&self, state: &mut ContextState, tools: &[ToolSpec]) {
-        let Some(policy) = &self.truncate else {
-            return;
-        };
+    /// once), when the context passes the policy's fraction of the window. Returns the
+    /// raw buffer and ledger as they were when it changed something.
+    fn truncate_arguments(
+        &self,
+        state: &mut ContextState,
+        tools: &[ToolSpec],
+    ) -> Option<(Vec<Message>, crate::state::Ledger)> {
+        let policy = self.truncate.as_ref()?;
         let used = self.tokens(state, tools).total;
         if !policy.triggered(used, self.budget()) {
-            return;
+            return None;
         }
         let env = PolicyEnv::new(self.archive.store().as_ref(), &self.thread, &*self.counter);
-        let raw = std::mem::take(&mut state.raw);
+        let raw = state.raw.clone();
         let outcome = policy.apply_with_usage(raw, &env, used, self.budget());
         for f in &outcome.failures {
             tracing::warn!(error = %f.error, "truncating old arguments failed; message kept");
         }
+        if outcome.stored.is_empty() {
+            return None;
+        }
+        let before = (
+            std::mem::replace(&mut state.raw, outcome.messages),
+            state.ledger.clone(),
+        );
         let changed: Vec<usize> = outcome.stored.iter().map(|s| s.index).collect();
-        state.raw = outcome.messages;
         for i in changed {
             if let (Some(slot), Some(m)) = (state.ledger.raw.get_mut(i), state.raw.get(i)) {
                 let n = self.counter.count_message(m);
@@ -1033,6 +1093,39 @@ impl Compactor {
                 *slot = n;
             }
         }
+        Some(before)
+    }
+}
+
+/// The steps (model calls, counted from 1) the first `cut` raw messages belong to: a
+/// message belongs to the step of the model reply before it; messages before the
+/// run's first reply count as step 1.
+fn steps_of(state: &ContextState, cut: usize) -> (u64, u64) {
+    let assistants = state
+        .raw
+        .iter()
+        .filter(|m| m.role == Role::Assistant)
+        .count() as u64;
+    let mut turn = state.step.saturating_sub(assistants);
+    let mut first = None;
+    let mut last = turn;
+    for m in state.raw.iter().take(cut) {
+        if m.role == Role::Assistant {
+            turn += 1;
+        }
+        first.get_or_insert(turn);
+        last = turn;
+    }
+    let first = first.unwrap_or(turn).max(1);
+    (first, last.max(first))
+}
+
+/// `steps 3–7`, or `step 3`.
+fn steps_label(first: u64, last: u64) -> String {
+    if first == last {
+        format!("step {first}")
+    } else {
+        format!("steps {first}–{last}")
     }
 }
 

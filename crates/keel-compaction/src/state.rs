@@ -122,18 +122,54 @@ impl ContextState {
     }
 
     /// Appends one step: the model's reply and what followed it (tool results, the
-    /// user's answer). Counts one model call if `reply` is an assistant message.
-    pub fn push_step(&mut self, reply: Message, results: impl IntoIterator<Item = Message>) {
+    /// user's answer), each with an id (`keel-<step>-<k>` when it had none). Counts one
+    /// model call if `reply` is an assistant message. The way in is
+    /// [`crate::Compactor::push_step`], which also offloads large results.
+    pub(crate) fn push_step(&mut self, mut reply: Message, results: Vec<Message>) {
         if reply.role == keel_message::Role::Assistant {
             self.step += 1;
         }
+        let step = self.step;
+        ensure_id(&mut reply, || format!("keel-{step}-0"));
         self.raw.push(reply);
-        self.raw.extend(results);
+        for (k, mut m) in results.into_iter().enumerate() {
+            ensure_id(&mut m, || format!("keel-{step}-{}", k + 1));
+            self.raw.push(m);
+        }
     }
 
-    /// Appends messages without counting a step (user turns between model calls).
-    pub fn push(&mut self, messages: impl IntoIterator<Item = Message>) {
+    /// Appends messages without counting a step (user turns between model calls),
+    /// each with an id (`keel-<step>-p<n>` when it had none). The way in is
+    /// [`crate::Compactor::push`].
+    pub(crate) fn push(&mut self, mut messages: Vec<Message>) {
+        self.assign_push_ids(&mut messages);
         self.raw.extend(messages);
+    }
+
+    /// Gives messages pushed between model calls the ids they lack: `keel-<step>-p<n>`,
+    /// numbered on from the messages that followed the last reply, skipping ids the raw
+    /// buffer already has.
+    pub(crate) fn assign_push_ids(&self, messages: &mut [Message]) {
+        let mut n = self
+            .raw
+            .iter()
+            .rev()
+            .take_while(|m| m.role != keel_message::Role::Assistant)
+            .count();
+        for m in messages.iter_mut().filter(|m| m.id.is_none()) {
+            loop {
+                let id = format!("keel-{}-p{n}", self.step);
+                n += 1;
+                if !self
+                    .raw
+                    .iter()
+                    .any(|r| r.id.as_deref() == Some(id.as_str()))
+                {
+                    m.id = Some(id);
+                    break;
+                }
+            }
+        }
     }
 
     /// Steps since the last compaction.
@@ -144,5 +180,12 @@ impl ContextState {
     /// The summary layers in prompt order: the epoch, then the milestones.
     pub fn layers(&self) -> impl Iterator<Item = &Layer> {
         self.epoch.iter().chain(&self.milestones)
+    }
+}
+
+/// Gives `m` the id `make` returns, unless it has one.
+pub(crate) fn ensure_id(m: &mut Message, make: impl FnOnce() -> String) {
+    if m.id.is_none() {
+        m.id = Some(make());
     }
 }

@@ -121,12 +121,13 @@ async fn swe_agent_keeps_the_goal_and_loses_nothing() {
         assert_eq!(r.goal_intact, r.turns);
         assert_eq!(r.needles_found, r.needles_left);
         assert!(r.tokens < r.full_tokens);
-        // Turns over the window only where the system prompt and goal alone (which are
-        // never compacted) exceed it.
+        // Turns over the window only where the system prompt and goal (which are never
+        // compacted) leave no room for the newest step (which is never cut): they take
+        // more than 80% of the window.
         for run in per_run {
             if run.turns.iter().any(|t| t.tokens > 8_000) {
                 assert!(
-                    run.turns[0].tokens > 8_000 * 9 / 10,
+                    run.turns[0].tokens > 8_000 * 8 / 10,
                     "{}: {:?}",
                     run.id,
                     run.turns[0]

@@ -228,7 +228,7 @@ pub async fn replay_trajectory(
                 if is_told(m) {
                     searchable(m, &mut told);
                 }
-                state.push([m.clone()]);
+                compactor.push(&mut state, vec![m.clone()]);
             }
             i += 1;
             continue;

@@ -1,0 +1,273 @@
+//! Traps of the compaction engine: the newest step is never flushed, milestone headers
+//! name the steps they hold, every-N fires at step N, every message gets an id on the
+//! way in, and a failed compaction leaves the whole state as it was.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use keel_compaction::{
+    CompactionConfig, CompactionError, Compactor, ContextState, GoalAnchor, Trigger,
+};
+use keel_message::{Message, Role, ToolCall};
+use keel_offload::{Archive, MemoryStore, OffloadStore, ThreadId};
+use keel_summarize::{ExtractiveSummarizer, SummarizeError, Summarizer, Summary, SummaryRequest};
+use keel_token::{ApproxCounter, Encoding, ModelProfile};
+use serde_json::json;
+
+struct Failing;
+
+#[async_trait]
+impl Summarizer for Failing {
+    async fn summarize(&self, _: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
+        Err(SummarizeError::EmptyInput)
+    }
+}
+
+struct Rig {
+    compactor: Compactor,
+    archive: Arc<Archive>,
+    store: Arc<dyn OffloadStore>,
+    thread: ThreadId,
+}
+
+fn rig(config: CompactionConfig, window: usize, summarizer: Arc<dyn Summarizer>) -> Rig {
+    let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
+    let archive = Arc::new(Archive::new(Arc::clone(&store)));
+    let thread = ThreadId::new("t").unwrap();
+    let compactor = Compactor::new(
+        summarizer,
+        archive.clone(),
+        thread.clone(),
+        Arc::new(ApproxCounter::new()),
+        ModelProfile::new("test", window, window / 10, Encoding::Approximate),
+    )
+    .with_config(config.with_summary_budgets(400, 600));
+    Rig {
+        compactor,
+        archive,
+        store,
+        thread,
+    }
+}
+
+fn extractive() -> Arc<dyn Summarizer> {
+    Arc::new(ExtractiveSummarizer::new())
+}
+
+/// Step `i` with a result of `lines` log lines; ids `a{i}` and `r{i}`.
+fn step(i: usize, lines: usize) -> (Message, Vec<Message>) {
+    let reply = Message::assistant(format!("Step {i}."))
+        .with_id(format!("a{i}"))
+        .with_tool_calls(vec![ToolCall::new(
+            format!("c{i}"),
+            "sh",
+            json!({"cmd": format!("cat part-{i}.log")}),
+        )]);
+    let log: String = (0..lines)
+        .map(|k| format!("part {i} line {k}: nothing unusual here\n"))
+        .collect();
+    (
+        reply,
+        vec![Message::tool(format!("c{i}"), log).with_id(format!("r{i}"))],
+    )
+}
+
+#[tokio::test]
+async fn the_newest_step_stays_even_when_larger_than_the_tail_and_over_budget() {
+    let config = CompactionConfig::default()
+        .with_every_steps(None)
+        .with_keep_recent_tokens(50);
+    let rig = rig(config, 4_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    for i in 0..12 {
+        let (reply, results) = step(i, 25);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    // The newest step alone is far larger than the 50-token tail (and below the
+    // eviction threshold), and the prompt is over the budget.
+    let (reply, results) = step(12, 80);
+    rig.compactor.push_step(&mut state, reply, results);
+    assert!(!state.raw.last().unwrap().text().contains("large_tool_results"));
+    assert!(rig.compactor.tokens(&mut state, &[]).total > rig.compactor.budget());
+    rig.compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    let ids: Vec<&str> = state.raw.iter().filter_map(|m| m.id.as_deref()).collect();
+    assert_eq!(ids, ["a12", "r12"], "the newest step, whole");
+    assert!(rig.archive.get(&rig.thread, "r11").unwrap().is_some());
+}
+
+#[tokio::test]
+async fn milestone_headers_name_the_steps_they_hold() {
+    // Every 3 steps, a tail that holds about one step: milestone 1 holds steps 1-2
+    // (step 3 is the tail), milestone 2 steps 3-5, and so on.
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(3))
+        .with_keep_recent_tokens(150);
+    let rig = rig(config, 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    for i in 1..=12 {
+        let (reply, results) = step(i, 8);
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    let layers: Vec<_> = state.layers().collect();
+    assert!(layers.len() >= 3, "{}", layers.len());
+    let mut next = 1;
+    for l in &layers {
+        // The range is the steps whose messages the archive got for this milestone.
+        assert_eq!(l.first_step, next, "{}", l.message.text());
+        for s in l.first_step..=l.last_step {
+            assert!(
+                rig.archive
+                    .get(&rig.thread, &format!("a{s}"))
+                    .unwrap()
+                    .is_some(),
+                "step {s} of {} is archived",
+                l.message.text()
+            );
+        }
+        let label = if l.first_step == l.last_step {
+            format!("step {}]", l.first_step)
+        } else {
+            format!("steps {}–{}]", l.first_step, l.last_step)
+        };
+        assert!(
+            l.message.text().lines().next().unwrap().ends_with(&label),
+            "{}",
+            l.message.text()
+        );
+        next = l.last_step + 1;
+    }
+    // The raw buffer starts with the step after the last milestone.
+    assert_eq!(
+        state.raw[0].id.as_deref(),
+        Some(format!("a{next}").as_str())
+    );
+}
+
+#[tokio::test]
+async fn every_n_steps_fires_at_step_n_even_when_the_tail_would_keep_everything() {
+    // A tail of 2,000 tokens would keep all ten small steps; asked for every 10, the
+    // milestone still comes at step 10, with everything but the newest step.
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(10))
+        .with_keep_recent_tokens(2_000);
+    let rig = rig(config, 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    for i in 1..=10 {
+        let (reply, results) = step(i, 6);
+        rig.compactor.push_step(&mut state, reply, results);
+        let events = rig.compactor.after_step(&mut state, &[]).await.unwrap();
+        assert_eq!(events.is_empty(), i < 10, "step {i}: {events:?}");
+    }
+    assert_eq!(state.events[0].step, 10);
+    assert_eq!(state.raw[0].id.as_deref(), Some("a10"));
+}
+
+#[tokio::test]
+async fn every_message_gets_an_id_on_the_way_in() {
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(2))
+        .with_keep_recent_tokens(0);
+    let rig = rig(config, 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    rig.compactor
+        .push(&mut state, vec![Message::user("also the old logs, please")]);
+    for i in 1..=6 {
+        let (mut reply, mut results) = step(i, 8);
+        reply.id = None;
+        results[0].id = None;
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor
+            .push(&mut state, vec![Message::user(format!("thanks {i}"))]);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    assert!(state.raw.iter().all(|m| m.id.is_some()));
+    let archived = rig.archive.range(&rig.thread, 0..1_000).unwrap();
+    assert!(archived.len() > 5);
+    for entry in &archived {
+        let id = entry.message.id.as_deref().expect("archived with an id");
+        let found = rig.archive.get(&rig.thread, id).unwrap().unwrap();
+        assert_eq!(found.message, entry.message);
+    }
+    let ids: std::collections::HashSet<_> = archived.iter().map(|e| e.message.id.clone()).collect();
+    assert_eq!(ids.len(), archived.len(), "ids are unique");
+    assert_eq!(archived[0].message.id.as_deref(), Some("keel-0-p0"));
+    assert_eq!(archived[1].message.id.as_deref(), Some("keel-1-0"));
+    assert_eq!(archived[2].message.id.as_deref(), Some("keel-1-1"));
+    // Numbered on after the step's own messages.
+    assert_eq!(archived[3].message.id.as_deref(), Some("keel-1-p1"));
+}
+
+/// A step that writes a large file: the `write_file` argument is what the truncation
+/// policy rewrites once the context passes 85% of the window.
+fn write_step(i: usize) -> (Message, Vec<Message>) {
+    let content: String = (0..120)
+        .map(|k| format!("line {k} of generated file {i}\n"))
+        .collect();
+    let reply = Message::assistant(format!("Writing file {i}."))
+        .with_id(format!("a{i}"))
+        .with_tool_calls(vec![ToolCall::new(
+            format!("c{i}"),
+            "write_file",
+            json!({"path": format!("gen/f{i}.txt"), "content": content}),
+        )]);
+    (
+        reply,
+        vec![Message::tool(format!("c{i}"), "written").with_id(format!("r{i}"))],
+    )
+}
+
+#[tokio::test]
+async fn a_failed_compaction_leaves_the_whole_state_as_it_was_even_when_truncation_fires() {
+    let config = CompactionConfig::default()
+        .with_every_steps(None)
+        .with_keep_recent_tokens(100);
+    let window = 40_000;
+    let failing = rig(config.clone(), window, Arc::new(Failing));
+    let mut state = ContextState::new(GoalAnchor::new("Generate the files."));
+    let mut i = 0;
+    // Fill the context past the truncation policy's 85% of the budget (below the
+    // budget itself, so no fallback summarizer steps in).
+    while failing.compactor.tokens(&mut state, &[]).total < failing.compactor.budget() * 88 / 100 {
+        let (reply, results) = write_step(i);
+        failing.compactor.push_step(&mut state, reply, results);
+        i += 1;
+    }
+    assert!(state.raw.len() > 20, "old enough messages to truncate");
+    failing.compactor.tokens(&mut state, &[]);
+    let before = state.clone();
+    let err = failing
+        .compactor
+        .compact(&mut state, Trigger::Tokens, &[])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CompactionError::Summarize(_)), "{err}");
+    // Truncation fired: its pointers were stored...
+    let stored = failing
+        .store
+        .list(
+            &failing.thread,
+            Some(&keel_offload::StorePath::new("truncated_arguments").unwrap()),
+        )
+        .unwrap();
+    assert!(!stored.is_empty(), "the truncation policy ran");
+    // ...and the state is exactly as it was, but for the failed event.
+    assert_eq!(state.events.len(), before.events.len() + 1);
+    assert!(state.events.last().unwrap().error.is_some());
+    state.events.pop();
+    assert_eq!(state, before);
+    // The same compaction with a working summarizer does rewrite the arguments.
+    let working = rig(config, window, extractive());
+    let mut state = before.clone();
+    working
+        .compactor
+        .compact(&mut state, Trigger::Tokens, &[])
+        .await
+        .unwrap();
+    assert_ne!(state.raw, before.raw);
+    assert!(state.raw.iter().all(|m| m.role != Role::System));
+}
