@@ -17,7 +17,7 @@ use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role, ToolCall};
 use keel::model::{ChatModel, ChatResponse, PolicyModel};
 use keel::token::{Encoding, ModelProfile, ModelProfiles};
-use keel_fleet::{FleetError, Policy, Queue, RunInput, Worker};
+use keel_fleet::{FleetError, Policy, Queue, RunInput, RunStatus, Worker};
 use serde_json::json;
 
 use crate::config::Settings;
@@ -35,7 +35,7 @@ Examples:
   keel submit --thread ticket-42 --message \"Now list its callers\" --policy enqueue
   keel submit --thread ticket-42 --message \"Stop; summarize what you found\" --policy interrupt
 
-Prints the run's id. The run is stored when the command returns; a `keel worker`
+Prints the run's id (and with --wait, how it ended). The run is stored when the command returns; a `keel worker`
 on the same database runs it. A thread with a queued or running run refuses a second
 one unless --policy says otherwise: enqueue (run after it) or interrupt (cancel it at
 its next step, keeping its steps, and run this one next). The URL may also come from
@@ -57,6 +57,9 @@ pub struct SubmitArgs {
     /// What to do when the thread already has a queued or running run.
     #[arg(long, default_value = "reject", value_parser = ["reject", "enqueue", "interrupt"])]
     policy: String,
+    /// Wait until the run ends and print how it ended (the answer, or the error).
+    #[arg(long)]
+    wait: bool,
 }
 
 /// `keel worker`
@@ -105,8 +108,9 @@ fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyho
 }
 
 fn queue(url: &str) -> anyhow::Result<Queue> {
-    Queue::connect(url)
-        .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")
+    Queue::connect(url).context(
+        "the database URL is not a valid Postgres connection string (postgres://user@host:port/db)",
+    )
 }
 
 /// Runs `keel submit`.
@@ -129,13 +133,45 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
     let policy: Policy = args.policy.parse()?;
     let run = match queue.submit_with(&args.thread, input, policy).await {
         Ok(run) => run,
-        Err(e @ FleetError::ThreadBusy { .. }) => {
-            bail!("{e}; pass --policy enqueue or --policy interrupt")
+        Err(FleetError::ThreadBusy {
+            thread,
+            run,
+            status,
+            ..
+        }) => {
+            bail!(
+                "thread `{thread}` is busy: run {run} is {status}; pass --policy enqueue to run after it, or --policy interrupt to cancel it"
+            )
         }
         Err(e) => return Err(e).context("cannot submit the run"),
     };
     outln!("{run}");
-    Ok(ExitCode::SUCCESS)
+    if !args.wait {
+        return Ok(ExitCode::SUCCESS);
+    }
+    loop {
+        let info = queue.status(run).await?;
+        match info.status {
+            RunStatus::Done { result, .. } => {
+                match (&result.answer, &result.stop, result.interrupted) {
+                    (Some(answer), _, _) => outln!("done: {answer}"),
+                    (None, Some(stop), _) => outln!("done, stopped early: {stop:?}"),
+                    (None, None, true) => outln!("done, waiting for an approval"),
+                    (None, None, false) => outln!("done"),
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            RunStatus::Failed { error, .. } => {
+                outln!("failed: {error}");
+                return Ok(ExitCode::FAILURE);
+            }
+            RunStatus::Cancelled { reason, .. } => {
+                outln!("cancelled: {}", reason.as_deref().unwrap_or("cancelled"));
+                return Ok(ExitCode::FAILURE);
+            }
+            _ => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
 }
 
 /// Runs `keel worker`.
@@ -163,8 +199,8 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
     }
     let home = settings.home(None);
     let storage = store::open(&home, Some(&url), true).await?;
-    let offload = store::offload_for(&home, Some(&url), true)?
-        .context("no offload store could be opened")?;
+    let offload =
+        store::offload_for(&home, Some(&url), true)?.context("no offload store could be opened")?;
     let (client, profile, described): (Arc<dyn ChatModel>, ModelProfile, String) =
         if model == "scripted" {
             (
@@ -173,9 +209,8 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
                 "scripted (no server)".to_owned(),
             )
         } else {
-            let spec = ModelSpec::parse(&model).context(
-                "--model takes `scripted`, `ollama/<name>` or `openai/<name>`",
-            )?;
+            let spec = ModelSpec::parse(&model)
+                .context("--model takes `scripted`, `ollama/<name>` or `openai/<name>`")?;
             let profile = ModelProfiles::new().lookup(spec.name()).clone();
             let described = format!("{spec} at {}", spec.base_url(settings));
             (spec.client(settings)?, profile, described)
@@ -245,7 +280,12 @@ fn scripted() -> PolicyModel {
         };
         let step = messages.len();
         let reply = match results.len() {
-            0 => call(&format!("ls-{step}"), "ls", json!({}), "Listing the directory."),
+            0 => call(
+                &format!("ls-{step}"),
+                "ls",
+                json!({}),
+                "Listing the directory.",
+            ),
             1 => call(
                 &format!("todo-{step}"),
                 "grep",
@@ -259,14 +299,23 @@ fn scripted() -> PolicyModel {
                 "Reading the Markdown headings.",
             ),
             _ => {
+                // `ls` lines, and grep's `path:line: text` matches.
                 let lines = |m: &Message| m.text().lines().filter(|l| !l.trim().is_empty()).count();
+                let matches = |m: &Message| {
+                    m.text()
+                        .lines()
+                        .filter(|l| {
+                            l.split(':')
+                                .nth(1)
+                                .is_some_and(|n| n.trim().parse::<u64>().is_ok())
+                        })
+                        .count()
+                };
                 Message::assistant(format!(
-                    "Scripted survey: the root lists {} entries; {} TODO/FIXME line(s) and {} Markdown heading(s) found (first of each: {}; {}).",
+                    "Scripted survey: `ls` gave {} line(s); {} TODO/FIXME line(s) and {} Markdown heading(s) found.",
                     lines(results[0]),
-                    lines(results[1]),
-                    lines(results[2]),
-                    results[1].text().lines().next().unwrap_or("none"),
-                    results[2].text().lines().next().unwrap_or("none"),
+                    matches(results[1]),
+                    matches(results[2]),
                 ))
             }
         };
