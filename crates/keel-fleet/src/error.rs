@@ -1,0 +1,127 @@
+//! Why a queue or worker call failed.
+
+use crate::queue::RunId;
+
+/// Why a queue or worker call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FleetError {
+    /// The connection string, schema name or an option is not usable.
+    #[error("invalid fleet configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// No pooled connection could be had (the server is down, refused the login, or
+    /// every connection stayed busy past the wait timeout).
+    #[error("no Postgres connection: {}", chain(.0))]
+    Pool(#[from] deadpool_postgres::PoolError),
+    /// A query failed.
+    #[error("Postgres query failed: {}", chain(.0))]
+    Query(#[from] tokio_postgres::Error),
+    /// The queue's tables are not in the schema: call
+    /// [`Queue::setup`](crate::Queue::setup) first.
+    #[error(
+        "the run queue's tables are missing in schema {schema:?}: call Queue::setup() (or `keel submit`, which sets them up) first"
+    )]
+    NotSetUp {
+        /// The schema looked in.
+        schema: String,
+    },
+    /// The schema is at an older version than this build: run
+    /// [`Queue::setup`](crate::Queue::setup) to upgrade it (workers never migrate).
+    #[error(
+        "schema {schema:?} holds run queue version {found}, older than this keel-fleet's version {expected}: upgrade it with Queue::setup()"
+    )]
+    SchemaTooOld {
+        /// The schema.
+        schema: String,
+        /// The version recorded in it.
+        found: i32,
+        /// The version this build needs.
+        expected: i32,
+    },
+    /// The schema is at a newer version than this build knows: an older worker must not
+    /// run against it.
+    #[error(
+        "schema {schema:?} holds run queue version {found}, newer than this keel-fleet knows ({supported}): upgrade the worker"
+    )]
+    SchemaTooNew {
+        /// The schema.
+        schema: String,
+        /// The version recorded in it.
+        found: i32,
+        /// The newest version this build has.
+        supported: i32,
+    },
+    /// A migration failed; it was rolled back.
+    #[error("run queue migration {version} ({name}) failed: {}", chain(source))]
+    Migration {
+        /// The migration's version.
+        version: i32,
+        /// The migration's name.
+        name: &'static str,
+        /// The error Postgres gave.
+        source: tokio_postgres::Error,
+    },
+    /// The thread id cannot name a thread.
+    #[error("thread id {thread:?} is not valid: {reason}")]
+    BadThreadId {
+        /// The id.
+        thread: String,
+        /// Why.
+        reason: String,
+    },
+    /// [`Policy::Reject`](crate::Policy::Reject): the thread already has a run that is
+    /// queued or running.
+    #[error(
+        "thread {thread:?} is busy: run {run} is {status}; submit with Policy::Enqueue to run after it or Policy::Interrupt to cancel it"
+    )]
+    ThreadBusy {
+        /// The thread.
+        thread: String,
+        /// The run in the way.
+        run: RunId,
+        /// Its status (`queued` or `running`).
+        status: &'static str,
+    },
+    /// No run has this id.
+    #[error("no run {run} in the queue")]
+    UnknownRun {
+        /// The id asked for.
+        run: RunId,
+    },
+    /// A run's input could not be encoded for storage.
+    #[error("the run input cannot be stored: {0}")]
+    Encode(#[source] serde_json::Error),
+    /// A stored row is not what this build wrote (a status or column it does not know).
+    #[error("corrupt run row {run}: {what}")]
+    Corrupt {
+        /// The run.
+        run: RunId,
+        /// What is wrong.
+        what: String,
+    },
+    /// The worker's agent could not be built.
+    #[error("cannot build the worker's agent: {0}")]
+    Build(#[from] keel_agent::BuildError),
+    /// A worker was built without an agent.
+    #[error("a worker needs an agent: call `.agent(Agent::builder()...)` on the worker builder")]
+    NoAgent,
+}
+
+/// An error and its sources, joined: tokio-postgres says only "db error" at the top and
+/// keeps the server's message in the source.
+pub(crate) fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        let more = inner.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = inner.source();
+    }
+    text
+}
