@@ -309,7 +309,25 @@ impl NodeContext {
 /// `compile` refuses a policy with `max_attempts` 0 or a `multiplier` that is not a
 /// finite number of at least 1 ([`BuildError::InvalidRetryPolicy`](crate::BuildError::InvalidRetryPolicy));
 /// a wait too long for a `Duration` is `max_backoff`.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// use keel_graph::{NodeOptions, RetryPolicy};
+///
+/// let retry = RetryPolicy::default()
+///     .max_attempts(5)
+///     .initial_backoff(Duration::from_millis(200))
+///     .multiplier(3.0)
+///     .max_backoff(Duration::from_secs(10));
+/// let options = NodeOptions::default()
+///     .timeout(Duration::from_secs(60))
+///     .retry(retry)
+///     .destinations(["review", "publish"]);
+/// assert_eq!(options.retry.map(|r| r.max_attempts), Some(5));
+/// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Attempts in all, including the first (1 = no retry).
     pub max_attempts: u32,
@@ -333,6 +351,34 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// Sets [`max_attempts`](Self::max_attempts): attempts in all, the first included.
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// Sets [`initial_backoff`](Self::initial_backoff).
+    #[must_use]
+    pub fn initial_backoff(mut self, wait: Duration) -> Self {
+        self.initial_backoff = wait;
+        self
+    }
+
+    /// Sets [`multiplier`](Self::multiplier).
+    #[must_use]
+    pub fn multiplier(mut self, factor: f64) -> Self {
+        self.multiplier = factor;
+        self
+    }
+
+    /// Sets [`max_backoff`](Self::max_backoff).
+    #[must_use]
+    pub fn max_backoff(mut self, wait: Duration) -> Self {
+        self.max_backoff = wait;
+        self
+    }
+
     /// The wait after failed attempt `retry + 1`: `initial_backoff * multiplier^retry`,
     /// at most `max_backoff`. Total for any field values: a wait that is not a
     /// representable duration (NaN, negative, past `Duration::MAX`) is `max_backoff`
@@ -367,8 +413,10 @@ impl RetryPolicy {
     }
 }
 
-/// Per-node execution options.
+/// Per-node execution options, built from `default()` with the setters (see
+/// [`RetryPolicy`] for an example).
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct NodeOptions {
     /// Fail the attempt if it takes longer.
     pub timeout: Option<Duration>,
@@ -377,4 +425,31 @@ pub struct NodeOptions {
     /// Where a node that routes itself with [`Command::goto`] may go, for the
     /// reachability check in `compile`.
     pub destinations: Vec<String>,
+}
+
+impl NodeOptions {
+    /// Sets [`timeout`](Self::timeout): each attempt fails after this long.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Sets [`retry`](Self::retry).
+    #[must_use]
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = Some(policy);
+        self
+    }
+
+    /// Sets [`destinations`](Self::destinations): where the node's `goto` may lead.
+    #[must_use]
+    pub fn destinations<I, N>(mut self, nodes: I) -> Self
+    where
+        I: IntoIterator<Item = N>,
+        N: Into<String>,
+    {
+        self.destinations = nodes.into_iter().map(Into::into).collect();
+        self
+    }
 }

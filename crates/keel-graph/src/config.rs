@@ -22,14 +22,24 @@ pub enum Durability {
     Exit,
 }
 
-/// How one invocation runs.
+/// How one invocation runs. Made with [`RunConfig::thread`] (or `default()`) and the
+/// `with_*` setters; it gains fields as the engine grows, so it is not built with a
+/// struct literal outside this crate.
 ///
 /// ```
 /// use keel_graph::{Durability, RunConfig};
-/// let config = RunConfig::thread("t-1").with_durability(Durability::Async);
+/// use serde_json::json;
+///
+/// let config = RunConfig::thread("t-1")
+///     .with_durability(Durability::Async)
+///     .with_checkpoint_ns("sub")
+///     .with_metadata("run", json!("r-7"));
 /// assert_eq!(config.thread_id.as_deref(), Some("t-1"));
+/// assert_eq!(config.checkpoint_ns, "sub");
+/// assert_eq!(config.metadata["run"], json!("r-7"));
 /// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RunConfig {
     /// The thread to load and checkpoint (needs a checkpointer).
     pub thread_id: Option<String>,
@@ -97,6 +107,21 @@ impl RunConfig {
         self
     }
 
+    /// Sets the checkpoint namespace ([`checkpoint_ns`](Self::checkpoint_ns)).
+    #[must_use]
+    pub fn with_checkpoint_ns(mut self, ns: impl Into<String>) -> Self {
+        self.checkpoint_ns = ns.into();
+        self
+    }
+
+    /// Sets one key of the metadata stored with every checkpoint of this invocation
+    /// ([`metadata`](Self::metadata)), replacing an earlier value for the key.
+    #[must_use]
+    pub fn with_metadata(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
     /// Sets one key of the user configuration ([`configurable`](Self::configurable)),
     /// replacing an earlier value for the key.
     ///
@@ -125,6 +150,7 @@ impl RunConfig {
 
 /// A pending interrupt: a node asked for input.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Interrupt {
     /// The node that asked.
     pub node: String,
@@ -136,6 +162,7 @@ pub struct Interrupt {
 
 /// The result of an invocation.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Run<S> {
     /// The state when the run stopped.
     pub state: S,
@@ -159,6 +186,7 @@ impl<S> Run<S> {
 
 /// A thread's state at one checkpoint.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct StateSnapshot<S> {
     /// The state.
     pub values: S,

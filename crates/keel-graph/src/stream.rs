@@ -12,6 +12,7 @@ use crate::config::Interrupt;
 /// assert!(mode.values && mode.updates && !mode.debug);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StreamMode {
     /// The whole state after each step.
     pub values: bool,
@@ -62,8 +63,9 @@ impl StreamMode {
     }
 }
 
-/// One event of a streamed run.
+/// One event of a streamed run. More kinds may come: match with a `_` arm.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Event<S> {
     /// The state after a step.
     Values {

@@ -215,10 +215,7 @@ async fn command_goto_routes_from_inside_a_node() {
     let g = StateGraph::<S>::new()
         .add_node_with(
             "decide",
-            NodeOptions {
-                destinations: vec!["yes".into(), "no".into()],
-                ..Default::default()
-            },
+            NodeOptions::default().destinations(["yes", "no"]),
             |_s, _c| async { Ok(Command::update(log("decide")).goto("yes")) },
         )
         .add_node("yes", logger("yes"))
@@ -375,15 +372,13 @@ async fn timeout_and_retry_policy() {
     let g = StateGraph::<S>::new()
         .add_node_with(
             "flaky",
-            NodeOptions {
-                timeout: Some(Duration::from_millis(50)),
-                retry: Some(RetryPolicy {
-                    max_attempts: 3,
-                    initial_backoff: Duration::from_millis(1),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
+            NodeOptions::default()
+                .timeout(Duration::from_millis(50))
+                .retry(
+                    RetryPolicy::default()
+                        .max_attempts(3)
+                        .initial_backoff(Duration::from_millis(1)),
+                ),
             move |_s, _ctx| {
                 let n = c.fetch_add(1, Ordering::SeqCst);
                 async move {
@@ -412,10 +407,7 @@ async fn timeout_and_retry_policy() {
     let slow = StateGraph::<S>::new()
         .add_node_with(
             "slow",
-            NodeOptions {
-                timeout: Some(Duration::from_millis(10)),
-                ..Default::default()
-            },
+            NodeOptions::default().timeout(Duration::from_millis(10)),
             |_s, _c| async {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 Ok(log("never"))
@@ -436,10 +428,7 @@ fn retrying(policy: RetryPolicy) -> Result<keel_graph::CompiledGraph<S>, BuildEr
     StateGraph::<S>::new()
         .add_node_with(
             "flaky",
-            NodeOptions {
-                retry: Some(policy),
-                ..Default::default()
-            },
+            NodeOptions::default().retry(policy),
             logger("flaky"),
         )
         .add_edge(START, "flaky")
@@ -450,21 +439,13 @@ fn retrying(policy: RetryPolicy) -> Result<keel_graph::CompiledGraph<S>, BuildEr
 #[test]
 fn compile_refuses_retry_settings_out_of_range() {
     for multiplier in [-2.0, 0.0, 0.5, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
-        let err = retrying(RetryPolicy {
-            multiplier,
-            ..Default::default()
-        })
-        .err();
+        let err = retrying(RetryPolicy::default().multiplier(multiplier)).err();
         assert!(
             matches!(&err, Some(BuildError::InvalidRetryPolicy { node, setting: "multiplier", .. }) if node == "flaky"),
             "multiplier {multiplier}: {err:?}"
         );
     }
-    let err = retrying(RetryPolicy {
-        max_attempts: 0,
-        ..Default::default()
-    })
-    .err();
+    let err = retrying(RetryPolicy::default().max_attempts(0)).err();
     assert!(
         matches!(
             &err,
@@ -483,12 +464,12 @@ fn compile_refuses_retry_settings_out_of_range() {
     // In range: constant and growing waits, any durations.
     for multiplier in [1.0, 2.0, 1e300] {
         assert!(
-            retrying(RetryPolicy {
-                multiplier,
-                initial_backoff: Duration::MAX,
-                max_backoff: Duration::ZERO,
-                ..Default::default()
-            })
+            retrying(
+                RetryPolicy::default()
+                    .multiplier(multiplier)
+                    .initial_backoff(Duration::MAX)
+                    .max_backoff(Duration::ZERO)
+            )
             .is_ok()
         );
     }
@@ -501,15 +482,13 @@ async fn a_backoff_past_duration_max_waits_max_backoff_instead_of_panicking() {
     let g = StateGraph::<S>::new()
         .add_node_with(
             "flaky",
-            NodeOptions {
-                retry: Some(RetryPolicy {
-                    max_attempts: 4,
-                    initial_backoff: Duration::MAX,
-                    multiplier: 1e300,
-                    max_backoff: Duration::from_millis(1),
-                }),
-                ..Default::default()
-            },
+            NodeOptions::default().retry(
+                RetryPolicy::default()
+                    .max_attempts(4)
+                    .initial_backoff(Duration::MAX)
+                    .multiplier(1e300)
+                    .max_backoff(Duration::from_millis(1)),
+            ),
             move |_s, _ctx| {
                 let n = c.fetch_add(1, Ordering::SeqCst);
                 async move {

@@ -293,14 +293,11 @@ fn route_and_approve(cp: Arc<dyn Checkpointer>, with_review: bool) -> CompiledGr
     let g = StateGraph::<S>::new()
         .add_node_with(
             "route",
-            keel_graph::NodeOptions {
-                destinations: if with_review {
-                    vec!["review".into()]
-                } else {
-                    Vec::new()
-                },
-                ..Default::default()
-            },
+            keel_graph::NodeOptions::default().destinations(if with_review {
+                vec!["review"]
+            } else {
+                Vec::new()
+            }),
             move |_s, _c| async move {
                 let c = Command::update(log("route"));
                 Ok(if with_review { c.goto("review") } else { c })

@@ -11,7 +11,7 @@
 //! `cargo test --release -p keel-graph --test history_memory -- --ignored --nocapture`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use futures::StreamExt;
 use keel_checkpoint::{ListOptions, MemorySaver};
@@ -23,7 +23,7 @@ use peak_alloc::PeakAlloc;
 #[global_allocator]
 static ALLOC: PeakAlloc = PeakAlloc;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const MB: f64 = 1024.0 * 1024.0;
 
@@ -102,7 +102,7 @@ struct Lines {
 
 #[tokio::test]
 async fn history_of_2000_steps_streams_in_bounded_memory() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     const STEPS: usize = 2_000;
     let g = StateGraph::<Lines>::new()
         .add_node("step", |s: Arc<Lines>, _c| async move {
@@ -147,7 +147,7 @@ async fn history_of_2000_steps_streams_in_bounded_memory() {
 #[tokio::test]
 #[ignore = "rebuilds 20,001 states of up to 20,001 messages: run in release with --ignored"]
 async fn history_of_20001_steps_stays_under_100_mb() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_AT_A_TIME.lock().await;
     let start = std::time::Instant::now();
     let (g, config) = thread(20_001).await;
     let stored = ALLOC.current_usage() as f64 / MB;
