@@ -88,7 +88,14 @@ async fn the_newest_step_stays_even_when_larger_than_the_tail_and_over_budget() 
     // eviction threshold), and the prompt is over the budget.
     let (reply, results) = step(12, 80);
     rig.compactor.push_step(&mut state, reply, results);
-    assert!(!state.raw.last().unwrap().text().contains("large_tool_results"));
+    assert!(
+        !state
+            .raw
+            .last()
+            .unwrap()
+            .text()
+            .contains("large_tool_results")
+    );
     assert!(rig.compactor.tokens(&mut state, &[]).total > rig.compactor.budget());
     rig.compactor
         .compact(&mut state, Trigger::Overflow, &[])

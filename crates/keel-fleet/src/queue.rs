@@ -490,10 +490,16 @@ impl Queue {
             Policy::Interrupt => {
                 if !busy.is_empty() {
                     let reason = format!("interrupted by run {run}");
-                    tx.execute(&tx.prepare_cached(&sql.interrupt_running).await?, &[&thread, &reason])
-                        .await?;
-                    tx.execute(&tx.prepare_cached(&sql.interrupt_queued).await?, &[&thread, &reason])
-                        .await?;
+                    tx.execute(
+                        &tx.prepare_cached(&sql.interrupt_running).await?,
+                        &[&thread, &reason],
+                    )
+                    .await?;
+                    tx.execute(
+                        &tx.prepare_cached(&sql.interrupt_queued).await?,
+                        &[&thread, &reason],
+                    )
+                    .await?;
                 }
             }
         }
@@ -517,7 +523,10 @@ impl Queue {
     pub async fn status(&self, run: RunId) -> Result<RunInfo, FleetError> {
         let client = self.inner.pool.get().await?;
         let row = client
-            .query_opt(&client.prepare_cached(&self.inner.sql.status).await?, &[run.as_uuid()])
+            .query_opt(
+                &client.prepare_cached(&self.inner.sql.status).await?,
+                &[run.as_uuid()],
+            )
             .await?
             .ok_or(FleetError::UnknownRun { run })?;
         info_of(&row)
@@ -527,7 +536,10 @@ impl Queue {
     pub async fn runs(&self, thread: &str) -> Result<Vec<RunInfo>, FleetError> {
         let client = self.inner.pool.get().await?;
         client
-            .query(&client.prepare_cached(&self.inner.sql.runs).await?, &[&thread])
+            .query(
+                &client.prepare_cached(&self.inner.sql.runs).await?,
+                &[&thread],
+            )
             .await?
             .iter()
             .map(info_of)
@@ -541,7 +553,10 @@ impl Queue {
         let client = self.inner.pool.get().await?;
         let reason = "cancelled".to_owned();
         let row = client
-            .query_opt(&client.prepare_cached(&self.inner.sql.cancel).await?, &[run.as_uuid(), &reason])
+            .query_opt(
+                &client.prepare_cached(&self.inner.sql.cancel).await?,
+                &[run.as_uuid(), &reason],
+            )
             .await?
             .ok_or(FleetError::UnknownRun { run })?;
         info_of(&row)
@@ -561,7 +576,10 @@ impl Queue {
             let token = Uuid::new_v4();
             let sent_at = Instant::now();
             let row = client
-                .query_opt(&client.prepare_cached(&self.inner.sql.takeover).await?, &[&worker, &token, &lease_ms])
+                .query_opt(
+                    &client.prepare_cached(&self.inner.sql.takeover).await?,
+                    &[&worker, &token, &lease_ms],
+                )
                 .await?;
             if let Some(row) = row {
                 let status: String = row.get(6);
@@ -573,7 +591,10 @@ impl Queue {
             }
             let sent_at = Instant::now();
             let row = match client
-                .query_opt(&client.prepare_cached(&self.inner.sql.claim).await?, &[&worker, &token, &lease_ms])
+                .query_opt(
+                    &client.prepare_cached(&self.inner.sql.claim).await?,
+                    &[&worker, &token, &lease_ms],
+                )
                 .await
             {
                 Ok(row) => row,
