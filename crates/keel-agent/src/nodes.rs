@@ -698,6 +698,9 @@ pub(crate) fn diff(before: &AgentState, after: &ContextState) -> AgentStateUpdat
     if after.epoch != before.epoch {
         u.epoch = Some(after.epoch.clone());
     }
+    if after.epochs != before.epochs {
+        u.epochs = Some(after.epochs.clone());
+    }
     if after.step_at_compaction != before.step_at_compaction {
         u.step_at_compaction = Some(after.step_at_compaction);
     }

@@ -24,7 +24,8 @@ pub const RECENT_COMPACTIONS: usize = 16;
 /// | `system` | last value | once, at the start |
 /// | `messages` | [`AddMessages`] | the new messages; a compaction removes the flushed ones |
 /// | `milestones` | [`Milestones`] | a new milestone; an epoch clears them |
-/// | `epoch` | last value | the new epoch summary |
+/// | `epoch` | last value | the new top summary |
+/// | `epochs` | last value | the kept epoch summaries, when an epoch is folded |
 /// | `step`, `step_at_compaction`, `masked_turns`, `milestones_made`, `epochs_made` | last value | small counters |
 /// | `compactions` | keep last 16 | the compaction's event |
 /// | `events` | keep last 64 | the step's [`AgentEvent`]s |
@@ -45,8 +46,10 @@ pub struct AgentState {
     /// Milestones since the epoch summary, oldest first.
     #[reducer(Milestones)]
     pub milestones: Vec<Layer>,
-    /// The epoch summary.
+    /// The top summary (the era, with keel-compaction's default three tiers).
     pub epoch: Option<Layer>,
+    /// The kept summaries between the top and the milestones (the last epochs).
+    pub epochs: Vec<Layer>,
     /// Model calls so far.
     pub step: u64,
     /// `step` at the last milestone (or masking move).
@@ -94,6 +97,7 @@ impl AgentState {
         let mut c = ContextState::new(goal);
         c.system = self.system.clone();
         c.epoch = self.epoch.clone();
+        c.epochs = self.epochs.clone();
         c.milestones = self.milestones.clone();
         c.raw = self.messages.to_vec();
         c.step = self.step;

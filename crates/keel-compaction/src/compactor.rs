@@ -28,7 +28,7 @@ pub struct LayerTokens {
     pub system: usize,
     /// The goal anchor.
     pub goal: usize,
-    /// The epoch summary.
+    /// The summaries above the milestones (the top summary and the kept ones).
     pub epoch: usize,
     /// All milestones.
     pub milestones: usize,
@@ -382,7 +382,8 @@ impl Compactor {
             return self.tokens(state, tools);
         }
         let (system, goal, priming) = ledger.fixed.unwrap_or_default();
-        let epoch = state.epoch.as_ref().map_or(0, |l| l.tokens);
+        let epoch = state.epoch.as_ref().map_or(0, |l| l.tokens)
+            + state.epochs.iter().map(|l| l.tokens).sum::<usize>();
         let milestones = state.milestones.iter().map(|l| l.tokens).sum();
         let tools = self.count_tools(tools);
         let raw = ledger.raw_total;
@@ -909,7 +910,8 @@ impl Compactor {
         let result = self.epoch(state, overflowing).await;
         let after = self.tokens(state, tools).total;
         let usage = result.as_ref().map_or((0, 0, 0), |u| *u);
-        let (prompt_version, model) = match (&result, &state.epoch) {
+        let newest = state.epochs.last().or(state.epoch.as_ref());
+        let (prompt_version, model) = match (&result, newest) {
             (Ok(_), Some(l)) => (l.prompt_version.clone(), l.model.clone()),
             _ => (String::new(), String::new()),
         };
@@ -938,43 +940,152 @@ impl Compactor {
         result.map(|_| event)
     }
 
-    /// Folds the milestones (and the previous epoch) into a new epoch summary, unless
-    /// it would not be smaller than what it replaces. Returns the summarizer's usage.
+    /// Folds the milestones into an epoch summary and, where a middle tier then holds
+    /// more than `keep_summaries`, its oldest `keep_summaries` into the tier above (the
+    /// top one folds its previous summary in). All or nothing: on an error the state is
+    /// unchanged; a fold of a higher tier that would not be smaller is left for later.
+    /// Returns the summarizer's usage.
     async fn epoch(
         &self,
         state: &mut ContextState,
         overflowing: bool,
     ) -> Result<(u64, u64, u64), CompactionError> {
-        let inputs: Vec<Message> = state.milestones.iter().map(|l| l.message.clone()).collect();
-        let previous = state.epoch.as_ref().map(|l| l.text.clone());
-        let mut request =
-            SummaryRequest::epoch(&inputs, self.config.epoch_budget(self.prompt_budget()));
-        if let Some(p) = &previous {
-            request = request.previous(p);
+        let depth = u8::try_from(self.config.summary_tiers.clamp(2, 16)).unwrap_or(3);
+        let keep = self.config.keep_summaries.max(1);
+        let mut top = state.epoch.clone();
+        let mut kept = state.epochs.clone();
+        let mut made = state.epochs_made;
+        let usage;
+        if depth == 2 {
+            // Two tiers: one epoch summary that takes the previous one in.
+            let (layer, u) = self
+                .fold_layers(
+                    &state.milestones,
+                    top.as_ref(),
+                    2,
+                    Some(made + 1),
+                    overflowing,
+                )
+                .await?;
+            made += 1;
+            usage = u;
+            top = Some(layer);
+        } else {
+            let (layer, u) = self
+                .fold_layers(&state.milestones, None, 2, Some(made + 1), overflowing)
+                .await?;
+            made += 1;
+            let mut total = u;
+            kept.push(layer);
+            for tier in 2..depth {
+                let of_tier: Vec<usize> = (0..kept.len())
+                    .filter(|&i| kept[i].level.tier() == tier)
+                    .collect();
+                if of_tier.len() <= keep {
+                    break;
+                }
+                let leaving: Vec<Layer> =
+                    of_tier[..keep].iter().map(|&i| kept[i].clone()).collect();
+                let upper = tier + 1;
+                let previous = if upper == depth { top.as_ref() } else { None };
+                let folded = self
+                    .fold_layers(&leaving, previous, upper, None, overflowing)
+                    .await;
+                let (layer, u) = match folded {
+                    Ok(f) => f,
+                    Err(e @ CompactionError::NotSmaller { .. }) => {
+                        tracing::info!(tier = upper, error = %e, "higher tier not folded yet");
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                };
+                total = add_usage(total, u);
+                let first = of_tier[0];
+                kept.drain(first..first + keep);
+                if upper == depth {
+                    top = Some(layer);
+                } else {
+                    // After the other layers of its tier, before the lower tiers.
+                    let at = kept
+                        .iter()
+                        .position(|l| l.level.tier() < upper)
+                        .unwrap_or(kept.len());
+                    kept.insert(at, layer);
+                }
+            }
+            usage = total;
+        }
+        state.epoch = top;
+        state.epochs = kept;
+        state.epochs_made = made;
+        state.milestones.clear();
+        Ok(usage)
+    }
+
+    /// One summary of `inputs` (and `previous`, folded in) at `tier`, unless it would
+    /// not be smaller than what it replaces. Epochs are numbered (`epochs_made`), higher
+    /// tiers by the last step they cover.
+    async fn fold_layers(
+        &self,
+        inputs: &[Layer],
+        previous: Option<&Layer>,
+        tier: u8,
+        number: Option<u64>,
+        overflowing: bool,
+    ) -> Result<(Layer, (u64, u64, u64)), CompactionError> {
+        let messages: Vec<Message> = inputs.iter().map(|l| l.message.clone()).collect();
+        let budget = self.config.tier_budget(self.prompt_budget(), tier);
+        let mut request = SummaryRequest::epoch(&messages, budget);
+        if let Some(p) = previous {
+            request = request.previous(&p.text);
         }
         let (text, summary, _) = self.summarize(request, overflowing).await?;
         let usage = usage_of(&summary);
-        let replaced: usize = state.layers().map(|l| l.tokens).sum();
-        let last_step = state.milestones.last().map_or(state.step, |l| l.last_step);
-        let number = state.epochs_made + 1;
-        let layer = self.layer(
-            LayerLevel::Epoch,
-            format!("[Progress summary: steps 1–{last_step}]"),
-            (text, summary),
-            1,
-            last_step,
-            format!("keel-epoch-{number}"),
-        );
+        let replaced: usize =
+            inputs.iter().map(|l| l.tokens).sum::<usize>() + previous.map_or(0, |l| l.tokens);
+        let first = previous
+            .into_iter()
+            .chain(inputs)
+            .map(|l| l.first_step)
+            .min()
+            .unwrap_or(1);
+        let last = inputs
+            .iter()
+            .chain(previous)
+            .map(|l| l.last_step)
+            .max()
+            .unwrap_or(first);
+        let number = number.unwrap_or(last);
+        let top = usize::from(tier) >= self.config.summary_tiers.max(2);
+        let level = if tier == 2 {
+            LayerLevel::Epoch
+        } else {
+            LayerLevel::Era(tier)
+        };
+        let (heading, id) = if top {
+            (
+                format!("[Progress summary: {}]", steps_label(first, last)),
+                format!("keel-summary-{tier}-{number}"),
+            )
+        } else if tier == 2 {
+            (
+                format!("[Epoch {number}: {}]", steps_label(first, last)),
+                format!("keel-epoch-{number}"),
+            )
+        } else {
+            (
+                format!("[Era: {}]", steps_label(first, last)),
+                format!("keel-era-{tier}-{number}"),
+            )
+        };
+        let layer = self.layer(level, heading, (text, summary), first, last, id);
         if layer.tokens >= replaced {
             return Err(CompactionError::NotSmaller {
                 before: replaced,
                 after: layer.tokens,
             });
         }
-        state.epoch = Some(layer);
-        state.epochs_made = number;
-        state.milestones.clear();
-        Ok(usage)
+        Ok((layer, usage))
     }
 
     fn layer(
@@ -990,6 +1101,7 @@ impl Compactor {
         let name = match level {
             LayerLevel::Milestone => "milestone",
             LayerLevel::Epoch => "epoch",
+            LayerLevel::Era(_) => "era",
         };
         message
             .metadata

@@ -166,6 +166,19 @@ pub struct CompactionConfig {
     pub window_fraction: f64,
     /// Fold the milestones into an epoch summary once there are this many.
     pub epoch_every: usize,
+    /// Summary tiers above the raw buffer (at least 2). With 2, the milestones fold
+    /// into one epoch summary that folds the previous one in every time, so a long
+    /// run's summary becomes a summary of a summary many deep. With 3 (the default),
+    /// the last [`keep_summaries`](Self::keep_summaries) epoch summaries stay as their
+    /// own layer and older ones fold, `keep_summaries` at a time, into an era summary;
+    /// more tiers repeat that. Each tier has its own budget, so the summary layers stay
+    /// within a bound that does not grow with the run.
+    pub summary_tiers: usize,
+    /// Summaries kept per middle tier before the oldest fold into the tier above.
+    pub keep_summaries: usize,
+    /// Token budget of an era summary (tiers 3 and up; `None`: 4% of the input budget,
+    /// between 200 and 1,200).
+    pub era_budget_tokens: Option<usize>,
     /// Fold milestones into the epoch within the compaction that made the last one
     /// (the default). A runtime with its own epoch step (keel-agent's `epoch` node)
     /// turns this off and calls [`crate::Compactor::fold_epoch`] itself.
@@ -207,6 +220,9 @@ impl Default for CompactionConfig {
             max_prompt_tokens: None,
             window_fraction: 0.85,
             epoch_every: 5,
+            summary_tiers: 3,
+            keep_summaries: 3,
+            era_budget_tokens: None,
             epoch_inline: true,
             keep_recent_tokens: None,
             milestone_budget_tokens: None,
@@ -342,6 +358,25 @@ impl CompactionConfig {
     pub fn epoch_budget(&self, budget: usize) -> usize {
         self.epoch_budget_tokens
             .unwrap_or((budget * 3 / 100).clamp(150, 800))
+    }
+
+    /// The budget of a summary at `tier` (2: epoch, 3 and up: era) for an input
+    /// budget of `budget` tokens.
+    pub fn tier_budget(&self, budget: usize, tier: u8) -> usize {
+        if tier <= 2 {
+            self.epoch_budget(budget)
+        } else {
+            self.era_budget_tokens
+                .unwrap_or((budget / 25).clamp(200, 1_200))
+        }
+    }
+
+    /// Sets the summary tiers and how many summaries a middle tier keeps.
+    #[must_use]
+    pub fn with_summary_tiers(mut self, tiers: usize, keep: usize) -> Self {
+        self.summary_tiers = tiers;
+        self.keep_summaries = keep;
+        self
     }
 
     /// Compacts at every check.

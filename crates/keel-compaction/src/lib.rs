@@ -1,14 +1,19 @@
 //! Hierarchical context compaction: keeps a long-running agent's prompt small without
 //! losing the goal or anything it saw.
 //!
-//! An agent's memory ([`ContextState`]) has four layers:
+//! An agent's memory ([`ContextState`]) has these layers (with the default three
+//! summary tiers):
 //!
 //! | level | layer | what it is |
 //! |---|---|---|
 //! | ∞ | [`GoalAnchor`] | the original request and hard constraints; never compacted, byte-identical at the top of every prompt |
-//! | 2 | epoch summary | the previous epoch and the last milestones folded into one |
-//! | 1 | milestones | summaries of raw steps since the epoch |
-//! | 0 | raw buffer | recent messages in full |
+//! | 3 | era summary | older epochs folded, a few at a time, with the previous era |
+//! | 2 | epoch summaries | the last few, each the milestones it folded |
+//! | 1 | milestones | summaries of raw steps since the last epoch |
+//! | 0 | raw buffer | recent messages in full, the newest step always |
+//!
+//! Each tier has its own budget, so the summaries stay within a bound however long the
+//! run ([`CompactionConfig::summary_tiers`]).
 //!
 //! A [`Compactor`] decides when to compact ([`Compactor::check`]: every N steps, or
 //! when the prompt reaches a fraction of the model's input budget, or on a provider's

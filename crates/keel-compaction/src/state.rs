@@ -20,8 +20,29 @@ pub const OBSERVATION_METADATA_KEY: &str = "keel.observation";
 pub enum LayerLevel {
     /// Level 1: a summary of raw steps.
     Milestone,
-    /// Level 2: a summary of milestones and the previous epoch.
+    /// Level 2: a summary of milestones (with only two tiers, of the previous epoch
+    /// too).
     Epoch,
+    /// Level 3 and up: a summary of the older summaries of the level below and of the
+    /// previous one of its own level (its number).
+    Era(u8),
+}
+
+impl LayerLevel {
+    /// The level as a number: 1 for milestones, 2 for epochs, 3 and up for eras.
+    ///
+    /// ```
+    /// use keel_compaction::LayerLevel;
+    /// assert_eq!(LayerLevel::Milestone.tier(), 1);
+    /// assert_eq!(LayerLevel::Era(3).tier(), 3);
+    /// ```
+    pub fn tier(self) -> u8 {
+        match self {
+            LayerLevel::Milestone => 1,
+            LayerLevel::Epoch => 2,
+            LayerLevel::Era(t) => t,
+        }
+    }
 }
 
 /// One summary in the context, with the exact message it renders to.
@@ -46,8 +67,10 @@ pub struct Layer {
 }
 
 /// An agent's memory as keel-compaction keeps it: the system prompt, the goal anchor
-/// (level ∞), the epoch summary (level 2), the milestones since that epoch (level 1)
-/// and the raw buffer (level 0), plus the compaction events so far.
+/// (level ∞), the top summary of everything older (`epoch`: an era at level 3 with the
+/// default three tiers), the kept summaries of the tiers between (`epochs`: the last
+/// epoch summaries), the milestones since (level 1) and the raw buffer (level 0), plus
+/// the compaction events so far.
 ///
 /// It is plain data (serde), so a graph can keep it as a state channel and a
 /// checkpointer stores it with the thread.
@@ -57,9 +80,15 @@ pub struct ContextState {
     pub system: Option<Message>,
     /// The goal anchor.
     pub goal: GoalAnchor,
-    /// The epoch summary.
+    /// The top summary: everything older than the kept summaries, folded into one
+    /// (the era with three tiers, the epoch summary with two).
     pub epoch: Option<Layer>,
-    /// Milestones since the epoch summary, oldest first.
+    /// The kept summaries of the tiers between the top and the milestones (with three
+    /// tiers: up to `keep_summaries` epoch summaries), higher tiers first, each oldest
+    /// first.
+    #[serde(default)]
+    pub epochs: Vec<Layer>,
+    /// Milestones since the last epoch summary, oldest first.
     pub milestones: Vec<Layer>,
     /// Recent messages in full.
     pub raw: Vec<Message>,
@@ -76,7 +105,7 @@ pub struct ContextState {
     /// Milestones made so far (numbers them).
     #[serde(default)]
     pub milestones_made: u64,
-    /// Epoch summaries made so far (numbers them).
+    /// Epoch summaries (tier 2) made so far (numbers them).
     #[serde(default)]
     pub epochs_made: u64,
     /// Token counts of what the compactor has seen (recounted lazily after a load).
@@ -101,6 +130,7 @@ impl ContextState {
             system: None,
             goal,
             epoch: None,
+            epochs: Vec::new(),
             milestones: Vec::new(),
             raw: Vec::new(),
             step: 0,
@@ -177,9 +207,13 @@ impl ContextState {
         self.step.saturating_sub(self.step_at_compaction)
     }
 
-    /// The summary layers in prompt order: the epoch, then the milestones.
+    /// The summary layers in prompt order: the top summary, the kept summaries, then
+    /// the milestones.
     pub fn layers(&self) -> impl Iterator<Item = &Layer> {
-        self.epoch.iter().chain(&self.milestones)
+        self.epoch
+            .iter()
+            .chain(&self.epochs)
+            .chain(&self.milestones)
     }
 }
 

@@ -166,7 +166,8 @@ async fn goal_heads_every_prompt_and_is_never_summarized() {
             "the goal reached a summarizer"
         );
     }
-    // Epochs are summaries of summaries: their input is milestone messages only.
+    // Epochs are summaries of summaries: their input is summary layers only
+    // (milestones for an epoch, epochs for an era).
     let epochs: Vec<_> = requests
         .iter()
         .filter(|(l, _)| *l == Level::Epoch)
@@ -175,10 +176,10 @@ async fn goal_heads_every_prompt_and_is_never_summarized() {
     for (_, msgs) in epochs {
         assert!(
             msgs.iter()
-                .all(|m| m.metadata.get(LAYER_METADATA_KEY) == Some(&json!("milestone")))
+                .all(|m| m.metadata.get(LAYER_METADATA_KEY).is_some())
         );
     }
-    assert!(state.epoch.is_some());
+    assert!(!state.epochs.is_empty());
     assert!(state.milestones.len() < 5);
 }
 

@@ -103,6 +103,9 @@ const KEYWORDS: &[(&str, Kind)] = &[
     ("the fix", Kind::Decision),
     ("the issue is", Kind::Decision),
     ("the problem is", Kind::Decision),
+    ("must ", Kind::Decision),
+    ("never ", Kind::Decision),
+    ("constraint", Kind::Decision),
     ("next step", Kind::Next),
     ("next, ", Kind::Next),
     ("todo", Kind::Next),
@@ -120,7 +123,8 @@ const KEYWORDS: &[(&str, Kind)] = &[
     ("completed", Kind::Success),
 ];
 
-/// Decision keywords that give a reason or a choice, not only an intention.
+/// Words of a reason, a choice or a constraint, not only an intention: such lines hold
+/// for the rest of the run, and keep a high priority when carried into epochs.
 const STRONG_DECISIONS: &[&str] = &[
     "decided",
     "decide to",
@@ -130,6 +134,14 @@ const STRONG_DECISIONS: &[&str] = &[
     "the fix",
     "the issue is",
     "the problem is",
+    "must ",
+    "never ",
+    "always ",
+    "do not ",
+    "don't ",
+    "constraint",
+    "decision",
+    "required",
 ];
 
 /// Words that mark the sentence where an agent says what it does next.
@@ -166,6 +178,7 @@ mod prio {
     pub const ERROR: u16 = 80;
     pub const CARRIED_NEXT: u16 = 79;
     pub const CARRIED_ERROR: u16 = 78;
+    pub const CARRIED_DURABLE: u16 = 77;
     pub const ACCOMPLISHED: u16 = 75;
     pub const FILES: u16 = 72;
     pub const REASON: u16 = 71;
@@ -660,8 +673,12 @@ impl ExtractiveSummarizer {
                 pool.push(p, sec, order, src);
                 continue;
             }
+            let lower = item.to_ascii_lowercase();
             let p = if self.has_error(&item) && sec == Sec::Summary {
                 prio::CARRIED_ERROR
+            } else if sec != Sec::Next && STRONG_DECISIONS.iter().any(|k| lower.contains(k)) {
+                // Constraints and decisions hold for the rest of the run.
+                prio::CARRIED_DURABLE
             } else if sec == Sec::Next {
                 if latest {
                     prio::CARRIED_NEXT
