@@ -416,6 +416,30 @@ fn state_impl(def: &StateDef) -> TokenStream {
                     ),
                 }
             }
+
+            fn clone_channel_from(&mut self, source: &Self, channel: usize) -> bool {
+                match channel {
+                    #(
+                        #idx => {
+                            ::core::clone::Clone::clone_from(&mut self.#fields, &source.#fields);
+                            true
+                        }
+                    )*
+                    _ => false,
+                }
+            }
+
+            fn swap_channel(&mut self, other: &mut Self, channel: usize) -> bool {
+                match channel {
+                    #(
+                        #idx => {
+                            ::core::mem::swap(&mut self.#fields, &mut other.#fields);
+                            true
+                        }
+                    )*
+                    _ => false,
+                }
+            }
         }
     };
     // Spanned at the struct's name, so that a missing `Clone` (a supertrait) is

@@ -77,7 +77,9 @@
 //!
 //! The struct must have named fields and no generic parameters. Each field's reducer
 //! update type must implement serde's `Serialize` and `DeserializeOwned`, and so must the
-//! field's type (channels are checkpointed as JSON). The struct itself must be `Clone`.
+//! field's type (channels are checkpointed as JSON). The struct must be `Clone`, and so
+//! must each field's type (as `#[derive(Clone)]` needs): the generated
+//! `clone_channel_from` copies one channel, `swap_channel` swaps one.
 //!
 //! # Generated API
 //!

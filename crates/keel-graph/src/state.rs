@@ -44,6 +44,27 @@ pub trait State: Clone + Send + Sync + 'static {
 
     /// Folds one stored delta (the JSON updates of one step) into one channel.
     fn fold_channel(&mut self, channel: usize, updates: Vec<Value>) -> Result<(), StateError>;
+
+    /// Sets channel `channel` of `self` to a copy of that channel of `source`, and
+    /// returns `true`; or returns `false`, changing nothing, if this implementation
+    /// does not copy single channels (the default).
+    ///
+    /// Optional. In a step of several tasks each router sees the state with only its
+    /// own node's writes; with this and [`swap_channel`](Self::swap_channel) the engine
+    /// copies just the channels that node wrote, instead of the whole state per router.
+    /// `#[derive(State)]` implements both.
+    fn clone_channel_from(&mut self, source: &Self, channel: usize) -> bool {
+        let _ = (source, channel);
+        false
+    }
+
+    /// Swaps the value of channel `channel` between `self` and `other` and returns
+    /// `true`; or returns `false`, changing nothing (the default). See
+    /// [`clone_channel_from`](Self::clone_channel_from).
+    fn swap_channel(&mut self, other: &mut Self, channel: usize) -> bool {
+        let _ = (other, channel);
+        false
+    }
 }
 
 /// Looks up a channel index by name.

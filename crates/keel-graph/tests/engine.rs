@@ -1386,3 +1386,79 @@ async fn state_history_is_a_stream_with_before_limit_and_metadata() {
         "{items:?}"
     );
 }
+
+/// A state that counts its whole-state copies (its `Clone` impl is the only way to
+/// copy all of it).
+#[derive(State)]
+struct Counted {
+    #[reducer(Append<String>)]
+    log: Vec<String>,
+    #[reducer(Append<String>)]
+    notes: Vec<String>,
+    big: Vec<u8>,
+}
+
+static COUNTED_CLONES: AtomicUsize = AtomicUsize::new(0);
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        COUNTED_CLONES.fetch_add(1, Ordering::SeqCst);
+        Counted {
+            log: self.log.clone(),
+            notes: self.notes.clone(),
+            big: self.big.clone(),
+        }
+    }
+}
+
+#[tokio::test]
+async fn routers_of_one_step_each_see_only_their_own_writes_without_copying_the_state() {
+    // Three routed nodes in one step: two write `log`, one writes `notes`; each
+    // router records what it sees.
+    type Seen = Vec<(String, Vec<String>, Vec<String>)>;
+    let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
+    let mut g = StateGraph::<Counted>::new();
+    for (name, channel) in [("a", "log"), ("b", "log"), ("c", "notes")] {
+        let seen = Arc::clone(&seen);
+        g = g
+            .add_node(name, move |_s, _c| async move {
+                let u = CountedUpdate::default();
+                Ok(if channel == "log" {
+                    u.log(vec![name.to_owned()])
+                } else {
+                    u.notes(vec![name.to_owned()])
+                })
+            })
+            .add_edge(START, name)
+            .add_conditional_edges(
+                name,
+                move |s: &Counted| {
+                    seen.lock()
+                        .unwrap()
+                        .push((name.to_owned(), s.log.clone(), s.notes.clone()));
+                    END
+                },
+                Some(&[END]),
+            );
+    }
+    let g = g.compile().unwrap();
+    let input = CountedUpdate::default()
+        .log(vec!["in".to_owned()])
+        .big(vec![7; 1 << 20]);
+    let before = COUNTED_CLONES.load(Ordering::SeqCst);
+    let run = g.invoke(input, &RunConfig::default()).await.unwrap();
+    let clones = COUNTED_CLONES.load(Ordering::SeqCst) - before;
+    assert_eq!(run.state.log, ["in", "a", "b"]);
+    assert_eq!(run.state.notes, ["c"]);
+    let v = |items: &[&str]| items.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [
+            ("a".to_owned(), v(&["in", "a"]), v(&[])),
+            ("b".to_owned(), v(&["in", "b"]), v(&[])),
+            ("c".to_owned(), v(&["in"]), v(&["c"])),
+        ]
+    );
+    // One copy for the step (the state before it), not one more per router.
+    assert_eq!(clones, 1, "whole-state copies in the routed step");
+}

@@ -331,3 +331,38 @@ async fn a_state_returning_a_channel_past_channels_is_a_typed_error_not_a_panic(
     let last = events.into_iter().last().unwrap();
     assert_out_of_range(last, "State::encode_update", 9);
 }
+
+#[tokio::test]
+async fn routers_of_one_step_see_their_own_writes_with_a_state_that_copies_only_whole() {
+    // `Notes` implements neither `clone_channel_from` nor `swap_channel`: each router
+    // gets a copy of the whole state, and still sees only its own node's writes.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut g = StateGraph::<Notes>::new();
+    for name in ["a", "b"] {
+        let seen = Arc::clone(&seen);
+        g = g
+            .add_node(name, move |_s, _c| async move {
+                Ok(NotesUpdate {
+                    notes: Some(vec![name.to_owned()]),
+                    status: None,
+                })
+            })
+            .add_edge(START, name)
+            .add_conditional_edges(
+                name,
+                move |s: &Notes| {
+                    seen.lock().unwrap().push(s.notes.clone());
+                    END
+                },
+                Some(&[END]),
+            );
+    }
+    let run = g
+        .compile()
+        .unwrap()
+        .invoke(NotesUpdate::default(), &RunConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(run.state.notes, ["a", "b"]);
+    assert_eq!(*seen.lock().unwrap(), [vec!["a"], vec!["b"]]);
+}

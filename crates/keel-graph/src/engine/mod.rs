@@ -1,0 +1,273 @@
+//! The Pregel superstep engine.
+//!
+//! One invocation loads the thread's checkpoint, applies the input, then runs
+//! supersteps until no task is scheduled: every scheduled task runs concurrently, their
+//! updates are folded into the state in task-path order once all have finished, the
+//! next tasks are computed from edges, joins, routers, `goto`s and `SendTo`s, and the step
+//! is checkpointed as per-channel deltas.
+//!
+//! This module holds [`CompiledGraph`] and its reads and edits of stored threads
+//! (`get_state`, `last_checkpoint_by`, `update_state`); the rest is one module per
+//! concern:
+//!
+//! - `index`: the compiled graph's structure ([`NodeIx`], edges, routers, joins);
+//! - `superstep`: the run loop, tasks, running them, folding and routing;
+//! - `persist`: checkpoint writes (deltas, snapshots, task writes, durability writers);
+//! - `resume`: loading a thread (rebuilding state, scheduled tasks, stored writes);
+//! - `history`: `state_history` as a stream;
+//! - `streaming`: `stream` and its events.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+
+use futures::stream::{BoxStream, StreamExt, TryStreamExt};
+use futures::{FutureExt, Stream};
+use keel_checkpoint::{
+    ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata,
+    CheckpointSource, CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions, PendingWrite,
+    PutRequest, ThreadKey,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::command::{Command, Goto, InvocationInfo, NodeContext, NodeError};
+use crate::config::{Durability, Interrupt, Run, RunConfig, StateSnapshot};
+use crate::graph::{BuildError, Join, NodeSpec, RouterSpec};
+use crate::state::{self as st, channel_name};
+use crate::stream::{Event, StreamMode};
+use crate::{END, GraphError, START, State, StateError, channel_index};
+
+const INTERRUPT: &str = "__interrupt__";
+const RESUME: &str = "__resume__";
+const ERROR: &str = "__error__";
+const GOTO: &str = "__goto__";
+const JOIN_PREFIX: &str = "__join__:";
+/// A channel is snapshotted once the deltas since its last snapshot weigh this many
+/// times the snapshot.
+const SNAPSHOT_RATIO: usize = 2;
+/// Capacity of the async writer's queue.
+const ASYNC_QUEUE: usize = 64;
+
+mod history;
+mod index;
+mod persist;
+mod resume;
+mod streaming;
+mod superstep;
+
+pub(crate) use self::index::Inner;
+use self::index::{NodeIx, Target};
+use self::persist::{ChannelBook, Writer, book_mut, group_by_channel, json_size};
+use self::resume::{decode_tasks, pending_interrupts, rebuild, task_names};
+use self::streaming::EventSink;
+use self::superstep::{Outcome, RunState, Task, TaskSpec, task_path};
+
+/// A compiled graph: run it with [`CompiledGraph::invoke`] or
+/// [`CompiledGraph::stream`]. Cheap to clone and shareable across tasks.
+pub struct CompiledGraph<S: State> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S: State> Clone for CompiledGraph<S> {
+    fn clone(&self) -> Self {
+        CompiledGraph {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<S: State> CompiledGraph<S> {
+    pub(crate) fn new(inner: Inner<S>) -> Self {
+        CompiledGraph {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Runs the graph to `END` (or to an interrupt) and returns the final state.
+    ///
+    /// `input` is a state update (a new run on the thread), [`Command::resume`] (answer
+    /// a pending interrupt) or [`Command::none`] (continue the thread from its last
+    /// checkpoint, e.g. after a crash or a breakpoint).
+    pub async fn invoke(
+        &self,
+        input: impl Into<Command<S>>,
+        config: &RunConfig,
+    ) -> Result<Run<S>, GraphError> {
+        self.run(input.into(), config, None).await
+    }
+}
+
+impl<S: State> CompiledGraph<S> {
+    /// The state of a thread at its latest checkpoint (or at `config.checkpoint_id`).
+    pub async fn get_state(
+        &self,
+        config: &RunConfig,
+    ) -> Result<Option<StateSnapshot<S>>, GraphError> {
+        let (cp, thread) = self.require_checkpointer(config, "get_state")?;
+        match cp.get(&thread, config.checkpoint_id.as_ref()).await? {
+            None => Ok(None),
+            Some(tuple) => self.snapshot_of(tuple).map(Some),
+        }
+    }
+}
+
+impl<S: State> CompiledGraph<S> {
+    /// The newest checkpoint of a thread whose step node `node` wrote (its
+    /// [`CheckpointMetadata::writes`](keel_checkpoint::CheckpointMetadata::writes)
+    /// names the node), with its state; `Ok(None)` if there is none.
+    ///
+    /// With `config.checkpoint_id` set, the newest at or before that checkpoint (an
+    /// unknown id is [`GraphError::CheckpointNotFound`]). "Newest" is id order over the
+    /// whole thread, every branch included, as [`state_history`](Self::state_history)
+    /// lists it. `START` (`"__start__"`) finds the last input.
+    ///
+    /// The checkpoint is found from metadata alone
+    /// ([`ListOptions::written_by`](keel_checkpoint::ListOptions::written_by), limit 1),
+    /// and only its state is rebuilt, so the cost does not grow with the number of
+    /// checkpoints rebuilt, unlike filtering `state_history`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_graph::reducer::Append;
+    /// use keel_graph::{END, RunConfig, START, State, StateGraph};
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Log {
+    ///     #[reducer(Append<String>)]
+    ///     lines: Vec<String>,
+    /// }
+    /// let line = |s: &str| LogUpdate::default().lines(vec![s.to_owned()]);
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Log>::new()
+    ///     .add_node("draft", move |_s, _c| async move { Ok(line("draft")) })
+    ///     .add_node("review", move |_s, _c| async move { Ok(line("review")) })
+    ///     .add_edge(START, "draft")
+    ///     .add_edge("draft", "review")
+    ///     .add_edge("review", END)
+    ///     .with_checkpointer(Arc::new(MemorySaver::new()))
+    ///     .compile()?;
+    /// let config = RunConfig::thread("doc-1");
+    /// graph.invoke(line("brief"), &config).await?;
+    ///
+    /// let drafted = graph.last_checkpoint_by(&config, "draft").await?.expect("draft ran");
+    /// assert_eq!(drafted.values.lines, ["brief", "draft"]);
+    /// assert_eq!(drafted.metadata.writes, ["draft"]);
+    /// assert_eq!(drafted.next, ["review"]);
+    /// assert!(graph.last_checkpoint_by(&config, "publish").await?.is_none());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn last_checkpoint_by(
+        &self,
+        config: &RunConfig,
+        node: &str,
+    ) -> Result<Option<StateSnapshot<S>>, GraphError> {
+        let (cp, thread) = self.require_checkpointer(config, "last_checkpoint_by")?;
+        let mut options = ListOptions::default().written_by(node).limit(1);
+        if let Some(at) = &config.checkpoint_id {
+            let tuple =
+                cp.get(&thread, Some(at))
+                    .await?
+                    .ok_or_else(|| GraphError::CheckpointNotFound {
+                        thread_id: thread.thread_id.clone(),
+                        id: at.clone(),
+                    })?;
+            if tuple.metadata.written_by(node) {
+                return self.snapshot_of(tuple).map(Some);
+            }
+            options = options.before(at.clone());
+        }
+        let Some(found) = cp.list(&thread, options).next().await.transpose()? else {
+            return Ok(None);
+        };
+        // Absent only if pruned since it was listed: then there is no such checkpoint.
+        match cp.get(&thread, Some(&found.checkpoint.id)).await? {
+            Some(tuple) => self.snapshot_of(tuple).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes `update` into the thread as if node `as_node` had returned it (or, with
+    /// `None`, as an edit that keeps the scheduled tasks), creating a new checkpoint with
+    /// source `update`. With `config.checkpoint_id` set, the update forks from that past
+    /// checkpoint. Returns the new checkpoint's id. The checkpoint's metadata `writes`
+    /// is `[as_node]` (empty without one).
+    pub async fn update_state(
+        &self,
+        config: &RunConfig,
+        update: S::Update,
+        as_node: Option<&str>,
+    ) -> Result<CheckpointId, GraphError> {
+        let (cp, thread) = self.require_checkpointer(config, "update_state")?;
+        let mut run = RunState::load(self, config, None).await?;
+        let as_node = match as_node {
+            None => None,
+            Some(n) => Some(
+                *self
+                    .inner
+                    .index
+                    .get(n)
+                    .ok_or_else(|| GraphError::UnknownTarget {
+                        from: "update_state".into(),
+                        to: n.to_owned(),
+                    })?,
+            ),
+        };
+        let encoded = st::encode_update::<S>(&update)?;
+        let written = st::apply(Arc::make_mut(&mut run.state), vec![update])?;
+        if let Some(node) = as_node {
+            let mut next = Vec::new();
+            let mut sends = Vec::new();
+            let state = Arc::clone(&run.state);
+            run.route_from(Some(node), &state, &mut next, &mut sends)?;
+            run.tasks = run.specs(next, sends);
+            run.writers.insert(self.inner.name(node).to_string());
+        }
+        let per_channel = group_by_channel(&written, vec![encoded]);
+        run.step += 1;
+        let id = run
+            .commit(CheckpointSource::Update, per_channel, Some(&cp), &thread)
+            .await?;
+        Ok(id)
+    }
+
+    fn require_checkpointer(
+        &self,
+        config: &RunConfig,
+        what: &'static str,
+    ) -> Result<(Arc<dyn Checkpointer>, ThreadKey), GraphError> {
+        match (&self.inner.checkpointer, config.thread_key()) {
+            (Some(cp), Some(t)) => Ok((Arc::clone(cp), t)),
+            _ => Err(GraphError::CheckpointerRequired { what }),
+        }
+    }
+
+    fn snapshot_of(&self, tuple: CheckpointTuple) -> Result<StateSnapshot<S>, GraphError> {
+        let CheckpointTuple {
+            checkpoint,
+            metadata,
+            channels,
+            pending_writes,
+            ..
+        } = tuple;
+        let (state, _) = rebuild::<S>(channels, &checkpoint)?;
+        let tasks = decode_tasks(&checkpoint)?;
+        Ok(StateSnapshot {
+            values: state,
+            next: tasks.iter().map(|t| t.node.clone()).collect(),
+            // Shown even when this graph lacks a scheduled node: running it is what
+            // fails (`GraphError::UnknownNode`), not looking at it.
+            interrupts: pending_interrupts(&pending_writes, &task_names(&tasks, &checkpoint.id)),
+            checkpoint_id: checkpoint.id,
+            parent_id: checkpoint.parent,
+            metadata,
+        })
+    }
+}
