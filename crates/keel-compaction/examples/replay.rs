@@ -3,7 +3,7 @@
 //! prints what a model would have been sent compared with the full history.
 //!
 //! ```sh
-//! cargo run --release -p keel-compaction --example replay -- [data-dir] [--min-messages N] [--show-missed]
+//! cargo run --release -p keel-compaction --example replay -- [data-dir] [--min-messages N] [--show-missed] [--speed-only]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -42,8 +42,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // counter's tables, then the median of 5 timed passes.
     let mut times = Vec::new();
     for _ in 0..6 {
-        let fresh: Arc<dyn TokenCounter> =
-            Arc::new(MemoCounter::new(TiktokenCounter::o200k_base()?));
+        let memo = Arc::new(MemoCounter::new(TiktokenCounter::o200k_base()?));
+        let fresh: Arc<dyn TokenCounter> = memo.clone();
         let started = Instant::now();
         replay_all(
             &tau,
@@ -52,6 +52,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?;
         times.push(started.elapsed().as_secs_f64());
+        if std::env::var("KEEL_MEMO_STATS").is_ok() {
+            eprintln!("{:?}", memo.stats());
+        }
     }
     let mut timed = times[1..].to_vec();
     timed.sort_by(f64::total_cmp);
@@ -61,6 +64,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tau.iter().map(|t| t.turns()).sum::<usize>(),
         timed[2]
     );
+    if args.iter().any(|a| a == "--speed-only") {
+        return Ok(());
+    }
     let long: Vec<_> = tau
         .iter()
         .filter(|t| t.messages.len() >= min_messages)

@@ -13,6 +13,7 @@ use crate::config::{CompactionConfig, StepTrigger, Strategy};
 use crate::cut::safe_cut_at_or_before;
 use crate::error::{CallError, CompactionError};
 use crate::event::{CompactionEvent, EventKind, Trigger};
+use crate::prefix::PrefixSummarizer;
 use crate::state::{
     ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
     OBSERVATION_METADATA_KEY,
@@ -132,6 +133,9 @@ pub struct Compactor {
     tools_tokens: Arc<std::sync::Mutex<Option<ToolsTokens>>>,
     /// The summarizer's last reported usage (shared by the clones).
     last_call: LastCall,
+    /// A summarizer that reuses the agent's cached prefix, used instead of
+    /// `summarizer` when set.
+    prefix_summarizer: Option<Arc<PrefixSummarizer>>,
 }
 
 impl std::fmt::Debug for Compactor {
@@ -169,6 +173,7 @@ impl Compactor {
             profile,
             tools_tokens: Arc::default(),
             last_call: Arc::default(),
+            prefix_summarizer: None,
         }
     }
 
@@ -205,6 +210,18 @@ impl Compactor {
     #[must_use]
     pub fn with_config(mut self, config: CompactionConfig) -> Self {
         self.config = config;
+        self
+    }
+
+    /// Summarizes with a model through the agent's cached prompt prefix: each request
+    /// sends the system prompt, goal, summaries and tools first, as the agent's prompt
+    /// had them, then the span, then the instruction, so the provider reads the prefix
+    /// from its cache. Used instead of the summarizer given to [`Compactor::new`]
+    /// (which stays for nothing; the fallback still applies). Its calls' usage is on
+    /// each [`CompactionEvent`] and in the replay's cost.
+    #[must_use]
+    pub fn with_prefix_summarizer(mut self, summarizer: PrefixSummarizer) -> Self {
+        self.prefix_summarizer = Some(Arc::new(summarizer));
         self
     }
 
@@ -811,6 +828,19 @@ impl Compactor {
         let leaving = &state.raw[..cut];
         let leaving_tokens: usize = state.ledger.raw.iter().take(cut).sum();
 
+        // What the agent's prompt had before the span: a prefix-reusing summarizer
+        // sends it first.
+        let prefix: Vec<Message> = if self.prefix_summarizer.is_some() {
+            state
+                .system
+                .iter()
+                .chain(std::iter::once(state.goal.message()))
+                .chain(state.layers().map(|l| &l.message))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
         let summary = self
             .summarize(
                 SummaryRequest::milestone(
@@ -819,6 +849,7 @@ impl Compactor {
                         .milestone_budget_for(self.prompt_budget(), leaving_tokens),
                 ),
                 overflowing,
+                (&prefix, tools),
             )
             .await?;
         let (first_step, last_step) = steps_of(state, cut);
@@ -875,7 +906,7 @@ impl Compactor {
 
         if self.config.epoch_inline && self.epoch_due(state) {
             // A failed epoch keeps the milestones; it is retried at the next milestone.
-            match self.epoch(state, overflowing).await {
+            match self.epoch(state, overflowing, tools).await {
                 Ok(usage) => {
                     done.kind = EventKind::Epoch;
                     done.usage = add_usage(done.usage, usage);
@@ -907,7 +938,7 @@ impl Compactor {
         let started = Instant::now();
         let before = self.tokens(state, tools).total;
         let overflowing = trigger == Trigger::Overflow || before >= self.budget();
-        let result = self.epoch(state, overflowing).await;
+        let result = self.epoch(state, overflowing, tools).await;
         let after = self.tokens(state, tools).total;
         let usage = result.as_ref().map_or((0, 0, 0), |u| *u);
         let newest = state.epochs.last().or(state.epoch.as_ref());
@@ -949,7 +980,35 @@ impl Compactor {
         &self,
         state: &mut ContextState,
         overflowing: bool,
+        tools: &[ToolSpec],
     ) -> Result<(u64, u64, u64), CompactionError> {
+        // The prompt before the layers being folded (system, goal and the summaries
+        // above them), for a prefix-reusing summarizer.
+        let fixed: Vec<Message> = if self.prefix_summarizer.is_some() {
+            state
+                .system
+                .iter()
+                .chain(std::iter::once(state.goal.message()))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let above_milestones: Vec<Message> = if self.prefix_summarizer.is_some() {
+            fixed
+                .iter()
+                .cloned()
+                .chain(
+                    state
+                        .epoch
+                        .iter()
+                        .chain(&state.epochs)
+                        .map(|l| l.message.clone()),
+                )
+                .collect()
+        } else {
+            Vec::new()
+        };
         let depth = u8::try_from(self.config.summary_tiers.clamp(2, 16)).unwrap_or(3);
         let keep = self.config.keep_summaries.max(1);
         let mut top = state.epoch.clone();
@@ -965,6 +1024,7 @@ impl Compactor {
                     2,
                     Some(made + 1),
                     overflowing,
+                    (&fixed, tools),
                 )
                 .await?;
             made += 1;
@@ -972,7 +1032,14 @@ impl Compactor {
             top = Some(layer);
         } else {
             let (layer, u) = self
-                .fold_layers(&state.milestones, None, 2, Some(made + 1), overflowing)
+                .fold_layers(
+                    &state.milestones,
+                    None,
+                    2,
+                    Some(made + 1),
+                    overflowing,
+                    (&above_milestones, tools),
+                )
                 .await?;
             made += 1;
             let mut total = u;
@@ -989,7 +1056,14 @@ impl Compactor {
                 let upper = tier + 1;
                 let previous = if upper == depth { top.as_ref() } else { None };
                 let folded = self
-                    .fold_layers(&leaving, previous, upper, None, overflowing)
+                    .fold_layers(
+                        &leaving,
+                        previous,
+                        upper,
+                        None,
+                        overflowing,
+                        (&fixed, tools),
+                    )
                     .await;
                 let (layer, u) = match folded {
                     Ok(f) => f,
@@ -1025,6 +1099,7 @@ impl Compactor {
     /// One summary of `inputs` (and `previous`, folded in) at `tier`, unless it would
     /// not be smaller than what it replaces. Epochs are numbered (`epochs_made`), higher
     /// tiers by the last step they cover.
+    #[allow(clippy::too_many_arguments)]
     async fn fold_layers(
         &self,
         inputs: &[Layer],
@@ -1032,6 +1107,7 @@ impl Compactor {
         tier: u8,
         number: Option<u64>,
         overflowing: bool,
+        context: (&[Message], &[ToolSpec]),
     ) -> Result<(Layer, (u64, u64, u64)), CompactionError> {
         let messages: Vec<Message> = inputs.iter().map(|l| l.message.clone()).collect();
         let budget = self.config.tier_budget(self.prompt_budget(), tier);
@@ -1039,7 +1115,7 @@ impl Compactor {
         if let Some(p) = previous {
             request = request.previous(&p.text);
         }
-        let (text, summary, _) = self.summarize(request, overflowing).await?;
+        let (text, summary, _) = self.summarize(request, overflowing, context).await?;
         let usage = usage_of(&summary);
         let replaced: usize =
             inputs.iter().map(|l| l.tokens).sum::<usize>() + previous.map_or(0, |l| l.tokens);
@@ -1125,12 +1201,17 @@ impl Compactor {
         &self,
         request: SummaryRequest<'_>,
         overflowing: bool,
+        (prefix, tools): (&[Message], &[ToolSpec]),
     ) -> Result<(String, keel_summarize::Summary, bool), CompactionError> {
         let attempts = self.config.summarize_attempts.max(1);
         let mut wait = self.config.retry_backoff;
         let mut last_error = None;
         for attempt in 1..=attempts {
-            match self.summarizer.summarize(&request).await {
+            let result = match &self.prefix_summarizer {
+                Some(p) => p.summarize(prefix, tools, &request).await,
+                None => self.summarizer.summarize(&request).await,
+            };
+            match result {
                 Ok(s) if !s.text.trim().is_empty() => {
                     self.remember_call(&s);
                     return Ok((s.text.clone(), s, false));

@@ -39,6 +39,7 @@ pub mod cut;
 mod error;
 mod event;
 mod goal;
+mod prefix;
 pub mod replay;
 mod state;
 
@@ -47,6 +48,7 @@ pub use config::{CompactionConfig, StepTrigger, Strategy};
 pub use error::{CallError, CompactionError};
 pub use event::{CompactionEvent, EventKind, Trigger};
 pub use goal::{GOAL_ID, GoalAnchor};
+pub use prefix::{PREFIX_VERSION, PrefixSummarizer};
 pub use state::{
     ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
     OBSERVATION_METADATA_KEY,

@@ -22,5 +22,6 @@ mod run;
 pub use facts::{identifiers, needed_facts, turn_identifiers};
 pub use load::{LoadError, Trajectory, load_swe_agent, load_swe_agent_dir, load_tau_bench};
 pub use run::{
-    FactCheck, Needle, ReplayConfig, Report, RunReport, TurnRecord, replay_all, replay_trajectory,
+    CACHED_TOKEN_PRICE, FactCheck, Needle, OUTPUT_TOKEN_PRICE, ReplayConfig, Report, RunReport,
+    TurnRecord, replay_all, replay_trajectory,
 };

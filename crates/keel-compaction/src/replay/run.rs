@@ -4,9 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use keel_message::{Message, Role};
-use keel_offload::{
-    Archive, EvictLargeResults, GrepOptions, MemoryStore, OffloadStore, Pattern, ThreadId,
-};
+use keel_offload::{Archive, EvictLargeResults, Key, MemoryStore, OffloadStore, ThreadId};
 use keel_summarize::ExtractiveSummarizer;
 use keel_token::{Encoding, ModelProfile, TokenCounter};
 
@@ -22,8 +20,12 @@ use crate::state::{ContextState, OBSERVATION_METADATA_KEY};
 /// Price of a prompt token served from the provider's cache, relative to an uncached one.
 pub const CACHED_TOKEN_PRICE: f64 = 0.1;
 
+/// Price of an output token relative to an uncached prompt token (GPT-4o's ratio), for
+/// the summarizer's replies in the replay's cost.
+pub const OUTPUT_TOKEN_PRICE: f64 = 4.0;
+
 /// How to replay.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ReplayConfig {
     /// The model window to enforce (a profile override, as Deep Agents' evals do).
     pub window: usize,
@@ -38,6 +40,27 @@ pub struct ReplayConfig {
     pub evict_threshold: Option<usize>,
     /// Needles planted per run (in the first tool results).
     pub needles: usize,
+    /// Summarize with this model through the agent's cached prefix
+    /// ([`crate::PrefixSummarizer`]) instead of the extractive summarizer; its calls are
+    /// part of the reported cost.
+    pub summary_model: Option<Arc<dyn keel_model::ChatModel>>,
+}
+
+impl fmt::Debug for ReplayConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayConfig")
+            .field("window", &self.window)
+            .field("reserve_output", &self.reserve_output)
+            .field("encoding", &self.encoding)
+            .field("compaction", &self.compaction)
+            .field("evict_threshold", &self.evict_threshold)
+            .field("needles", &self.needles)
+            .field(
+                "summary_model",
+                &self.summary_model.as_ref().map(|m| m.model_name()),
+            )
+            .finish()
+    }
 }
 
 impl ReplayConfig {
@@ -51,6 +74,7 @@ impl ReplayConfig {
             compaction: CompactionConfig::default().with_strategy(strategy),
             evict_threshold: None,
             needles: 2,
+            summary_model: None,
         }
     }
 
@@ -196,6 +220,13 @@ pub async fn replay_trajectory(
         config.profile(),
     )
     .with_config(config.compaction.clone());
+    let compactor = match &config.summary_model {
+        Some(model) => compactor.with_prefix_summarizer(crate::PrefixSummarizer::new(
+            Arc::clone(model),
+            Arc::clone(&counter),
+        )),
+        None => compactor,
+    };
     let compactor = match config.evict_threshold {
         Some(t) => compactor.with_evict(Some(EvictLargeResults::new().with_threshold(t))),
         None => compactor,
@@ -217,6 +248,8 @@ pub async fn replay_trajectory(
     let mut full_previous = 0;
     let mut turns = Vec::new();
     let mut previous: Vec<Message> = Vec::new();
+    let mut previous_counts: Vec<usize> = Vec::new();
+    let mut stored = StoredText::default();
     let mut i = 0;
     while i < messages.len() {
         let m = &messages[i];
@@ -241,17 +274,25 @@ pub async fn replay_trajectory(
             .zip(&previous)
             .take_while(|(a, b)| a == b)
             .count();
-        let shared_prefix = prompt[..common]
+        // Counts of the shared prefix are the previous prompt's; only new messages
+        // are counted.
+        let counts: Vec<usize> = prompt
             .iter()
-            .map(|m| counter.count_message(m))
-            .sum();
+            .enumerate()
+            .map(|(k, m)| match previous_counts.get(k) {
+                Some(&n) if k < common => n,
+                _ => counter.count_message(m),
+            })
+            .collect();
+        let shared_prefix = counts[..common].iter().sum();
+        previous_counts = counts;
         let turn = turns.len();
         let (needed, in_prompt, in_archive) = if compacted {
             check_facts(
                 &messages[i],
                 &prompt,
                 (&told, &known),
-                (&store, &thread),
+                (&store, &thread, &mut stored),
                 turn,
                 &mut facts,
             )?
@@ -296,21 +337,12 @@ pub async fn replay_trajectory(
     let mut needles = Vec::new();
     for text in planted {
         let in_context = final_prompt.iter().any(|m| m.text().contains(&text));
-        let pattern = Pattern::literal(&text).map_err(CompactionError::Archive)?;
-        let found = archive
-            .grep(&thread, &pattern, 1)
-            .map_err(CompactionError::Archive)?
-            .messages
-            .len()
-            + store
-                .grep(&thread, None, &pattern, &Default::default())
-                .map_err(CompactionError::Archive)?
-                .matches
-                .len();
+        // A search of everything the store holds: the archive and offloaded files.
+        let found = !in_context && stored.refresh(&store, &thread)?.contains(&text);
         needles.push(Needle {
             text,
             left_context: !in_context,
-            found_in_archive: found > 0,
+            found_in_archive: found,
         });
     }
     Ok(RunReport {
@@ -330,7 +362,7 @@ fn check_facts(
     turn_message: &Message,
     prompt: &[Message],
     (told, known): (&str, &str),
-    (store, thread): (&Arc<dyn OffloadStore>, &ThreadId),
+    (store, thread, stored): (&Arc<dyn OffloadStore>, &ThreadId, &mut StoredText),
     turn: usize,
     out: &mut Vec<FactCheck>,
 ) -> Result<(usize, usize, usize), CompactionError> {
@@ -345,7 +377,7 @@ fn check_facts(
     let (mut in_prompt, mut in_archive) = (0, 0);
     for fact in needed.iter() {
         let here = contains_token(&text, fact);
-        let archived = !here && retrievable(fact, store, thread)?;
+        let archived = !here && stored.refresh(store, thread)?.contains(fact);
         in_prompt += usize::from(here);
         in_archive += usize::from(archived);
         out.push(FactCheck {
@@ -358,32 +390,48 @@ fn check_facts(
     Ok((needed.len(), in_prompt, in_archive))
 }
 
-/// Whether a search of the thread's archive and offload files finds `fact` (as text, or
-/// JSON-escaped as the archive stores it).
-fn retrievable(
-    fact: &str,
-    store: &Arc<dyn OffloadStore>,
-    thread: &ThreadId,
-) -> Result<bool, CompactionError> {
-    let escaped = serde_json::to_string(fact).unwrap_or_default();
-    let escaped = escaped
-        .strip_prefix('"')
-        .and_then(|e| e.strip_suffix('"'))
-        .unwrap_or(fact);
-    let options = GrepOptions {
-        max_results: 1,
-        max_line_bytes: 0,
-    };
-    for form in std::iter::once(fact).chain((escaped != fact).then_some(escaped)) {
-        let pattern = Pattern::literal(form).map_err(CompactionError::Archive)?;
-        let found = store
-            .grep(thread, None, &pattern, &options)
-            .map_err(CompactionError::Archive)?;
-        if !found.matches.is_empty() {
-            return Ok(true);
+/// Everything the thread's offload store holds (the archive, offloaded results,
+/// truncated arguments), read again only when it grew: what a search of the archive
+/// would find.
+#[derive(Default)]
+struct StoredText {
+    sizes: Vec<u64>,
+    text: String,
+}
+
+impl StoredText {
+    fn refresh(
+        &mut self,
+        store: &Arc<dyn OffloadStore>,
+        thread: &ThreadId,
+    ) -> Result<&Self, CompactionError> {
+        let entries = store.list(thread, None).map_err(CompactionError::Archive)?;
+        let sizes: Vec<u64> = entries.iter().map(|e| e.bytes).collect();
+        if sizes != self.sizes {
+            self.text.clear();
+            for e in &entries {
+                let key =
+                    Key::new(thread.as_str(), e.path.as_str()).map_err(CompactionError::Archive)?;
+                self.text
+                    .push_str(&store.get(&key).map_err(CompactionError::Archive)?);
+                self.text.push('\n');
+            }
+            self.sizes = sizes;
         }
+        Ok(self)
     }
-    Ok(false)
+
+    /// Whether `fact` is there as text, or JSON-escaped as the archive stores it.
+    fn contains(&self, fact: &str) -> bool {
+        if self.text.contains(fact) {
+            return true;
+        }
+        let escaped = serde_json::to_string(fact).unwrap_or_default();
+        escaped
+            .strip_prefix('"')
+            .and_then(|e| e.strip_suffix('"'))
+            .is_some_and(|e| e != fact && self.text.contains(e))
+    }
 }
 
 /// Plants `n` needles in the first tool results (or observations) of a run and
@@ -436,7 +484,8 @@ pub struct Report {
     pub tokens: usize,
     /// Cache-weighted cost of the full history (shared-prefix tokens at 0.1).
     pub full_cost: f64,
-    /// Cache-weighted cost with the strategy.
+    /// Cache-weighted cost with the strategy, the summarizer's calls included
+    /// ([`Report::summary_cost`]).
     pub cost: f64,
     /// Turns whose prompt extends the previous turn's, among turns with a previous one.
     pub cacheable_turns: usize,
@@ -473,6 +522,12 @@ pub struct Report {
     /// Of those not in the prompt, found by a search of the archive or the offload
     /// store.
     pub facts_in_archive: usize,
+    /// Prompt tokens of the summarizer's calls (0 for the extractive summarizer).
+    pub summary_input_tokens: u64,
+    /// Of those, tokens its provider served from the cache.
+    pub summary_cached_tokens: u64,
+    /// Tokens the summarizer's model wrote.
+    pub summary_output_tokens: u64,
 }
 
 impl Report {
@@ -504,6 +559,9 @@ impl Report {
             needed_facts: 0,
             facts_in_prompt: 0,
             facts_in_archive: 0,
+            summary_input_tokens: 0,
+            summary_cached_tokens: 0,
+            summary_output_tokens: 0,
         };
         for run in runs {
             for (k, t) in run.turns.iter().enumerate() {
@@ -528,6 +586,11 @@ impl Report {
             if let Some(first) = run.events.iter().find(|e| e.error.is_none()) {
                 r.recall_turns += run.turns.len().saturating_sub(first.step as usize);
             }
+            for e in &run.events {
+                r.summary_input_tokens += e.summary_input_tokens;
+                r.summary_cached_tokens += e.summary_cached_tokens.min(e.summary_input_tokens);
+                r.summary_output_tokens += e.summary_output_tokens;
+            }
             r.compactions += run.events.iter().filter(|e| e.error.is_none()).count();
             r.failed_compactions += run.events.iter().filter(|e| e.error.is_some()).count();
             r.needles += run.needles.len();
@@ -538,7 +601,19 @@ impl Report {
                 .filter(|n| n.left_context && n.found_in_archive)
                 .count();
         }
+        // The summarizer's calls are part of what the strategy costs.
+        r.cost += r.summary_cost();
         r
+    }
+
+    /// The cache-weighted cost of the summarizer's calls (included in `cost`): prompt
+    /// tokens at 1, cached ones at [`CACHED_TOKEN_PRICE`], output at
+    /// [`OUTPUT_TOKEN_PRICE`].
+    pub fn summary_cost(&self) -> f64 {
+        let cached = self.summary_cached_tokens.min(self.summary_input_tokens);
+        (self.summary_input_tokens - cached) as f64
+            + CACHED_TOKEN_PRICE * cached as f64
+            + OUTPUT_TOKEN_PRICE * self.summary_output_tokens as f64
     }
 
     /// Fewer input tokens than the full history, as a fraction (0.35 = 35% fewer).
