@@ -48,10 +48,12 @@ async fn tau_bench_meets_the_targets() {
 
     let (r, _) = replay(&long, 8_000, Strategy::Hierarchical).await;
     eprintln!("{r}");
-    assert!(r.token_reduction() >= 0.35, "{r}");
-    // 25.2% while a milestone could flush the newest step before the model saw it;
-    // keeping that step costs about 3.5 points, which the compaction issue works on.
-    assert!(r.cost_reduction() >= 0.20, "{r}");
+    assert!(r.token_reduction() >= 0.40, "{r}");
+    // The target is 25%; milestones that keep the facts the agent passes on (recall
+    // 96%) cost the cache resets of a milestone every few steps: 22.8% measured.
+    assert!(r.cost_reduction() >= 0.22, "{r}");
+    assert!(r.recall() >= 0.95, "{r}");
+    assert!((r.recall() + r.archive_recall() - 1.0).abs() < 1e-9, "{r}");
     assert_eq!(r.over_window, 0, "{r}");
     assert!(
         r.full_over_window > 0,
@@ -62,7 +64,7 @@ async fn tau_bench_meets_the_targets() {
     assert_eq!(r.needles_found, r.needles_left, "{r}");
     assert_eq!(r.failed_compactions, 0);
 
-    for window in [15_000, 32_000] {
+    for window in [15_000, 32_000, 128_000] {
         for strategy in [
             Strategy::Hierarchical,
             Strategy::masking(),
@@ -71,6 +73,7 @@ async fn tau_bench_meets_the_targets() {
             let (r, _) = replay(&long, window, strategy).await;
             eprintln!("{r}");
             assert!(r.cost <= r.full_cost, "{r}");
+            assert!(r.recall() >= 0.95, "{r}");
             assert_eq!(r.goal_intact, r.turns);
             assert_eq!(r.needles_found, r.needles_left);
         }
@@ -99,6 +102,9 @@ async fn the_default_is_never_dearer_than_the_full_history() {
             let (r, _) = replay(set, window, Strategy::Hierarchical).await;
             eprintln!("{name}: {r}");
             assert!(r.cost <= r.full_cost, "{name} at {window}: {r}");
+            if window > 8_000 {
+                assert!(r.recall() >= 0.95, "{name} at {window}: {r}");
+            }
             assert!(r.tokens <= r.full_tokens, "{name} at {window}: {r}");
             assert_eq!(r.goal_intact, r.turns);
             assert_eq!(r.failed_compactions, 0);
@@ -118,6 +124,11 @@ async fn swe_agent_keeps_the_goal_and_loses_nothing() {
     ] {
         let (r, per_run) = replay(&runs, 8_000, strategy).await;
         eprintln!("{r}");
+        if strategy == Strategy::Hierarchical {
+            assert!(r.token_reduction() >= 0.30, "{r}");
+            assert!(r.cost_reduction() >= 0.20, "{r}");
+            assert!(r.recall() >= 0.95, "{r}");
+        }
         assert_eq!(r.goal_intact, r.turns);
         assert_eq!(r.needles_found, r.needles_left);
         assert!(r.tokens < r.full_tokens);
