@@ -17,6 +17,7 @@
 //! - `history`: `state_history` as a stream;
 //! - `streaming`: `stream` and its events.
 
+// The names below are shared with the submodules, which each `use super::*`.
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -40,16 +41,12 @@ use crate::state::{self as st, channel_name};
 use crate::stream::{Event, StreamMode};
 use crate::{END, GraphError, START, State, StateError, channel_index};
 
+// Special channels of stored task writes, and the key prefix of a join's progress.
 const INTERRUPT: &str = "__interrupt__";
 const RESUME: &str = "__resume__";
 const ERROR: &str = "__error__";
 const GOTO: &str = "__goto__";
 const JOIN_PREFIX: &str = "__join__:";
-/// A channel is snapshotted once the deltas since its last snapshot weigh this many
-/// times the snapshot.
-const SNAPSHOT_RATIO: usize = 2;
-/// Capacity of the async writer's queue.
-const ASYNC_QUEUE: usize = 64;
 
 mod history;
 mod index;

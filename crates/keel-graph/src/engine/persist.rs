@@ -3,6 +3,12 @@
 
 use super::*;
 
+/// A channel is snapshotted once the deltas since its last snapshot weigh this many
+/// times the snapshot.
+const SNAPSHOT_RATIO: usize = 2;
+/// Capacity of the async writer's queue.
+const ASYNC_QUEUE: usize = 64;
+
 /// Per-channel bookkeeping for the snapshot policy.
 #[derive(Clone, Default)]
 pub(super) struct ChannelBook {
