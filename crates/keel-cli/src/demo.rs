@@ -61,7 +61,7 @@ pub struct DemoArgs {
     /// `extractive` (no model) or a model for summaries, e.g. `ollama/<name>`.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
-    /// The thread id [default: a new `demo-<time>` thread].
+    /// The thread id (default: a new `demo-<time>` thread).
     #[arg(long)]
     thread: Option<String>,
     /// Print report.json to stdout instead of the summary table.

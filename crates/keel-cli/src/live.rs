@@ -45,7 +45,7 @@ pub struct RunArgs {
     /// The directory the file tools are rooted at.
     #[arg(long, default_value = ".")]
     dir: PathBuf,
-    /// The thread id [default: a new `run-<time>` thread].
+    /// The thread id (default: a new `run-<time>` thread).
     #[arg(long)]
     thread: Option<String>,
     /// The home directory of the embedded SQLite file and offload store.
@@ -60,7 +60,7 @@ pub struct RunArgs {
     /// The model's context window in tokens, when keel does not know the model.
     #[arg(long)]
     window: Option<usize>,
-    /// `extractive` (no model) or a model for summaries [default: extractive].
+    /// `extractive` (no model) or a model for summaries.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
     /// Model calls at most in this run (a resumable stop).
