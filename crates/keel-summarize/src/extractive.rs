@@ -659,18 +659,16 @@ impl ExtractiveSummarizer {
     fn carry(&self, text: &str, order: (u32, u32), latest: bool, previous: bool, pool: &mut Pool) {
         for (k, (sec, item)) in structured_items(text).into_iter().enumerate() {
             let order = (order.0, order.1 + k as u32);
-            if let Some((head, facts)) = item.split_once(" → ") {
-                let facts: Vec<String> = facts.split(' ').map(str::to_owned).collect();
+            if item.contains(" → ") {
                 let p = if previous {
                     prio::CARRIED_FACTS - 10
                 } else {
                     prio::CARRIED_FACTS
                 };
-                let src = pool.facts(FactsItem {
-                    head: head.to_owned(),
-                    facts,
-                });
-                pool.push(p, sec, order, src);
+                for (head, facts) in facts_items(&item) {
+                    let src = pool.facts(FactsItem { head, facts });
+                    pool.push(p, sec, order, src);
+                }
                 continue;
             }
             let lower = item.to_ascii_lowercase();
@@ -998,12 +996,38 @@ impl ExtractiveSummarizer {
                 open: false,
             });
         }
+        // Calls of the same tool in a row share one item: `get(A) → x y; (B) → z`.
+        let mut in_order: Vec<usize> = (0..slots.len()).collect();
+        in_order.sort_by_key(|&i| (slots[i].cand.sec, slots[i].cand.order));
+        // Where a call's arguments start (`name(` … `)`).
+        let tool_of = |head: &str| -> Option<(usize, ())> {
+            let open = head.find('(')?;
+            head.ends_with(')').then_some((open, ()))
+        };
+        let mut follows: Vec<Option<usize>> = vec![None; slots.len()];
+        let mut short_cost: Vec<usize> = vec![0; slots.len()];
+        for w in in_order.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            let same = slots[a].cand.sec == slots[b].cand.sec
+                && match (tool_of(&slots[a].head), tool_of(&slots[b].head)) {
+                    (Some((i, _)), Some((j, _))) => slots[a].head[..i] == slots[b].head[..j],
+                    _ => false,
+                };
+            if same {
+                follows[b] = Some(a);
+                let args = tool_of(&slots[b].head).map_or("", |(j, _)| &slots[b].head[j..]);
+                short_cost[b] = self.counter.count_text(&format!("; {args} →"));
+            }
+        }
         entries.sort();
         for ((_, _, _, k), s) in entries {
+            let shared = follows[s].is_some_and(|p| slots[p].open);
             let slot = &mut slots[s];
             let (_, cost) = slot.facts[k];
             let extra = if slot.open {
                 cost
+            } else if shared {
+                cost + short_cost[s]
             } else {
                 cost + slot.head_cost
             };
@@ -1017,30 +1041,74 @@ impl ExtractiveSummarizer {
             slot.picked[k] = true;
         }
         let mut unopened = Vec::new();
-        for slot in slots {
+        let mut items: Vec<(Cand, String)> = Vec::new();
+        let mut last_open: Option<usize> = None;
+        for &i in &in_order {
+            let slot = &slots[i];
             if !slot.open {
                 // Without facts, a call or command still says what was done.
                 if slot.head.ends_with(')') || slot.head.contains(' ') {
                     unopened.push(slot.cand);
                 }
+                last_open = None;
                 continue;
             }
-            let mut text = String::with_capacity(slot.head.len() + 12 * slot.facts.len());
-            text.push_str(&slot.head);
-            text.push_str(" →");
+            let joined = follows[i].is_some() && follows[i] == last_open;
+            let (cand, mut text) = match (joined, items.pop()) {
+                (true, Some((cand, mut text))) => {
+                    let args = tool_of(&slot.head).map_or("", |(j, _)| &slot.head[j..]);
+                    text.push_str("; ");
+                    text.push_str(args);
+                    text.push_str(" →");
+                    (cand, text)
+                }
+                (_, popped) => {
+                    items.extend(popped);
+                    (slot.cand, format!("{} →", slot.head))
+                }
+            };
             for ((f, _), picked) in slot.facts.iter().zip(&slot.picked) {
-                if *picked && text.len() + f.len() < MAX_FACTS_CHARS {
+                if *picked && text.len() + f.len() < MAX_FACTS_CHARS * 2 {
                     text.push(' ');
                     text.push_str(f);
                 }
             }
+            items.push((cand, text));
+            last_open = Some(i);
+        }
+        for (cand, text) in items {
             sel.kept.push_str(&text);
             sel.kept.push('\n');
             sel.seen.insert(text.clone());
-            sel.chosen.push((slot.cand, text));
+            sel.chosen.push((cand, text));
         }
         unopened
     }
+}
+
+/// The facts items of a summary line: `get(A) → x y; (B) → z` is `get(A)` with
+/// `x y` and `get(B)` with `z`.
+fn facts_items(item: &str) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut tool = "";
+    for (k, part) in item.split("; (").enumerate() {
+        let Some((head, facts)) = part.split_once(" → ") else {
+            continue;
+        };
+        let head = if k == 0 {
+            tool = head.split_once('(').map_or("", |(t, _)| t);
+            head.to_owned()
+        } else {
+            format!("{tool}({head}")
+        };
+        let facts = facts
+            .split(' ')
+            .filter(|f| !f.is_empty())
+            .map(str::to_owned)
+            .collect();
+        out.push((head, facts));
+    }
+    out
 }
 
 /// How a fact is ranked for the room: (kind rank, priority, recency, position).
@@ -2002,6 +2070,17 @@ mod tests {
         assert_eq!(
             facts_of(text),
             ["503", "api.internal", "INC-77341", "/var/log/api.log"]
+        );
+    }
+
+    #[test]
+    fn merged_facts_items_split_back_per_call() {
+        assert_eq!(
+            facts_items("get(A1) → x y; (B2) → z"),
+            [
+                ("get(A1)".to_owned(), vec!["x".to_owned(), "y".to_owned()]),
+                ("get(B2)".to_owned(), vec!["z".to_owned()]),
+            ]
         );
     }
 
