@@ -275,7 +275,7 @@ async fn bad_tool_calls_become_tool_messages_and_the_run_goes_on() {
             Arc::new(Huge),
             Arc::new(Fails),
         ])
-        .tool_timeout(Duration::from_secs(1))
+        .tool_timeout(Duration::from_secs(5)) // generous: on a loaded machine the other tools must finish first
         .checkpointer(saver)
         .build()
         .unwrap();
@@ -296,7 +296,7 @@ async fn bad_tool_calls_become_tool_messages_and_the_run_goes_on() {
         result("p")
     );
     assert!(
-        result("h").contains("did not finish within 1 s"),
+        result("h").contains("did not finish within 5 s"),
         "{}",
         result("h")
     );
