@@ -26,13 +26,18 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     Some(v[v.len() / 2])
 }
 
-fn measure(args: &[&str], reps: usize) -> Result<Vec<Sample>> {
+/// Runs `keel <args>` `reps` times; `home` adds a fresh `--home` per run (commands
+/// that keep threads take one, `replay` does not).
+fn measure(args: &[&str], reps: usize, home: bool) -> Result<Vec<Sample>> {
     let keel = root().join("target/release/keel");
     let mut samples = Vec::new();
     for _ in 0..reps {
-        let home = tempfile::tempdir().context("a temporary home")?;
+        let dir = tempfile::tempdir().context("a temporary home")?;
         let mut c = cmd(keel.to_str().unwrap_or("keel"));
-        c.args(args).arg("--home").arg(home.path());
+        c.args(args);
+        if home {
+            c.arg("--home").arg(dir.path());
+        }
         let started = Instant::now();
         let out = run_capture(&mut c)?;
         let wall_s = started.elapsed().as_secs_f64();
@@ -66,17 +71,22 @@ pub fn run_bench() -> Result<()> {
     run(cargo().args(["build", "--release", "-q", "-p", "keel-cli"]))?;
     let repo = root();
     let dir = repo.to_string_lossy().into_owned();
-    let demo = measure(&["demo", "--quiet", "--json", "--dir", &dir], REPS)?;
+    let demo = measure(&["demo", "--quiet", "--json", "--dir", &dir], REPS, true)?;
     let long = measure(
         &[
             "demo", "--quiet", "--json", "--steps", "1000", "--dir", &dir,
         ],
         3,
+        true,
     )?;
     let tau = repo.join("../shared/data/tau-bench/gpt-4o-airline.json");
     let replay = if tau.exists() {
         let path = tau.to_string_lossy().into_owned();
-        Some(measure_replay(&path)?)
+        Some(measure(
+            &["replay", "--window", "8000", "--json", &path],
+            REPS,
+            false,
+        )?)
     } else {
         eprintln!("skipped the replay: {} is absent", tau.display());
         None
@@ -92,23 +102,4 @@ pub fn run_bench() -> Result<()> {
         row("keel replay tau-bench (200 runs, 8,000 window)", r);
     }
     Ok(())
-}
-
-fn measure_replay(path: &str) -> Result<Vec<Sample>> {
-    let keel = root().join("target/release/keel");
-    let mut samples = Vec::new();
-    for _ in 0..REPS {
-        let mut c = cmd(keel.to_str().unwrap_or("keel"));
-        c.args(["replay", "--window", "8000", "--json", path]);
-        let started = Instant::now();
-        let out = run_capture(&mut c)?;
-        let wall_s = started.elapsed().as_secs_f64();
-        let report: Value = serde_json::from_str(&out).context("keel replay printed no JSON")?;
-        samples.push(Sample {
-            wall_s,
-            peak_mb: report["peak_rss_bytes"].as_f64().map(|b| b / 1e6),
-            chart_ms: None,
-        });
-    }
-    Ok(samples)
 }
