@@ -102,6 +102,7 @@ pub struct AgentInput {
     system: Option<Message>,
     messages: Vec<Message>,
     resume: Option<Value>,
+    metadata: serde_json::Map<String, Value>,
 }
 
 impl AgentInput {
@@ -135,6 +136,26 @@ impl AgentInput {
     #[must_use]
     pub fn resume(mut self, answer: impl Into<Value>) -> Self {
         self.resume = Some(answer.into());
+        self
+    }
+
+    /// One key of metadata stored with every checkpoint this run writes (as
+    /// LangGraph's `config["metadata"]`): who started the run, with which settings.
+    /// The newest checkpoint's metadata is what [`Agent::metadata`] returns, so a
+    /// caller that resumes a thread can read back what it ran with. The keys `source`,
+    /// `step` and `writes` belong to keel: a run given one of them fails with a typed
+    /// error before it writes anything.
+    ///
+    /// ```
+    /// use keel_agent::AgentInput;
+    /// use serde_json::json;
+    ///
+    /// let input = AgentInput::new().metadata("cli", json!({"dir": "../project"}));
+    /// # let _ = input;
+    /// ```
+    #[must_use]
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.metadata.insert(key.into(), value.into());
         self
     }
 
@@ -201,15 +222,36 @@ impl Agent {
         &self.nodes
     }
 
-    fn config(&self, thread_id: &str) -> RunConfig {
+    fn config(&self, thread_id: &str, metadata: &serde_json::Map<String, Value>) -> RunConfig {
         // Four supersteps per model call at most (agent, tools, compact, epoch).
         let limit = usize::try_from(self.nodes.compaction().max_steps)
             .unwrap_or(usize::MAX / 8)
             .saturating_mul(4)
             .saturating_add(16);
-        RunConfig::thread(thread_id)
+        let mut config = RunConfig::thread(thread_id)
             .with_durability(self.durability)
-            .with_recursion_limit(limit)
+            .with_recursion_limit(limit);
+        for (key, value) in metadata {
+            config = config.with_metadata(key.clone(), value.clone());
+        }
+        config
+    }
+
+    /// The metadata the thread's newest checkpoint was stored with (what the last run
+    /// gave [`AgentInput::metadata`], beside keel's own `source`, `step` and
+    /// `writes`); `None` for a thread without checkpoints.
+    pub async fn metadata(
+        &self,
+        thread_id: &str,
+    ) -> Result<Option<serde_json::Map<String, Value>>, AgentError> {
+        if self.checkpointer.is_none() {
+            return Ok(None);
+        }
+        Ok(self
+            .graph
+            .get_state(&RunConfig::thread(thread_id))
+            .await?
+            .map(|s| s.metadata.extra))
     }
 
     /// Runs a thread until the model answers without calling a tool, a tool awaits
@@ -221,8 +263,12 @@ impl Agent {
     /// empty replies) runs on; one that finished with an answer runs again only when
     /// the input brings messages (a follow-up), and otherwise returns as it is.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
+        let metadata = input.metadata.clone();
         let command = self.command(thread_id, input).await?;
-        let run = self.graph.invoke(command, &self.config(thread_id)).await?;
+        let run = self
+            .graph
+            .invoke(command, &self.config(thread_id, &metadata))
+            .await?;
         Ok(AgentRun {
             answer: if run.next.is_empty() && run.state.stop.is_none() {
                 run.state.answer()
@@ -277,6 +323,7 @@ impl Agent {
         // The run is driven by its own task; dropping the receiver ends it (the graph's
         // stream is dropped with it, which cancels the run).
         tokio::spawn(async move {
+            let metadata = input.metadata.clone();
             let command = match agent.command(&thread, input).await {
                 Ok(c) => c,
                 Err(e) => {
@@ -286,7 +333,7 @@ impl Agent {
             };
             let mut events = Box::pin(agent.graph.stream(
                 command,
-                agent.config(&thread),
+                agent.config(&thread, &metadata),
                 StreamMode::updates(),
             ));
             let mut ending = Ending::default();
@@ -412,6 +459,13 @@ impl Agent {
             thread_id: thread_id.to_owned(),
             reason: e.to_string(),
         })?;
+        if let Some(key) = input
+            .metadata
+            .keys()
+            .find(|k| matches!(k.as_str(), "source" | "step" | "writes"))
+        {
+            return Err(AgentError::ReservedMetadata { key: key.clone() });
+        }
         if let Some(answer) = input.resume {
             return Ok(Command::resume(answer));
         }

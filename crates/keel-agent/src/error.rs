@@ -55,6 +55,13 @@ pub enum AgentError {
         /// Why.
         reason: String,
     },
+    /// [`AgentInput::metadata`](crate::AgentInput::metadata) used a key keel's
+    /// checkpoints own (`source`, `step`, `writes`).
+    #[error("metadata key `{key}` is reserved for keel's checkpoint metadata; choose another key")]
+    ReservedMetadata {
+        /// The key.
+        key: String,
+    },
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),

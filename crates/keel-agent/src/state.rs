@@ -129,6 +129,22 @@ pub enum Stop {
     },
 }
 
+/// A sentence for people: `the step ceiling of 100 model calls was reached`.
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::StepCeiling { steps, max } => write!(
+                f,
+                "the step ceiling of {max} model calls was reached ({steps} made)"
+            ),
+            Self::EmptyReply { steps } => write!(
+                f,
+                "the model replied with nothing twice in a row (after {steps} model calls)"
+            ),
+        }
+    }
+}
+
 /// A channel that takes one write in its whole life: a second write (even of the same
 /// value) is refused, so a goal can never be replaced by accident.
 ///

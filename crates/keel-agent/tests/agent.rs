@@ -438,6 +438,62 @@ async fn the_step_ceiling_stops_the_run_and_a_higher_one_continues_it() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn run_metadata_is_stored_with_the_checkpoints_and_read_back() {
+    let saver = Arc::new(MemorySaver::new());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(3, seen))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    assert_eq!(agent.metadata("meta").await.unwrap(), None);
+    let settings = json!({"dir": "../project", "window": 8_192});
+    let run = agent
+        .run("meta", AgentInput::new().metadata("cli", settings.clone()))
+        .await
+        .unwrap();
+    assert!(run.answer.is_some());
+    let metadata = agent.metadata("meta").await.unwrap().unwrap();
+    assert_eq!(metadata.get("cli"), Some(&settings));
+    assert!(
+        !metadata.contains_key("step"),
+        "keel's own keys are not in the extra map"
+    );
+    // Every checkpoint of the run carries it, so pruning keeps it.
+    let key = ThreadKey::new("meta".to_owned());
+    let mut all = saver.list(&key, ListOptions::default());
+    let mut stored = 0;
+    while let Some(summary) = all.next().await {
+        let summary = summary.unwrap();
+        assert_eq!(summary.metadata.extra.get("cli"), Some(&settings));
+        stored += 1;
+    }
+    assert!(stored > 1, "{stored} checkpoints");
+
+    let err = agent
+        .run("meta-2", AgentInput::new().metadata("step", json!(1)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::ReservedMetadata { key } if key == "step"),
+        "{err}"
+    );
+    assert_eq!(agent.state("meta-2").await.unwrap().map(|s| s.step), None);
+}
+
+#[test]
+fn stops_read_as_sentences() {
+    assert_eq!(
+        Stop::StepCeiling { steps: 5, max: 5 }.to_string(),
+        "the step ceiling of 5 model calls was reached (5 made)"
+    );
+    assert!(
+        Stop::EmptyReply { steps: 3 }
+            .to_string()
+            .contains("after 3 model calls")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_context_overflow_compacts_and_retries_once() {
     let calls = AtomicU64::new(0);
     let overflowed = Arc::new(AtomicU64::new(0));
