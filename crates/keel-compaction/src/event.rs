@@ -30,6 +30,23 @@ pub enum EventKind {
     Mask,
 }
 
+impl EventKind {
+    /// `milestone`, `epoch` or `mask` (the serialized name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Milestone => "milestone",
+            Self::Epoch => "epoch",
+            Self::Mask => "mask",
+        }
+    }
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One compaction, successful or not. Emitted through `tracing` and kept in
 /// [`crate::ContextState::events`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

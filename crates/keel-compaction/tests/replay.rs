@@ -147,3 +147,20 @@ async fn swe_agent_keeps_the_goal_and_loses_nothing() {
         }
     }
 }
+
+#[test]
+fn a_swe_agent_demonstration_is_not_the_goal() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("demo.traj");
+    let history = serde_json::json!({"history": [
+        {"role": "system", "content": "You are a programmer."},
+        {"role": "user", "content": "Here is a demonstration: ...", "is_demo": true},
+        {"role": "user", "content": "ISSUE: TimeDelta loses precision"},
+        {"role": "assistant", "content": "ls -F"},
+        {"role": "user", "content": "src/ tests/"},
+    ]});
+    std::fs::write(&path, history.to_string()).unwrap();
+    let t = keel_compaction::replay::load_swe_agent(&path).unwrap();
+    assert_eq!(t.goal_index(), Some(2));
+    assert_eq!(t.goal().unwrap().text(), "ISSUE: TimeDelta loses precision");
+}

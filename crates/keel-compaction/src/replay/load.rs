@@ -26,6 +26,33 @@ impl Trajectory {
             .filter(|m| m.role == Role::Assistant)
             .count()
     }
+
+    /// Where the goal is: the first user message that is the task itself, not a
+    /// demonstration or an environment observation (messages flagged with
+    /// [`OBSERVATION_METADATA_KEY`]); the first user message when every one is
+    /// flagged. `None` for a run without user messages.
+    pub fn goal_index(&self) -> Option<usize> {
+        goal_index(&self.messages)
+    }
+
+    /// The goal message ([`Trajectory::goal_index`]).
+    pub fn goal(&self) -> Option<&Message> {
+        self.goal_index().and_then(|i| self.messages.get(i))
+    }
+}
+
+/// [`Trajectory::goal_index`] of a message list.
+pub(crate) fn goal_index(messages: &[Message]) -> Option<usize> {
+    let flagged = |m: &Message| {
+        m.metadata
+            .get(OBSERVATION_METADATA_KEY)
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    messages
+        .iter()
+        .position(|m| m.role == Role::User && !flagged(m))
+        .or_else(|| messages.iter().position(|m| m.role == Role::User))
 }
 
 /// Why a trajectory file could not be loaded.
@@ -119,8 +146,10 @@ pub fn load_tau_bench(path: &Path) -> Result<Vec<Trajectory>, LoadError> {
 }
 
 /// Reads one SWE-agent `.traj` file: its `history` of role/content messages. User
-/// messages after the first are environment observations and are flagged with
-/// [`OBSERVATION_METADATA_KEY`]; `tool_call_ids` lists become `tool_call_id`.
+/// messages after the first task message are environment observations, and
+/// demonstrations (`is_demo`) are not the task: both are flagged with
+/// [`OBSERVATION_METADATA_KEY`], so the goal is the task statement. `tool_call_ids`
+/// lists become `tool_call_id`.
 pub fn load_swe_agent(path: &Path) -> Result<Trajectory, LoadError> {
     let file = read_json(path)?;
     let history = file
@@ -137,6 +166,7 @@ pub fn load_swe_agent(path: &Path) -> Result<Trajectory, LoadError> {
     let mut messages = Vec::with_capacity(history.len());
     let mut seen_user = false;
     for (i, raw) in history.iter().enumerate() {
+        let demonstration = raw.get("is_demo").and_then(Value::as_bool) == Some(true);
         let mut v = raw.clone();
         if let Some(obj) = v.as_object_mut() {
             // SWE-agent's own keys; not part of the chat.
@@ -170,11 +200,11 @@ pub fn load_swe_agent(path: &Path) -> Result<Trajectory, LoadError> {
             source: Box::new(source.at_index(i)),
         })?;
         if m.role == Role::User {
-            if seen_user {
+            if seen_user || demonstration {
                 m.metadata
                     .insert(OBSERVATION_METADATA_KEY.to_owned(), Value::Bool(true));
             }
-            seen_user = true;
+            seen_user |= !demonstration;
         }
         m.metadata.remove("openai");
         messages.push(m);

@@ -192,7 +192,7 @@ pub async fn replay_trajectory(
     let planted = plant_needles(&mut messages, &trajectory.id, config.needles);
 
     let system_at = messages.iter().position(|m| m.role == Role::System);
-    let Some(goal_at) = messages.iter().position(|m| m.role == Role::User) else {
+    let Some(goal_at) = super::load::goal_index(&messages) else {
         return Ok(RunReport {
             dataset: trajectory.dataset.clone(),
             id: trajectory.id.clone(),
