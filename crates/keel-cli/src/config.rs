@@ -5,6 +5,7 @@
 //! home = ".keel"                      # where the embedded SQLite file and offload store live
 //! database_url = "postgres://..."     # use Postgres instead of the embedded file
 //! model = "ollama/qwen2.5:0.5b"       # default for `keel run` and `keel demo --model`
+//! window = 32768                      # the model's context window, when keel does not know it
 //! ollama_base_url = "http://127.0.0.1:11434"
 //! openai_base_url = "http://127.0.0.1:8080/v1"
 //! ```
@@ -24,6 +25,8 @@ pub struct Settings {
     pub database_url: Option<String>,
     /// `ollama/<name>` or `openai/<name>`.
     pub model: Option<String>,
+    /// The model's context window in tokens (`--window` wins).
+    pub window: Option<usize>,
     /// Ollama's address (`OLLAMA_BASE_URL` wins).
     pub ollama_base_url: Option<String>,
     /// An OpenAI-compatible server's address (`OPENAI_BASE_URL` wins).
@@ -48,7 +51,7 @@ impl Settings {
         };
         toml::from_str(&text).with_context(|| {
             format!(
-                "{} is not a valid keel.toml (keys: home, database_url, model, ollama_base_url, openai_base_url)",
+                "{} is not a valid keel.toml (keys: home, database_url, model, window, ollama_base_url, openai_base_url)",
                 path.display()
             )
         })
@@ -109,8 +112,13 @@ mod tests {
     fn the_file_fills_what_flags_leave() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("keel.toml");
-        std::fs::write(&path, "home = \"/srv/keel\"\nmodel = \"ollama/m\"\n").expect("write");
+        std::fs::write(
+            &path,
+            "home = \"/srv/keel\"\nmodel = \"ollama/m\"\nwindow = 8192\n",
+        )
+        .expect("write");
         let s = Settings::load(Some(&path)).expect("valid");
+        assert_eq!(s.window, Some(8192));
         assert_eq!(s.model(Some("openai/x")).as_deref(), Some("openai/x"));
         if env("KEEL_MODEL").is_none() {
             assert_eq!(s.model(None).as_deref(), Some("ollama/m"));

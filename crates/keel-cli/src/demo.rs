@@ -11,16 +11,16 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::agent::tools::FileTools;
 use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
-use keel::compaction::{CompactionConfig, EventKind};
+use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
-use keel::model::ChatModel;
+use keel::model::{ChatModel, ChatOptions, HttpConfig};
 use keel::offload::EvictLargeResults;
 use keel::token::{ModelProfile, ModelProfiles, TokenCounter};
 use serde::Serialize;
 
 use crate::chart::{self, Mark, Turn};
 use crate::config::Settings;
-use crate::model::{self, ModelSpec};
+use crate::model::{self, LiveArgs, ModelSpec};
 use crate::scenario::{NEEDLE_CALL, Scenario};
 use crate::store;
 use crate::ui::{percent, table, thousands};
@@ -31,8 +31,12 @@ use crate::ui::{percent, table, thousands};
 Examples:
   keel demo                          survey this directory with the scripted agent
   keel demo --dir ../my-project      survey another directory
-  keel demo --steps 400 --every 20   a longer run, a milestone every 20 steps
+  keel demo --steps 400 --every 20   a longer run, a milestone every 20 model calls
   keel demo --model ollama/qwen2.5:7b   the same scenario with a live model
+  keel demo --model openai/local --window 8192   a live model keel has no profile for
+
+A \"step\" is one model call and the tool calls it asked for. A live model decides for
+itself when its survey is done, so it may make far fewer calls than --steps.
 
 Writes keel.sqlite, offload/, report.json and context-tokens.svg under --home (default ./.keel).")]
 pub struct DemoArgs {
@@ -46,10 +50,11 @@ pub struct DemoArgs {
     /// Where report.json and context-tokens.svg go [default: the home directory].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Model calls of the survey (the final question adds two or three).
+    /// Model calls of the scripted survey (the final question adds two or three); a
+    /// live model stops when it is done, at most this many calls.
     #[arg(long, default_value_t = 160)]
     steps: usize,
-    /// A milestone every N agent steps.
+    /// A milestone every N model calls.
     #[arg(long, default_value_t = 10)]
     every: usize,
     /// An epoch summary every M milestones.
@@ -58,10 +63,12 @@ pub struct DemoArgs {
     /// A live model instead of the script: `ollama/<name>` or `openai/<name>`.
     #[arg(long)]
     model: Option<String>,
+    #[command(flatten)]
+    live: LiveArgs,
     /// `extractive` (no model) or a model for summaries, e.g. `ollama/<name>`.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
-    /// The thread id (default: a new `demo-<time>` thread).
+    /// The thread id [default: a new `demo-<uuid>` thread].
     #[arg(long)]
     thread: Option<String>,
     /// Print report.json to stdout instead of the summary table.
@@ -197,7 +204,7 @@ impl Tally {
             }
             AgentUpdate::Event(AgentEvent::Offload { .. }) => self.offloads += 1,
             AgentUpdate::Event(AgentEvent::Compaction(e)) if e.error.is_none() => {
-                let kind = kind_name(e.kind);
+                let kind = e.kind.as_str();
                 if !quiet {
                     say(
                         bar,
@@ -263,14 +270,6 @@ fn say(bar: &ProgressBar, line: String) {
     }
 }
 
-fn kind_name(kind: EventKind) -> &'static str {
-    match kind {
-        EventKind::Milestone => "milestone",
-        EventKind::Epoch => "epoch",
-        _ => "compaction",
-    }
-}
-
 /// Runs `keel demo`.
 pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
@@ -290,19 +289,29 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
 
     // Exact counts with the model's tokenizer; the scripted agent poses as gpt-4o.
     let model_name = live.as_ref().map_or("gpt-4o", ModelSpec::name).to_owned();
-    let profile: ModelProfile = ModelProfiles::new().lookup(&model_name).clone();
-    let counter = model::counter(&profile)?;
-    let chat: Arc<dyn ChatModel> = match &live {
-        Some(spec) => spec.client(settings)?,
-        None => Arc::new(scenario.policy(&model_name)),
+    let (chat, profile, options, http): (Arc<dyn ChatModel>, ModelProfile, _, _) = match &live {
+        Some(spec) => {
+            let l = args
+                .live
+                .connect(spec, args.live.window(settings), settings)?;
+            (l.client, l.profile, l.options, l.http)
+        }
+        None => (
+            Arc::new(scenario.policy(&model_name)),
+            ModelProfiles::new().lookup(&model_name).clone(),
+            ChatOptions::new(),
+            HttpConfig::default(),
+        ),
     };
+    let counter = model::counter(&profile)?;
     let storage = store::open(&home, None, true).await?;
     let offload = store::offload(&home)?;
     let agent = Agent::builder()
         .model(chat)
+        .options(options)
         .profile(profile)
         .counter(counter.clone())
-        .summarizer(model::summarizer(&args.summarizer, settings)?)
+        .summarizer(model::summarizer(&args.summarizer, settings, http)?)
         .system(scenario.system())
         .goal(scenario.goal())
         .file_tools(
@@ -318,17 +327,17 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .compaction(
             CompactionConfig::default()
                 .with_every_steps(Some(args.every))
-                .with_epoch_every(args.epoch),
+                .with_epoch_every(args.epoch)
+                // Room for the survey and the final question's reads.
+                .with_max_steps(args.steps as u64 + 10),
         )
         .build()
         .context("cannot build the agent")?;
 
-    let thread = args.thread.clone().unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        format!("demo-{secs}")
-    });
+    let thread = args
+        .thread
+        .clone()
+        .unwrap_or_else(|| store::new_thread_id("demo"));
     let label = match &live {
         Some(spec) => format!("model: {spec} (live)"),
         None => "model: a scripted policy (deterministic, no model server), posing as gpt-4o for its token profile".to_owned(),
@@ -347,7 +356,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             store::offload_dir(&home).display()
         );
         crate::outln!(
-            "thread: {thread}; a milestone every {} steps, an epoch every {} milestones\n",
+            "thread: {thread}; a milestone every {} model calls, an epoch every {} milestones\n",
             args.every,
             args.epoch
         );
@@ -488,13 +497,23 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         crate::outln!("{json}");
     } else {
         print_summary(&report, survey_answer.as_deref());
+        if let Some(spec) = &live
+            && (report.model_calls as usize) < args.steps
+        {
+            crate::outln!(
+                "\nnote: {spec} decided its survey was done after {} model calls; the scripted policy makes {}. Compaction starts after {} calls, so a short live survey shows few or no milestones: ask for more with a larger model, or see the scripted run (`keel demo` without --model).",
+                report.model_calls,
+                args.steps,
+                args.every
+            );
+        }
     }
     if report.scripted && !report.question.correct {
-        eprintln!(
+        crate::errln!(
             "error: the scripted agent could not answer the final question from its context or the archive; this is a bug in keel — please report it with {}",
             report_path.display()
         );
-        return Ok(ExitCode::from(3));
+        return Ok(ExitCode::from(crate::ui::exit::WRONG_ANSWER));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -15,13 +15,13 @@ use keel::agent::Agent;
 use keel::agent::tools::FileTools;
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role, ToolCall};
-use keel::model::{ChatModel, ChatResponse, PolicyModel};
-use keel::token::{Encoding, ModelProfile, ModelProfiles};
+use keel::model::{ChatModel, ChatOptions, ChatResponse, PolicyModel};
+use keel::token::{Encoding, ModelProfile};
 use keel_fleet::{FleetError, Policy, Queue, RunInput, RunStatus, Worker};
 use serde_json::json;
 
 use crate::config::Settings;
-use crate::model::ModelSpec;
+use crate::model::{LIVE_SYSTEM, LiveArgs, ModelSpec};
 use crate::outln;
 use crate::store;
 
@@ -96,9 +96,12 @@ pub struct WorkerArgs {
     /// Seconds a silent worker keeps its runs before another takes them over.
     #[arg(long, default_value_t = 30)]
     lease: u64,
-    /// Model calls at most per run (a resumable stop).
-    #[arg(long, default_value_t = 100)]
+    /// Model calls at most per thread, over all its runs (the thread then stops
+    /// resumably; a worker with a higher limit continues it).
+    #[arg(long, value_name = "CALLS", default_value_t = 100)]
     max_steps: u64,
+    #[command(flatten)]
+    live: LiveArgs,
 }
 
 fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyhow::Result<String> {
@@ -201,27 +204,31 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
     let storage = store::open(&home, Some(&url), true).await?;
     let offload =
         store::offload_for(&home, Some(&url), true)?.context("no offload store could be opened")?;
-    let (client, profile, described): (Arc<dyn ChatModel>, ModelProfile, String) =
+    let (client, profile, options, described): (Arc<dyn ChatModel>, ModelProfile, _, String) =
         if model == "scripted" {
             (
                 Arc::new(scripted()),
                 ModelProfile::new("scripted", 32_000, 2_000, Encoding::Approximate),
+                ChatOptions::new(),
                 "scripted (no server)".to_owned(),
             )
         } else {
             let spec = ModelSpec::parse(&model)
                 .context("--model takes `scripted`, `ollama/<name>` or `openai/<name>`")?;
-            let profile = ModelProfiles::new().lookup(spec.name()).clone();
+            let live = args
+                .live
+                .connect(&spec, args.live.window(settings), settings)?;
             let described = format!("{spec} at {}", spec.base_url(settings));
-            (spec.client(settings)?, profile, described)
+            (live.client, live.profile, live.options, described)
         };
     let tools = FileTools::new(&args.dir)
         .with_context(|| format!("cannot root the file tools at {}", args.dir.display()))?
         .read_only();
     let agent = Agent::builder()
         .model(client)
+        .options(options)
         .profile(profile)
-        .system("You are a careful engineering agent. Use your tools to look at the files before you answer; answer plainly when you are done. History that leaves your context is archived under archive/, and large results under large_tool_results/; read them back with read_file and grep.")
+        .system(LIVE_SYSTEM)
         .file_tools(tools)
         .offload_store(offload)
         .compaction(CompactionConfig::default().with_max_steps(args.max_steps));

@@ -11,29 +11,33 @@ use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::offload::EvictLargeResults;
-use keel::token::{ModelProfile, ModelProfiles};
+use keel::token::{ModelProfile, TokenCounter};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::config::Settings;
-use crate::model::{self, ModelSpec};
+use crate::model::{self, LIVE_SYSTEM, LiveArgs, ModelSpec};
 use crate::store;
-use crate::ui::thousands;
-use crate::{out, outln};
+use crate::ui::{exit, thousands};
+use crate::{errln, out, outln};
 
 /// `keel run`
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
   keel run --model ollama/qwen2.5:0.5b --goal \"Summarize what this repository does\"
-  OPENAI_BASE_URL=http://127.0.0.1:8080/v1 keel run --model openai/local --goal \"...\" --dir ../project
-  keel run --model ollama/qwen2.5:7b --thread run-1796164998        continue a thread
+  OPENAI_BASE_URL=http://127.0.0.1:8080/v1 keel run --model openai/local --goal \"...\" --dir ../project --window 8192
+  keel run --thread run-0193a5b2-...                 continue a thread with the settings it ran with
+  keel run --thread run-0193a5b2-... --message \"Now list the tests\"
   keel run --model ollama/qwen2.5:7b --goal \"Fix the typo in README.md\" --approve
 
-Ctrl-C stops after the current step; `--thread T` resumes the thread where it stopped.
+Ctrl-C stops after the current step; `--thread T` resumes the thread where it stopped,
+with the model, --dir and --window it ran with (flags given again override them).
 Servers: OLLAMA_BASE_URL (default http://127.0.0.1:11434), OPENAI_BASE_URL and
 OPENAI_API_KEY. Threads live in --home (SQLite) or --database-url / DATABASE_URL.")]
 pub struct RunArgs {
-    /// `ollama/<name>` or `openai/<name>` [default: KEEL_MODEL, or `model` in keel.toml].
+    /// `ollama/<name>` or `openai/<name>` [default: the thread's model, KEEL_MODEL, or
+    /// `model` in keel.toml].
     #[arg(long)]
     model: Option<String>,
     /// The goal of a new thread (never compacted; heads every prompt).
@@ -42,10 +46,10 @@ pub struct RunArgs {
     /// A follow-up message to a thread.
     #[arg(long)]
     message: Option<String>,
-    /// The directory the file tools are rooted at.
-    #[arg(long, default_value = ".")]
-    dir: PathBuf,
-    /// The thread id (default: a new `run-<time>` thread).
+    /// The directory the file tools are rooted at [default: the thread's, else `.`].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// The thread id [default: a new `run-<uuid>` thread].
     #[arg(long)]
     thread: Option<String>,
     /// The home directory of the embedded SQLite file and offload store.
@@ -57,73 +61,108 @@ pub struct RunArgs {
     /// Enable `write_file` and `edit_file`, each call approved at the terminal.
     #[arg(long)]
     approve: bool,
-    /// The model's context window in tokens, when keel does not know the model.
-    #[arg(long)]
-    window: Option<usize>,
+    #[command(flatten)]
+    live: LiveArgs,
     /// `extractive` (no model) or a model for summaries.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
-    /// Model calls at most in this run (a resumable stop).
-    #[arg(long, default_value_t = 100)]
+    /// Model calls at most in this run; the thread then stops resumably.
+    #[arg(long, value_name = "CALLS", default_value_t = 100)]
     max_steps: u64,
+}
+
+/// The checkpoint metadata key under which `keel run` keeps what a thread ran with.
+const RUN_METADATA: &str = "keel_run";
+
+/// What a thread ran with, stored in its checkpoints' metadata so `--thread T` alone
+/// resumes it the same way.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Saved {
+    model: Option<String>,
+    dir: Option<PathBuf>,
+    window: Option<usize>,
 }
 
 /// Runs `keel run`.
 pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    let spec = settings.model(args.model.as_deref()).context(
-        "`keel run` needs a model: --model ollama/<name> or --model openai/<name> (or KEEL_MODEL)",
-    )?;
-    let spec = ModelSpec::parse(&spec)?;
+    const NEEDS_MODEL: &str =
+        "`keel run` needs a model: --model ollama/<name> or --model openai/<name> (or KEEL_MODEL)";
+    // What can be checked without the database is checked before it is created.
+    if let Some(m) = &args.model {
+        ModelSpec::parse(m)?;
+    }
+    if args.thread.is_none() {
+        if args.model.is_none() && settings.model(None).is_none() {
+            bail!(NEEDS_MODEL);
+        }
+        if args.goal.is_none() {
+            bail!("a new thread needs a --goal (or give --thread T to continue one)");
+        }
+    }
     let home = settings.home(args.home.as_deref());
     let url = settings.database_url(args.database_url.as_deref());
     let storage = store::open(&home, url.as_deref(), true).await?;
     let offload = store::offload_for(&home, url.as_deref(), true)?
         .context("no offload store could be opened")?;
 
-    let known = ModelProfiles::new();
-    let mut profile: ModelProfile = known.lookup(spec.name()).clone();
-    if let Some(window) = args.window {
-        profile = ModelProfile::new(
-            spec.name(),
-            window,
-            (window / 4).min(8_192),
-            profile.encoding,
-        );
-    } else if known.get(spec.name()).is_none() {
-        eprintln!(
-            "note: keel has no profile for `{}`; using a {}-token window. Pass --window N with the model's real window.",
-            spec.name(),
-            thousands(profile.context_window as u64)
-        );
-    }
-    let counter = model::counter(&profile)?;
-    let mut tools = FileTools::new(&args.dir)
-        .with_context(|| format!("cannot root the file tools at {}", args.dir.display()))?;
-    if !args.approve {
-        tools = tools.read_only();
-    }
-    let mut builder = Agent::builder()
-        .model(spec.client(settings)?)
-        .profile(profile.clone())
-        .counter(counter)
-        .summarizer(model::summarizer(&args.summarizer, settings)?)
-        .system("You are a careful engineering agent. Use your tools to look at the files before you answer; answer plainly when you are done. History that leaves your context is archived under archive/, and large results under large_tool_results/; read them back with read_file and grep.")
-        .file_tools(tools)
-        .checkpointer(storage.saver.clone())
-        .offload_store(offload)
-        .evict(Some(EvictLargeResults::new()))
-        .compaction(CompactionConfig::default().with_max_steps(args.max_steps));
-    if args.approve {
-        builder = builder.approve(["write_file", "edit_file"]);
-    }
-    let agent = builder.build().context("cannot build the agent")?;
+    let thread = args
+        .thread
+        .clone()
+        .unwrap_or_else(|| store::new_thread_id("run"));
+    let saved = saved_settings(&*storage.saver, &thread).await?;
+    let spec = args
+        .model
+        .clone()
+        .or_else(|| saved.as_ref().and_then(|s| s.model.clone()))
+        .or_else(|| settings.model(None))
+        .context(NEEDS_MODEL)?;
+    let spec = ModelSpec::parse(&spec)?;
+    let dir = args
+        .dir
+        .clone()
+        .or_else(|| saved.as_ref().and_then(|s| s.dir.clone()))
+        .unwrap_or_else(|| PathBuf::from("."));
+    let dir = std::fs::canonicalize(&dir).with_context(|| {
+        format!(
+            "the file tools' directory {} does not exist (give --dir)",
+            dir.display()
+        )
+    })?;
+    let window = args
+        .live
+        .window(settings)
+        .or_else(|| saved.as_ref().and_then(|s| s.window));
+    let live = args.live.connect(&spec, window, settings)?;
+    let counter = model::counter(&live.profile)?;
 
-    let thread = args.thread.clone().unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        format!("run-{secs}")
-    });
+    let build = |max_steps: u64| -> anyhow::Result<Agent> {
+        let mut tools = FileTools::new(&dir)
+            .with_context(|| format!("cannot root the file tools at {}", dir.display()))?;
+        if !args.approve {
+            tools = tools.read_only();
+        }
+        let mut builder = Agent::builder()
+            .model(live.client.clone())
+            .options(live.options.clone())
+            .profile(live.profile.clone())
+            .counter(counter.clone())
+            .summarizer(model::summarizer(
+                &args.summarizer,
+                settings,
+                live.http.clone(),
+            )?)
+            .system(LIVE_SYSTEM)
+            .file_tools(tools)
+            .checkpointer(storage.saver.clone())
+            .offload_store(offload.clone())
+            .evict(Some(EvictLargeResults::new()))
+            .compaction(CompactionConfig::default().with_max_steps(max_steps));
+        if args.approve {
+            builder = builder.approve(["write_file", "edit_file"]);
+        }
+        builder.build().context("cannot build the agent")
+    };
+    let agent = build(args.max_steps)?;
     let existing = agent
         .state(&thread)
         .await
@@ -134,29 +173,50 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         (Some(_), Some(_)) => bail!(
             "thread `{thread}` already has a goal (a goal is written once); continue it without --goal, or add --message \"...\""
         ),
-        (None, Some(goal)) => input = input.goal(goal.clone()),
+        (None, Some(goal)) => {
+            check_goal_fits(goal, &live.profile, &*counter)?;
+            input = input.goal(goal.clone());
+        }
         (Some(_), None) => {}
     }
+    // --max-steps counts this run's model calls: the ceiling is where the thread is
+    // now plus that many.
+    let agent = match &existing {
+        Some(s) if s.step > 0 => build(s.step.saturating_add(args.max_steps))?,
+        _ => agent,
+    };
     if let Some(m) = &args.message {
         input = input.message(Message::user(m.clone()));
     }
+    let saved = Saved {
+        model: Some(spec.to_string()),
+        dir: Some(dir.clone()),
+        window,
+    };
+    input = input.metadata(
+        RUN_METADATA,
+        serde_json::to_value(&saved).context("cannot encode the run's settings")?,
+    );
     outln!("model: {spec} at {}", spec.base_url(settings));
     outln!(
         "thread: {thread} ({}); files: {}",
         storage.described,
-        args.dir.display()
+        dir.display()
     );
     if let Some(s) = &existing {
-        outln!("continuing at step {}", s.step);
+        outln!(
+            "continuing after {} model calls; at most {} more in this run",
+            s.step,
+            args.max_steps
+        );
     }
+    let resume = resume_hint(&args, &thread);
 
     loop {
         let (stopped, interrupts) = drive(&agent, &thread, input).await?;
         if stopped {
-            outln!(
-                "\nstopped after the current step. Resume with: keel run --model {spec} --thread {thread}"
-            );
-            return Ok(ExitCode::from(130));
+            outln!("\nstopped after the current step. Resume with: {resume}");
+            return Ok(ExitCode::from(exit::INTERRUPTED));
         }
         let Some(question) = interrupts else {
             break;
@@ -169,19 +229,76 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         .await?
         .context("the thread has no state")?;
     if let Some(stop) = &state.stop {
-        outln!("\nthe run stopped early ({stop:?}); run again with --thread {thread} to continue");
+        outln!("\nthe run stopped early: {stop}. Continue with: {resume}");
     }
     outln!(
         "\nanswer:\n{}",
         state.answer().unwrap_or_else(|| "(none)".into())
     );
     outln!(
-        "\n{} steps, {} milestones, {} epochs; thread {thread}",
+        "\n{} model calls, {} milestones, {} epochs; thread {thread}",
         state.step,
         state.milestones_made,
         state.epochs_made
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the thread's newest checkpoint says it ran with, if it exists.
+async fn saved_settings(
+    saver: &dyn keel::checkpoint::Checkpointer,
+    thread: &str,
+) -> anyhow::Result<Option<Saved>> {
+    let tuple = saver
+        .get(&keel::checkpoint::ThreadKey::new(thread.to_owned()), None)
+        .await
+        .with_context(|| format!("cannot read thread `{thread}`"))?;
+    Ok(tuple.map(|t| {
+        t.metadata
+            .extra
+            .get(RUN_METADATA)
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default()
+    }))
+}
+
+/// The command that continues `thread`: the thread's own settings come back from its
+/// metadata, so only where it is stored needs repeating.
+fn resume_hint(args: &RunArgs, thread: &str) -> String {
+    let mut hint = format!("keel run --thread {thread}");
+    if let Some(home) = &args.home {
+        hint.push_str(&format!(" --home {}", home.display()));
+    }
+    if let Some(url) = &args.database_url {
+        hint.push_str(&format!(" --database-url {}", store::redact(url)));
+    }
+    if args.approve {
+        hint.push_str(" --approve");
+    }
+    hint
+}
+
+/// A goal is never compacted, so one that takes most of the window leaves no room to
+/// work: refuse it before the thread is created.
+fn check_goal_fits(
+    goal: &str,
+    profile: &ModelProfile,
+    counter: &dyn TokenCounter,
+) -> anyhow::Result<()> {
+    let tokens = counter.count_text(goal);
+    let input_budget = profile
+        .context_window
+        .saturating_sub(profile.max_output_tokens);
+    if tokens > input_budget / 2 {
+        bail!(
+            "the goal is {} tokens, more than half of the {}-token prompt budget of {} ({}-token window): the goal heads every prompt and is never compacted. Put the long material in a file under --dir and make the goal say where it is, or give a larger --window",
+            thousands(tokens as u64),
+            thousands(input_budget as u64),
+            profile.name,
+            thousands(profile.context_window as u64)
+        );
+    }
+    Ok(())
 }
 
 /// Streams one run. Returns whether Ctrl-C stopped it, and the pending approval
@@ -200,10 +317,10 @@ async fn drive(
             u = updates.next() => u,
             _ = &mut ctrl_c, if !stopping => {
                 stopping = true;
-                eprintln!("\nCtrl-C: stopping after the current step (Ctrl-C again to quit at once)");
+                errln!("\nCtrl-C: stopping after the current step (Ctrl-C again to quit at once)");
                 tokio::spawn(async {
                     if tokio::signal::ctrl_c().await.is_ok() {
-                        std::process::exit(130);
+                        std::process::exit(i32::from(exit::INTERRUPTED));
                     }
                 });
                 continue;
@@ -266,7 +383,7 @@ fn print_update(update: &AgentUpdate) {
             );
         }
         AgentUpdate::Event(AgentEvent::Compaction(e)) => outln!(
-            "          {:?}: prompt {} -> {} tokens, {} messages archived{}",
+            "          {}: prompt {} -> {} tokens, {} messages archived{}",
             e.kind,
             thousands(e.tokens_before as u64),
             thousands(e.tokens_after as u64),

@@ -48,7 +48,11 @@ Examples:
   keel run --model ollama/qwen2.5:0.5b --goal \"Summarize the README\"
   keel threads list                         threads in ./.keel/keel.sqlite (or DATABASE_URL)
 
-Run `keel <command> --help` for each command's options.";
+Run `keel <command> --help` for each command's options.
+
+Exit codes: 0 success; 1 an error (a sentence on stderr says what to do); 2 bad usage;
+3 the demo's final answer was wrong; 4 `keel replay` skipped files it could not read;
+130 stopped by Ctrl-C after a step (the thread resumes).";
 
 #[derive(Debug, Subcommand)]
 enum Command {

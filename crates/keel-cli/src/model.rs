@@ -1,13 +1,107 @@
 //! `ollama/<name>` and `openai/<name>`: which server, which model.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use keel::model::{ChatModel, OllamaConfig, OllamaModel, OpenAiConfig, OpenAiModel};
+use clap::Args;
+use keel::model::{
+    ChatModel, ChatOptions, HttpConfig, OllamaConfig, OllamaModel, OpenAiConfig, OpenAiModel,
+};
 use keel::summarize::{ExtractiveSummarizer, LlmSummarizer, Summarizer};
-use keel::token::{MemoCounter, ModelProfile, TokenCounter};
+use keel::token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
 
 use crate::config::{Settings, env};
+use crate::ui::thousands;
+
+/// The system prompt of the agent `keel run`, `keel demo --model` and `keel worker`
+/// run with a live model.
+pub const LIVE_SYSTEM: &str = "You are a careful engineering agent. Use your tools to look at the files before you answer; answer plainly when you are done. History that leaves your context is archived under archive/, and large results under large_tool_results/; read them back with read_file and grep.";
+
+/// How a live model is called: its window, reply length and time limit.
+#[derive(Debug, Clone, Args)]
+pub struct LiveArgs {
+    /// The model's context window in tokens, when keel does not know the model
+    /// [default: `window` in keel.toml, else keel's profile of the model].
+    #[arg(long, value_name = "TOKENS")]
+    pub window: Option<usize>,
+    /// The longest reply the model may write, in tokens.
+    #[arg(long, value_name = "TOKENS", default_value_t = 1024)]
+    pub max_tokens: u32,
+    /// Seconds one model call may take before it fails (and is retried).
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    pub timeout: u64,
+}
+
+/// A live model ready for the agent builder.
+pub struct Live {
+    /// The client.
+    pub client: Arc<dyn ChatModel>,
+    /// Its profile (the window compaction plans for).
+    pub profile: ModelProfile,
+    /// Options of every call (`max_tokens`).
+    pub options: ChatOptions,
+    /// The HTTP limits (for an LLM summarizer on the same server).
+    pub http: HttpConfig,
+}
+
+impl LiveArgs {
+    /// The window in effect: the flag, then `window` in keel.toml.
+    pub fn window(&self, settings: &Settings) -> Option<usize> {
+        self.window.or(settings.window)
+    }
+
+    /// Sets up `spec` with these limits. A model keel has no profile for, without a
+    /// window, gets a note on stderr saying which window is assumed.
+    pub fn connect(
+        &self,
+        spec: &ModelSpec,
+        window: Option<usize>,
+        settings: &Settings,
+    ) -> anyhow::Result<Live> {
+        if self.max_tokens == 0 || self.timeout == 0 {
+            bail!("--max-tokens and --timeout must be at least 1");
+        }
+        let profile = profile(spec.name(), window)?;
+        let timeout = Duration::from_secs(self.timeout);
+        let http = HttpConfig::default()
+            .request_timeout(timeout)
+            .stream_timeout(timeout);
+        Ok(Live {
+            client: spec.client_with(settings, http.clone())?,
+            options: ChatOptions::new().max_tokens(self.max_tokens),
+            profile,
+            http,
+        })
+    }
+}
+
+/// keel's profile of `name`, with its window replaced by `window` when given. A model
+/// keel does not know, without a window, gets a note on stderr.
+pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile> {
+    let known = ModelProfiles::new();
+    let base = known.lookup(name).clone();
+    match window {
+        Some(w) if w < 1_024 => bail!(
+            "a {w}-token window leaves no room for the goal, the summaries and a reply: give --window at least 1024"
+        ),
+        Some(w) => Ok(ModelProfile::new(
+            name,
+            w,
+            (w / 4).min(8_192),
+            base.encoding,
+        )),
+        None => {
+            if known.get(name).is_none() {
+                crate::errln!(
+                    "note: keel has no profile for `{name}`; assuming a {}-token window. Give --window N (or `window` in keel.toml) with the model's real window.",
+                    thousands(base.context_window as u64)
+                );
+            }
+            Ok(base)
+        }
+    }
+}
 
 /// A parsed `--model` value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,16 +149,31 @@ impl ModelSpec {
         }
     }
 
-    /// A client for the model.
+    /// A client for the model, with the default HTTP limits.
     pub fn client(&self, settings: &Settings) -> anyhow::Result<Arc<dyn ChatModel>> {
+        self.client_with(settings, HttpConfig::default())
+    }
+
+    /// A client for the model with these HTTP limits.
+    pub fn client_with(
+        &self,
+        settings: &Settings,
+        http: HttpConfig,
+    ) -> anyhow::Result<Arc<dyn ChatModel>> {
         let url = self.base_url(settings);
         Ok(match self {
             Self::Ollama(name) => Arc::new(
-                OllamaModel::new(OllamaConfig::new(name.clone()).base_url(url.clone()))
-                    .with_context(|| format!("cannot set up Ollama at {url}"))?,
+                OllamaModel::new(
+                    OllamaConfig::new(name.clone())
+                        .base_url(url.clone())
+                        .http(http),
+                )
+                .with_context(|| format!("cannot set up Ollama at {url}"))?,
             ),
             Self::OpenAi(name) => {
-                let mut config = OpenAiConfig::new(name.clone()).base_url(url.clone());
+                let mut config = OpenAiConfig::new(name.clone())
+                    .base_url(url.clone())
+                    .http(http);
                 if let Some(key) = env("OPENAI_API_KEY") {
                     config = config.api_key(key);
                 }
@@ -94,15 +203,22 @@ pub fn counter(profile: &ModelProfile) -> anyhow::Result<Arc<dyn TokenCounter>> 
     Ok(Arc::new(MemoCounter::new(inner)))
 }
 
-/// `extractive` (no model) or a model spec for LLM summaries.
-pub fn summarizer(text: &str, settings: &Settings) -> anyhow::Result<Arc<dyn Summarizer>> {
+/// `extractive` (no model) or a model spec for LLM summaries, called with `http`'s
+/// limits.
+pub fn summarizer(
+    text: &str,
+    settings: &Settings,
+    http: HttpConfig,
+) -> anyhow::Result<Arc<dyn Summarizer>> {
     if text == "extractive" {
         return Ok(Arc::new(ExtractiveSummarizer::new()));
     }
     let spec = ModelSpec::parse(text).context(
         "--summarizer takes `extractive` (no model needed) or a model such as ollama/<name>",
     )?;
-    Ok(Arc::new(LlmSummarizer::new(spec.client(settings)?)))
+    Ok(Arc::new(LlmSummarizer::new(
+        spec.client_with(settings, http)?,
+    )))
 }
 
 #[cfg(test)]

@@ -9,13 +9,14 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::compaction::replay::{ReplayConfig, Report, RunReport, Trajectory, replay_trajectory};
 use keel::compaction::{EventKind, Strategy};
+use keel::message::Message;
 use keel::token::ModelProfiles;
 use serde_json::json;
 
 use crate::chart::{self, Mark, Turn};
 use crate::config::Settings;
 use crate::formats::{self, Format, Loaded};
-use crate::model;
+use crate::model::{self, ModelSpec};
 use crate::ui::{percent, table, thousands};
 
 /// `keel replay`
@@ -28,8 +29,8 @@ Examples:
   keel replay tau.json --format tau-bench --json > report.json
   keel replay session.jsonl --chart tokens.svg
 
-The goal of each run is its first user message (the task statement); the report names
-it. Tokens are counted exactly with the model's tokenizer (--model, default gpt-4o).
+The goal of each run is its task statement: --goal, or else the first user message that
+is not a demonstration (SWE-agent's `is_demo`); the report names it. Tokens are counted exactly with the model's tokenizer (--model, default gpt-4o).
 Cache-weighted cost prices prompt tokens a provider cache would serve at 0.1.")]
 pub struct ReplayArgs {
     /// Files or directories of recorded runs.
@@ -53,9 +54,14 @@ pub struct ReplayArgs {
     /// An epoch summary every M milestones.
     #[arg(long)]
     epoch: Option<usize>,
-    /// `extractive` (no model needed).
+    /// `extractive` (no model needed), or `ollama/<name>` / `openai/<name>`: summaries
+    /// written by that model through the run's cached prefix, its calls counted in the
+    /// cost.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
+    /// The goal of every run, instead of each run's own task statement.
+    #[arg(long)]
+    goal: Option<String>,
     /// Print a JSON report to stdout instead of tables.
     #[arg(long)]
     json: bool,
@@ -100,11 +106,18 @@ impl StrategyName {
 }
 
 /// Runs `keel replay`.
-pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitCode> {
-    if args.summarizer != "extractive" {
-        anyhow::bail!(
-            "replay summarizes with the extractive summarizer only (--summarizer extractive); LLM summaries run in `keel run` and `keel demo --summarizer`"
-        );
+pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let summary_model = match args.summarizer.as_str() {
+        "extractive" => None,
+        other => {
+            let spec = ModelSpec::parse(other).context(
+                "--summarizer takes `extractive` (no model needed) or a model such as ollama/<name>",
+            )?;
+            Some(spec.client(settings)?)
+        }
+    };
+    if args.goal.as_deref().is_some_and(|g| g.trim().is_empty()) {
+        anyhow::bail!("--goal is empty: give the task statement, or leave --goal out");
     }
     let started = Instant::now();
     let files = formats::expand(&args.inputs)?;
@@ -128,7 +141,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
     }
     bar.finish_and_clear();
     for (path, why) in &skipped {
-        eprintln!("skipped {}: {why}", path.display());
+        crate::errln!("skipped {}: {why}", path.display());
     }
     if loaded.is_empty() {
         anyhow::bail!(
@@ -147,7 +160,17 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
             );
         }
     }
+    if let Some(goal) = &args.goal {
+        for run in loaded.iter_mut().flat_map(|l| &mut l.runs) {
+            set_goal(run, goal);
+        }
+    }
     let runs: Vec<&Trajectory> = loaded.iter().flat_map(|l| &l.runs).collect();
+    let goal_used = if args.goal.is_some() {
+        "--goal"
+    } else {
+        "each run's task statement (its first user message that is not a demonstration)"
+    };
     let turns: usize = runs.iter().map(|r| r.turns()).sum();
 
     // Replay each run under each strategy.
@@ -161,6 +184,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
         let mut config = ReplayConfig::new(window, name.strategy());
         config.encoding = profile.encoding;
         config.reserve_output = profile.max_output_tokens.min(window / 4);
+        config.summary_model.clone_from(&summary_model);
         if let Some(every) = args.every {
             config.compaction = config.compaction.with_every_steps(Some(every.max(1)));
         }
@@ -196,7 +220,8 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
                 "path": l.path.display().to_string(), "format": l.format.name(),
                 "detected": l.detected, "runs": l.runs.len()})).collect::<Vec<_>>(),
             "skipped": skipped.iter().map(|(p, why)| json!({"path": p.display().to_string(), "error": why})).collect::<Vec<_>>(),
-            "goal": "the first user message of each run",
+            "goal": goal_used,
+            "summarizer": args.summarizer,
             "strategies": totals.iter().map(|(name, r)| json!({
                 "strategy": name.name(),
                 "total": report_json(r),
@@ -214,11 +239,12 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
         );
     } else {
         crate::outln!(
-            "\n{} run(s), {} model turns; window {} tokens ({}), goal: the first user message of each run\n",
+            "\n{} run(s), {} model turns; window {} tokens ({}); summaries: {}; goal: {goal_used}\n",
             runs.len(),
             thousands(turns as u64),
             thousands(window as u64),
-            args.model
+            args.model,
+            args.summarizer
         );
         if args.runs {
             for (name, reports) in &results {
@@ -293,7 +319,7 @@ pub async fn run(args: ReplayArgs, _settings: &Settings) -> anyhow::Result<ExitC
     Ok(if skipped.is_empty() {
         ExitCode::SUCCESS
     } else {
-        ExitCode::from(2)
+        ExitCode::from(crate::ui::exit::SKIPPED_FILES)
     })
 }
 
@@ -312,11 +338,22 @@ fn progress(len: u64, hidden: bool, what: &'static str) -> ProgressBar {
 }
 
 fn goal_of(t: &Trajectory) -> String {
-    t.messages
-        .iter()
-        .find(|m| m.role == keel::message::Role::User)
+    t.goal()
         .map(|m| m.text().chars().take(160).collect())
         .unwrap_or_default()
+}
+
+/// Puts `goal` in front of the run's messages (after its system prompt), so it is the
+/// task statement the replay anchors.
+fn set_goal(run: &mut Trajectory, goal: &str) {
+    let at = run
+        .messages
+        .iter()
+        .take_while(|m| m.role == keel::message::Role::System)
+        .count();
+    let mut message = Message::user(goal.to_owned());
+    message.id = Some(format!("{}-goal", run.id));
+    run.messages.insert(at, message);
 }
 
 fn header(first: &str) -> Vec<String> {

@@ -100,6 +100,12 @@ pub fn offload_for(
     offload(home).map(Some)
 }
 
+/// A new thread id: `prefix-` and a UUID v7, unique across processes and sorting by
+/// creation time.
+pub fn new_thread_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::now_v7())
+}
+
 /// A URL with its password replaced, for messages.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -117,6 +123,16 @@ pub fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thread_ids_made_at_once_differ() {
+        let ids: Vec<String> = (0..100).map(|_| new_thread_id("run")).collect();
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 100, "no two alike");
+        assert!(ids.iter().all(|id| id.starts_with("run-")));
+    }
 
     #[test]
     fn passwords_never_reach_messages() {

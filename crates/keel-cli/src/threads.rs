@@ -25,10 +25,10 @@ use crate::ui::{table, thousands};
 #[command(after_help = "\
 Examples:
   keel threads list                          threads in ./.keel/keel.sqlite
-  keel threads show demo-1796164962          the goal, epoch, milestones and raw tail, with tokens
-  keel threads history demo-1796164962 --limit 5
-  keel threads prune demo-1796164962 --keep 3
-  keel threads delete demo-1796164962        checkpoints and archived history
+  keel threads show demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10          the goal, epoch, milestones and raw tail, with tokens
+  keel threads history demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10 --limit 5
+  keel threads prune demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10 --keep 3
+  keel threads delete demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10        checkpoints and archived history
   keel threads gc --older-than 7d            delete threads idle for a week
   DATABASE_URL=postgres://postgres@127.0.0.1/test keel threads list")]
 pub struct ThreadsArgs {
@@ -77,9 +77,9 @@ enum ThreadsCommand {
     Prune {
         /// The thread id.
         thread: String,
-        /// Checkpoints kept.
-        #[arg(long)]
-        keep: usize,
+        /// Checkpoints kept (at least 1; `keel threads delete` removes a whole thread).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        keep: u64,
     },
     /// Delete a thread: its checkpoints and its archived history.
     Delete {
@@ -109,6 +109,7 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
         }
         ThreadsCommand::Prune { thread, keep } => {
             exists(&saver, &thread).await?;
+            let keep = usize::try_from(keep).unwrap_or(usize::MAX);
             let removed = saver
                 .prune(&ThreadKey::new(thread.clone()), keep)
                 .await

@@ -17,6 +17,18 @@ macro_rules! out {
     ($($arg:tt)*) => { $crate::ui::write_out(format_args!($($arg)*)) };
 }
 
+/// `eprintln!` that never panics: a closed or full stderr loses the line, nothing else.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::ui::write_err(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// Writes to stderr, ignoring failure (there is nowhere left to report it).
+pub fn write_err(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().lock().write_fmt(args);
+}
+
 /// Writes to stdout; a closed pipe exits with success, another failure with code 1.
 pub fn write_out(args: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
@@ -25,15 +37,17 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(0);
         }
-        eprintln!("error: cannot write to stdout: {e}");
+        write_err(format_args!("error: cannot write to stdout: {e}\n"));
         std::process::exit(1);
     }
 }
 
-/// Logs go to stderr, filtered by `RUST_LOG` (default: warnings and errors).
+/// Logs go to stderr, filtered by `RUST_LOG` (default: errors only; what a user must
+/// see is printed as a sentence by the command itself, so library warnings such as a
+/// rejected summary stay out of the output unless `RUST_LOG=warn` asks for them).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -41,13 +55,40 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Exit codes, as `keel --help` lists them.
+pub mod exit {
+    /// An error (a sentence on stderr says what to do).
+    pub const ERROR: u8 = 1;
+    /// The demo's final answer was wrong.
+    pub const WRONG_ANSWER: u8 = 3;
+    /// `keel replay` skipped files it could not read (the rest were replayed).
+    pub const SKIPPED_FILES: u8 = 4;
+    /// Stopped by Ctrl-C after a step; the thread resumes.
+    pub const INTERRUPTED: u8 = 130;
+}
+
 /// Prints an error and its causes, one per line, and returns exit code 1.
 pub fn fail(error: &anyhow::Error) -> ExitCode {
-    eprintln!("error: {error}");
-    for cause in error.chain().skip(1) {
-        eprintln!("  caused by: {cause}");
+    for line in error_lines(error) {
+        write_err(format_args!("{line}\n"));
     }
-    ExitCode::from(1)
+    ExitCode::from(exit::ERROR)
+}
+
+/// `error: ...` and one `caused by: ...` per cause, leaving out a cause whose text the
+/// line before already says (an error that prints its source, wrapped by `anyhow`,
+/// would otherwise repeat it).
+fn error_lines(error: &anyhow::Error) -> Vec<String> {
+    let mut lines = vec![format!("error: {error}")];
+    let mut previous = error.to_string();
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if !previous.contains(&text) {
+            lines.push(format!("  caused by: {text}"));
+        }
+        previous = text;
+    }
+    lines
 }
 
 /// A plain text table: the first row is the header; numeric-looking cells are
@@ -136,6 +177,40 @@ mod tests {
         assert_eq!(thousands(999), "999");
         assert_eq!(thousands(1_000), "1,000");
         assert_eq!(thousands(1_234_567), "1,234,567");
+    }
+
+    #[test]
+    fn a_cause_already_in_the_line_before_is_not_repeated() {
+        #[derive(Debug)]
+        struct Inner;
+        impl std::fmt::Display for Inner {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("connection refused")
+            }
+        }
+        impl std::error::Error for Inner {}
+        #[derive(Debug)]
+        struct Outer(Inner);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "cannot reach the server: {}", self.0)
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let e = anyhow::Error::new(Outer(Inner)).context("the run failed");
+        assert_eq!(
+            error_lines(&e),
+            [
+                "error: the run failed",
+                "  caused by: cannot reach the server: connection refused"
+            ]
+        );
+        let plain = anyhow::anyhow!("disk full").context("cannot write report.json");
+        assert_eq!(error_lines(&plain).len(), 2);
     }
 
     #[test]

@@ -354,7 +354,7 @@ fn replay_detects_each_format_and_skips_bad_files_with_reasons() {
     let (stdout, stderr) = text(&out);
     assert_eq!(
         out.status.code(),
-        Some(2),
+        Some(4),
         "some files were skipped:\n{stdout}\n{stderr}"
     );
     for (file, why) in [
@@ -770,4 +770,183 @@ async fn threads_admin_works_on_postgres() {
     assert!(delete.status.success(), "{:?}", text(&delete));
     let gone = admin(&["show", &thread]);
     assert!(text(&gone).1.contains("no thread"), "{:?}", text(&gone));
+}
+
+/// Calls `ls` on every request and never answers; remembers each request's
+/// `max_tokens`.
+struct Looper {
+    max_tokens: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+}
+
+impl Respond for Looper {
+    fn respond(&self, request: &Request) -> ResponseTemplate {
+        let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+        self.max_tokens
+            .lock()
+            .unwrap()
+            .push(body["max_tokens"].clone());
+        let n = self.max_tokens.lock().unwrap().len();
+        ResponseTemplate::new(200).set_body_json(json!({
+            "id": "x", "object": "chat.completion", "model": "local",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": null, "tool_calls": [
+                    {"id": format!("call_{n}"), "type": "function",
+                     "function": {"name": "ls", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}}))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_counts_per_run() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/chat/completions"))
+        .respond_with(Looper {
+            max_tokens: seen.clone(),
+        })
+        .mount(&server)
+        .await;
+    let url = format!("{}/v1", server.uri());
+    let (h, d, u) = (home.path().to_owned(), proj.path().to_owned(), url.clone());
+    let first = tokio::task::spawn_blocking(move || {
+        keel()
+            .args([
+                "run",
+                "--model",
+                "openai/local",
+                "--goal",
+                "List it forever.",
+            ])
+            .args(["--window", "8000", "--max-steps", "2", "--max-tokens", "77"])
+            .arg("--home")
+            .arg(&h)
+            .arg("--dir")
+            .arg(&d)
+            .env("OPENAI_BASE_URL", u)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&first);
+    assert!(first.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("the step ceiling of 2 model calls was reached"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("StepCeiling"), "no Debug output: {stdout}");
+    let thread = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("run-"))
+        .unwrap()
+        .trim_end_matches([';', ','])
+        .to_owned();
+    assert!(thread.len() > 30, "a uuid thread id: {thread}");
+    assert!(
+        stdout.contains(&format!("Continue with: keel run --thread {thread} --home")),
+        "{stdout}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().as_slice(),
+        [json!(77), json!(77)],
+        "--max-tokens reaches every request"
+    );
+
+    // Resumed from another directory with only --thread: same files, window, model;
+    // --max-steps 3 allows three more calls, not one.
+    let (h, u, t, cwd) = (
+        home.path().to_owned(),
+        url.clone(),
+        thread.clone(),
+        elsewhere.path().to_owned(),
+    );
+    let second = tokio::task::spawn_blocking(move || {
+        keel()
+            .current_dir(&cwd)
+            .args(["run", "--thread", &t, "--max-steps", "3"])
+            .arg("--home")
+            .arg(&h)
+            .env("OPENAI_BASE_URL", u)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&second);
+    assert!(second.status.success(), "{stdout}\n{stderr}");
+    let dir = proj.path().canonicalize().unwrap();
+    assert!(
+        stdout.contains(&format!("files: {}", dir.display())),
+        "the thread's directory, not the working one:\n{stdout}"
+    );
+    assert!(stdout.contains("model: openai/local"), "{stdout}");
+    assert!(
+        !stderr.contains("no profile"),
+        "the saved --window is used: {stderr}"
+    );
+    assert!(
+        stdout.contains("continuing after 2 model calls; at most 3 more"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("the step ceiling of 5 model calls was reached"),
+        "{stdout}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 5);
+}
+
+#[test]
+fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
+    let home = tempfile::tempdir().unwrap();
+    let goal = "word ".repeat(3_000);
+    let out = keel()
+        .args(["run", "--model", "openai/local", "--window", "2000"])
+        .args(["--goal", &goal, "--thread", "big"])
+        .arg("--home")
+        .arg(home.path())
+        .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the goal is") && stderr.contains("--window"),
+        "{stderr}"
+    );
+    let list = keel()
+        .args(["threads", "list", "--json"])
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains("\"big\""),
+        "{:?}",
+        text(&list)
+    );
+}
+
+#[test]
+fn usage_errors_exit_2_and_a_closed_stderr_does_not_panic() {
+    let home = tempfile::tempdir().unwrap();
+    let prune = keel()
+        .args(["threads", "prune", "t", "--keep", "0"])
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    assert_eq!(prune.status.code(), Some(2), "{:?}", text(&prune));
+    // `2>&-`: stderr closed; the error cannot be printed, but the exit code says it.
+    let bin = assert_cmd::cargo::cargo_bin("keel");
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("\"$0\" replay /definitely/not/here.json 2>&-")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
 }
