@@ -950,3 +950,83 @@ fn usage_errors_exit_2_and_a_closed_stderr_does_not_panic() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
 }
+
+/// Answers every request with a structured summary; counts the requests.
+struct Summaries {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Respond for Summaries {
+    fn respond(&self, _request: &Request) -> ResponseTemplate {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let text = "SESSION INTENT:\n- Look up the orders of user mia_li_3668.\nSUMMARY:\n- Looked up orders 1 to 5 of mia_li_3668; each was found.\nARTIFACTS:\n- none\nNEXT STEPS:\n- Look up the next order.";
+        ResponseTemplate::new(200).set_body_json(json!({
+            "id": "s", "object": "chat.completion", "model": "local",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 900, "completion_tokens": 60, "total_tokens": 960}}))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = vec![
+        json!({"role": "system", "content": "You are a support agent."}),
+        json!({"role": "user", "content": "Hi!"}),
+    ];
+    for i in 0..30 {
+        run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
+            "function": {"name": "get_order", "arguments": format!("{{\"order\":\"#W{i:04}\"}}")}}]}));
+        run.push(json!({"role": "tool", "tool_call_id": format!("c{i}"),
+            "content": format!("order #W{i:04} of mia_li_3668: status delivered, total {} USD, items: {}", 100 + i, "lamp, desk, chair ".repeat(20))}));
+    }
+    run.push(json!({"role": "assistant", "content": "All 30 orders are delivered."}));
+    let file = dir.path().join("long.json");
+    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/chat/completions"))
+        .respond_with(Summaries {
+            calls: calls.clone(),
+        })
+        .mount(&server)
+        .await;
+    let url = format!("{}/v1", server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["replay", "--json", "--every", "5", "--window", "6000"])
+            .args(["--goal", "Report the status of every order of mia_li_3668."])
+            .args(["--summarizer", "openai/local"])
+            .arg(&file)
+            .env("OPENAI_BASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["goal"], "--goal");
+    assert_eq!(report["summarizer"], "openai/local");
+    let per_run = &report["strategies"][0]["runs"][0];
+    assert_eq!(
+        per_run["goal"],
+        "Report the status of every order of mia_li_3668."
+    );
+    assert!(
+        calls.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the summaries were asked of the model server"
+    );
+    assert!(
+        report["strategies"][0]["total"]["tokens_saved"]
+            .as_f64()
+            .unwrap()
+            > 0.0,
+        "{stdout}"
+    );
+}
