@@ -249,7 +249,7 @@ async fn list(
     let mut rows = vec![vec![
         "thread".to_owned(),
         "last active (UTC)".into(),
-        "steps".into(),
+        "model calls".into(),
         "milestones".into(),
         "epochs".into(),
         "goal".into(),
@@ -270,7 +270,7 @@ async fn list(
         });
         out.push(
             json!({"thread": t.thread_id, "last_active": when, "namespaces": t.namespaces,
-            "steps": steps, "milestones": milestones, "epochs": epochs, "goal": goal}),
+            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": goal}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
         rows.push(vec![
@@ -324,14 +324,14 @@ async fn show(
         crate::outln!(
             "{}",
             serde_json::to_string_pretty(&json!({
-                "thread": thread, "step": state.step, "milestones_made": state.milestones_made, "epochs_made": state.epochs_made,
+                "thread": thread, "model_calls": state.step, "milestones_made": state.milestones_made, "epochs_made": state.epochs_made,
                 "stop": state.stop,
                 "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
                 "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
                 "epoch": state.epoch.as_ref().map(layer),
                 "milestones": state.milestones.iter().map(layer).collect::<Vec<_>>(),
                 "raw": {"tokens": raw_tokens, "messages": state.messages.iter().map(|m| json!({
-                    "role": format!("{:?}", m.role).to_lowercase(), "tokens": count(m), "text": m.text(),
+                    "role": m.role.as_str(), "tokens": count(m), "text": m.text(),
                     "tool_calls": m.tool_calls.iter().map(|c| json!({"name": c.name, "arguments": c.arguments.to_json_string()})).collect::<Vec<_>>()})).collect::<Vec<_>>()},
             }))?
         );
@@ -339,7 +339,7 @@ async fn show(
     }
     let total = system_tokens + goal_tokens + epoch_tokens + milestone_tokens + raw_tokens;
     crate::outln!(
-        "thread `{thread}`: step {}, {} milestones and {} epochs made{}",
+        "thread `{thread}`: {} model calls, {} milestones and {} epochs made{}",
         state.step,
         state.milestones_made,
         state.epochs_made,
@@ -418,8 +418,8 @@ async fn show(
             .map(|c| format!("{}({})", c.name, c.arguments.to_json_string()))
             .collect();
         crate::outln!(
-            "[{:?}, {} tokens] {text}{}",
-            m.role,
+            "[{}, {} tokens] {text}{}",
+            m.role.as_str(),
             count(m),
             if calls.is_empty() {
                 String::new()
@@ -443,7 +443,7 @@ async fn history(
     let mut rows = vec![vec![
         "checkpoint".to_owned(),
         "made (UTC)".into(),
-        "step".into(),
+        "superstep".into(),
         "source".into(),
         "written by".into(),
     ]];

@@ -150,7 +150,7 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
     assert!(list.status.success(), "{:?}", text(&list));
     let listed: Value = serde_json::from_slice(&list.stdout).unwrap();
     assert_eq!(listed[0]["thread"], thread.as_str());
-    assert_eq!(listed[0]["steps"], report["model_calls"]);
+    assert_eq!(listed[0]["model_calls"], report["model_calls"]);
 
     let show = keel()
         .args(["threads", "show", &thread, "--home"])
@@ -749,7 +749,7 @@ async fn threads_admin_works_on_postgres() {
         .iter()
         .find(|t| t["thread"] == thread.as_str())
         .expect("listed");
-    assert_eq!(ours["steps"], 2);
+    assert_eq!(ours["model_calls"], 2);
     let show = admin(&["show", &thread]);
     assert!(
         text(&show).0.contains("What is in this directory?"),
