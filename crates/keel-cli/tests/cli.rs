@@ -958,8 +958,7 @@ struct Summaries {
 
 impl Respond for Summaries {
     fn respond(&self, _request: &Request) -> ResponseTemplate {
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let text = "SESSION INTENT:\n- Look up the orders of user mia_li_3668.\nSUMMARY:\n- Looked up orders 1 to 5 of mia_li_3668; each was found.\nARTIFACTS:\n- none\nNEXT STEPS:\n- Look up the next order.";
         ResponseTemplate::new(200).set_body_json(json!({
             "id": "s", "object": "chat.completion", "model": "local",
