@@ -293,7 +293,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         Some(spec) => {
             let l = args
                 .live
-                .connect(spec, args.live.window(settings), settings)?;
+                .connect(spec, args.live.window(settings, None)?, settings)?;
             (l.client, l.profile, l.options, l.http)
         }
         None => (

@@ -217,7 +217,7 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
                 .context("--model takes `scripted`, `ollama/<name>` or `openai/<name>`")?;
             let live = args
                 .live
-                .connect(&spec, args.live.window(settings), settings)?;
+                .connect(&spec, args.live.window(settings, None)?, settings)?;
             let described = format!("{spec} at {}", spec.base_url(settings));
             (live.client, live.profile, live.options, described)
         };

@@ -130,8 +130,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     })?;
     let window = args
         .live
-        .window(settings)
-        .or_else(|| saved.as_ref().and_then(|s| s.window));
+        .window(settings, saved.as_ref().and_then(|s| s.window))?;
     let live = args.live.connect(&spec, window, settings)?;
     let counter = model::counter(&live.profile)?;
 

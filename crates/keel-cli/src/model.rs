@@ -22,7 +22,8 @@ pub const LIVE_SYSTEM: &str = "You are a careful engineering agent. Use your too
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
     /// The model's context window in tokens, when keel does not know the model
-    /// [default: `window` in keel.toml, else keel's profile of the model].
+    /// [default: KEEL_WINDOW, or `window` in keel.toml, else keel's profile of the
+    /// model].
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
     /// The longest reply the model may write, in tokens.
@@ -46,9 +47,22 @@ pub struct Live {
 }
 
 impl LiveArgs {
-    /// The window in effect: the flag, then `window` in keel.toml.
-    pub fn window(&self, settings: &Settings) -> Option<usize> {
-        self.window.or(settings.window)
+    /// The window in effect: the flag, then the thread's own (`saved`), then
+    /// `KEEL_WINDOW`, then `window` in keel.toml.
+    pub fn window(
+        &self,
+        settings: &Settings,
+        saved: Option<usize>,
+    ) -> anyhow::Result<Option<usize>> {
+        if let Some(w) = self.window.or(saved) {
+            return Ok(Some(w));
+        }
+        match env("KEEL_WINDOW") {
+            Some(text) => text.trim().parse().map(Some).with_context(|| {
+                format!("KEEL_WINDOW={text} is not a number of tokens (e.g. KEEL_WINDOW=32768)")
+            }),
+            None => Ok(settings.window),
+        }
     }
 
     /// Sets up `spec` with these limits. A model keel has no profile for, without a

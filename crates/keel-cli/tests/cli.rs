@@ -17,6 +17,7 @@ fn keel() -> Command {
     for var in [
         "KEEL_HOME",
         "KEEL_MODEL",
+        "KEEL_WINDOW",
         "DATABASE_URL",
         "OLLAMA_BASE_URL",
         "OPENAI_BASE_URL",
