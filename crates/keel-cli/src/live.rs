@@ -212,7 +212,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let resume = resume_hint(&args, &thread);
 
     loop {
-        let (stopped, interrupts) = drive(&agent, &thread, input).await?;
+        let (stopped, interrupts) = drive(&agent, &thread, &resume, input).await?;
         if stopped {
             outln!("\nstopped after the current step. Resume with: {resume}");
             return Ok(ExitCode::from(exit::INTERRUPTED));
@@ -305,6 +305,7 @@ fn check_goal_fits(
 async fn drive(
     agent: &Agent,
     thread: &str,
+    resume: &str,
     input: AgentInput,
 ) -> anyhow::Result<(bool, Option<Value>)> {
     let mut updates = agent.stream(thread, input);
@@ -328,7 +329,7 @@ async fn drive(
         let Some(update) = update else {
             return Ok((stopping, None));
         };
-        let update = update.with_context(|| format!("the run of thread `{thread}` failed; it resumes from its last checkpoint with --thread {thread}"))?;
+        let update = update.with_context(|| format!("the run of thread `{thread}` failed; it resumes from its last checkpoint with: {resume}"))?;
         print_update(&update);
         match update {
             AgentUpdate::Done { interrupts, .. } => {
