@@ -244,14 +244,18 @@ impl Agent {
         &self,
         thread_id: &str,
     ) -> Result<Option<serde_json::Map<String, Value>>, AgentError> {
+        Ok(self.snapshot(thread_id).await?.map(|s| s.metadata.extra))
+    }
+
+    /// The thread's newest snapshot; `None` without a checkpointer or checkpoints.
+    async fn snapshot(
+        &self,
+        thread_id: &str,
+    ) -> Result<Option<keel_graph::StateSnapshot<AgentState>>, AgentError> {
         if self.checkpointer.is_none() {
             return Ok(None);
         }
-        Ok(self
-            .graph
-            .get_state(&RunConfig::thread(thread_id))
-            .await?
-            .map(|s| s.metadata.extra))
+        Ok(self.graph.get_state(&RunConfig::thread(thread_id)).await?)
     }
 
     /// Runs a thread until the model answers without calling a tool, a tool awaits
@@ -357,14 +361,7 @@ impl Agent {
 
     /// The thread's latest state, if it has one.
     pub async fn state(&self, thread_id: &str) -> Result<Option<AgentState>, AgentError> {
-        if self.checkpointer.is_none() {
-            return Ok(None);
-        }
-        Ok(self
-            .graph
-            .get_state(&RunConfig::thread(thread_id))
-            .await?
-            .map(|s| s.values))
+        Ok(self.snapshot(thread_id).await?.map(|s| s.values))
     }
 
     /// Keeps the newest `keep` checkpoints of a thread; returns how many were removed.
