@@ -30,6 +30,9 @@ const PLAIN_SHARE_PERCENT: usize = 60;
 /// The longest line of a user's ask kept, in characters.
 const MAX_ASK_CHARS: usize = 160;
 
+/// How an error that a later call got past is marked.
+const RESOLVED_MARK: &str = "[resolved: ";
+
 /// The longest facts item, in characters.
 const MAX_FACTS_CHARS: usize = 720;
 
@@ -180,12 +183,13 @@ mod prio {
     pub const CARRIED_ERROR: u16 = 78;
     pub const CARRIED_DURABLE: u16 = 77;
     pub const ACCOMPLISHED: u16 = 75;
+    pub const CARRIED_INTENT: u16 = 74;
+    pub const RESOLVED_ERROR: u16 = 73;
     pub const FILES: u16 = 72;
     pub const REASON: u16 = 71;
     pub const CARRIED_FACTS: u16 = 70;
     pub const LOG_FACTS: u16 = 68;
     pub const OTHER_ASK: u16 = 66;
-    pub const CARRIED_INTENT: u16 = 64;
     pub const EXIT: u16 = 62;
     pub const COMMAND: u16 = 60;
     pub const NOTE: u16 = 58;
@@ -276,7 +280,10 @@ const MAX_CANDIDATES: usize = 4096;
 ///   `keel.observation` or follows a command the agent ran);
 /// * SUMMARY: unresolved errors with their message (a header line such as `ERROR:`
 ///   takes the line after it; plain failures such as `HTTP 503 …` or `not enough
-///   seats` count, a file name containing "error" does not), what was accomplished,
+///   seats` count, a file name containing "error" does not); an error that a later
+///   call of the same tool with the same arguments got past (its output reports no
+///   error) is kept marked `[resolved: a later tool(args) succeeded]`, below the open
+///   ones, and carried into epochs with a low priority; what was accomplished,
 ///   decisions ("because", "instead", "the fix", ...);
 /// * ARTIFACTS: each tool call with the identifiers its result introduced (ids,
 ///   codes, emails, paths, dates, numbers of three or more digits: `get_order(id=A1)
@@ -426,6 +433,9 @@ impl ExtractiveSummarizer {
             .iter()
             .filter_map(|m| m.tool_call_id.as_deref())
             .collect();
+        // Errors a later call of the same tool with the same arguments got past: the
+        // output's index, and the call that succeeded.
+        let resolved = self.resolved_errors(messages, texts);
         let last_summary = (0..messages.len())
             .rev()
             .find(|&i| messages[i].role != Role::Tool && is_summary(&texts[i]));
@@ -575,13 +585,35 @@ impl ExtractiveSummarizer {
                         prio::ERROR
                     };
                     // A header (`ERROR:`, `Error`) takes its message from the next line.
-                    match is_output.then(|| error_with_message(text, line_start, line_end)) {
-                        Some(Some((joined, end))) => {
+                    let joined = is_output
+                        .then(|| error_with_message(text, line_start, line_end))
+                        .flatten();
+                    let fixed_by = resolved.get(&i).filter(|_| is_output);
+                    match (joined, fixed_by) {
+                        (joined, Some(head)) => {
+                            // Marked, kept below the open errors.
+                            let line = match joined {
+                                Some((joined, end)) => {
+                                    skip_until = end;
+                                    joined
+                                }
+                                None => line.trim().to_owned(),
+                            };
+                            let mark = format!(" {RESOLVED_MARK}a later {head} succeeded]");
+                            let room = self
+                                .max_item_chars
+                                .saturating_sub(mark.chars().count())
+                                .max(40);
+                            let text = format!("{}{mark}", cut(&line, 0, room));
+                            let src = pool.owned(text);
+                            pool.push(prio::RESOLVED_ERROR, Sec::Summary, at, src);
+                        }
+                        (Some((joined, end)), None) => {
                             skip_until = end;
                             let src = pool.owned(cut(&joined, 0, self.max_item_chars).into_owned());
                             pool.push(p, Sec::Summary, at, src);
                         }
-                        _ => pool.push(p, Sec::Summary, at, slice(focus)),
+                        (None, None) => pool.push(p, Sec::Summary, at, slice(focus)),
                     }
                 } else if has(Kind::Exit) {
                     pool.push(prio::EXIT, Sec::Artifacts, at, slice(focus));
@@ -672,7 +704,10 @@ impl ExtractiveSummarizer {
                 continue;
             }
             let lower = item.to_ascii_lowercase();
-            let p = if self.has_error(&item) && sec == Sec::Summary {
+            let p = if item.contains(RESOLVED_MARK) {
+                // An error since fixed: kept while there is room, marked.
+                prio::NOTE
+            } else if self.has_error(&item) && sec == Sec::Summary {
                 prio::CARRIED_ERROR
             } else if sec != Sec::Next && STRONG_DECISIONS.iter().any(|k| lower.contains(k)) {
                 // Constraints and decisions hold for the rest of the run.
@@ -683,16 +718,56 @@ impl ExtractiveSummarizer {
                 } else {
                     prio::STALE_NEXT
                 }
+            } else if sec == Sec::Intent {
+                // What the user asked holds until it is done: it outlives the fold.
+                prio::CARRIED_INTENT
             } else if previous {
                 prio::CARRIED
-            } else if sec == Sec::Intent {
-                prio::CARRIED_INTENT
             } else {
                 prio::NOTE
             };
             let src = pool.owned(item);
             pool.push(p, sec, order, src);
         }
+    }
+
+    /// Tool outputs reporting an error that a later call of the same tool with the
+    /// same arguments got past (its output reports none), with that call's head.
+    fn resolved_errors(
+        &self,
+        messages: &[Message],
+        texts: &[Cow<'_, str>],
+    ) -> std::collections::HashMap<usize, String> {
+        let calls: std::collections::HashMap<&str, &ToolCall> = messages
+            .iter()
+            .flat_map(|m| &m.tool_calls)
+            .map(|c| (c.id.as_str(), c))
+            .collect();
+        // (output index, head, whether it reports an error)
+        let outputs: Vec<(usize, String, bool)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.role == Role::Tool)
+            .filter_map(|(i, m)| {
+                let call = calls.get(m.tool_call_id.as_deref()?)?;
+                let text = texts.get(i)?;
+                let failed = text
+                    .lines()
+                    .any(|l| !looks_like_code(l) && !looks_like_listing(l) && self.has_error(l));
+                Some((i, call_head(call), failed))
+            })
+            .collect();
+        let mut resolved = std::collections::HashMap::new();
+        for (k, (i, head, failed)) in outputs.iter().enumerate() {
+            if *failed
+                && outputs[k + 1..]
+                    .iter()
+                    .any(|(_, later, later_failed)| later == head && !later_failed)
+            {
+                resolved.insert(*i, head.clone());
+            }
+        }
+        resolved
     }
 
     fn has_error(&self, text: &str) -> bool {
@@ -2012,6 +2087,57 @@ impl Summarizer for ExtractiveSummarizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_a_retry_got_past_is_marked_resolved_and_an_open_one_is_not() {
+        let call = |id: &str, key: &str| {
+            Message::assistant(format!("Reading {key}.")).with_tool_calls(vec![ToolCall::new(
+                id,
+                "fetch",
+                serde_json::json!({"key": key}),
+            )])
+        };
+        let steps = [
+            Message::user("Fetch the records A-1 and B-2."),
+            call("c1", "A-1"),
+            Message::tool("c1", "HTTP 503 from the records service (transient)"),
+            call("c2", "A-1"),
+            Message::tool("c2", "record A-1: owner team-4"),
+            call("c3", "B-2"),
+            Message::tool("c3", "ERROR: permission denied for record B-2"),
+            call("c4", "B-2"),
+            Message::tool("c4", "ERROR: permission denied for record B-2 again"),
+        ];
+        let summary = ExtractiveSummarizer::new()
+            .summarize_sync(&SummaryRequest::milestone(&steps, 300))
+            .unwrap();
+        let items = summary.section(SUMMARY).unwrap_or_default();
+        let fixed: Vec<&String> = items.iter().filter(|l| l.contains("HTTP 503")).collect();
+        assert_eq!(fixed.len(), 1, "{items:?}");
+        assert!(
+            fixed[0].ends_with("[resolved: a later fetch(A-1) succeeded]"),
+            "{}",
+            fixed[0]
+        );
+        // Retried and failing again: still open, twice.
+        let open: Vec<&String> = items
+            .iter()
+            .filter(|l| l.contains("permission denied"))
+            .collect();
+        assert!(!open.is_empty(), "{items:?}");
+        assert!(open.iter().all(|l| !l.contains("[resolved")), "{open:?}");
+
+        // Carried into an epoch, the resolved one ranks below the open ones.
+        let mut pool = Pool::default();
+        ExtractiveSummarizer::new().carry(&summary.text, (1, 0), true, false, &mut pool);
+        let prio_of = |needle: &str| {
+            pool.cands
+                .iter()
+                .find(|c| matches!(c.src, Src::Owned(k) if pool.owned[k as usize].contains(needle)))
+                .map(|c| c.prio)
+        };
+        assert!(prio_of("HTTP 503") < prio_of("permission denied"));
+    }
 
     #[test]
     fn paths_of_any_extension() {
