@@ -8,8 +8,8 @@ use keel_offload::{Archive, EvictLargeResults, Key, MemoryStore, OffloadStore, T
 use keel_summarize::ExtractiveSummarizer;
 use keel_token::{Encoding, ModelProfile, TokenCounter};
 
-use super::facts::{contains_token, is_told, needed_facts, searchable};
 use super::load::Trajectory;
+use super::score::Scorer;
 use crate::compactor::Compactor;
 use crate::config::{CompactionConfig, Strategy};
 use crate::error::CompactionError;
@@ -44,6 +44,9 @@ pub struct ReplayConfig {
     /// ([`crate::PrefixSummarizer`]) instead of the extractive summarizer; its calls are
     /// part of the reported cost.
     pub summary_model: Option<Arc<dyn keel_model::ChatModel>>,
+    /// Keep every prompt keel assembled in [`RunReport::prompts`] (off by default: a
+    /// long run's prompts take memory).
+    pub record_prompts: bool,
 }
 
 impl fmt::Debug for ReplayConfig {
@@ -55,6 +58,7 @@ impl fmt::Debug for ReplayConfig {
             .field("compaction", &self.compaction)
             .field("evict_threshold", &self.evict_threshold)
             .field("needles", &self.needles)
+            .field("record_prompts", &self.record_prompts)
             .field(
                 "summary_model",
                 &self.summary_model.as_ref().map(|m| m.model_name()),
@@ -75,6 +79,7 @@ impl ReplayConfig {
             evict_threshold: None,
             needles: 2,
             summary_model: None,
+            record_prompts: false,
         }
     }
 
@@ -101,10 +106,16 @@ pub struct TurnRecord {
     pub full_shared_prefix: usize,
     /// The previous prompt is a prefix of this one (a provider cache hits all of it).
     pub extends_previous: bool,
-    /// The goal message is byte-identical at its place.
+    /// The goal message is in the prompt byte for byte (as a user message).
     pub goal_intact: bool,
-    /// Facts this turn needed ([`needed_facts`]); counted only for turns after the
-    /// run's first compaction (before it the prompt is the full history).
+    /// Needed facts were checked on this turn: this prompt or an earlier one of the
+    /// run lacked a user or tool message of the history (compared by role and text),
+    /// so the context manager had dropped, summarized, masked or offloaded something
+    /// the agent was told. Before that every needed fact is in the prompt by
+    /// construction.
+    pub checked: bool,
+    /// Facts this turn needed ([`super::needed_facts`]); counted only on checked
+    /// turns.
     pub needed: usize,
     /// Of those, present in the prompt keel assembled for this turn.
     pub needed_in_prompt: usize,
@@ -150,8 +161,12 @@ pub struct RunReport {
     pub events: Vec<CompactionEvent>,
     /// Planted needles.
     pub needles: Vec<Needle>,
-    /// Every needed fact checked (turns after the first compaction), in turn order.
+    /// Every needed fact checked ([`TurnRecord::checked`] turns), in turn order.
     pub facts: Vec<FactCheck>,
+    /// The prompt of each model call, when [`ReplayConfig::record_prompts`] is set
+    /// (else empty). [`super::score_prompts`] scores them as [`replay_trajectory`]
+    /// did.
+    pub prompts: Vec<Vec<Message>>,
 }
 
 impl RunReport {
@@ -200,6 +215,7 @@ pub async fn replay_trajectory(
             events: Vec::new(),
             needles: Vec::new(),
             facts: Vec::new(),
+            prompts: Vec::new(),
         });
     };
     let goal = GoalAnchor::from_message(&messages[goal_at]);
@@ -232,35 +248,18 @@ pub async fn replay_trajectory(
         None => compactor,
     };
 
-    let goal_pos = usize::from(state.system.is_some());
-    // What every prompt carries (system prompt and goal), and what the agent was told
-    // so far (user and tool messages after the goal): the two sides of a needed fact.
-    let mut known = String::new();
-    if let Some(s) = system_at {
-        searchable(&messages[s], &mut known);
-    }
-    searchable(&messages[goal_at], &mut known);
-    let mut told = String::new();
-    let mut facts = Vec::new();
-    let mut compacted = false;
-    let priming = counter.count_messages(&[]);
-    let mut full_running = priming;
-    let mut full_previous = 0;
-    let mut turns = Vec::new();
-    let mut previous: Vec<Message> = Vec::new();
-    let mut previous_counts: Vec<usize> = Vec::new();
+    // The scorer walks the same messages: the full history, what the agent was told,
+    // and each prompt keel assembles.
+    let mut scorer = Scorer::new(&messages, Arc::clone(&counter));
     let mut stored = StoredText::default();
+    let mut prompts = Vec::new();
     let mut i = 0;
     while i < messages.len() {
         let m = &messages[i];
         if m.role != Role::Assistant {
             // Before the first model call: the system prompt and goal have their
             // places; anything else goes to the raw buffer.
-            full_running += counter.count_message(m);
             if Some(i) != system_at && i != goal_at {
-                if is_told(m) {
-                    searchable(m, &mut told);
-                }
                 compactor.push(&mut state, vec![m.clone()]);
             }
             i += 1;
@@ -268,70 +267,24 @@ pub async fn replay_trajectory(
         }
         // The model is called here.
         let prompt = compactor.assemble(&mut state);
-        let tokens = compactor.tokens(&mut state, &[]).total;
-        let common = prompt
-            .iter()
-            .zip(&previous)
-            .take_while(|(a, b)| a == b)
-            .count();
-        // Counts of the shared prefix are the previous prompt's; only new messages
-        // are counted.
-        let counts: Vec<usize> = prompt
-            .iter()
-            .enumerate()
-            .map(|(k, m)| match previous_counts.get(k) {
-                Some(&n) if k < common => n,
-                _ => counter.count_message(m),
-            })
-            .collect();
-        let shared_prefix = counts[..common].iter().sum();
-        previous_counts = counts;
-        let turn = turns.len();
-        let (needed, in_prompt, in_archive) = if compacted {
-            check_facts(
-                &messages[i],
-                &prompt,
-                (&told, &known),
-                (&store, &thread, &mut stored),
-                turn,
-                &mut facts,
-            )?
-        } else {
-            (0, 0, 0)
-        };
-        turns.push(TurnRecord {
-            full_tokens: full_running,
-            tokens,
-            shared_prefix,
-            full_shared_prefix: full_previous,
-            extends_previous: !previous.is_empty() && common == previous.len(),
-            goal_intact: prompt
-                .get(goal_pos)
-                .is_some_and(|g| g == goal.message() && g.text() == goal.text()),
-            needed,
-            needed_in_prompt: in_prompt,
-            needed_in_archive: in_archive,
-        });
-        previous = prompt;
-        full_previous = full_running - priming;
+        scorer.turn(i, &prompt, &mut |fact| {
+            Ok::<_, CompactionError>(stored.refresh(&store, &thread)?.contains(fact))
+        })?;
+        if config.record_prompts {
+            prompts.push(prompt);
+        }
 
         // The step: this reply and everything up to the next model call.
         let end = messages[i + 1..]
             .iter()
             .position(|m| m.role == Role::Assistant)
             .map_or(messages.len(), |p| i + 1 + p);
-        for m in &messages[i..end] {
-            full_running += counter.count_message(m);
-        }
-        for m in messages[i + 1..end].iter().filter(|m| is_told(m)) {
-            searchable(m, &mut told);
-        }
         let results = messages[i + 1..end].to_vec();
         compactor.push_step(&mut state, messages[i].clone(), results);
-        let events = compactor.after_step(&mut state, &[]).await?;
-        compacted |= events.iter().any(|e| e.error.is_none());
+        compactor.after_step(&mut state, &[]).await?;
         i = end;
     }
+    let (turns, facts) = scorer.finish();
 
     let final_prompt = compactor.assemble(&mut state);
     let mut needles = Vec::new();
@@ -352,42 +305,8 @@ pub async fn replay_trajectory(
         events: state.events,
         needles,
         facts,
+        prompts,
     })
-}
-
-/// Checks the facts `turn` needed against `prompt` and, for those missing, the archive
-/// and the offload store. Returns (needed, in the prompt, in the archive) and appends
-/// one [`FactCheck`] per fact.
-fn check_facts(
-    turn_message: &Message,
-    prompt: &[Message],
-    (told, known): (&str, &str),
-    (store, thread, stored): (&Arc<dyn OffloadStore>, &ThreadId, &mut StoredText),
-    turn: usize,
-    out: &mut Vec<FactCheck>,
-) -> Result<(usize, usize, usize), CompactionError> {
-    let needed = needed_facts(turn_message, told, known);
-    if needed.is_empty() {
-        return Ok((0, 0, 0));
-    }
-    let mut text = String::new();
-    for m in prompt {
-        searchable(m, &mut text);
-    }
-    let (mut in_prompt, mut in_archive) = (0, 0);
-    for fact in needed.iter() {
-        let here = contains_token(&text, fact);
-        let archived = !here && stored.refresh(store, thread)?.contains(fact);
-        in_prompt += usize::from(here);
-        in_archive += usize::from(archived);
-        out.push(FactCheck {
-            turn,
-            fact: fact.clone(),
-            in_prompt: here,
-            in_archive: archived,
-        });
-    }
-    Ok((needed.len(), in_prompt, in_archive))
 }
 
 /// Everything the thread's offload store holds (the archive, offloaded results,
@@ -511,11 +430,12 @@ pub struct Report {
     pub needles_left: usize,
     /// Of those, found in the archive.
     pub needles_found: usize,
-    /// Turns checked for needed facts: the turns after each run's first compaction.
+    /// Turns checked for needed facts ([`TurnRecord::checked`]): from the first turn
+    /// of each run whose prompt lacked something the agent was told.
     pub recall_turns: usize,
     /// Facts those turns needed: identifiers in the recorded reply that came from
     /// earlier user or tool messages, not from the system prompt or the goal
-    /// ([`needed_facts`]).
+    /// ([`super::needed_facts`]).
     pub needed_facts: usize,
     /// Of those, present in the prompt keel assembled for the turn.
     pub facts_in_prompt: usize,
@@ -579,12 +499,10 @@ impl Report {
                 r.full_over_window += usize::from(t.full_tokens > window);
                 r.over_window += usize::from(t.tokens > window);
                 r.goal_intact += usize::from(t.goal_intact);
+                r.recall_turns += usize::from(t.checked);
                 r.needed_facts += t.needed;
                 r.facts_in_prompt += t.needed_in_prompt;
                 r.facts_in_archive += t.needed_in_archive;
-            }
-            if let Some(first) = run.events.iter().find(|e| e.error.is_none()) {
-                r.recall_turns += run.turns.len().saturating_sub(first.step as usize);
             }
             for e in &run.events {
                 r.summary_input_tokens += e.summary_input_tokens;
@@ -645,8 +563,8 @@ impl Report {
         }
     }
 
-    /// Needed-fact recall: the share of the facts the recorded agent passed on (after
-    /// the first compaction) that were in keel's prompt. 1.0 when none were needed;
+    /// Needed-fact recall: the share of the facts the recorded agent passed on (on
+    /// [`TurnRecord::checked`] turns) that were in the prompt. 1.0 when none were needed;
     /// the full history has 1.0 by construction.
     pub fn recall(&self) -> f64 {
         share_or_one(self.facts_in_prompt, self.needed_facts)
