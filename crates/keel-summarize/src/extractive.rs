@@ -30,6 +30,9 @@ const PLAIN_SHARE_PERCENT: usize = 60;
 /// The longest line of a user's ask kept, in characters.
 const MAX_ASK_CHARS: usize = 160;
 
+/// How an open error names the call whose output reported it.
+const IN_MARK: &str = "[in ";
+
 /// How an error that a later call got past is marked.
 const RESOLVED_MARK: &str = "[resolved: ";
 
@@ -283,7 +286,9 @@ const MAX_CANDIDATES: usize = 4096;
 ///   seats` count, a file name containing "error" does not); an error that a later
 ///   call of the same tool with the same arguments got past (its output reports no
 ///   error) is kept marked `[resolved: a later tool(args) succeeded]`, below the open
-///   ones, and carried into epochs with a low priority; what was accomplished,
+///   ones, and carried into epochs with a low priority; the last open error of a tool
+///   output names its call (`… [in tool(args)]`), so an epoch marks it resolved when a
+///   later milestone shows that call succeeding; what was accomplished,
 ///   decisions ("because", "instead", "the fix", ...);
 /// * ARTIFACTS: each tool call with the identifiers its result introduced (ids,
 ///   codes, emails, paths, dates, numbers of three or more digits: `get_order(id=A1)
@@ -408,9 +413,36 @@ impl ExtractiveSummarizer {
     fn collect(&self, request: &SummaryRequest<'_>, texts: &[Cow<'_, str>], pool: &mut Pool) {
         let messages = request.messages;
 
+        // The summaries given (the previous one, then those among the messages), and
+        // for each the tagged errors a later one shows the same call get past.
+        let notes: Vec<(Option<usize>, &str)> = request
+            .previous
+            .map(|p| (None, p))
+            .into_iter()
+            .chain(
+                messages
+                    .iter()
+                    .zip(texts)
+                    .enumerate()
+                    .filter(|(_, (m, t))| {
+                        m.role != Role::Tool && m.role != Role::System && is_summary(t)
+                    })
+                    .map(|(i, (_, t))| (Some(i), t.as_ref())),
+            )
+            .collect();
+        let fixed = fixed_later(&notes);
+        let no_fix = HashSet::new();
+        let fixed_in = |note: Option<usize>| {
+            notes
+                .iter()
+                .position(|(n, _)| *n == note)
+                .and_then(|k| fixed.get(k))
+                .unwrap_or(&no_fix)
+        };
+
         // Carried over from the previous summary of this level.
         if let Some(previous) = request.previous {
-            self.carry(previous, (0, 0), false, true, pool);
+            self.carry(previous, (0, 0), false, true, fixed_in(None), pool);
         }
 
         let observation: Vec<bool> = (0..messages.len())
@@ -453,7 +485,14 @@ impl ExtractiveSummarizer {
             }
             // Summaries given as input (epoch level): keep their items.
             if m.role != Role::Tool && is_summary(text) {
-                self.carry(text, (order, 0), Some(i) == last_summary, false, pool);
+                self.carry(
+                    text,
+                    (order, 0),
+                    Some(i) == last_summary,
+                    false,
+                    fixed_in(Some(i)),
+                    pool,
+                );
                 continue;
             }
             if request.level == Level::Epoch && m.role != Role::Tool {
@@ -556,9 +595,16 @@ impl ExtractiveSummarizer {
                 }
             }
 
+            // The call a tool output answers, named on its open errors (` [in get(A)]`),
+            // so a later summary can tell when a later call got past them.
+            let tag = (m.role == Role::Tool)
+                .then(|| m.tool_call_id.as_deref().and_then(|id| heads.get(id)))
+                .flatten()
+                .map(|(head, _)| format!(" {IN_MARK}{}]", cut(head, 0, 80)));
             let open = last_caller.is_some_and(|c| i > c);
             let tail_start = tail_offset(text, 5);
             let mut skip_until = 0usize;
+            let mut last_error: Option<usize> = None;
             self.scan(text, |line_start, line_end, kinds, focus| {
                 if line_start < skip_until {
                     return;
@@ -615,6 +661,9 @@ impl ExtractiveSummarizer {
                         }
                         (None, None) => pool.push(p, Sec::Summary, at, slice(focus)),
                     }
+                    if fixed_by.is_none() {
+                        last_error = Some(pool.cands.len() - 1);
+                    }
                 } else if has(Kind::Exit) {
                     pool.push(prio::EXIT, Sec::Artifacts, at, slice(focus));
                 } else if m.role == Role::Assistant && has(Kind::Decision) {
@@ -636,6 +685,20 @@ impl ExtractiveSummarizer {
                     pool.push(p, Sec::Summary, at, slice(focus));
                 }
             });
+            // The output's last open error names its call.
+            if let (Some(tag), Some(k)) = (&tag, last_error)
+                && let Some(c) = pool.cands.get(k).copied()
+            {
+                let line = self.resolve(c.src, texts, &pool.owned).into_owned();
+                let room = self
+                    .max_item_chars
+                    .saturating_sub(tag.chars().count())
+                    .max(40);
+                let src = pool.owned(format!("{}{tag}", cut(&line, 0, room)));
+                if let Some(c) = pool.cands.get_mut(k) {
+                    c.src = src;
+                }
+            }
         }
 
         // The next step as the agent last stated it.
@@ -688,9 +751,24 @@ impl ExtractiveSummarizer {
 
     /// Carries the items of an earlier summary: errors, facts items and (from the
     /// latest summary) next steps keep a high priority, the rest a low one.
-    fn carry(&self, text: &str, order: (u32, u32), latest: bool, previous: bool, pool: &mut Pool) {
+    fn carry(
+        &self,
+        text: &str,
+        order: (u32, u32),
+        latest: bool,
+        previous: bool,
+        fixed: &HashSet<String>,
+        pool: &mut Pool,
+    ) {
         for (k, (sec, item)) in structured_items(text).into_iter().enumerate() {
             let order = (order.0, order.1 + k as u32);
+            // An open error whose call a later summary shows getting past it.
+            let item = match tagged_call(&item) {
+                Some((line, head)) if fixed.contains(head) => {
+                    format!("{line} {RESOLVED_MARK}a later {head} succeeded]")
+                }
+                _ => item,
+            };
             if item.contains(" → ") {
                 let p = if previous {
                     prio::CARRIED_FACTS - 10
@@ -1159,6 +1237,48 @@ impl ExtractiveSummarizer {
         }
         unopened
     }
+}
+
+/// An error item tagged with its call (`msg [in get(A)]`): the message and the call.
+fn tagged_call(item: &str) -> Option<(&str, &str)> {
+    let body = item.strip_suffix(']')?;
+    let at = body.rfind(IN_MARK)?;
+    Some((body[..at].trim_end(), &body[at + IN_MARK.len()..]))
+}
+
+/// For each summary of `notes` (in order), the calls its open errors are tagged with
+/// that a later summary shows succeeding: a facts item of that call, and no open error
+/// of it in the same later summary.
+fn fixed_later(notes: &[(Option<usize>, &str)]) -> Vec<HashSet<String>> {
+    let parsed: Vec<(HashSet<String>, HashSet<String>)> = notes
+        .iter()
+        .map(|(_, text)| {
+            let mut open = HashSet::new();
+            let mut ran = HashSet::new();
+            for (sec, item) in structured_items(text) {
+                if item.contains(" → ") {
+                    ran.extend(facts_items(&item).into_iter().map(|(head, _)| head));
+                } else if sec == Sec::Summary
+                    && !item.contains(RESOLVED_MARK)
+                    && let Some((_, head)) = tagged_call(&item)
+                {
+                    open.insert(head.to_owned());
+                }
+            }
+            let succeeded = ran.difference(&open).cloned().collect();
+            (open, succeeded)
+        })
+        .collect();
+    parsed
+        .iter()
+        .enumerate()
+        .map(|(k, (open, _))| {
+            open.iter()
+                .filter(|head| parsed[k + 1..].iter().any(|(_, ok)| ok.contains(*head)))
+                .cloned()
+                .collect()
+        })
+        .collect()
 }
 
 /// The facts items of a summary line: `get(A) → x y; (B) → z` is `get(A)` with
@@ -2129,7 +2249,14 @@ mod tests {
 
         // Carried into an epoch, the resolved one ranks below the open ones.
         let mut pool = Pool::default();
-        ExtractiveSummarizer::new().carry(&summary.text, (1, 0), true, false, &mut pool);
+        ExtractiveSummarizer::new().carry(
+            &summary.text,
+            (1, 0),
+            true,
+            false,
+            &HashSet::new(),
+            &mut pool,
+        );
         let prio_of = |needle: &str| {
             pool.cands
                 .iter()
@@ -2137,6 +2264,63 @@ mod tests {
                 .map(|c| c.prio)
         };
         assert!(prio_of("HTTP 503") < prio_of("permission denied"));
+    }
+
+    #[test]
+    fn an_error_fixed_in_a_later_milestone_is_marked_resolved_in_the_epoch() {
+        let call = |id: &str| {
+            Message::assistant("Reading A-1.").with_tool_calls(vec![ToolCall::new(
+                id,
+                "fetch",
+                serde_json::json!({"key": "A-1"}),
+            )])
+        };
+        let s = ExtractiveSummarizer::new();
+        let first = [
+            call("c1"),
+            Message::tool("c1", "connection to db-3 timed out after 30 s"),
+        ];
+        let second = [
+            call("c2"),
+            Message::tool("c2", "record A-1: owner team-4, id R-77"),
+        ];
+        let m1 = s
+            .summarize_sync(&SummaryRequest::milestone(&first, 200))
+            .unwrap();
+        let open = m1.section(SUMMARY).unwrap_or_default();
+        assert!(
+            open.iter()
+                .any(|l| l.contains("timed out") && l.ends_with("[in fetch(A-1)]")),
+            "{open:?}"
+        );
+        let m2 = s
+            .summarize_sync(&SummaryRequest::milestone(&second, 200))
+            .unwrap();
+        let notes = [
+            Message::user(format!("[Milestone 1: step 1]\n{}", m1.text)),
+            Message::user(format!("[Milestone 2: step 2]\n{}", m2.text)),
+        ];
+        let epoch = s
+            .summarize_sync(&SummaryRequest::epoch(&notes, 300))
+            .unwrap();
+        let items = epoch.section(SUMMARY).unwrap_or_default();
+        let line: Vec<&String> = items.iter().filter(|l| l.contains("timed out")).collect();
+        assert!(
+            line.iter()
+                .all(|l| l.ends_with("[resolved: a later fetch(A-1) succeeded]")),
+            "{items:?}"
+        );
+        // Without the later success it stays open.
+        let alone = s
+            .summarize_sync(&SummaryRequest::epoch(&notes[..1], 300))
+            .unwrap();
+        let items = alone.section(SUMMARY).unwrap_or_default();
+        assert!(
+            items
+                .iter()
+                .any(|l| l.contains("timed out") && !l.contains("[resolved")),
+            "{items:?}"
+        );
     }
 
     #[test]
