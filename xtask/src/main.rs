@@ -4,6 +4,8 @@
 //!   the tests, and cargo-deny when it is installed.
 //! * `test` — the test suite (the README's test command).
 //! * `bench` — benchmarks, side by side with the Python peers.
+//! * `eval` — the targeted context evals (`--live`: the model-facing ones on a real
+//!   server).
 //! * `gen-vectors` — regenerate differential test vectors from LangGraph's Python code.
 
 use anyhow::Result;
@@ -11,6 +13,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod ci;
+mod eval;
 mod llm;
 mod node;
 mod pg;
@@ -42,6 +45,12 @@ enum Command {
         #[arg(default_value = "all")]
         target: String,
     },
+    /// The targeted context evals (tests/evals): one line per eval, transcripts under target/evals.
+    Eval {
+        /// Run the model-facing evals against OPENAI_BASE_URL / OLLAMA_BASE_URL.
+        #[arg(long)]
+        live: bool,
+    },
     /// Live provider and summarizer tests against OLLAMA_BASE_URL / OPENAI_BASE_URL (skips when neither is set).
     LlmLive,
     /// Regenerate the differential test vectors from LangGraph's Python `add_messages`.
@@ -53,6 +62,7 @@ fn main() -> Result<()> {
         Command::Ci => ci::ci(),
         Command::Test { args } => ci::test(&args),
         Command::Bench { target } => bench::bench(&target),
+        Command::Eval { live } => eval::eval(live),
         Command::LlmLive => llm::live(),
         Command::GenVectors => vectors::gen_vectors(),
     }
