@@ -220,7 +220,10 @@ impl Tally {
                 self.compactions.push(CompactionRow {
                     step: e.step,
                     kind: kind.to_owned(),
-                    trigger: format!("{:?}", e.trigger).to_lowercase(),
+                    trigger: serde_json::to_value(e.trigger)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default(),
                     tokens_before: e.tokens_before,
                     tokens_after: e.tokens_after,
                     messages_archived: e.messages_archived,

@@ -158,7 +158,7 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             RunStatus::Done { result, .. } => {
                 match (&result.answer, &result.stop, result.interrupted) {
                     (Some(answer), _, _) => outln!("done: {answer}"),
-                    (None, Some(stop), _) => outln!("done, stopped early: {stop:?}"),
+                    (None, Some(stop), _) => outln!("done, stopped early: {stop}"),
                     (None, None, true) => outln!("done, waiting for an approval"),
                     (None, None, false) => outln!("done"),
                 }

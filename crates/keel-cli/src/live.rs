@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use crate::config::Settings;
 use crate::model::{self, LIVE_SYSTEM, LiveArgs, ModelSpec};
 use crate::store;
-use crate::ui::{exit, thousands};
+use crate::ui::{count, exit, thousands};
 use crate::{errln, out, outln};
 
 /// `keel run`
@@ -204,8 +204,8 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     );
     if let Some(s) = &existing {
         outln!(
-            "continuing after {} model calls; at most {} more in this run",
-            s.step,
+            "continuing after {}; at most {} more in this run",
+            count(s.step, "model call"),
             args.max_steps
         );
     }
@@ -235,10 +235,10 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         state.answer().unwrap_or_else(|| "(none)".into())
     );
     outln!(
-        "\n{} model calls, {} milestones, {} epochs; thread {thread}",
-        state.step,
-        state.milestones_made,
-        state.epochs_made
+        "\n{}, {}, {}; thread {thread}",
+        count(state.step, "model call"),
+        count(state.milestones_made, "milestone"),
+        count(state.epochs_made, "epoch")
     );
     Ok(ExitCode::SUCCESS)
 }

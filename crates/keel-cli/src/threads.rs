@@ -339,14 +339,14 @@ async fn show(
     }
     let total = system_tokens + goal_tokens + epoch_tokens + milestone_tokens + raw_tokens;
     crate::outln!(
-        "thread `{thread}`: {} model calls, {} milestones and {} epochs made{}",
-        state.step,
-        state.milestones_made,
-        state.epochs_made,
+        "thread `{thread}`: {}, {} and {} made{}",
+        crate::ui::count(state.step, "model call"),
+        crate::ui::count(state.milestones_made, "milestone"),
+        crate::ui::count(state.epochs_made, "epoch"),
         state
             .stop
             .as_ref()
-            .map(|s| format!(", stopped: {s:?}"))
+            .map(|s| format!("; stopped: {s}"))
             .unwrap_or_default()
     );
     crate::outln!(

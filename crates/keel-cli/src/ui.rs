@@ -158,6 +158,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// `1 model call`, `2 model calls`: a count with its noun, in thousands.
+pub fn count(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{} {noun}s", thousands(n))
+    }
+}
+
 /// A share as a percentage with one decimal: `0.4012` → `40.1%`.
 pub fn percent(share: f64) -> String {
     if share.is_finite() {
@@ -211,6 +220,13 @@ mod tests {
         );
         let plain = anyhow::anyhow!("disk full").context("cannot write report.json");
         assert_eq!(error_lines(&plain).len(), 2);
+    }
+
+    #[test]
+    fn counts_take_the_plural_but_for_one() {
+        assert_eq!(count(1, "model call"), "1 model call");
+        assert_eq!(count(0, "epoch"), "0 epochs");
+        assert_eq!(count(1_200, "milestone"), "1,200 milestones");
     }
 
     #[test]
