@@ -248,11 +248,7 @@ fn messages_of(
 fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Vec<Trajectory>> {
     let stem = stem(path);
     let dataset = format.name().to_owned();
-    let make = |id: String, messages: Vec<Message>| Trajectory {
-        dataset: dataset.clone(),
-        messages: with_ids(&id, messages),
-        id,
-    };
+    let make = |id: String, messages: Vec<Message>| Trajectory::new(dataset.clone(), id, messages);
     if let Some(messages) = value.get("messages").and_then(Value::as_array) {
         return Ok(vec![make(
             stem.clone(),
@@ -302,11 +298,7 @@ fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
             let id = format!("{stem}-{}", n + 1);
             let msgs = openai::from_values(messages)
                 .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
-            runs.push(Trajectory {
-                dataset: "openai-jsonl".into(),
-                messages: with_ids(&id, msgs),
-                id,
-            });
+            runs.push(Trajectory::new("openai-jsonl", id, msgs));
         } else {
             let m = openai::from_value(&v)
                 .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
@@ -314,11 +306,7 @@ fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
         }
     }
     if !single.is_empty() {
-        runs.push(Trajectory {
-            dataset: "openai-jsonl".into(),
-            messages: with_ids(&stem, single),
-            id: stem,
-        });
+        runs.push(Trajectory::new("openai-jsonl", stem, single));
     }
     Ok(runs)
 }
@@ -327,15 +315,6 @@ fn stem(path: &Path) -> String {
     path.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "run".to_owned())
-}
-
-fn with_ids(prefix: &str, mut messages: Vec<Message>) -> Vec<Message> {
-    for (i, m) in messages.iter_mut().enumerate() {
-        if m.id.is_none() {
-            m.id = Some(format!("{prefix}-{i}"));
-        }
-    }
-    messages
 }
 
 #[cfg(test)]

@@ -19,6 +19,25 @@ pub struct Trajectory {
 }
 
 impl Trajectory {
+    /// A run of `messages` from `dataset`, named `id`; a message without an id gets
+    /// `<id>-<index>`, so compaction can name what it removes.
+    ///
+    /// ```
+    /// use keel_compaction::replay::Trajectory;
+    /// use keel_message::Message;
+    ///
+    /// let t = Trajectory::new("mine", "run-1", vec![Message::user("Book a flight.")]);
+    /// assert_eq!(t.messages[0].id.as_deref(), Some("run-1-0"));
+    /// ```
+    pub fn new(dataset: impl Into<String>, id: impl Into<String>, messages: Vec<Message>) -> Self {
+        let id = id.into();
+        Trajectory {
+            dataset: dataset.into(),
+            messages: with_ids(&id, messages),
+            id,
+        }
+    }
+
     /// Assistant turns (model calls).
     pub fn turns(&self) -> usize {
         self.messages
@@ -29,8 +48,9 @@ impl Trajectory {
 
     /// Where the goal is: the first user message that is the task itself, not a
     /// demonstration or an environment observation (messages flagged with
-    /// [`OBSERVATION_METADATA_KEY`]); the first user message when every one is
-    /// flagged. `None` for a run without user messages.
+    /// [`OBSERVATION_METADATA_KEY`]) and not a bare greeting (`Hi!`, `Hello there.`);
+    /// failing that the first unflagged user message, then the first user message.
+    /// `None` for a run without user messages.
     pub fn goal_index(&self) -> Option<usize> {
         goal_index(&self.messages)
     }
@@ -49,10 +69,37 @@ pub(crate) fn goal_index(messages: &[Message]) -> Option<usize> {
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
+    let task = |m: &Message| m.role == Role::User && !flagged(m);
     messages
         .iter()
-        .position(|m| m.role == Role::User && !flagged(m))
+        .position(|m| task(m) && !is_greeting(&m.text()))
+        .or_else(|| messages.iter().position(task))
         .or_else(|| messages.iter().position(|m| m.role == Role::User))
+}
+
+/// A user message that only greets (`Hi!`, `Hello there.`, `Good morning`): not the
+/// task statement when a later user message holds one.
+fn is_greeting(text: &str) -> bool {
+    const WORDS: [&str; 12] = [
+        "hi",
+        "hello",
+        "hey",
+        "there",
+        "good",
+        "morning",
+        "afternoon",
+        "evening",
+        "greetings",
+        "hiya",
+        "howdy",
+        "thanks",
+    ];
+    let words: Vec<String> = text
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect();
+    !words.is_empty() && words.len() <= 4 && words.iter().all(|w| WORDS.contains(&w.as_str()))
 }
 
 /// Why a trajectory file could not be loaded.
