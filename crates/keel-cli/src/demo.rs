@@ -43,11 +43,11 @@ pub struct DemoArgs {
     /// The directory the agent surveys with its file tools (read-only).
     #[arg(long, default_value = ".")]
     dir: PathBuf,
-    /// Where the SQLite file, the offload store and the outputs go [default: ./.keel,
-    /// or KEEL_HOME, or `home` in keel.toml].
+    /// Where the SQLite file, the offload store and the outputs go (default: ./.keel,
+    /// or KEEL_HOME, or `home` in keel.toml).
     #[arg(long)]
     home: Option<PathBuf>,
-    /// Where report.json and context-tokens.svg go [default: the home directory].
+    /// Where report.json and context-tokens.svg go (default: the home directory).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Model calls of the scripted survey (the final question adds two or three); a
@@ -68,7 +68,7 @@ pub struct DemoArgs {
     /// `extractive` (no model) or a model for summaries, e.g. `ollama/<name>`.
     #[arg(long, default_value = "extractive")]
     summarizer: String,
-    /// The thread id [default: a new `demo-<uuid>` thread].
+    /// The thread id (default: a new `demo-<uuid>` thread).
     #[arg(long)]
     thread: Option<String>,
     /// Print report.json to stdout instead of the summary table.

@@ -84,13 +84,13 @@ pub struct WorkerArgs {
     /// Runs held at once.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
-    /// `ollama/<name>`, `openai/<name>` or `scripted` [default: KEEL_MODEL, or `model` in keel.toml].
+    /// `ollama/<name>`, `openai/<name>` or `scripted` (default: KEEL_MODEL, or `model` in keel.toml).
     #[arg(long)]
     model: Option<String>,
     /// The directory the (read-only) file tools are rooted at.
     #[arg(long, default_value = ".")]
     dir: PathBuf,
-    /// The worker's name in run statuses [default: host name and process id].
+    /// The worker's name in run statuses (default: host name and process id).
     #[arg(long)]
     name: Option<String>,
     /// Seconds a silent worker keeps its runs before another takes them over.

@@ -36,8 +36,8 @@ with the model, --dir and --window it ran with (flags given again override them)
 Servers: OLLAMA_BASE_URL (default http://127.0.0.1:11434), OPENAI_BASE_URL and
 OPENAI_API_KEY. Threads live in --home (SQLite) or --database-url / DATABASE_URL.")]
 pub struct RunArgs {
-    /// `ollama/<name>` or `openai/<name>` [default: the thread's model, KEEL_MODEL, or
-    /// `model` in keel.toml].
+    /// `ollama/<name>` or `openai/<name>` (default: the thread's model, KEEL_MODEL, or
+    /// `model` in keel.toml).
     #[arg(long)]
     model: Option<String>,
     /// The goal of a new thread (never compacted; heads every prompt).
@@ -46,10 +46,10 @@ pub struct RunArgs {
     /// A follow-up message to a thread.
     #[arg(long)]
     message: Option<String>,
-    /// The directory the file tools are rooted at [default: the thread's, else `.`].
+    /// The directory the file tools are rooted at (default: the thread's, else `.`).
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// The thread id [default: a new `run-<uuid>` thread].
+    /// The thread id (default: a new `run-<uuid>` thread).
     #[arg(long)]
     thread: Option<String>,
     /// The home directory of the embedded SQLite file and offload store.

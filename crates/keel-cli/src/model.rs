@@ -22,8 +22,8 @@ pub const LIVE_SYSTEM: &str = "You are a careful engineering agent. Use your too
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
     /// The model's context window in tokens, when keel does not know the model
-    /// [default: KEEL_WINDOW, or `window` in keel.toml, else keel's profile of the
-    /// model].
+    /// (default: KEEL_WINDOW, or `window` in keel.toml, else keel's profile of the
+    /// model).
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
     /// The longest reply the model may write, in tokens.

@@ -42,7 +42,7 @@ pub struct ReplayArgs {
     /// Compaction strategies to compare (repeat the flag).
     #[arg(long, value_enum, default_values_t = [StrategyName::Hierarchical])]
     strategy: Vec<StrategyName>,
-    /// The model window in tokens [default: the model's window].
+    /// The model window in tokens (default: the model's window).
     #[arg(long)]
     window: Option<usize>,
     /// The model whose profile (window, tokenizer) to use.
