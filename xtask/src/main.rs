@@ -39,11 +39,15 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Benchmarks with their Python peers side by side: `token`, `reducer`, or `all`.
+    /// Benchmarks beside their peers: one group (`token`, `graph`, ...), or `all` (the
+    /// default), which writes one table to docs/benchmarks.md.
     Bench {
         /// Which benchmark group to run.
         #[arg(default_value = "all")]
         target: String,
+        /// One repetition per size and smaller agent-loop sizes (said so in the file).
+        #[arg(long)]
+        quick: bool,
     },
     /// The targeted context evals (tests/evals): one line per eval, transcripts under target/evals.
     Eval {
@@ -61,7 +65,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Ci => ci::ci(),
         Command::Test { args } => ci::test(&args),
-        Command::Bench { target } => bench::bench(&target),
+        Command::Bench { target, quick } => bench::bench(&target, quick),
         Command::Eval { live } => eval::eval(live),
         Command::LlmLive => llm::live(),
         Command::GenVectors => vectors::gen_vectors(),

@@ -23,6 +23,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 use super::agent_keel::{self, Config, Measurement};
+use super::report::Row;
 use crate::node::NodePeer;
 use crate::pg::Database;
 use crate::util::{has_program, root, run_capture};
@@ -55,6 +56,7 @@ fn sizes() -> Vec<u64> {
             .split(',')
             .filter_map(|s| s.trim().replace('_', "").parse().ok())
             .collect(),
+        _ if super::quick() => vec![100, 1_000],
         _ => DEFAULT_SIZES.to_vec(),
     }
 }
@@ -68,8 +70,8 @@ fn reps_for(n: u64) -> u32 {
     }
 }
 
-/// Runs the benchmark and prints the comparison.
-pub fn run() -> Result<()> {
+/// Runs the benchmark, prints the comparison and returns its rows for the one table.
+pub fn run() -> Result<Vec<Row>> {
     let sizes = sizes();
     if sizes.is_empty() {
         bail!("KEEL_BENCH_AGENT_SIZES has no sizes");
@@ -192,6 +194,7 @@ pub fn run() -> Result<()> {
         pgbench: pgbench.as_ref(),
     };
     report.print();
+    let table = report.rows(&skipped, &keel_errors);
     for (error, configs) in &keel_errors {
         println!("keel side failed ({}): {error}", configs.join(", "));
     }
@@ -211,7 +214,7 @@ pub fn run() -> Result<()> {
     std::fs::write(&out, format!("{raw:#}\n"))
         .with_context(|| format!("writing {}", out.display()))?;
     println!("raw results: {}", out.display());
-    Ok(())
+    Ok(table)
 }
 
 fn run_peer(
@@ -339,6 +342,73 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
+    /// One row per (backend, durability, N): steps/s beside LangGraph.js, with the
+    /// targets `print_targets` checks (memory 30x, Postgres sync 6x).
+    fn rows(&self, skipped: &[String], keel_errors: &BTreeMap<String, Vec<String>>) -> Vec<Row> {
+        let mut keys: Vec<Key> = self.peer.keys().chain(self.keel.keys()).copied().collect();
+        keys.sort();
+        keys.dedup();
+        let mut out = Vec::new();
+        for key in &keys {
+            let (backend, durability, has_peer) =
+                CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let k = self.keel.get(key);
+            let p = self.peer.get(key);
+            let label = format!("{backend}/{durability} N={}", thousands(key.1));
+            let mut row = Row::faster(
+                "agent loop",
+                format!(
+                    "{backend}, durability {durability}, N = {}",
+                    thousands(key.1)
+                ),
+                "steps/s",
+                k.map(|s| s.steps_per_s),
+                "LangGraph.js",
+                p.map(|s| s.steps_per_s),
+            );
+            match backend {
+                "memory" => row = row.target(30.0),
+                "postgres" if durability == "sync" => row = row.target(6.0),
+                _ => {}
+            }
+            let mut notes: Vec<String> = Vec::new();
+            if !has_peer {
+                notes.push("the LangGraph.js peer has no SQLite saver installed".into());
+            }
+            notes.extend(
+                skipped
+                    .iter()
+                    .filter(|s| s.contains(&label))
+                    .map(|s| format!("skipped: {s}")),
+            );
+            for (error, configs) in keel_errors {
+                if configs
+                    .iter()
+                    .any(|c| c == &format!("{backend}/{durability} N={}", key.1))
+                {
+                    notes.push(format!("keel failed: {error}"));
+                }
+            }
+            if let (Some(k), Some(p)) = (
+                k.and_then(|s| s.bytes_per_step),
+                p.and_then(|s| s.bytes_per_step),
+            ) {
+                notes.push(format!(
+                    "bytes/step in the saver: keel {k:.0}, LangGraph.js {p:.0}"
+                ));
+            }
+            if let (Some(k), Some(p)) = (k.and_then(|s| s.peak_rss), p.and_then(|s| s.peak_rss)) {
+                notes.push(format!(
+                    "peak RSS: keel {:.0} MB, LangGraph.js {:.0} MB",
+                    k / 1e6,
+                    p / 1e6
+                ));
+            }
+            out.push(row.note(notes.join("; ")));
+        }
+        out
+    }
+
     fn print(&self) {
         let mut keys: Vec<Key> = self.peer.keys().chain(self.keel.keys()).copied().collect();
         keys.sort();

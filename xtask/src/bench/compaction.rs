@@ -6,8 +6,9 @@ use std::path::Path;
 
 use anyhow::Result;
 
+use super::report::Row;
 use crate::python::Venv;
-use crate::util::{cargo, run};
+use crate::util::{cargo, run, run_capture};
 
 /// The Deep Agents peer and the LangChain packages its script imports.
 const DEEPAGENTS: &[&str] = &[
@@ -63,8 +64,132 @@ pub fn run_bench() -> Result<()> {
 /// scores those prompts with `score_prompts` beside keel's replay. A peer that cannot
 /// be installed or run makes its rows say why; the bench goes on.
 fn deepagents_peer(data: &Path) -> Result<()> {
+    deepagents_scored(data, true).map(drop)
+}
+
+/// The replay comparison's rows for the one table: keel's three strategies against
+/// Deep Agents at each dataset and window, scored by one scorer. Under `--quick` the
+/// Deep Agents prompt logs of an earlier `cargo xtask bench compaction` are scored
+/// again when they are there (the scores depend only on the recorded runs).
+pub fn rows() -> Result<Vec<Row>> {
+    let data = crate::util::root().join("../shared/data");
+    if !data.exists() {
+        return Ok(vec![
+            Row::faster(SECTION, "all", "-", None, "Deep Agents", None)
+                .note("../shared/data is absent: nothing to replay"),
+        ]);
+    }
+    let reuse = super::quick() && crate::util::root().join(WORK).join("input").exists();
+    let out = deepagents_scored(&data, !reuse)?;
+    let mut rows = parse_score(&out);
+    if reuse {
+        for r in &mut rows {
+            if r.peer_value.is_some() {
+                r.note = format!(
+                    "{}{}Deep Agents' prompt logs from an earlier run, scored again in this one",
+                    r.note,
+                    if r.note.is_empty() { "" } else { "; " }
+                );
+            }
+        }
+    }
+    Ok(rows)
+}
+
+const SECTION: &str = "compaction replay (../shared/data)";
+
+/// One side's figures from a score line.
+struct Side {
+    tokens: f64,
+    cost: f64,
+    cacheable: f64,
+    recall: f64,
+}
+
+fn parse_side(fields: &[&str]) -> Option<Side> {
+    // runs turns full→sent saved% full→sent saved% cacheable% over→over goal% recall% ...
+    let sent = |f: &str| f.split('→').nth(1)?.parse::<f64>().ok();
+    let pct = |f: &str| f.trim_end_matches('%').parse::<f64>().ok();
+    Some(Side {
+        tokens: sent(fields.get(2)?)?,
+        cost: sent(fields.get(4)?)?,
+        cacheable: pct(fields.get(6)?)?,
+        recall: pct(fields.get(9)?)?,
+    })
+}
+
+/// Rows from `replay_peer score`'s output.
+fn parse_score(out: &str) -> Vec<Row> {
+    let mut keel: Vec<(String, String, String, Side)> = Vec::new();
+    let mut peer: std::collections::BTreeMap<(String, String), Side> = Default::default();
+    let mut notes: std::collections::BTreeMap<(String, String), String> = Default::default();
+    for line in out.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 || f[1].parse::<u64>().is_err() {
+            continue;
+        }
+        let key = (f[0].to_owned(), f[1].to_owned());
+        if f[2] == "keel" {
+            if let Some(side) = parse_side(&f[4..]) {
+                keel.push((key.0, key.1, f[3].to_owned(), side));
+            }
+        } else if f[2] == "deepagents" {
+            match parse_side(&f[3..]) {
+                Some(side) => {
+                    peer.insert(key, side);
+                }
+                None if f[3] != "its" => {
+                    notes.insert(key, f[3..].join(" "));
+                }
+                None => {}
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for (dataset, window, strategy, k) in &keel {
+        let key = (dataset.clone(), window.clone());
+        let p = peer.get(&key);
+        let note = notes.get(&key).cloned().unwrap_or_default();
+        let workload = |what: &str| format!("{dataset}, window {window}, keel {strategy}: {what}");
+        let mut add = |what: &str, unit: &'static str, kv: f64, pv: Option<f64>, smaller: bool| {
+            let mut r = Row::faster(SECTION, workload(what), unit, Some(kv), "Deep Agents", pv)
+                .note(note.clone());
+            if smaller {
+                r = r.smaller();
+            }
+            rows.push(r);
+        };
+        add("tokens sent", "tokens", k.tokens, p.map(|p| p.tokens), true);
+        add(
+            "cache-weighted cost",
+            "token-equivalents",
+            k.cost,
+            p.map(|p| p.cost),
+            true,
+        );
+        add(
+            "cacheable turns",
+            "%",
+            k.cacheable,
+            p.map(|p| p.cacheable),
+            false,
+        );
+        add(
+            "needed-fact recall",
+            "%",
+            k.recall,
+            p.map(|p| p.recall),
+            false,
+        );
+    }
+    rows
+}
+
+/// Exports the runs, replays them in Deep Agents when `run_peer`, and returns the
+/// scorer's output.
+fn deepagents_scored(data: &Path, run_peer: bool) -> Result<String> {
     let work = crate::util::root().join(WORK);
-    if work.exists() {
+    if run_peer && work.exists() {
         std::fs::remove_dir_all(&work)?;
     }
     let example = |mode: &str| {
@@ -86,6 +211,11 @@ fn deepagents_peer(data: &Path) -> Result<()> {
         .arg(data);
         c
     };
+    if !run_peer {
+        let mut score = example("score");
+        score.args(["--windows", &WINDOWS.join(","), "--peer", "deepagents"]);
+        return run_capture(&mut score);
+    }
     run(&mut example("export"))?;
     let unavailable = match Venv::ensure(DEEPAGENTS) {
         Err(e) => Some(format!("deepagents could not be installed ({e:#})")),
@@ -115,5 +245,7 @@ fn deepagents_peer(data: &Path) -> Result<()> {
     if let Some(why) = unavailable {
         score.args(["--peer-unavailable", &why]);
     }
-    run(&mut score)
+    let out = run_capture(&mut score)?;
+    print!("{out}");
+    Ok(out)
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::report::Row;
 use crate::python::Venv;
 use crate::util::{cargo, run_capture};
 
@@ -12,8 +13,8 @@ use crate::util::{cargo, run_capture};
 const LANGGRAPH: &str = "langgraph==1.2.24";
 
 /// Runs the graph benchmark and prints both sides with the ratio.
-pub fn run() -> Result<()> {
-    let reps = std::env::var("KEEL_BENCH_REPS").unwrap_or_else(|_| "5".into());
+pub fn run() -> Result<Vec<Row>> {
+    let reps = super::reps("5");
     eprintln!("keel-graph: self-loop, N = 200 / 2,000 / 20,000, {reps} repetitions, median");
     let keel = run_capture(cargo().args([
         "run",
@@ -35,12 +36,17 @@ pub fn run() -> Result<()> {
     eprintln!(
         "LangGraph {LANGGRAPH}: same workload (20,000 steps only without a saver; its saver's cost grows with N)"
     );
-    let mut peer = run_capture(venv.python().args([script, "none", "3", "200", "2000"]))?;
+    let peer_reps = super::reps("3");
+    let mut peer = run_capture(
+        venv.python()
+            .args([script, "none", &peer_reps, "200", "2000"]),
+    )?;
     peer.push_str(&run_capture(
         venv.python().args([script, "none", "1", "20000"]),
     )?);
     peer.push_str(&run_capture(
-        venv.python().args([script, "memory", "3", "200", "2000"]),
+        venv.python()
+            .args([script, "memory", &peer_reps, "200", "2000"]),
     )?);
 
     let rows = |text: &str| -> Result<BTreeMap<(String, u64), Value>> {
@@ -76,6 +82,37 @@ pub fn run() -> Result<()> {
             k["us_per_step"].as_f64().unwrap_or(0.0)
         );
     }
+    let mut out = Vec::new();
+    for ((saver, n), k) in &keel {
+        let p = peer.get(&(saver.clone(), *n));
+        let mut row = Row::faster(
+            "graph loop",
+            format!("{saver}, N = {n}"),
+            "steps/s",
+            k["steps_per_s"].as_f64(),
+            "LangGraph",
+            p.and_then(|p| p["steps_per_s"].as_f64()),
+        );
+        if p.is_none() {
+            row = row.note(
+                "LangGraph's in-memory saver is not run at N = 20,000 (its cost grows with N)",
+            );
+        }
+        out.push(row);
+        out.push(
+            Row::faster(
+                "graph loop",
+                format!("{saver}, N = {n}"),
+                "steps/s",
+                k["steps_per_s"].as_f64(),
+                "LangGraph.js",
+                None,
+            )
+            .note(
+                "no LangGraph.js peer of the one-node loop in xtask/peers (only of the agent loop)",
+            ),
+        );
+    }
     for saver in ["none", "memory"] {
         let us = |n: u64| {
             keel.get(&(saver.to_owned(), n))
@@ -88,5 +125,5 @@ pub fn run() -> Result<()> {
             );
         }
     }
-    Ok(())
+    Ok(out)
 }

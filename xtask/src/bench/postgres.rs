@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+use super::report::Row;
 use crate::pg::Database;
 use crate::python::Venv;
 use crate::util::{self, cargo, run_capture};
@@ -42,8 +43,8 @@ fn rows(text: &str) -> Result<Vec<Value>> {
 }
 
 /// Runs the Postgres benchmark and prints both sides with the ratio.
-pub fn run() -> Result<()> {
-    let reps = std::env::var("KEEL_BENCH_REPS").unwrap_or_else(|_| "3".into());
+pub fn run() -> Result<Vec<Row>> {
+    let reps = super::reps("3");
     let peer_reps = std::env::var("KEEL_BENCH_PEER_REPS").unwrap_or_else(|_| reps.clone());
     let db = Database::get(&[]);
     eprintln!("postgres bench: {}", db.describe());
@@ -109,7 +110,75 @@ pub fn run() -> Result<()> {
     }
     drop(db);
     report(&results);
-    Ok(())
+    Ok(table(&results))
+}
+
+/// The loop rows for the one table: steps/s at each N, and bytes stored after 2,000 steps.
+fn table(results: &[Value]) -> Vec<Row> {
+    let find = |session: &str, implementation: &str, n: u64| {
+        results.iter().find(|v| {
+            v["bench"] == "loop"
+                && v["session"] == session
+                && v["impl"] == implementation
+                && v["n"].as_u64() == Some(n)
+        })
+    };
+    let mut out = Vec::new();
+    for session in ["commit-on", "commit-off"] {
+        for n in [200, 2_000, 20_000] {
+            let Some(k) = find(session, "keel", n) else {
+                continue;
+            };
+            let p = find(session, "langgraph", n);
+            let workload = format!(
+                "postgres sync, synchronous_commit {}, N = {n}",
+                &session[7..]
+            );
+            let mut row = Row::faster(
+                "graph loop",
+                workload.clone(),
+                "steps/s",
+                k["steps_per_s"].as_f64(),
+                "LangGraph",
+                p.and_then(|p| p["steps_per_s"].as_f64()),
+            );
+            if p.is_none() {
+                row = row.note("LangGraph's PostgresSaver is run at N = 2,000 only (fsync-bound, minutes per size)");
+            }
+            out.push(row);
+            out.push(
+                Row::faster("graph loop", workload, "steps/s", k["steps_per_s"].as_f64(), "LangGraph.js", None)
+                    .note("no LangGraph.js peer of the one-node loop in xtask/peers (its PostgresSaver is measured in the agent loop)"),
+            );
+        }
+        if let Some(k) = find(session, "keel", 2_000) {
+            let p = find(session, "langgraph", 2_000);
+            out.push(
+                Row::faster(
+                    "bytes stored per thread, Postgres, 2,000 steps",
+                    format!(
+                        "synchronous_commit {}: checkpoint tables' size",
+                        &session[7..]
+                    ),
+                    "bytes",
+                    k["relation_bytes"].as_f64(),
+                    "LangGraph",
+                    p.and_then(|p| p["relation_bytes"].as_f64()),
+                )
+                .smaller()
+                .note(format!(
+                    "keel's rows alone: {:.0} bytes",
+                    k["row_bytes"].as_f64().unwrap_or(f64::NAN)
+                )),
+            );
+        }
+    }
+    out.push(
+        Row::faster("bytes stored per thread, Postgres, 2,000 steps", "checkpoint tables' size", "bytes", None, "LangGraph.js", None)
+            .smaller()
+            .note("no LangGraph.js one-node loop peer; the agent loop's bytes per step compare keel with LangGraph.js's PostgresSaver"),
+    );
+    out
 }
 
 fn report(results: &[Value]) {

@@ -6,11 +6,12 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::report::Row;
 use crate::util::{cargo, run_capture};
 
 /// Runs the SQLite benchmark and prints steps/s, per-step cost growth and file size.
-pub fn run() -> Result<()> {
-    let reps = std::env::var("KEEL_BENCH_REPS").unwrap_or_else(|_| "5".into());
+pub fn run() -> Result<Vec<Row>> {
+    let reps = super::reps("5");
     let full_up_to =
         std::env::var("KEEL_BENCH_SQLITE_FULL_UP_TO").unwrap_or_else(|_| "2000".into());
     eprintln!(
@@ -60,6 +61,39 @@ pub fn run() -> Result<()> {
             v["us_per_step"].as_f64().unwrap_or(0.0),
         );
     }
+    let mut table = Vec::new();
+    for ((saver, sync, n), v) in &rows {
+        if saver != "sqlite" {
+            continue;
+        }
+        let memory = rows
+            .iter()
+            .find(|((s, _, m), _)| s == "memory" && m == n)
+            .and_then(|(_, v)| v["us_per_step"].as_f64());
+        let us = v["us_per_step"].as_f64();
+        let overhead = match (us, memory) {
+            (Some(a), Some(b)) => format!("; {:.1} µs/step over keel's MemorySaver", a - b),
+            _ => String::new(),
+        };
+        let bytes = v["file_bytes"]
+            .as_u64()
+            .map_or(String::new(), |b| format!("; file {b} bytes"));
+        for peer in ["LangGraph", "LangGraph.js"] {
+            table.push(
+                Row::faster(
+                    "graph loop",
+                    format!("sqlite ({sync}), N = {n}"),
+                    "steps/s",
+                    v["steps_per_s"].as_f64(),
+                    peer,
+                    None,
+                )
+                .note(format!(
+                    "peer not run: the bench installs no SQLite saver for {peer}{overhead}{bytes}"
+                )),
+            );
+        }
+    }
     let variants: Vec<(String, String)> = rows
         .keys()
         .map(|(s, y, _)| (s.clone(), y.clone()))
@@ -90,5 +124,5 @@ pub fn run() -> Result<()> {
             );
         }
     }
-    Ok(())
+    Ok(table)
 }

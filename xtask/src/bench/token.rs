@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+use super::report::Row;
 use crate::python::Venv;
 use crate::util::{cargo, root, run_capture};
 
@@ -21,8 +22,8 @@ const TIKTOKEN: &str = "tiktoken==0.14.0";
 const CORPUS_BYTES: usize = 1_000_000;
 
 /// Runs the token benchmark and prints both sides with their ratio.
-pub fn run() -> Result<()> {
-    let runs = std::env::var("KEEL_BENCH_REPS").unwrap_or_else(|_| "15".into());
+pub fn run() -> Result<Vec<Row>> {
+    let runs = super::reps("15");
     let (corpus, files) = write_corpus()?;
     let bpe = o200k_file()?;
     let size = std::fs::metadata(&corpus)?.len();
@@ -90,7 +91,40 @@ pub fn run() -> Result<()> {
         (Some(a), Some(b)) if a == b => println!("tokens: keel-token {a} = tiktoken {b}"),
         _ => bail!("token counts differ: keel-token {ours:?}, tiktoken {theirs:?}"),
     }
-    Ok(())
+    let section = "token counting (o200k_base)";
+    let workload = format!(
+        "{:.2} MB of this repository's .rs/.md, repeated",
+        size as f64 / 1e6
+    );
+    let peer = Some(python);
+    Ok(vec![
+        Row::faster(
+            section,
+            format!("{workload}; keel 1 thread"),
+            "MB/s",
+            Some(keel_1),
+            "Python tiktoken",
+            peer,
+        )
+        .note("same token count on both sides"),
+        Row::faster(
+            section,
+            format!("{workload}; keel 2 threads"),
+            "MB/s",
+            Some(keel_2),
+            "Python tiktoken",
+            peer,
+        ),
+        Row::faster(
+            section,
+            format!("{workload}; tiktoken-rs encode_ordinary"),
+            "MB/s",
+            Some(tiktoken_rs),
+            "Python tiktoken",
+            peer,
+        )
+        .note("tiktoken-rs in keel's place, for reference"),
+    ])
 }
 
 /// The last line of `out` that is a JSON object.
