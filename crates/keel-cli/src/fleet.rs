@@ -17,7 +17,7 @@ use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role, ToolCall};
 use keel::model::{ChatModel, ChatOptions, ChatResponse, PolicyModel};
 use keel::token::{Encoding, ModelProfile};
-use keel_fleet::{FleetError, Policy, Queue, RunInput, RunStatus, Worker};
+use keel_fleet::{FleetError, Policy, Queue, RunId, RunInput, RunStatus, Worker};
 use serde_json::json;
 
 use crate::config::Settings;
@@ -328,4 +328,209 @@ fn scripted() -> PolicyModel {
         };
         Ok(ChatResponse::new(reply, "scripted"))
     })
+}
+
+/// `keel status`
+#[derive(Debug, Args)]
+#[command(
+    group(ArgGroup::new("which").required(true).args(["run", "thread"])),
+    after_help = "\
+Examples:
+  keel status 0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10     one run: queued, running (by whom, lease), done, failed, cancelled
+  keel status --thread ticket-42                       every run of a thread, oldest first
+  keel status --thread ticket-42 --json"
+)]
+pub struct StatusArgs {
+    /// The run id `keel submit` printed.
+    run: Option<String>,
+    /// Every run of this thread instead.
+    #[arg(long)]
+    thread: Option<String>,
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `keel cancel`
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  keel cancel 0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10
+
+A queued run is cancelled at once; a running one stops at its next step boundary and
+its thread keeps the steps it made. A finished run is left as it is.")]
+pub struct CancelArgs {
+    /// The run id `keel submit` printed.
+    run: String,
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Opens the queue for an admin command; a database without the queue's tables is
+/// a sentence, not a created schema.
+async fn existing_queue(
+    flag: Option<&str>,
+    settings: &Settings,
+    command: &str,
+) -> anyhow::Result<Queue> {
+    let url = database_url(flag, settings, command)?;
+    let queue = queue(&url)?;
+    queue.check().await.with_context(|| {
+        format!(
+            "no usable run queue at {}: `keel submit` creates it",
+            store::redact(&url)
+        )
+    })?;
+    Ok(queue)
+}
+
+fn millis(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// One run as a line of text and as JSON.
+fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value) {
+    let when = |t| crate::threads::utc(millis(t));
+    let (what, extra) = match &info.status {
+        RunStatus::Queued => ("queued".to_owned(), json!({})),
+        RunStatus::Running {
+            worker,
+            since,
+            lease_until,
+            lease_expired,
+            cancel_requested,
+            ..
+        } => (
+            format!(
+                "running on {worker} since {}; lease {} {}{}",
+                when(*since),
+                if *lease_expired {
+                    "expired at"
+                } else {
+                    "until"
+                },
+                when(*lease_until),
+                if *cancel_requested {
+                    "; cancel requested"
+                } else {
+                    ""
+                }
+            ),
+            json!({"worker": worker, "since": when(*since), "lease_until": when(*lease_until),
+                   "lease_expired": lease_expired, "cancel_requested": cancel_requested}),
+        ),
+        RunStatus::Done {
+            result,
+            finished_at,
+        } => {
+            let how = match (&result.answer, &result.stop, result.interrupted) {
+                (Some(answer), _, _) => {
+                    format!("answer: {}", answer.chars().take(200).collect::<String>())
+                }
+                (None, Some(stop), _) => format!("stopped early: {stop}"),
+                (None, None, true) => "waiting for an approval".to_owned(),
+                (None, None, false) => "no answer".to_owned(),
+            };
+            (
+                format!("done at {}; {how}", when(*finished_at)),
+                json!({"finished_at": when(*finished_at), "answer": result.answer,
+                       "stop": result.stop.as_ref().map(ToString::to_string), "interrupted": result.interrupted}),
+            )
+        }
+        RunStatus::Failed { error, finished_at } => (
+            format!("failed at {}: {error}", when(*finished_at)),
+            json!({"finished_at": when(*finished_at), "error": error}),
+        ),
+        RunStatus::Cancelled {
+            reason,
+            finished_at,
+        } => (
+            format!(
+                "cancelled at {}{}",
+                when(*finished_at),
+                reason
+                    .as_ref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            ),
+            json!({"finished_at": when(*finished_at), "reason": reason}),
+        ),
+        _ => (info.status.name().to_owned(), json!({})),
+    };
+    let line = format!(
+        "run {} (thread `{}`, #{}, {} of {} claims): {what}",
+        info.id, info.thread, info.seq, info.attempts, info.max_attempts
+    );
+    let mut value = json!({
+        "run": info.id.to_string(), "thread": info.thread, "seq": info.seq,
+        "status": info.status.name(), "policy": info.policy.as_str(),
+        "attempts": info.attempts, "max_attempts": info.max_attempts,
+        "submitted_at": when(info.submitted_at),
+    });
+    if let (Some(v), Some(extra)) = (value.as_object_mut(), extra.as_object()) {
+        v.extend(extra.clone());
+    }
+    (line, value)
+}
+
+fn run_id(text: &str) -> anyhow::Result<RunId> {
+    text.parse::<RunId>()
+        .map_err(|e| anyhow::anyhow!("{e}: give the id `keel submit` printed"))
+}
+
+/// Runs `keel status`.
+pub async fn status(args: StatusArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let run = args.run.as_deref().map(run_id).transpose()?;
+    let queue = existing_queue(args.database_url.as_deref(), settings, "status").await?;
+    let infos = match (run, &args.thread) {
+        (Some(run), _) => vec![queue.status(run).await.context("cannot read the run")?],
+        (None, Some(thread)) => {
+            let runs = queue
+                .runs(thread)
+                .await
+                .with_context(|| format!("cannot list the runs of thread `{thread}`"))?;
+            if runs.is_empty() && !args.json {
+                outln!("thread `{thread}` has no runs in the queue");
+            }
+            runs
+        }
+        (None, None) => bail!("give a run id, or --thread T"),
+    };
+    let described: Vec<_> = infos.iter().map(describe).collect();
+    if args.json {
+        let values: Vec<_> = described.into_iter().map(|(_, v)| v).collect();
+        let out = if run.is_some() {
+            values.into_iter().next().unwrap_or_default()
+        } else {
+            serde_json::Value::Array(values)
+        };
+        outln!("{out}");
+    } else {
+        for (line, _) in described {
+            outln!("{line}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `keel cancel`.
+pub async fn cancel(args: CancelArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    let run = run_id(&args.run)?;
+    let queue = existing_queue(args.database_url.as_deref(), settings, "cancel").await?;
+    let info = queue.cancel(run).await.context("cannot cancel the run")?;
+    let (line, value) = describe(&info);
+    if args.json {
+        outln!("{value}");
+    } else {
+        outln!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
 }

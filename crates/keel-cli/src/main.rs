@@ -68,6 +68,10 @@ enum Command {
     Submit(fleet::SubmitArgs),
     /// Run queued runs from the fleet's Postgres until Ctrl-C.
     Worker(fleet::WorkerArgs),
+    /// Where a queued run is (or every run of a thread).
+    Status(fleet::StatusArgs),
+    /// Cancel a queued or running run.
+    Cancel(fleet::CancelArgs),
 }
 
 fn main() -> ExitCode {
@@ -94,6 +98,8 @@ fn main() -> ExitCode {
             Command::Threads(args) => threads::run(args, &settings).await,
             Command::Submit(args) => fleet::submit(args, &settings).await,
             Command::Worker(args) => fleet::worker(args, &settings).await,
+            Command::Status(args) => fleet::status(args, &settings).await,
+            Command::Cancel(args) => fleet::cancel(args, &settings).await,
         }
     });
     match result {

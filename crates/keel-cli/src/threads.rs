@@ -507,7 +507,7 @@ fn human_duration(d: Duration) -> String {
 }
 
 /// Unix milliseconds as `2026-12-01 22:30:05`.
-fn utc(millis: u64) -> String {
+pub(crate) fn utc(millis: u64) -> String {
     let secs = millis / 1000;
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

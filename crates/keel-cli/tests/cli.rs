@@ -296,6 +296,10 @@ fn every_command_has_help_with_examples() {
         vec!["replay"],
         vec!["run"],
         vec!["threads"],
+        vec!["submit"],
+        vec!["worker"],
+        vec!["status"],
+        vec!["cancel"],
     ] {
         let out = keel().args(&cmd).arg("--help").output().unwrap();
         let (stdout, _) = text(&out);
@@ -1029,4 +1033,52 @@ async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
             > 0.0,
         "{stdout}"
     );
+}
+
+#[test]
+fn status_and_cancel_of_a_queued_run_on_postgres() {
+    let Some(url) = database_url() else { return };
+    let thread = format!(
+        "cli-queue-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let fleet = |args: &[&str]| {
+        keel()
+            .args(args)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap()
+    };
+    let submitted = fleet(&["submit", "--thread", &thread, "--goal", "Wait for me."]);
+    assert!(submitted.status.success(), "{:?}", text(&submitted));
+    let run = text(&submitted).0.trim().to_owned();
+
+    let status = fleet(&["status", &run, "--json"]);
+    assert!(status.status.success(), "{:?}", text(&status));
+    let info: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(info["status"], "queued");
+    assert_eq!(info["thread"], thread.as_str());
+
+    let cancelled = fleet(&["cancel", &run]);
+    assert!(cancelled.status.success(), "{:?}", text(&cancelled));
+    assert!(
+        text(&cancelled).0.contains("cancelled"),
+        "{:?}",
+        text(&cancelled)
+    );
+
+    let listed = fleet(&["status", "--thread", &thread]);
+    let (stdout, _) = text(&listed);
+    assert!(
+        stdout.contains(&run) && stdout.contains(": cancelled at"),
+        "{stdout}"
+    );
+
+    let bad = fleet(&["status", "not-a-run"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(text(&bad).1.contains("is not a run id"), "{:?}", text(&bad));
 }
