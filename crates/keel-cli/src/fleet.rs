@@ -391,13 +391,21 @@ async fn existing_queue(
     Ok(queue)
 }
 
+/// The fleet's queue in the database at `url`, if its tables are there (for `keel
+/// threads` to show run status; any failure means no queue to show).
+pub(crate) async fn queue_if_set_up(url: &str) -> Option<Queue> {
+    let queue = Queue::connect(url).ok()?;
+    queue.check().await.ok()?;
+    Some(queue)
+}
+
 fn millis(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// One run as a line of text and as JSON.
-fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value) {
+pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value) {
     let when = |t| crate::threads::utc(millis(t));
     let (what, extra) = match &info.status {
         RunStatus::Queued => ("queued".to_owned(), json!({})),

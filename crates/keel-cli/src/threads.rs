@@ -101,9 +101,17 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
     let storage = store::open(&home, url.as_deref(), false).await?;
     let offload = store::offload_for(&home, url.as_deref(), false)?;
     let saver = storage.saver.clone();
+    let queue = match url.as_deref() {
+        Some(url) => crate::fleet::queue_if_set_up(url).await,
+        None => None,
+    };
     match args.command {
-        ThreadsCommand::List { limit, after } => list(&saver, limit, after, args.json).await?,
-        ThreadsCommand::Show { thread, full } => show(&saver, &thread, full, args.json).await?,
+        ThreadsCommand::List { limit, after } => {
+            list(&saver, queue.as_ref(), limit, after, args.json).await?;
+        }
+        ThreadsCommand::Show { thread, full } => {
+            show(&saver, queue.as_ref(), &thread, full, args.json).await?;
+        }
         ThreadsCommand::History { thread, limit } => {
             history(&saver, &thread, limit, args.json).await?;
         }
@@ -238,6 +246,7 @@ async fn state_of(
 
 async fn list(
     saver: &Arc<dyn Checkpointer>,
+    queue: Option<&keel_fleet::Queue>,
     limit: usize,
     after: Option<String>,
     json_out: bool,
@@ -254,6 +263,9 @@ async fn list(
         "epochs".into(),
         "goal".into(),
     ]];
+    if queue.is_some() {
+        rows[0].insert(2, "last run".into());
+    }
     let mut out = Vec::new();
     for t in &threads {
         let state = state_of(saver, &t.thread_id).await.ok().flatten();
@@ -268,19 +280,32 @@ async fn list(
         let (steps, milestones, epochs) = state.as_ref().map_or((None, None, None), |s| {
             (Some(s.step), Some(s.milestones_made), Some(s.epochs_made))
         });
+        let last_run = match queue {
+            Some(q) => q
+                .runs(&t.thread_id)
+                .await
+                .ok()
+                .and_then(|runs| runs.last().map(|r| r.status.name())),
+            None => None,
+        };
         out.push(
             json!({"thread": t.thread_id, "last_active": when, "namespaces": t.namespaces,
-            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": goal}),
+            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": goal,
+            "last_run": last_run}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
-        rows.push(vec![
+        let mut row = vec![
             t.thread_id.clone(),
             when,
             show(steps),
             show(milestones),
             show(epochs),
             goal,
-        ]);
+        ];
+        if queue.is_some() {
+            row.insert(2, last_run.unwrap_or("-").to_owned());
+        }
+        rows.push(row);
     }
     if json_out {
         crate::outln!("{}", serde_json::to_string_pretty(&out)?);
@@ -302,11 +327,22 @@ async fn list(
 
 async fn show(
     saver: &Arc<dyn Checkpointer>,
+    queue: Option<&keel_fleet::Queue>,
     thread: &str,
     full: bool,
     json_out: bool,
 ) -> anyhow::Result<()> {
     exists(saver, thread).await?;
+    let runs = match queue {
+        Some(q) => q
+            .runs(thread)
+            .await
+            .with_context(|| format!("cannot list the queued runs of thread `{thread}`"))?
+            .iter()
+            .map(crate::fleet::describe)
+            .collect(),
+        None => Vec::new(),
+    };
     let state = state_of(saver, thread)
         .await?
         .with_context(|| format!("thread `{thread}` has no state"))?;
@@ -326,6 +362,7 @@ async fn show(
             serde_json::to_string_pretty(&json!({
                 "thread": thread, "model_calls": state.step, "milestones_made": state.milestones_made, "epochs_made": state.epochs_made,
                 "stop": state.stop,
+                "runs": runs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
                 "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
                 "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
                 "epoch": state.epoch.as_ref().map(layer),
@@ -349,6 +386,9 @@ async fn show(
             .map(|s| format!("; stopped: {s}"))
             .unwrap_or_default()
     );
+    for (line, _) in &runs {
+        crate::outln!("  {line}");
+    }
     crate::outln!(
         "the prompt in order, {} tokens (o200k) before tool specs:\n",
         thousands(total as u64)

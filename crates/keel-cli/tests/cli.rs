@@ -769,6 +769,36 @@ async fn threads_admin_works_on_postgres() {
             .unwrap()
             .is_empty()
     );
+    // A queued run shows in `threads show` and `threads list` (no worker runs it).
+    let submitted = keel()
+        .args(["submit", "--thread", &thread, "--message", "And the tests?"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(submitted.status.success(), "{:?}", text(&submitted));
+    let run = text(&submitted).0.trim().to_owned();
+    let show = admin(&["show", &thread]);
+    assert!(
+        text(&show).0.contains(&format!("run {run}")) && text(&show).0.contains("queued"),
+        "{:?}",
+        text(&show)
+    );
+    let list = admin(&["list", "--json", "--after", &before, "--limit", "1000"]);
+    let listed: Value = serde_json::from_slice(&list.stdout).unwrap();
+    let ours = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["thread"] == thread.as_str())
+        .expect("listed");
+    assert_eq!(ours["last_run"], "queued");
+    let cancel = keel()
+        .args(["cancel", &run])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(cancel.status.success(), "{:?}", text(&cancel));
+
     let prune = admin(&["prune", &thread, "--keep", "1"]);
     assert!(prune.status.success(), "{:?}", text(&prune));
     let delete = admin(&["delete", &thread]);
