@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use keel_message::{Message, Role, ToolSpec};
 use keel_model::{ChatModel, ChatOptions, ChatResponse};
-use keel_offload::{Archive, EvictLargeResults, PolicyEnv, ThreadId, TruncateArguments};
+use keel_offload::{
+    Appended, Archive, EvictLargeResults, OffloadError, PolicyEnv, ThreadId, TruncateArguments,
+};
 use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
 use keel_token::{ModelProfile, TokenCounter};
 
@@ -618,9 +620,9 @@ impl Compactor {
         tools: &[ToolSpec],
     ) -> Result<Done, CompactionError> {
         let hybrid = matches!(self.config.strategy, Strategy::Hybrid { .. });
-        let mut masked = self.mask(state, None)?;
+        let mut masked = self.mask(state, None).await?;
         if !hybrid && masked.archived == 0 {
-            masked = self.mask(state, Some(1))?;
+            masked = self.mask(state, Some(1)).await?;
         }
         let tokens = self.tokens(state, tools).total;
         let enough = if hybrid {
@@ -657,7 +659,7 @@ impl Compactor {
 
     /// Masks tool results of turns up to the boundary (or, with `keep_override`, all
     /// but the last `keep_override` turns). Returns how many messages were masked.
-    fn mask(
+    async fn mask(
         &self,
         state: &mut ContextState,
         keep_override: Option<usize>,
@@ -702,9 +704,8 @@ impl Compactor {
             return Ok(Done::masked(0));
         }
         let originals: Vec<Message> = targets.iter().map(|&i| state.raw[i].clone()).collect();
-        let appended = self
-            .archive
-            .append(&self.thread, &originals)
+        let appended = append_off_runtime(&self.archive, &self.thread, originals)
+            .await
             .map_err(CompactionError::Archive)?;
         for (k, &i) in targets.iter().enumerate() {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
@@ -879,9 +880,8 @@ impl Compactor {
             .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
             .cloned()
             .collect();
-        let appended = self
-            .archive
-            .append(&self.thread, &to_archive)
+        let appended = append_off_runtime(&self.archive, &self.thread, to_archive)
+            .await
             .map_err(CompactionError::Archive)?;
 
         // From here nothing can fail: flush.
@@ -1374,4 +1374,29 @@ fn usage_of(summary: &keel_summarize::Summary) -> (u64, u64, u64) {
 
 fn add_usage(a: (u64, u64, u64), b: (u64, u64, u64)) -> (u64, u64, u64) {
     (a.0 + b.0, a.1 + b.1, a.2 + b.2)
+}
+
+/// Appends to the archive off the async runtime. An append writes to the store and, with
+/// the file store's default, fsyncs: on a Tokio runtime it runs on the blocking pool so
+/// the runtime's threads keep serving other tasks (a current-thread runtime included);
+/// without one it runs inline.
+async fn append_off_runtime(
+    archive: &Arc<Archive>,
+    thread: &ThreadId,
+    messages: Vec<Message>,
+) -> Result<Appended, OffloadError> {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return archive.append(thread, &messages);
+    };
+    let (archive, owned) = (Arc::clone(archive), thread.clone());
+    handle
+        .spawn_blocking(move || archive.append(&owned, &messages))
+        .await
+        .unwrap_or_else(|e| {
+            Err(OffloadError::Io {
+                op: "append to the archive",
+                key: thread.to_string(),
+                source: std::io::Error::other(format!("the blocking task ended: {e}")),
+            })
+        })
 }

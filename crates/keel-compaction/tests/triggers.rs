@@ -202,3 +202,110 @@ async fn observations_relayed_as_user_turns_are_not_the_intent() {
         ["Please also check the tests."]
     );
 }
+
+/// A memory store whose `append` (the archive's write) blocks its thread until another
+/// task answers on a channel, for at most five seconds.
+struct WaitingStore {
+    inner: keel_offload::MemoryStore,
+    answer: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    answered: std::sync::atomic::AtomicBool,
+}
+
+impl keel_offload::OffloadStore for WaitingStore {
+    fn put(&self, key: &keel_offload::Key, text: &str) -> Result<u64, keel_offload::OffloadError> {
+        self.inner.put(key, text)
+    }
+    fn append(
+        &self,
+        key: &keel_offload::Key,
+        text: &str,
+    ) -> Result<u64, keel_offload::OffloadError> {
+        let got = self
+            .answer
+            .lock()
+            .unwrap()
+            .recv_timeout(std::time::Duration::from_secs(5));
+        if got.is_ok() {
+            self.answered
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.append(key, text)
+    }
+    fn get(&self, key: &keel_offload::Key) -> Result<String, keel_offload::OffloadError> {
+        self.inner.get(key)
+    }
+    fn open(
+        &self,
+        key: &keel_offload::Key,
+    ) -> Result<Box<dyn std::io::Read + Send + '_>, keel_offload::OffloadError> {
+        self.inner.open(key)
+    }
+    fn read_at(
+        &self,
+        key: &keel_offload::Key,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, keel_offload::OffloadError> {
+        self.inner.read_at(key, offset, len)
+    }
+    fn size(&self, key: &keel_offload::Key) -> Result<Option<u64>, keel_offload::OffloadError> {
+        self.inner.size(key)
+    }
+    fn list(
+        &self,
+        thread: &ThreadId,
+        under: Option<&keel_offload::StorePath>,
+    ) -> Result<Vec<keel_offload::Entry>, keel_offload::OffloadError> {
+        self.inner.list(thread, under)
+    }
+    fn delete(&self, key: &keel_offload::Key) -> Result<bool, keel_offload::OffloadError> {
+        self.inner.delete(key)
+    }
+}
+
+/// The archive append runs off the runtime: on a current-thread runtime, another task
+/// runs while the append blocks (inline, the append would wait its five seconds out
+/// with the only runtime thread, and the other task could not answer).
+#[test]
+fn a_current_thread_runtime_keeps_serving_tasks_while_the_archive_writes() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let store = Arc::new(WaitingStore {
+        inner: MemoryStore::new(),
+        answer: std::sync::Mutex::new(rx),
+        answered: std::sync::atomic::AtomicBool::new(false),
+    });
+    let archive = Arc::new(Archive::new(store.clone()));
+    let thread = ThreadId::new("t").unwrap();
+    let c = Compactor::new(
+        Arc::new(ExtractiveSummarizer::new()),
+        archive.clone(),
+        thread.clone(),
+        Arc::new(ApproxCounter::new()),
+        ModelProfile::new("test", 200_000, 20_000, Encoding::Approximate),
+    )
+    .with_config(CompactionConfig::default().with_every_steps(Some(3)));
+    let mut state = ContextState::new(GoalAnchor::new("Find why the build is slow."));
+    for i in 0..6 {
+        let (reply, results) = step(i, 200);
+        c.push_step(&mut state, reply, results);
+    }
+    runtime.block_on(async {
+        let answerer = tokio::spawn(async move {
+            // Runs only if the runtime's one thread is free while the append blocks.
+            let _ = tx.send(());
+        });
+        let event = c.compact(&mut state, Trigger::Steps, &[]).await.unwrap();
+        assert!(event.error.is_none(), "{event:?}");
+        assert!(event.messages_archived > 0, "{event:?}");
+        answerer.await.unwrap();
+    });
+    assert!(
+        store.answered.load(std::sync::atomic::Ordering::SeqCst),
+        "the other task answered while the archive append was blocked"
+    );
+    assert!(archive.len(&thread).unwrap() > 0);
+}
