@@ -30,7 +30,10 @@ use crate::store::{GrepOptions, OffloadStore, Pattern};
 ///   record). It is built on first use of a thread by reading the archive once,
 ///   O(archive size) — a few seconds for 1 GB, see the offload benchmark; after that
 ///   `get` by id is one hash lookup plus one read of that record, and `range` one read
-///   of the span.
+///   of the span. Each call first asks the store for the archive's size (a `stat`, or
+///   one query on a database): if another writer — a worker on the same database, a
+///   deleted thread — changed it, the index is read again, so a thread can move
+///   between workers. At most [`Archive::CACHED_THREADS`] idle indexes are kept.
 /// * `grep` streams the archive through the store's chunked search (hundreds of MB/s,
 ///   see the offload benchmark) and reads back only the matching records. It
 ///   searches the JSON text, so quotes and newlines inside messages appear escaped
@@ -171,6 +174,11 @@ impl Archive {
     /// The default archive path inside each thread.
     pub const DEFAULT_PATH: &'static str = "archive/messages.jsonl";
 
+    /// Threads whose index is kept in memory; past it, indexes not in use are dropped
+    /// (and read again from the store when needed), so an archive serving many
+    /// threads does not grow for every thread it ever touched.
+    pub const CACHED_THREADS: usize = 1_024;
+
     /// An archive in `store`, at [`Archive::DEFAULT_PATH`].
     pub fn new(store: Arc<dyn OffloadStore>) -> Self {
         Archive {
@@ -198,12 +206,25 @@ impl Archive {
         &self.store
     }
 
+    /// How many threads' indexes are in memory now (at most
+    /// [`Archive::CACHED_THREADS`] beyond those in use).
+    pub fn cached_threads(&self) -> usize {
+        self.threads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     fn key(&self, thread: &ThreadId) -> Key {
         Key::from_parts(thread.clone(), self.path.clone())
     }
 
     fn index(&self, thread: &ThreadId) -> Arc<Mutex<ThreadIndex>> {
         let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+        if threads.len() >= Self::CACHED_THREADS && !threads.contains_key(thread) {
+            // Bounded: drop the indexes nobody is using; they reload from the store.
+            threads.retain(|_, index| Arc::strong_count(index) > 1);
+        }
         threads.entry(thread.clone()).or_default().clone()
     }
 
@@ -216,6 +237,11 @@ impl Archive {
         let index = self.index(thread);
         let mut idx = index.lock().unwrap_or_else(PoisonError::into_inner);
         let key = self.key(thread);
+        if idx.loaded && self.store.size(&key)?.unwrap_or(0) != idx.end {
+            // Another writer (a worker on the same database, a deleted thread) changed
+            // the archive since this index read it: read it again.
+            idx.loaded = false;
+        }
         if !idx.loaded {
             *idx = self.load(&key)?;
         }

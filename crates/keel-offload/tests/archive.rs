@@ -353,3 +353,45 @@ fn the_archive_path_is_configurable() {
     archive.append(&t, &history(1)).unwrap();
     assert_eq!(store.list(&t, None).unwrap()[0].path, path);
 }
+
+/// Two archives on one store (two workers on one database): each sees what the other
+/// appended, and a deleted thread's archive starts again from nothing.
+#[test]
+fn an_archive_sees_other_writers_and_a_deleted_thread() {
+    let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
+    let (a, b) = (Archive::new(store.clone()), Archive::new(store.clone()));
+    let t = thread("moving");
+    let h = history(6);
+    a.append(&t, &h[..2]).unwrap();
+    assert_eq!(b.len(&t).unwrap(), 2);
+    b.append(&t, &h[2..4]).unwrap();
+    // `a` read the archive when it held 2 records; it sees 4 now and appends after them.
+    assert_eq!(a.len(&t).unwrap(), 4);
+    let appended = a.append(&t, &h[4..]).unwrap();
+    assert_eq!(appended.seqs, [4, 5]);
+    assert_eq!(b.get(&t, "m5").unwrap().unwrap().message, h[5]);
+    assert_eq!(a.append(&t, &h).unwrap().written, 0, "nothing twice");
+
+    store.delete_thread(&t).unwrap();
+    assert_eq!(a.len(&t).unwrap(), 0);
+    assert!(a.get(&t, "m1").unwrap().is_none());
+    assert_eq!(a.append(&t, &h[..1]).unwrap().seqs, [0]);
+    assert_eq!(a.get(&t, "m0").unwrap().unwrap().message, h[0]);
+}
+
+/// An archive that touched many threads keeps a bounded number of indexes, and one
+/// dropped from memory reads back from the store.
+#[test]
+fn indexes_of_many_threads_stay_bounded_and_reload() {
+    let archive = Archive::new(Arc::new(MemoryStore::new()));
+    let h = history(2);
+    for i in 0..(Archive::CACHED_THREADS * 3) {
+        archive.append(&thread(&format!("t{i}")), &h).unwrap();
+    }
+    for i in [0, Archive::CACHED_THREADS, Archive::CACHED_THREADS * 3 - 1] {
+        let t = thread(&format!("t{i}"));
+        assert_eq!(archive.len(&t).unwrap(), 2);
+        assert_eq!(archive.get(&t, "m1").unwrap().unwrap().message, h[1]);
+    }
+    assert!(archive.cached_threads() <= Archive::CACHED_THREADS);
+}
