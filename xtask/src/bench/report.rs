@@ -165,8 +165,11 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
     if quick {
         let _ = writeln!(
             md,
-            "* `--quick`: one repetition per size (medians of one), the agent loop at N = 100 and 1,000 only, \
-             and no Deep Agents replay; a full run takes well over 40 minutes on 2 cores"
+            "* `--quick`: one repetition per size (medians of one) in the graph, SQLite, Postgres and token \
+             groups; the agent loop at N = 100 and 1,000 only; Deep Agents is not driven again: the prompt \
+             logs of an earlier `cargo xtask bench compaction` are scored again (the scores depend only on \
+             the recorded runs and those logs). A full run (5 repetitions, the agent loop to N = 10,000, \
+             Deep Agents replaying every run at four windows) is estimated at over 40 minutes on 2 cores"
         );
     }
     let _ = writeln!(
