@@ -125,6 +125,7 @@ impl Default for StepTrigger {
 /// assert_eq!(config.strategy, Strategy::Hierarchical);
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct CompactionConfig {
     /// How the context is kept small.
     pub strategy: Strategy,

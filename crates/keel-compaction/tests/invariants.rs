@@ -332,10 +332,7 @@ async fn token_trigger_fires_at_the_fraction_and_compaction_fits_the_budget() {
 
 #[tokio::test]
 async fn the_step_ceiling_stops_the_run() {
-    let config = CompactionConfig {
-        max_steps: 3,
-        ..Default::default()
-    };
+    let config = CompactionConfig::default().with_max_steps(3);
     let rig = rig(config, 100_000, false);
     let mut state = ContextState::new(goal());
     for i in 0..3 {

@@ -67,11 +67,7 @@ fn transcript() -> Trajectory {
     for (i, msg) in m.iter_mut().enumerate() {
         msg.id = Some(format!("m{i}"));
     }
-    Trajectory {
-        dataset: "hand-made".into(),
-        id: "support".into(),
-        messages: m,
-    }
+    Trajectory::new("hand-made", "support", m)
 }
 
 fn last_turn_facts(facts: &[FactCheck]) -> Vec<(&str, bool, bool)> {

@@ -168,24 +168,22 @@ fn a_swe_agent_demonstration_is_not_the_goal() {
 #[test]
 fn a_bare_greeting_is_not_the_goal_but_a_greeting_with_a_request_is() {
     use keel_message::Message;
-    let run = |first: &str| Trajectory {
-        dataset: "t".into(),
-        id: "r".into(),
-        messages: vec![
-            Message::system("You are an airline agent."),
-            Message::user(first.to_owned()),
-            Message::assistant("How can I help?"),
-            Message::user("I need to cancel reservation ZK81QP.".to_owned()),
-        ],
+    let run = |first: &str| {
+        Trajectory::new(
+            "t",
+            "r",
+            vec![
+                Message::system("You are an airline agent."),
+                Message::user(first.to_owned()),
+                Message::assistant("How can I help?"),
+                Message::user("I need to cancel reservation ZK81QP.".to_owned()),
+            ],
+        )
     };
     assert_eq!(run("Hi there!").goal_index(), Some(3));
     assert_eq!(run("Hello.").goal_index(), Some(3));
     assert_eq!(run("Hi! I need to cancel my flight.").goal_index(), Some(1));
-    let only = Trajectory {
-        dataset: "t".into(),
-        id: "r".into(),
-        messages: vec![Message::user("Hey".to_owned())],
-    };
+    let only = Trajectory::new("t", "r", vec![Message::user("Hey".to_owned())]);
     assert_eq!(
         only.goal_index(),
         Some(0),

@@ -69,11 +69,7 @@ fn transcript() -> Trajectory {
     for (i, msg) in m.iter_mut().enumerate() {
         msg.id = Some(format!("m{i}"));
     }
-    Trajectory {
-        dataset: "hand-made".into(),
-        id: "support".into(),
-        messages: m,
-    }
+    Trajectory::new("hand-made", "support", m)
 }
 
 /// The full history before each recorded assistant message.
@@ -236,11 +232,11 @@ fn one_prompt_per_recorded_model_call() {
     ));
     assert!(err.to_string().contains("prompts for"), "{err}");
     // A run without a user message scores too (no goal to find in the prompts).
-    let bare = Trajectory {
-        dataset: "d".into(),
-        id: "bare".into(),
-        messages: vec![Message::system("s"), Message::assistant("hi")],
-    };
+    let bare = Trajectory::new(
+        "d",
+        "bare",
+        vec![Message::system("s"), Message::assistant("hi")],
+    );
     let run = score_prompts(&bare, &[vec![Message::system("s")]], counter()).unwrap();
     assert!(!run.turns[0].goal_intact);
 }

@@ -8,6 +8,7 @@ use std::fmt;
 /// assert_eq!(err.to_string(), "message 1: field `role`: unknown role `robot`");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FormatError {
     /// The input bytes are not UTF-8.
     #[error("invalid UTF-8 at byte offset {offset}")]

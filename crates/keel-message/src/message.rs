@@ -85,6 +85,7 @@ impl FromStr for Role {
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Message {
     /// Stable identifier, unique within a thread.
     #[serde(default, skip_serializing_if = "Option::is_none")]

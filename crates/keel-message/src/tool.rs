@@ -19,6 +19,7 @@ use serde_json::Value;
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ToolCall {
     /// Provider-assigned id; tool results answer it with `tool_call_id`.
     pub id: String,
@@ -207,6 +208,7 @@ impl<'de> Deserialize<'de> for ToolCall {
 /// assert_eq!(keel_message::openai::tool_to_value(&spec)["function"]["name"], "read_file");
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ToolSpec {
     /// The tool's name.
     pub name: String,

@@ -25,6 +25,7 @@ use crate::ModelError;
 /// assert_eq!(options.max_tokens, Some(256));
 /// ```
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct ChatOptions {
     /// Use this model instead of the one the client was configured with.
     pub model: Option<String>,
@@ -272,6 +273,7 @@ impl FinishReason {
 
 /// A model's reply.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct ChatResponse {
     /// The assistant message: text and tool calls.
     pub message: Message,

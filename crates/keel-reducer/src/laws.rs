@@ -329,15 +329,11 @@ fn content() -> impl Strategy<Value = Content> {
 
 fn tool_call() -> impl Strategy<Value = ToolCall> {
     ("c[0-9]{1,2}", "[a-z_]{1,8}", any::<bool>(), any::<u8>()).prop_map(|(id, name, valid, n)| {
-        ToolCall {
-            id,
-            name,
-            arguments: if valid {
-                ToolArguments::Json(json!({"n": n}))
-            } else {
-                ToolArguments::Invalid(format!("{{n: {n}"))
-            },
+        let mut call = ToolCall::new(id, name, json!({"n": n}));
+        if !valid {
+            call.arguments = ToolArguments::Invalid(format!("{{n: {n}"));
         }
+        call
     })
 }
 

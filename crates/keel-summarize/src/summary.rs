@@ -62,6 +62,7 @@ impl fmt::Display for Level {
 /// assert_eq!(request.previous, Some("- set up the repo"));
 /// ```
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct SummaryRequest<'a> {
     /// Milestone or epoch.
     pub level: Level,

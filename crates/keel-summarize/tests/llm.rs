@@ -168,10 +168,8 @@ async fn structured_reply_missing_sections_twice_is_rejected() {
 #[tokio::test]
 async fn empty_truncated_over_budget_and_too_many_bullets_are_rejected() {
     let msgs = steps();
-    let cut_off = ChatResponse {
-        finish_reason: Some(FinishReason::Length),
-        ..ChatResponse::new(Message::assistant("- a very long"), "m")
-    };
+    let mut cut_off = ChatResponse::new(Message::assistant("- a very long"), "m");
+    cut_off.finish_reason = Some(FinishReason::Length);
     let long = format!("- {}", "word ".repeat(400));
     let six = "- net.c:88 fails\n- b\n- c\n- d\n- e\n- f";
     let cases: Vec<(Vec<Turn>, Rejection)> = vec![

@@ -14,6 +14,7 @@ use crate::{ApproxCounter, Encoding, TokenCounter, TokenError};
 /// assert_eq!(p.input_budget(), 28_672);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ModelProfile {
     /// The model name (or name prefix) this profile is registered under.
     pub name: String,

@@ -9,6 +9,7 @@ use crate::state::OBSERVATION_METADATA_KEY;
 
 /// One recorded run: its messages in order, with ids assigned.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Trajectory {
     /// The dataset it came from (`tau-bench`, `swe-agent`).
     pub dataset: String,

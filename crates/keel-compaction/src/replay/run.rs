@@ -26,6 +26,7 @@ pub const OUTPUT_TOKEN_PRICE: f64 = 4.0;
 
 /// How to replay.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct ReplayConfig {
     /// The model window to enforce (a profile override, as Deep Agents' evals do).
     pub window: usize,

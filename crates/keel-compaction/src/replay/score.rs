@@ -60,7 +60,8 @@ pub enum ScoreError {
 ///     Message::user("It is OI5L9G."),
 ///     Message::assistant("Cancelling OI5L9G now."),
 /// ];
-/// let run = Trajectory { dataset: "hand-made".into(), id: "r1".into(), messages: messages.clone() };
+/// let run = Trajectory::new("hand-made", "r1", messages);
+/// let messages = &run.messages;
 /// // A manager that dropped the second user message before the second call.
 /// let prompts = vec![messages[..2].to_vec(), messages[..3].to_vec()];
 /// let counter: Arc<dyn TokenCounter> = Arc::new(ApproxCounter::default());
