@@ -2,7 +2,9 @@
 //! reason, when that folder is absent).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
+mod common;
+use common::data;
+
 use std::sync::Arc;
 
 use keel_compaction::Strategy;
@@ -10,19 +12,6 @@ use keel_compaction::replay::{
     ReplayConfig, Report, RunReport, Trajectory, load_swe_agent_dir, load_tau_bench, replay_all,
 };
 use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
-
-fn data() -> Option<PathBuf> {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"));
-    if dir.join("tau-bench/gpt-4o-airline.json").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "skipped: {} is absent (the shared trajectories exist only in CI)",
-            dir.display()
-        );
-        None
-    }
-}
 
 fn counter() -> Arc<dyn TokenCounter> {
     Arc::new(MemoCounter::new(TiktokenCounter::o200k_base().unwrap()))

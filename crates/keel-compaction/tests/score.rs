@@ -3,7 +3,9 @@
 //! reported them, and a manager that drops what the agent was told loses recall.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::PathBuf;
+mod common;
+use common::data;
+
 use std::sync::Arc;
 
 use keel_compaction::Strategy;
@@ -239,19 +241,6 @@ fn one_prompt_per_recorded_model_call() {
     );
     let run = score_prompts(&bare, &[vec![Message::system("s")]], counter()).unwrap();
     assert!(!run.turns[0].goal_intact);
-}
-
-fn data() -> Option<PathBuf> {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data"));
-    if dir.join("tau-bench/gpt-4o-airline.json").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "skipped: {} is absent (the shared trajectories exist only in CI)",
-            dir.display()
-        );
-        None
-    }
 }
 
 #[tokio::test]

@@ -62,23 +62,27 @@ fn http() -> HttpConfig {
     HttpConfig::default().request_timeout(TIMEOUT)
 }
 
+/// The model named by `env_var`, else the first one the server lists.
+async fn model_name(
+    env_var: &str,
+    url: &str,
+    listed: impl std::future::Future<Output = Result<Vec<String>, ModelError>>,
+) -> Result<String, EvalError> {
+    if let Some(m) = var(env_var) {
+        return Ok(m);
+    }
+    listed.await?.into_iter().next().ok_or_else(|| {
+        EvalError::Model(ModelError::Malformed(format!(
+            "{url} lists no models; set {env_var}"
+        )))
+    })
+}
+
 /// The live model named by the environment; `Ok(Err(why))` when no server is set.
 pub async fn from_env() -> Result<Result<Live, String>, EvalError> {
     if let Some(url) = var("OPENAI_BASE_URL") {
         let probe = OpenAiModel::new(OpenAiConfig::from_env("probe").http(http()))?;
-        let name = match var("OPENAI_MODEL") {
-            Some(m) => m,
-            None => probe
-                .list_models()
-                .await?
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    EvalError::Model(ModelError::Malformed(format!(
-                        "{url} lists no models; set OPENAI_MODEL"
-                    )))
-                })?,
-        };
+        let name = model_name("OPENAI_MODEL", &url, probe.list_models()).await?;
         let model = OpenAiModel::new(OpenAiConfig::from_env(name.clone()).http(http()))?;
         return Ok(Ok(Live {
             model: Arc::new(model),
@@ -87,19 +91,7 @@ pub async fn from_env() -> Result<Result<Live, String>, EvalError> {
     }
     if let Some(url) = var("OLLAMA_BASE_URL") {
         let probe = OllamaModel::new(OllamaConfig::from_env("probe").http(http()))?;
-        let name = match var("OLLAMA_MODEL") {
-            Some(m) => m,
-            None => probe
-                .list_models()
-                .await?
-                .into_iter()
-                .next()
-                .ok_or_else(|| {
-                    EvalError::Model(ModelError::Malformed(format!(
-                        "{url} lists no models; set OLLAMA_MODEL"
-                    )))
-                })?,
-        };
+        let name = model_name("OLLAMA_MODEL", &url, probe.list_models()).await?;
         let model = OllamaModel::new(OllamaConfig::from_env(name.clone()).http(http()))?;
         return Ok(Ok(Live {
             model: Arc::new(model),
