@@ -156,12 +156,7 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
         let info = queue.status(run).await?;
         match info.status {
             RunStatus::Done { result, .. } => {
-                match (&result.answer, &result.stop, result.interrupted) {
-                    (Some(answer), _, _) => outln!("done: {answer}"),
-                    (None, Some(stop), _) => outln!("done, stopped early: {stop}"),
-                    (None, None, true) => outln!("done, waiting for an approval"),
-                    (None, None, false) => outln!("done"),
-                }
+                outln!("done{}", outcome(&result, usize::MAX));
                 return Ok(ExitCode::SUCCESS);
             }
             RunStatus::Failed { error, .. } => {
@@ -394,7 +389,7 @@ async fn existing_queue(
 /// The fleet's queue in the database at `url`, if its tables are there (for `keel
 /// threads` to show run status; any failure means no queue to show).
 pub(crate) async fn queue_if_set_up(url: &str) -> Option<Queue> {
-    let queue = Queue::connect(url).ok()?;
+    let queue = queue(url).ok()?;
     queue.check().await.ok()?;
     Some(queue)
 }
@@ -402,6 +397,17 @@ pub(crate) async fn queue_if_set_up(url: &str) -> Option<Queue> {
 fn millis(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// How a finished run ended, after the word "done": `: <answer>` (cut to `limit`
+/// characters), `, stopped early: <why>`, `, waiting for an approval`, or nothing.
+fn outcome(result: &keel_fleet::RunResult, limit: usize) -> String {
+    match (&result.answer, &result.stop, result.interrupted) {
+        (Some(answer), _, _) => format!(": {}", answer.chars().take(limit).collect::<String>()),
+        (None, Some(stop), _) => format!(", stopped early: {stop}"),
+        (None, None, true) => ", waiting for an approval".to_owned(),
+        (None, None, false) => String::new(),
+    }
 }
 
 /// One run as a line of text and as JSON.
@@ -438,21 +444,11 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
         RunStatus::Done {
             result,
             finished_at,
-        } => {
-            let how = match (&result.answer, &result.stop, result.interrupted) {
-                (Some(answer), _, _) => {
-                    format!("answer: {}", answer.chars().take(200).collect::<String>())
-                }
-                (None, Some(stop), _) => format!("stopped early: {stop}"),
-                (None, None, true) => "waiting for an approval".to_owned(),
-                (None, None, false) => "no answer".to_owned(),
-            };
-            (
-                format!("done at {}; {how}", when(*finished_at)),
-                json!({"finished_at": when(*finished_at), "answer": result.answer,
+        } => (
+            format!("done at {}{}", when(*finished_at), outcome(result, 200)),
+            json!({"finished_at": when(*finished_at), "answer": result.answer,
                        "stop": result.stop.as_ref().map(ToString::to_string), "interrupted": result.interrupted}),
-            )
-        }
+        ),
         RunStatus::Failed { error, finished_at } => (
             format!("failed at {}: {error}", when(*finished_at)),
             json!({"finished_at": when(*finished_at), "error": error}),

@@ -459,6 +459,14 @@ fn replay_of_the_shared_swe_agent_runs() {
     );
 }
 
+/// An OpenAI chat-completions reply carrying `message`.
+fn openai_reply(message: Value, finish_reason: &str, usage: Value) -> ResponseTemplate {
+    ResponseTemplate::new(200).set_body_json(json!({
+        "id": "x", "object": "chat.completion", "model": "local",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": usage}))
+}
+
 /// A chat server that answers the first request with a tool call (`ls`) and any
 /// request that carries a tool result with a final answer.
 struct Scripted {
@@ -483,11 +491,12 @@ impl Respond for Scripted {
                 json!({"role": "assistant", "content": null, "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]})
             };
-            ResponseTemplate::new(200).set_body_json(json!({
-                "id": "x", "object": "chat.completion", "model": "local",
-                "choices": [{"index": 0, "message": message, "finish_reason": if has_result { "stop" } else { "tool_calls" }}],
-                "usage": {"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129,
-                          "prompt_tokens_details": {"cached_tokens": 64}}}))
+            openai_reply(
+                message,
+                if has_result { "stop" } else { "tool_calls" },
+                json!({"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129,
+                       "prompt_tokens_details": {"cached_tokens": 64}}),
+            )
         } else {
             let message = if has_result {
                 json!({"role": "assistant", "content": reply})
@@ -821,13 +830,13 @@ impl Respond for Looper {
             .unwrap()
             .push(body["max_tokens"].clone());
         let n = self.max_tokens.lock().unwrap().len();
-        ResponseTemplate::new(200).set_body_json(json!({
-            "id": "x", "object": "chat.completion", "model": "local",
-            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-                "role": "assistant", "content": null, "tool_calls": [
-                    {"id": format!("call_{n}"), "type": "function",
-                     "function": {"name": "ls", "arguments": "{}"}}]}}],
-            "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}}))
+        openai_reply(
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": format!("call_{n}"), "type": "function",
+                 "function": {"name": "ls", "arguments": "{}"}}]}),
+            "tool_calls",
+            json!({"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}),
+        )
     }
 }
 
@@ -995,11 +1004,11 @@ impl Respond for Summaries {
     fn respond(&self, _request: &Request) -> ResponseTemplate {
         self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let text = "SESSION INTENT:\n- Look up the orders of user mia_li_3668.\nSUMMARY:\n- Looked up orders 1 to 5 of mia_li_3668; each was found.\nARTIFACTS:\n- none\nNEXT STEPS:\n- Look up the next order.";
-        ResponseTemplate::new(200).set_body_json(json!({
-            "id": "s", "object": "chat.completion", "model": "local",
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
-            "usage": {"prompt_tokens": 900, "completion_tokens": 60, "total_tokens": 960}}))
+        openai_reply(
+            json!({"role": "assistant", "content": text}),
+            "stop",
+            json!({"prompt_tokens": 900, "completion_tokens": 60, "total_tokens": 960}),
+        )
     }
 }
 
