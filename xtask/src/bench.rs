@@ -37,11 +37,11 @@ pub fn reps(default: &str) -> String {
 const PEERS: &[(&str, &str)] = &[
     (
         "LangGraph (Python)",
-        "langgraph 1.2.24, langgraph-checkpoint-postgres 3.2.0, psycopg 3.3.9",
+        "langgraph 1.2.24, langgraph-checkpoint-postgres 3.2.0, psycopg 3.3.9, langgraph-checkpoint-sqlite 3.1.2",
     ),
     (
         "LangGraph.js",
-        "@langchain/langgraph 1.7.3, @langchain/langgraph-checkpoint-postgres 1.0.5, @langchain/core 1.4.0, pg 8.23.1 (xtask/peers/langgraphjs-agent/package-lock.json)",
+        "@langchain/langgraph 1.7.3, @langchain/langgraph-checkpoint-postgres 1.0.5, @langchain/langgraph-checkpoint-sqlite 1.0.4, better-sqlite3 12.11.1, @langchain/core 1.4.0, pg 8.23.1 (xtask/peers/langgraphjs-agent/package-lock.json)",
     ),
     ("Python tiktoken", "tiktoken 0.14.0"),
     (

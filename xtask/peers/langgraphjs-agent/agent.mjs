@@ -1,14 +1,17 @@
 // LangGraph.js peer of `cargo xtask bench agent`: keel's compacting agent loop, written
 // the way a LangGraph.js user would write it (a StateGraph, a BaseChatModel, `tool()`s
 // run by the prebuilt ToolNode, messagesStateReducer with RemoveMessage), on
-// MemorySaver or PostgresSaver.
+// MemorySaver, SqliteSaver or PostgresSaver.
 //
 // Usage:
-//   node agent.mjs --repo DIR --saver memory|postgres --durability sync|async \
-//                  --steps N [--reps R] [--url POSTGRES_URL] [--warmup 0]
-// (the URL defaults to DATABASE_URL; `--warmup 0` skips the untimed 50-step run on
-// MemorySaver that warms the JIT up before the measured repetitions). Prints one JSON line per repetition on stdout;
-// progress goes to stderr.
+//   node agent.mjs --repo DIR --saver memory|sqlite|postgres --durability sync|async \
+//                  --steps N [--reps R] [--url POSTGRES_URL] [--scratch DIR] [--warmup 0]
+// (the URL defaults to DATABASE_URL; SqliteSaver's file goes to a fresh directory under
+// --scratch, default the system's temporary directory, opened by better-sqlite3 with
+// journal_mode=WAL and synchronous=NORMAL, what keel's SqliteSaver runs with by default;
+// `--warmup 0` skips the untimed 50-step run on MemorySaver that warms the JIT up before
+// the measured repetitions). Prints one JSON line per repetition on stdout; progress
+// goes to stderr.
 //
 // The workload, which keel's side (xtask/src/bench/agent_keel.rs) repeats:
 //
@@ -47,8 +50,8 @@
 // compact  (every 10 agent steps) summarizes all messages but the last 2 with the fake
 //          summarizer, writes messages [RemoveMessage(REMOVE_ALL), ...last 2] and
 //          appends the summary to milestones; then prunes the thread's checkpoints to
-//          the newest 5 (PostgresSaver: deletes from its tables in one transaction;
-//          MemorySaver: deletes from its storage and writes).
+//          the newest 5 (PostgresSaver and SqliteSaver: deletes from their tables in
+//          one transaction; MemorySaver: deletes from its storage and writes).
 // epoch    (at 5 milestones) folds [epoch, ...milestones] with the fake summarizer into
 //          the new epoch and clears milestones.
 // The fake summarizer answers at once with an extractive summary: the first line of
@@ -61,7 +64,8 @@
 // ((wall - work) / steps), peak RSS (VmHWM, reset before each repetition, or the
 // largest sampled rss where /proc is not there) and, on Postgres, the bytes the thread
 // occupies at the end (sum of pg_column_size over its rows in the three tables) and the
-// saver tables' total relation size.
+// saver tables' total relation size; on SQLite, the database's used pages ((page_count -
+// freelist_count) x page_size, as keel's side counts its file).
 
 import fs from "node:fs";
 import path from "node:path";
@@ -81,6 +85,9 @@ import {
 } from "@langchain/langgraph";
 import { ToolNode } from "@langchain/langgraph/prebuilt";
 import { PostgresSaver } from "@langchain/langgraph-checkpoint-postgres";
+import { SqliteSaver } from "@langchain/langgraph-checkpoint-sqlite";
+import Database from "better-sqlite3";
+import os from "node:os";
 import pg from "pg";
 import { z } from "zod";
 
@@ -111,7 +118,7 @@ function parseArgs(argv) {
   }
   args.steps = Number(args.steps);
   args.reps = Number(args.reps);
-  if (!["memory", "postgres"].includes(args.saver)) throw new Error(`unknown saver ${args.saver}`);
+  if (!["memory", "sqlite", "postgres"].includes(args.saver)) throw new Error(`unknown saver ${args.saver}`);
   if (!["sync", "async"].includes(args.durability)) throw new Error(`unknown durability ${args.durability}`);
   if (args.saver === "postgres" && !args.url) throw new Error("postgres needs --url or DATABASE_URL");
   return args;
@@ -270,6 +277,26 @@ function memoryPruner(saver) {
       delete saver.writes[JSON.stringify([threadId, "", id])];
     }
   };
+}
+
+function sqlitePruner(db) {
+  // Checkpoints but the newest 5 and their writes (SqliteSaver keeps each checkpoint's
+  // channel values inline: no blobs to collect).
+  const gone = db.prepare(
+    `SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = ''
+     ORDER BY checkpoint_id DESC LIMIT -1 OFFSET ${KEEP_CHECKPOINTS}`,
+  );
+  const delCheckpoint = db.prepare(
+    "DELETE FROM checkpoints WHERE thread_id = ? AND checkpoint_ns = '' AND checkpoint_id = ?",
+  );
+  const delWrites = db.prepare("DELETE FROM writes WHERE thread_id = ? AND checkpoint_ns = '' AND checkpoint_id = ?");
+  const prune = db.transaction((threadId) => {
+    for (const { checkpoint_id: id } of gone.all(threadId)) {
+      delCheckpoint.run(threadId, id);
+      delWrites.run(threadId, id);
+    }
+  });
+  return async (threadId) => prune(threadId);
 }
 
 function postgresPruner(client, schema) {
@@ -436,9 +463,19 @@ async function runOnce(args, rep) {
   let prune;
   let client;
   let schema;
+  let sqlite;
   if (args.saver === "memory") {
     saver = new MemorySaver();
     prune = memoryPruner(saver);
+  } else if (args.saver === "sqlite") {
+    const dir = fs.mkdtempSync(path.join(args.scratch ?? os.tmpdir(), "lgjs-agent-"));
+    const db = new Database(path.join(dir, "agent.sqlite"));
+    db.pragma("journal_mode = WAL");
+    db.pragma("synchronous = NORMAL");
+    saver = new SqliteSaver(db);
+    saver.setup();
+    prune = sqlitePruner(db);
+    sqlite = { db, dir };
   } else {
     schema = `lgjs_agent_${process.pid}_${rep}`;
     client = new pg.Client({ connectionString: args.url });
@@ -495,6 +532,21 @@ async function runOnce(args, rep) {
     peak_rss_bytes: hwm ?? sampled,
     peak_rss_source: hwm ? "VmHWM" : "sampled",
   };
+  if (sqlite) {
+    const { db, dir } = sqlite;
+    const pages = db.pragma("page_count", { simple: true }) - db.pragma("freelist_count", { simple: true });
+    const bytes = pages * db.pragma("page_size", { simple: true });
+    const kept = db.prepare("SELECT count(*) AS n FROM checkpoints WHERE thread_id = ?").get(threadId).n;
+    Object.assign(result, {
+      file_bytes: bytes,
+      checkpoints_kept: kept,
+      bytes_per_step: bytes / args.steps,
+      journal_mode: db.pragma("journal_mode", { simple: true }),
+      synchronous_pragma: db.pragma("synchronous", { simple: true }),
+    });
+    db.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
   if (client) {
     const stored = await postgresBytes(client, schema, threadId);
     Object.assign(result, stored, { bytes_per_step: stored.row_bytes / args.steps });

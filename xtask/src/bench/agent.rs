@@ -2,8 +2,9 @@
 //! written in LangGraph.js (`xtask/peers/langgraphjs-agent/agent.mjs`), in one run, plus
 //! pgbench's single-client commit rate on the same PostgreSQL server.
 //!
-//! Configurations: memory (LangGraph.js's MemorySaver), SQLite (keel only: the peer
-//! has no SQLite saver installed) and PostgreSQL (PostgresSaver), each with sync and
+//! Configurations: memory (LangGraph.js's MemorySaver), SQLite (its SqliteSaver from
+//! `@langchain/langgraph-checkpoint-sqlite`; both sides on a file in WAL mode with
+//! `synchronous=NORMAL`, keel's default) and PostgreSQL (PostgresSaver), each with sync and
 //! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs below
 //! 10,000, one run at 10,000; a 10,000-step run whose estimate from the 1,000-step one
 //! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
@@ -31,14 +32,14 @@ use crate::util::{has_program, root, run_capture};
 /// The Node.js peer's folder under `xtask/peers/`.
 const PEER: &str = "langgraphjs-agent";
 
-/// (backend, durability, whether the LangGraph.js peer runs it), in table order.
-const CONFIGS: &[(&str, &str, bool)] = &[
-    ("memory", "async", true),
-    ("memory", "sync", true),
-    ("sqlite", "async", false),
-    ("sqlite", "sync", false),
-    ("postgres", "async", true),
-    ("postgres", "sync", true),
+/// (backend, durability), in table order; both sides run each.
+const CONFIGS: &[(&str, &str)] = &[
+    ("memory", "async"),
+    ("memory", "sync"),
+    ("sqlite", "async"),
+    ("sqlite", "sync"),
+    ("postgres", "async"),
+    ("postgres", "sync"),
 ];
 
 const DEFAULT_SIZES: &[u64] = &[100, 1_000, 10_000];
@@ -108,7 +109,7 @@ pub fn run() -> Result<Vec<Row>> {
     let only: Option<Vec<String>> = std::env::var("KEEL_BENCH_AGENT_BACKENDS")
         .ok()
         .map(|v| v.split(',').map(|b| b.trim().to_owned()).collect());
-    for &(backend, durability, has_peer) in CONFIGS {
+    for &(backend, durability) in CONFIGS {
         if backend == "postgres" && url.is_none() {
             continue;
         }
@@ -127,24 +128,30 @@ pub fn run() -> Result<Vec<Row>> {
                 last.map(|(m, secs)| secs * n as f64 / m as f64)
                     .filter(|est| *est > max_secs)
             };
-            if has_peer {
-                if let Some(est) = too_long(last_peer) {
-                    skipped.push(format!(
-                        "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
-                        thousands(n)
-                    ));
-                } else {
-                    eprintln!(
-                        "LangGraph.js {backend}/{durability}: N = {}, {reps} repetition(s)",
-                        thousands(n)
-                    );
-                    if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
-                        settle(u);
-                    }
-                    let rows = run_peer(&peer, url.as_deref(), backend, durability, n, reps)?;
-                    last_peer = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
-                    peer_rows.extend(rows);
+            if let Some(est) = too_long(last_peer) {
+                skipped.push(format!(
+                    "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
+                    thousands(n)
+                ));
+            } else {
+                eprintln!(
+                    "LangGraph.js {backend}/{durability}: N = {}, {reps} repetition(s)",
+                    thousands(n)
+                );
+                if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
+                    settle(u);
                 }
+                let rows = run_peer(
+                    &peer,
+                    url.as_deref(),
+                    &scratch,
+                    backend,
+                    durability,
+                    n,
+                    reps,
+                )?;
+                last_peer = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
+                peer_rows.extend(rows);
             }
             if let Some(est) = too_long(last_keel) {
                 skipped.push(format!(
@@ -220,6 +227,7 @@ pub fn run() -> Result<Vec<Row>> {
 fn run_peer(
     peer: &NodePeer,
     url: Option<&str>,
+    scratch: &std::path::Path,
     backend: &str,
     durability: &str,
     n: u64,
@@ -232,6 +240,9 @@ fn run_peer(
         .args(["--steps", &n.to_string(), "--reps", &reps.to_string()]);
     if let Some(url) = url.filter(|_| backend == "postgres") {
         c.args(["--url", url]);
+    }
+    if backend == "sqlite" {
+        c.arg("--scratch").arg(scratch);
     }
     let text = run_capture(&mut c)?;
     text.lines()
@@ -293,7 +304,7 @@ type Key = (usize, u64);
 fn config_index(backend: &str, durability: &str) -> usize {
     CONFIGS
         .iter()
-        .position(|(b, d, _)| *b == backend && *d == durability)
+        .position(|(b, d)| *b == backend && *d == durability)
         .unwrap_or(CONFIGS.len())
 }
 
@@ -350,8 +361,7 @@ impl Report<'_> {
         keys.dedup();
         let mut out = Vec::new();
         for key in &keys {
-            let (backend, durability, has_peer) =
-                CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             let k = self.keel.get(key);
             let p = self.peer.get(key);
             let label = format!("{backend}/{durability} N={}", thousands(key.1));
@@ -372,8 +382,8 @@ impl Report<'_> {
                 _ => {}
             }
             let mut notes: Vec<String> = Vec::new();
-            if !has_peer {
-                notes.push("the LangGraph.js peer has no SQLite saver installed".into());
+            if backend == "sqlite" {
+                notes.push("both sides: WAL, synchronous=NORMAL".into());
             }
             notes.extend(
                 skipped
@@ -438,7 +448,7 @@ impl Report<'_> {
             None => "-".into(),
         };
         for key in &keys {
-            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             let k = self.keel.get(key);
             let p = self.peer.get(key);
             let reps = k.or(p).map_or(0, |s| s.reps);
@@ -482,7 +492,7 @@ impl Report<'_> {
             )),
         );
         for (key, p) in &self.peer {
-            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             if backend != "postgres" {
                 continue;
             }
@@ -504,7 +514,7 @@ impl Report<'_> {
         println!("targets:");
         let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };
         for key in keys {
-            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             let k = self.keel.get(key);
             let p = self.peer.get(key);
             let target = match backend {
@@ -523,7 +533,7 @@ impl Report<'_> {
         }
         // Postgres (sync) within 2x of what pgbench allows.
         for key in keys {
-            let (backend, durability, _) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             if backend != "postgres" || durability != "sync" {
                 continue;
             }
@@ -566,7 +576,7 @@ impl Report<'_> {
         let mut configs: Vec<usize> = keys.iter().map(|k| k.0).collect();
         configs.dedup();
         for c in configs {
-            let (backend, durability, _) = CONFIGS.get(c).copied().unwrap_or(("?", "?", false));
+            let (backend, durability) = CONFIGS.get(c).copied().unwrap_or(("?", "?"));
             let what = format!(
                 "{backend}/{durability}: keel's per-step cost at N=10,000 within 1.3x of N=100"
             );

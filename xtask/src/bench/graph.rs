@@ -1,4 +1,6 @@
-//! Graph engine throughput: keel-graph vs LangGraph on the same self-loop workload.
+//! Graph engine throughput: keel-graph vs LangGraph and LangGraph.js on the same
+//! self-loop workload (`xtask/peers/langgraph_loop.py`,
+//! `xtask/peers/langgraphjs-agent/loop.mjs`).
 
 use std::collections::BTreeMap;
 
@@ -6,11 +8,26 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 use super::report::Row;
+use crate::node::NodePeer;
 use crate::python::Venv;
 use crate::util::{cargo, run_capture};
 
 /// LangGraph version the published figures were measured with.
-const LANGGRAPH: &str = "langgraph==1.2.24";
+pub(super) const LANGGRAPH: &str = "langgraph==1.2.24";
+
+/// The Node.js peer folder holding the LangGraph.js loop (`loop.mjs`), shared with the
+/// agent loop's peer.
+pub(super) const JS_PEER: &str = "langgraphjs-agent";
+
+/// Why LangGraph.js without a saver is not run at N = 20,000.
+const JS_NONE_SKIP: &str = "LangGraph.js without a saver is not run at N = 20,000: its \
+     per-step cost grows with N (in a trial on this machine about 3 ms/step at N = 2,000 and \
+     10.6 ms/step at N = 5,000), so 20,000 steps would take well over 10 minutes";
+
+/// Why LangGraph.js's MemorySaver is not run at N = 20,000.
+const JS_MEMORY_SKIP: &str = "LangGraph.js's MemorySaver is not run at N = 20,000: each step \
+     stores the whole message list again (its per-step cost grows with N; the 2,000-step run \
+     is already about a minute on this machine)";
 
 /// Runs the graph benchmark and prints both sides with the ratio.
 pub fn run() -> Result<Vec<Row>> {
@@ -49,6 +66,20 @@ pub fn run() -> Result<Vec<Row>> {
             .args([script, "memory", &peer_reps, "200", "2000"]),
     )?);
 
+    eprintln!(
+        "LangGraph.js: same workload (xtask/peers/langgraphjs-agent/loop.mjs), N = 200 / 2,000"
+    );
+    let (js_out, js_failed) = match js_loop(&peer_reps) {
+        Ok(out) => (out, None),
+        Err(e) => {
+            eprintln!("LangGraph.js loop: {e:#}");
+            (
+                String::new(),
+                Some(format!("LangGraph.js did not run: {e:#}")),
+            )
+        }
+    };
+
     let rows = |text: &str| -> Result<BTreeMap<(String, u64), Value>> {
         text.lines()
             .filter(|l| l.starts_with('{'))
@@ -64,21 +95,26 @@ pub fn run() -> Result<Vec<Row>> {
     };
     let keel = rows(&keel)?;
     let peer = rows(&peer)?;
+    let js = rows(&js_out)?;
     println!(
-        "{:<8} {:>7} {:>14} {:>14} {:>9} {:>12}",
-        "saver", "N", "keel steps/s", "LangGraph", "ratio", "keel µs/step"
+        "{:<8} {:>7} {:>14} {:>12} {:>9} {:>14} {:>9} {:>12}",
+        "saver", "N", "keel steps/s", "LangGraph", "ratio", "LangGraph.js", "ratio", "keel µs/step"
     );
-    for ((saver, n), k) in &keel {
+    let side = |map: &BTreeMap<(String, u64), Value>, key: &(String, u64), ks: f64| match map
+        .get(key)
+        .and_then(|p| p["steps_per_s"].as_f64())
+    {
+        Some(p) if p > 0.0 => (format!("{p:.0}"), format!("{:.0}x", ks / p)),
+        _ => ("-".into(), "-".into()),
+    };
+    for (key, k) in &keel {
         let ks = k["steps_per_s"].as_f64().unwrap_or(0.0);
-        let (ps, ratio) = match peer
-            .get(&(saver.clone(), *n))
-            .and_then(|p| p["steps_per_s"].as_f64())
-        {
-            Some(p) if p > 0.0 => (format!("{p:.0}"), format!("{:.0}x", ks / p)),
-            _ => ("-".into(), "-".into()),
-        };
+        let (ps, ratio) = side(&peer, key, ks);
+        let (js_s, js_ratio) = side(&js, key, ks);
         println!(
-            "{saver:<8} {n:>7} {ks:>14.0} {ps:>14} {ratio:>9} {:>12.2}",
+            "{:<8} {:>7} {ks:>14.0} {ps:>12} {ratio:>9} {js_s:>14} {js_ratio:>9} {:>12.2}",
+            key.0,
+            key.1,
             k["us_per_step"].as_f64().unwrap_or(0.0)
         );
     }
@@ -99,19 +135,24 @@ pub fn run() -> Result<Vec<Row>> {
             );
         }
         out.push(row);
-        out.push(
-            Row::faster(
-                "graph loop",
-                format!("{saver}, N = {n}"),
-                "steps/s",
-                k["steps_per_s"].as_f64(),
-                "LangGraph.js",
-                None,
-            )
-            .note(
-                "no LangGraph.js peer of the one-node loop in xtask/peers (only of the agent loop)",
-            ),
+        let j = js.get(&(saver.clone(), *n));
+        let mut row = Row::faster(
+            "graph loop",
+            format!("{saver}, N = {n}"),
+            "steps/s",
+            k["steps_per_s"].as_f64(),
+            "LangGraph.js",
+            j.and_then(|j| j["steps_per_s"].as_f64()),
         );
+        if j.is_none() {
+            row = row.note(match &js_failed {
+                Some(why) => why.as_str(),
+                None if saver == "memory" => JS_MEMORY_SKIP,
+                None if saver == "none" => JS_NONE_SKIP,
+                None => "LangGraph.js printed no result for this size",
+            });
+        }
+        out.push(row);
     }
     for saver in ["none", "memory"] {
         let us = |n: u64| {
@@ -125,5 +166,16 @@ pub fn run() -> Result<Vec<Row>> {
             );
         }
     }
+    Ok(out)
+}
+
+/// The LangGraph.js loop without a saver and on MemorySaver, at N = 200 and 2,000 (see
+/// [`JS_NONE_SKIP`] and [`JS_MEMORY_SKIP`]); its JSON lines.
+fn js_loop(reps: &str) -> Result<String> {
+    let js = NodePeer::ensure(JS_PEER)?;
+    let mut out = run_capture(js.node("loop.mjs").args(["none", reps, "200", "2000"]))?;
+    out.push_str(&run_capture(
+        js.node("loop.mjs").args(["memory", reps, "200", "2000"]),
+    )?);
     Ok(out)
 }

@@ -1,5 +1,7 @@
-//! Checkpointing to PostgreSQL: keel-checkpoint-postgres vs LangGraph's PostgresSaver on
-//! the graph benchmark's loop (sync durability), plus a load test of many threads.
+//! Checkpointing to PostgreSQL: keel-checkpoint-postgres vs LangGraph's and
+//! LangGraph.js's PostgresSaver on the graph benchmark's loop (sync durability;
+//! `xtask/peers/langgraph_postgres.py`, `xtask/peers/langgraphjs-agent/loop.mjs
+//! postgres`), plus a load test of many threads.
 //!
 //! Uses `DATABASE_URL`, or a throwaway cluster with PostgreSQL's default (durable)
 //! settings. Runs twice: with the server's commit setting (normally
@@ -13,7 +15,9 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+use super::graph::JS_PEER;
 use super::report::Row;
+use crate::node::NodePeer;
 use crate::pg::Database;
 use crate::python::Venv;
 use crate::util::{self, cargo, run_capture};
@@ -24,6 +28,11 @@ const PEERS: &[&str] = &[
     "psycopg==3.3.9",
     "psycopg-binary==3.3.9",
 ];
+
+/// The sizes the peers' PostgresSaver runs at: each of their steps stores the whole
+/// message list again, so a run's cost grows with N² (about a minute at 2,000 steps on
+/// this machine, over an hour at 20,000).
+const PEER_SIZES: [&str; 2] = ["200", "2000"];
 
 /// `url` with `-c synchronous_commit=off` added to the session options.
 fn async_commit(url: &str) -> String {
@@ -61,6 +70,8 @@ pub fn run() -> Result<Vec<Row>> {
         "bench_postgres",
     ]))?;
     let venv = Venv::ensure(PEERS)?;
+    let js = NodePeer::ensure(JS_PEER);
+    let mut js_failed: Option<String> = None;
     let keel = |session: &str, url: &str, args: &[&str]| -> Result<Vec<Value>> {
         rows(&run_capture(
             cargo()
@@ -105,16 +116,40 @@ pub fn run() -> Result<Vec<Row>> {
         results.extend(keel(session, url, &args)?);
         eprintln!("keel ({session}): load, 200 threads x 200 steps on a pool of 16");
         results.extend(keel(session, url, &["load", "200", "200", "16"])?);
-        eprintln!("LangGraph PostgresSaver ({session}): loop N = 2,000, {peer_reps} repetitions");
-        results.extend(peer(session, url, &["2000"])?);
+        eprintln!(
+            "LangGraph PostgresSaver ({session}): loop N = 200 / 2,000, {peer_reps} repetitions"
+        );
+        results.extend(peer(session, url, &PEER_SIZES)?);
+        eprintln!(
+            "LangGraph.js PostgresSaver ({session}): loop N = 200 / 2,000, {peer_reps} repetitions"
+        );
+        let js_rows = match &js {
+            Ok(js) => run_capture(
+                js.node("loop.mjs")
+                    .args(["postgres", &peer_reps])
+                    .args(PEER_SIZES)
+                    .env("DATABASE_URL", url)
+                    .env("KEEL_BENCH_SESSION", session),
+            )
+            .and_then(|text| rows(&text)),
+            Err(e) => Err(anyhow::anyhow!("{e:#}")),
+        };
+        match js_rows {
+            Ok(r) => results.extend(r),
+            Err(e) => {
+                eprintln!("LangGraph.js PostgresSaver ({session}): {e:#}");
+                js_failed = Some(format!("LangGraph.js did not run: {e:#}"));
+            }
+        }
     }
     drop(db);
     report(&results);
-    Ok(table(&results))
+    Ok(table(&results, js_failed.as_deref()))
 }
 
 /// The loop rows for the one table: steps/s at each N, and bytes stored after 2,000 steps.
-fn table(results: &[Value]) -> Vec<Row> {
+/// `js_failed` says why LangGraph.js has no results, when it did not run.
+fn table(results: &[Value], js_failed: Option<&str>) -> Vec<Row> {
     let find = |session: &str, implementation: &str, n: u64| {
         results.iter().find(|v| {
             v["bench"] == "loop"
@@ -143,42 +178,79 @@ fn table(results: &[Value]) -> Vec<Row> {
                 p.and_then(|p| p["steps_per_s"].as_f64()),
             );
             if p.is_none() {
-                row = row.note("LangGraph's PostgresSaver is run at N = 2,000 only (fsync-bound, minutes per size)");
+                row = row.note(skipped("LangGraph", find(session, "langgraph", 2_000)));
             }
             out.push(row);
-            out.push(
-                Row::faster("graph loop", workload, "steps/s", k["steps_per_s"].as_f64(), "LangGraph.js", None)
-                    .note("no LangGraph.js peer of the one-node loop in xtask/peers (its PostgresSaver is measured in the agent loop)"),
+            let j = find(session, "langgraphjs", n);
+            let mut row = Row::faster(
+                "graph loop",
+                workload,
+                "steps/s",
+                k["steps_per_s"].as_f64(),
+                "LangGraph.js",
+                j.and_then(|j| j["steps_per_s"].as_f64()),
             );
+            if j.is_none() {
+                row = row.note(match js_failed {
+                    Some(why) => why.to_owned(),
+                    None => skipped("LangGraph.js", find(session, "langgraphjs", 2_000)),
+                });
+            }
+            out.push(row);
         }
         if let Some(k) = find(session, "keel", 2_000) {
-            let p = find(session, "langgraph", 2_000);
-            out.push(
-                Row::faster(
-                    "bytes stored per thread, Postgres, 2,000 steps",
-                    format!(
-                        "synchronous_commit {}: checkpoint tables' size",
-                        &session[7..]
-                    ),
-                    "bytes",
-                    k["relation_bytes"].as_f64(),
-                    "LangGraph",
-                    p.and_then(|p| p["relation_bytes"].as_f64()),
-                )
-                .smaller()
-                .note(format!(
+            for (peer, implementation) in
+                [("LangGraph", "langgraph"), ("LangGraph.js", "langgraphjs")]
+            {
+                let p = find(session, implementation, 2_000);
+                let mut note = format!(
                     "keel's rows alone: {:.0} bytes",
                     k["row_bytes"].as_f64().unwrap_or(f64::NAN)
-                )),
-            );
+                );
+                if let (Some(why), None) =
+                    (js_failed.filter(|_| implementation == "langgraphjs"), p)
+                {
+                    note = format!("{why}; {note}");
+                }
+                out.push(
+                    Row::faster(
+                        "bytes stored per thread, Postgres, 2,000 steps",
+                        format!(
+                            "synchronous_commit {}: checkpoint tables' size",
+                            &session[7..]
+                        ),
+                        "bytes",
+                        k["relation_bytes"].as_f64(),
+                        peer,
+                        p.and_then(|p| p["relation_bytes"].as_f64()),
+                    )
+                    .smaller()
+                    .note(note),
+                );
+            }
         }
     }
-    out.push(
-        Row::faster("bytes stored per thread, Postgres, 2,000 steps", "checkpoint tables' size", "bytes", None, "LangGraph.js", None)
-            .smaller()
-            .note("no LangGraph.js one-node loop peer; the agent loop's bytes per step compare keel with LangGraph.js's PostgresSaver"),
-    );
     out
+}
+
+/// Why `peer`'s PostgresSaver has no row at this N, with its 2,000-step run's figures.
+fn skipped(peer: &str, at_2000: Option<&Value>) -> String {
+    let measured = at_2000
+        .and_then(|v| {
+            let rate = v["steps_per_s"].as_f64()?;
+            let bytes = v["relation_bytes"].as_f64()?;
+            Some(format!(
+                " ({:.0} s and {:.0} MB of tables at N = 2,000)",
+                2_000.0 / rate,
+                bytes / 1e6
+            ))
+        })
+        .unwrap_or_default();
+    format!(
+        "{peer}'s PostgresSaver is run at N = 200 and 2,000 only: each step stores the whole \
+         message list again, so a run's time and tables grow with N²{measured}; 20,000 steps \
+         would take about 100 times as long"
+    )
 }
 
 fn report(results: &[Value]) {
@@ -196,36 +268,51 @@ fn report(results: &[Value]) {
         })
         .collect();
     println!(
-        "{:<11} {:>6} {:>12} {:>10} {:>7} {:>11} {:>13} {:>13} {:>12}",
+        "{:<11} {:>6} {:>12} {:>10} {:>7} {:>10} {:>7} {:>11} {:>13} {:>13} {:>12} {:>12}",
         "session",
         "N",
         "keel st/s",
         "LangGraph",
         "ratio",
+        "LG.js",
+        "ratio",
         "keel µs/st",
         "keel rows B",
         "keel tables B",
-        "LG tables B"
+        "LG tables B",
+        "LG.js tbl B"
     );
     for ((session, implementation, n), k) in &loops {
         if implementation != "keel" {
             continue;
         }
         let ks = num(k, "steps_per_s");
-        let p = loops.get(&(session.clone(), "langgraph".into(), *n));
-        let (ps, ratio, pb) = match p {
-            Some(p) if num(p, "steps_per_s") > 0.0 => (
-                format!("{:.0}", num(p, "steps_per_s")),
-                format!("{:.1}x", ks / num(p, "steps_per_s")),
-                format!("{:.0}", num(p, "relation_bytes")),
-            ),
-            _ => ("-".into(), "-".into(), "-".into()),
-        };
+        let peer =
+            |implementation: &str| match loops.get(&(session.clone(), implementation.into(), *n)) {
+                Some(p) if num(p, "steps_per_s") > 0.0 => (
+                    format!("{:.0}", num(p, "steps_per_s")),
+                    format!("{:.1}x", ks / num(p, "steps_per_s")),
+                    format!("{:.0}", num(p, "relation_bytes")),
+                ),
+                _ => ("-".into(), "-".into(), "-".into()),
+            };
+        let (ps, ratio, pb) = peer("langgraph");
+        let (js, js_ratio, jb) = peer("langgraphjs");
         println!(
-            "{session:<11} {n:>6} {ks:>12.0} {ps:>10} {ratio:>7} {:>11.1} {:>13.0} {:>13.0} {pb:>12}",
+            "{session:<11} {n:>6} {ks:>12.0} {ps:>10} {ratio:>7} {js:>10} {js_ratio:>7} {:>11.1} {:>13.0} {:>13.0} {pb:>12} {jb:>12}",
             num(k, "us_per_step"),
             num(k, "row_bytes"),
             num(k, "relation_bytes"),
+        );
+    }
+    for v in results
+        .iter()
+        .filter(|v| v["impl"] == "langgraphjs" && v["n"].as_u64() == Some(2_000))
+    {
+        println!(
+            "LangGraph.js {}: the saver's connections ran with synchronous_commit = {}",
+            v["session"].as_str().unwrap_or("?"),
+            v["synchronous_commit"].as_str().unwrap_or("?")
         );
     }
     for (session, _) in loops

@@ -1,13 +1,78 @@
 //! SQLite checkpointer throughput: the graph benchmark's self-loop with a `SqliteSaver`
-//! on a file, sync durability, beside `MemorySaver` on the same machine.
+//! on a file, sync durability, beside `MemorySaver` on the same machine, and beside the
+//! peers' SQLite savers on the same loop: LangGraph's `langgraph-checkpoint-sqlite`
+//! (`xtask/peers/langgraph_loop.py sqlite:SYNC`) and LangGraph.js's
+//! `@langchain/langgraph-checkpoint-sqlite` (`xtask/peers/langgraphjs-agent/loop.mjs
+//! sqlite:SYNC`). Every side runs journal_mode=WAL with the same `synchronous` setting
+//! (FULL and NORMAL): keel through `SqliteOptions`, the peers on the connection they are
+//! handed (their savers set WAL themselves and leave `synchronous` alone).
 
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::graph::{JS_PEER, LANGGRAPH};
 use super::report::Row;
+use crate::node::NodePeer;
+use crate::python::Venv;
 use crate::util::{cargo, run_capture};
+
+/// LangGraph's SQLite saver, installed beside `langgraph` in the peer virtualenv.
+const LANGGRAPH_SQLITE: &str = "langgraph-checkpoint-sqlite==3.1.2";
+
+/// The sizes the peers run: at N = 20,000 their files would be ~100 times the 2,000-step
+/// one (see [`skip_note`]).
+const PEER_SIZES: [&str; 2] = ["200", "2000"];
+
+/// The peers' results keyed by (peer, synchronous, N).
+type PeerRows = BTreeMap<(&'static str, String, u64), Value>;
+
+/// Runs both peers' SQLite savers at [`PEER_SIZES`], synchronous FULL and NORMAL.
+fn peers(reps: &str) -> Result<PeerRows> {
+    let venv = Venv::ensure(&[LANGGRAPH, LANGGRAPH_SQLITE])?;
+    let js = NodePeer::ensure(JS_PEER)?;
+    let mut out = PeerRows::new();
+    for sync in ["full", "normal"] {
+        let saver = format!("sqlite:{sync}");
+        eprintln!(
+            "LangGraph {LANGGRAPH_SQLITE} and LangGraph.js SqliteSaver: the loop on a file, \
+             WAL, synchronous={sync}, sync durability, N = 200 / 2,000, {reps} repetition(s)"
+        );
+        let python = run_capture(
+            venv.python()
+                .args(["xtask/peers/langgraph_loop.py", &saver, reps])
+                .args(PEER_SIZES),
+        )?;
+        let node = run_capture(js.node("loop.mjs").args([&saver, reps]).args(PEER_SIZES))?;
+        for (peer, text) in [("LangGraph", python), ("LangGraph.js", node)] {
+            for line in text.lines().filter(|l| l.starts_with('{')) {
+                let v: Value = serde_json::from_str(line).with_context(|| {
+                    format!("{peer}'s SQLite loop printed a line that is not JSON")
+                })?;
+                let n = v["n"].as_u64().unwrap_or(0);
+                out.insert((peer, sync.to_owned(), n), v);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Why `peer` has no row at `n`: its saver stores every checkpoint with the whole
+/// message list, so its file grows with N².
+fn skip_note(peer: &'static str, peers: &PeerRows, sync: &str) -> String {
+    let at_2000 = peers
+        .get(&(peer, sync.to_owned(), 2_000))
+        .and_then(|v| v["file_bytes"].as_f64())
+        .map_or(String::new(), |b| {
+            format!(" ({:.0} MB after 2,000 steps)", b / 1e6)
+        });
+    format!(
+        "{peer} not run at this N: its SqliteSaver stores every checkpoint with the whole \
+         message list, so the file grows with N²{at_2000}; 20,000 steps would write about \
+         100 times that"
+    )
+}
 
 /// Runs the SQLite benchmark and prints steps/s, per-step cost growth and file size.
 pub fn run() -> Result<Vec<Row>> {
@@ -61,6 +126,50 @@ pub fn run() -> Result<Vec<Row>> {
             v["us_per_step"].as_f64().unwrap_or(0.0),
         );
     }
+    let peer_reps = super::reps("3");
+    let (peers, peers_failed) = match peers(&peer_reps) {
+        Ok(p) => (p, None),
+        Err(e) => {
+            eprintln!("SQLite peers: {e:#}");
+            (PeerRows::new(), Some(format!("peers did not run: {e:#}")))
+        }
+    };
+    println!(
+        "{:<12} {:>7} {:>12} {:>12} {:>8} {:>14} {:>8} {:>14} {:>14}",
+        "synchronous",
+        "N",
+        "keel st/s",
+        "LangGraph",
+        "ratio",
+        "LangGraph.js",
+        "ratio",
+        "LG file B",
+        "LG.js file B"
+    );
+    for ((saver, sync, n), v) in &rows {
+        if saver != "sqlite" {
+            continue;
+        }
+        let ks = v["steps_per_s"].as_f64().unwrap_or(0.0);
+        let cell = |peer: &'static str, key: &str| {
+            peers
+                .get(&(peer, sync.clone(), *n))
+                .and_then(|p| p[key].as_f64())
+        };
+        let rate = |peer: &'static str| match cell(peer, "steps_per_s") {
+            Some(p) if p > 0.0 => (format!("{p:.0}"), format!("{:.0}x", ks / p)),
+            _ => ("-".into(), "-".into()),
+        };
+        let file =
+            |peer: &'static str| cell(peer, "file_bytes").map_or("-".into(), |b| format!("{b:.0}"));
+        let (lg, lg_ratio) = rate("LangGraph");
+        let (js, js_ratio) = rate("LangGraph.js");
+        println!(
+            "{sync:<12} {n:>7} {ks:>12.0} {lg:>12} {lg_ratio:>8} {js:>14} {js_ratio:>8} {:>14} {:>14}",
+            file("LangGraph"),
+            file("LangGraph.js")
+        );
+    }
     let mut table = Vec::new();
     for ((saver, sync, n), v) in &rows {
         if saver != "sqlite" {
@@ -77,8 +186,24 @@ pub fn run() -> Result<Vec<Row>> {
         };
         let bytes = v["file_bytes"]
             .as_u64()
-            .map_or(String::new(), |b| format!("; file {b} bytes"));
+            .map_or(String::new(), |b| format!("; keel's file {b} bytes"));
         for peer in ["LangGraph", "LangGraph.js"] {
+            let p = peers.get(&(peer, sync.clone(), *n));
+            let pragmas = format!("WAL, synchronous={} on both sides", sync.to_uppercase());
+            let note = match p {
+                Some(p) => {
+                    let peer_file = p["file_bytes"]
+                        .as_u64()
+                        .map_or(String::new(), |b| format!(", {peer}'s {b} bytes"));
+                    format!("{pragmas}{overhead}{bytes}{peer_file} (WAL checkpointed)")
+                }
+                None => format!(
+                    "{}; {pragmas}{overhead}{bytes}",
+                    peers_failed
+                        .clone()
+                        .unwrap_or_else(|| skip_note(peer, &peers, sync))
+                ),
+            };
             table.push(
                 Row::faster(
                     "graph loop",
@@ -86,11 +211,9 @@ pub fn run() -> Result<Vec<Row>> {
                     "steps/s",
                     v["steps_per_s"].as_f64(),
                     peer,
-                    None,
+                    p.and_then(|p| p["steps_per_s"].as_f64()),
                 )
-                .note(format!(
-                    "peer not run: the bench installs no SQLite saver for {peer}{overhead}{bytes}"
-                )),
+                .note(note),
             );
         }
     }
