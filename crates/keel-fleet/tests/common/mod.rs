@@ -1,22 +1,25 @@
 //! What the fleet tests share: the database (skipped without `DATABASE_URL`, failing
 //! under `CI=true`), a scripted echo agent whose every reply is a function of its
-//! prompt, gates that hold a model call or a tool call, and a tracker that sees two
-//! workers running one thread at once.
+//! prompt (optionally with keel-agent's file tools in a directory per thread), gates
+//! that hold a model call or a tool call, and a tracker that sees two workers running
+//! one thread at once.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use keel_agent::tools::{EDIT_FILE, FileTools, GREP, LS, READ_FILE, WRITE_FILE};
 use keel_agent::{Agent, AgentBuilder, AgentInput, AgentState};
 use keel_checkpoint::MemorySaver;
 use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 use keel_compaction::CompactionConfig;
 use keel_fleet::{Queue, QueueOptions, RunId, RunInfo, RunStatus};
-use keel_message::{Message, Role, ToolCall, ToolSpec, tool_fn};
+use keel_message::{Message, Role, Tool, ToolCall, ToolError, ToolSpec, tool_fn};
 use keel_model::{ChatModel, ChatOptions, ChatResponse, ModelError};
-use keel_offload::{MemoryStore, OffloadStore};
+use keel_offload::{Archive, MemoryStore, OffloadStore, ThreadId};
 use keel_token::{Encoding, ModelProfile};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -162,8 +165,8 @@ fn next_number(messages: &[Message]) -> u64 {
     messages
         .iter()
         .rev()
-        .find(|m| m.role == Role::Tool)
-        .and_then(|m| {
+        .filter(|m| m.role == Role::Tool)
+        .find_map(|m| {
             m.text()
                 .strip_prefix("echoed ")
                 .and_then(|t| t.split(' ').next().map(str::to_owned))
@@ -172,10 +175,31 @@ fn next_number(messages: &[Message]) -> u64 {
         .map_or(0, |n| n + 1)
 }
 
-/// The echo model: calls `echo` with the next number until `steps`, then answers.
+/// The file tool call of step `n`, beside its echo: every fourth step writes a note,
+/// the next reads it, the next greps for it, the next lists the notes.
+fn file_call(n: u64) -> ToolCall {
+    let note = |k: u64| format!("notes/step-{k:03}.md");
+    let (name, args) = match n % 4 {
+        0 => (
+            WRITE_FILE,
+            json!({"path": note(n), "content": format!("step {n}\nnote N{n:05}\n")}),
+        ),
+        1 => (READ_FILE, json!({"path": note(n - 1)})),
+        2 => (
+            GREP,
+            json!({"pattern": format!("N{:05}", n - 2), "path": "notes"}),
+        ),
+        _ => (LS, json!({"path": "notes"})),
+    };
+    ToolCall::new(format!("f{n}"), name, args)
+}
+
+/// The echo model: calls `echo` with the next number until `steps`, then answers;
+/// with `files`, each step also calls a file tool ([`file_call`]).
 pub struct EchoModel {
     pub steps: u64,
     pub gate: Option<Arc<Gate>>,
+    pub files: bool,
 }
 
 #[async_trait::async_trait]
@@ -197,11 +221,15 @@ impl ChatModel for EchoModel {
         let reply = if next >= self.steps {
             Message::assistant(format!("Reached {}.", self.steps))
         } else {
-            Message::assistant(format!("Echoing {next}.")).with_tool_calls(vec![ToolCall::new(
+            let mut calls = vec![ToolCall::new(
                 format!("c{next}"),
                 "echo",
                 json!({"n": next}),
-            )])
+            )];
+            if self.files {
+                calls.push(file_call(next));
+            }
+            Message::assistant(format!("Echoing {next}.")).with_tool_calls(calls)
         };
         Ok(ChatResponse::new(reply, "echo"))
     }
@@ -227,6 +255,9 @@ pub struct Echo {
     /// Where each tool call is logged as `(thread, n, pid)`: a pool and the quoted
     /// table name.
     pub log: Option<(deadpool_postgres::Pool, String)>,
+    /// With a directory: the file tools, each thread's rooted in its own
+    /// subdirectory ([`thread_file_tools`]), and a file call at every step.
+    pub files: Option<PathBuf>,
 }
 
 impl Echo {
@@ -239,6 +270,7 @@ impl Echo {
             delay: Duration::from_millis(2),
             store: Arc::new(MemoryStore::new()),
             log: None,
+            files: None,
         }
     }
 
@@ -300,10 +332,12 @@ impl Echo {
                 }
             },
         );
+        let files = self.files.as_deref().map(thread_file_tools);
         Agent::builder()
             .model(Arc::new(EchoModel {
                 steps: self.steps,
                 gate: self.model_gate.clone(),
+                files: files.is_some(),
             }))
             .profile(ModelProfile::new(
                 "echo-model",
@@ -312,6 +346,7 @@ impl Echo {
                 Encoding::Approximate,
             ))
             .tool(Arc::new(echo))
+            .tools(files.unwrap_or_default())
             .offload_store(self.store.clone())
             .compaction(
                 CompactionConfig::default()
@@ -321,13 +356,130 @@ impl Echo {
     }
 }
 
+/// keel-agent's file tools (all but `edit_file`), each call served by the tools rooted
+/// in `base/<thread id>` (created on first use), so every thread has a directory of its
+/// own on any worker of this machine.
+///
+/// What a worker killed in a tools step leaves behind is cleared before each call, as
+/// a deployment has to:
+/// * a worker killed after a tools step ran but before it was stored runs the step
+///   again on takeover. `write_file` never overwrites, so a write is made replay-safe:
+///   a file that already holds exactly the content asked for is removed first and the
+///   write answers as the first one did (`edit_file` is left out: it cannot be
+///   repeated);
+/// * a worker killed inside `write_file` leaves its temporary file
+///   (`.keel-write-*`), which `ls` lists (though the file tools' `temp_file` says
+///   listings pass over it): such leftovers are removed, and each is logged in
+///   [`INTERRUPTED_WRITES`] under `base`.
+pub fn thread_file_tools(base: &Path) -> Vec<Arc<dyn Tool>> {
+    let template = FileTools::new(base).unwrap().tools();
+    template
+        .iter()
+        .map(|t| t.spec())
+        .filter(|spec| spec.name != EDIT_FILE)
+        .map(|spec| {
+            let name = spec.name.clone();
+            let base = base.to_owned();
+            Arc::new(tool_fn(spec, move |args, ctx| {
+                let dir = base.join(ctx.thread_id().unwrap_or("no-thread"));
+                let name = name.clone();
+                let base = base.clone();
+                async move {
+                    std::fs::create_dir_all(&dir).map_err(ToolError::failed)?;
+                    remove_interrupted_writes(&base, &dir);
+                    if name == WRITE_FILE
+                        && let (Some(path), Some(content)) =
+                            (args["path"].as_str(), args["content"].as_str())
+                        && std::fs::read_to_string(dir.join(path)).is_ok_and(|c| c == content)
+                    {
+                        std::fs::remove_file(dir.join(path)).map_err(ToolError::failed)?;
+                    }
+                    let tools = FileTools::new(&dir).map_err(ToolError::failed)?.tools();
+                    let tool = tools.into_iter().find(|t| t.spec().name == name).unwrap();
+                    tool.call(args, ctx).await
+                }
+            })) as Arc<dyn Tool>
+        })
+        .collect()
+}
+
+/// The file under the base directory of [`thread_file_tools`] that names each
+/// interrupted write's leftover they removed, one a line.
+pub const INTERRUPTED_WRITES: &str = "interrupted-writes.log";
+
+/// Removes `write_file`'s temporary files under `dir` and logs them.
+fn remove_interrupted_writes(base: &Path, dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_interrupted_writes(base, &path);
+        } else if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".keel-write-")
+        {
+            std::fs::remove_file(&path).unwrap();
+            let mut log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(base.join(INTERRUPTED_WRITES))
+                .unwrap();
+            std::io::Write::write_all(&mut log, format!("{}\n", path.display()).as_bytes())
+                .unwrap();
+        }
+    }
+}
+
+/// A thread's archive, record by record, as `[role, text, tool call id]` (ids are
+/// random); panics if an id is archived twice or the last record is not found by its
+/// id.
+pub fn archived(store: Arc<dyn OffloadStore>, thread: &str) -> Vec<Value> {
+    let archive = Archive::new(store);
+    let id = ThreadId::new(thread).unwrap();
+    let records = archive.range(&id, 0..archive.len(&id).unwrap()).unwrap();
+    let mut ids = std::collections::HashSet::new();
+    for r in &records {
+        if let Some(m) = r.message.id.as_deref() {
+            assert!(ids.insert(m), "{thread}: message {m} archived twice");
+        }
+    }
+    if let Some(last) = records.last()
+        && let Some(m) = last.message.id.as_deref()
+    {
+        assert_eq!(
+            archive.get(&id, m).unwrap().as_ref(),
+            Some(last),
+            "{thread}"
+        );
+    }
+    records
+        .iter()
+        .map(|r| {
+            json!([
+                format!("{:?}", r.message.role),
+                r.message.text(),
+                r.message.tool_call_id
+            ])
+        })
+        .collect()
+}
+
 pub fn goal(thread: &str) -> String {
     format!("Echo the numbers up to the end, for {thread}.")
 }
 
 /// The state an uninterrupted run reaches: the same agent on a memory saver.
 pub async fn reference(steps: u64, thread: &str, follow_ups: &[&str]) -> Value {
-    let agent = Echo::new(steps)
+    reference_with(&Echo::new(steps), thread, follow_ups).await
+}
+
+/// [`reference`] of an agent with these settings (give it a store and a files
+/// directory of its own: the run writes there).
+pub async fn reference_with(echo: &Echo, thread: &str, follow_ups: &[&str]) -> Value {
+    let agent = echo
         .agent("reference")
         .checkpointer(Arc::new(MemorySaver::new()))
         .build()
