@@ -19,7 +19,8 @@
 //!
 //! The checks cover the contract of [`OffloadStore`] (puts, appends that return their
 //! offset, reads at offsets, line reads, listing, grep, deletes, the file-or-directory
-//! rule), values large enough to span many internal chunks, `delete_thread`, readers
+//! rule), values large enough to span many internal chunks, `delete_thread`,
+//! `truncate`, readers
 //! racing a `put`, and the crate's own users over the store: [`Archive`] and
 //! [`RetrievalTools`].
 
@@ -42,6 +43,7 @@ pub fn run_all<S: OffloadStore + 'static>(store: &Arc<S>) {
     contract(&**store);
     large_values(&**store);
     delete_thread(&**store);
+    truncate(&**store);
     puts_are_atomic(store);
     archive(store);
     retrieval_tools(store);
@@ -475,6 +477,63 @@ pub fn large_values(store: &dyn OffloadStore) {
     check_eq!("large_values", store.get(&log).unwrap(), want);
     let lines = store.read_lines(&log, &LineRange::new(250, 2)).unwrap();
     check_eq!("large_values", lines.lines[1].text, "{\"seq\":251}");
+    store.delete_thread(&n.thread("t")).unwrap();
+}
+
+/// `truncate` cuts a value in place: inside a chunk of a multi-chunk value and at its
+/// start, a cut past the end changes nothing, appends continue from the cut, a missing
+/// file is `NotFound`, and a directory is not a file.
+pub fn truncate(store: &dyn OffloadStore) {
+    let n = Names::new("truncate");
+    let key = n.key("t", "archive/messages.jsonl");
+    // Two and a half MiB of lines: several chunks in the database backends.
+    let line = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcde\n";
+    let text = line.repeat(40_000);
+    store.put(&key, &text).unwrap();
+    let cut = 1_500_007u64;
+    check!("truncate", store.truncate(&key, cut).unwrap());
+    check_eq!("truncate", store.size(&key).unwrap(), Some(cut));
+    let got = store.get(&key).unwrap();
+    check!(
+        "truncate",
+        got == text[..cut as usize],
+        "{} bytes read back",
+        got.len()
+    );
+    check_eq!(
+        "truncate",
+        store.read_at(&key, cut - 10, 100).unwrap(),
+        text.as_bytes()[cut as usize - 10..cut as usize].to_vec()
+    );
+    // Appends continue where the cut is.
+    check_eq!("truncate", store.append(&key, "tail\n").unwrap(), cut);
+    check_eq!("truncate", store.size(&key).unwrap(), Some(cut + 5));
+    let got = store.get(&key).unwrap();
+    check!(
+        "truncate",
+        got.ends_with("tail\n") && got.len() as u64 == cut + 5
+    );
+    // Past the end: nothing to cut.
+    check!("truncate", !store.truncate(&key, cut + 5).unwrap());
+    check!("truncate", !store.truncate(&key, u64::MAX).unwrap());
+    // To nothing: the file stays, empty.
+    check!("truncate", store.truncate(&key, 0).unwrap());
+    check_eq!("truncate", store.size(&key).unwrap(), Some(0));
+    check_eq!("truncate", store.get(&key).unwrap(), "");
+    store.append(&key, "again\n").unwrap();
+    check_eq!("truncate", store.get(&key).unwrap(), "again\n");
+    // Missing files and directories.
+    check!(
+        "truncate",
+        store
+            .truncate(&n.key("t", "nope"), 1)
+            .unwrap_err()
+            .is_not_found()
+    );
+    check!(
+        "truncate",
+        store.truncate(&n.key("t", "archive"), 1).is_err()
+    );
     store.delete_thread(&n.thread("t")).unwrap();
 }
 

@@ -545,6 +545,30 @@ impl OffloadStore for FsStore {
         }
     }
 
+    /// Cuts the file in place (`set_len`), synced as writes are.
+    fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+        self.forget_appender(key);
+        let p = self.existing_file(key)?;
+        let f = no_follow()
+            .write(true)
+            .open(&p)
+            .map_err(|e| open_error(key, "open for truncation", e))?;
+        let size = f
+            .metadata()
+            .map_err(|e| OffloadError::io("inspect", key, e))?
+            .len();
+        if len >= size {
+            return Ok(false);
+        }
+        f.set_len(len)
+            .map_err(|e| OffloadError::io("truncate", key, e))?;
+        if self.fsync == Fsync::Always {
+            f.sync_data()
+                .map_err(|e| OffloadError::io("truncate", key, e))?;
+        }
+        Ok(true)
+    }
+
     /// Deletes the thread's files, then its directories, so a deleted thread leaves no
     /// empty tree behind. Directories are removed only when empty, deepest first, and
     /// symbolic links are never followed.

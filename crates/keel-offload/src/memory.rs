@@ -245,6 +245,24 @@ impl OffloadStore for MemoryStore {
         }
     }
 
+    fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+        let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        let Some(data) = inner.files.get_mut(&map_key(key)) else {
+            check_not_dir(&inner, key)?;
+            return Err(OffloadError::NotFound {
+                key: key.to_string(),
+            });
+        };
+        let old = data.len() as u64;
+        if len >= old {
+            return Ok(false);
+        }
+        // Copies only if a reader still holds the previous bytes.
+        Arc::make_mut(data).truncate(usize::try_from(len).unwrap_or(usize::MAX));
+        inner.bytes -= old - len;
+        Ok(true)
+    }
+
     fn delete(&self, key: &Key) -> Result<bool, OffloadError> {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         match inner.files.remove(&map_key(key)) {

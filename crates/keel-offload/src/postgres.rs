@@ -337,6 +337,10 @@ struct Sql {
     delete_file: String,
     delete_thread_chunks: String,
     delete_thread_files: String,
+    lock_size: String,
+    drop_chunks_from: String,
+    cut_chunk: String,
+    set_size: String,
 }
 
 impl Sql {
@@ -397,6 +401,19 @@ impl Sql {
             ),
             delete_thread_chunks: format!("DELETE FROM {chunks} WHERE thread_id = $1"),
             delete_thread_files: format!("DELETE FROM {files} WHERE thread_id = $1"),
+            lock_size: format!(
+                "SELECT generation, size FROM {files} WHERE thread_id = $1 AND path = $2 FOR UPDATE"
+            ),
+            drop_chunks_from: format!(
+                "DELETE FROM {chunks} WHERE thread_id = $1 AND generation = $2 AND off >= $3"
+            ),
+            cut_chunk: format!(
+                "UPDATE {chunks} SET data = substring(data FROM 1 FOR ($3 - off)::int)
+                 WHERE thread_id = $1 AND generation = $2 AND off + length(data) > $3
+                   AND off = (SELECT max(off) FROM {chunks}
+                              WHERE thread_id = $1 AND generation = $2 AND off < $3)"
+            ),
+            set_size: format!("UPDATE {files} SET size = $3 WHERE thread_id = $1 AND path = $2"),
         }
     }
 }
@@ -997,6 +1014,45 @@ impl OffloadStore for PostgresStore {
                 .await
                 .map_err(pg("delete", key))?;
             tx.commit().await.map_err(pg("commit a delete", key))?;
+            Ok(true)
+        })
+    }
+
+    /// Deletes the chunk rows past `len` and shortens the one across it, in one
+    /// transaction holding the file's row.
+    fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+        let k = key.clone();
+        self.with_client(key.to_string(), move |mut client, sql| async move {
+            let key = &k;
+            let (thread, path) = (key.thread().as_str(), key.path().as_str());
+            let tx = client
+                .transaction()
+                .await
+                .map_err(pg("begin a write", key))?;
+            let Some(row) = tx
+                .query_opt(sql.lock_size.as_str(), &[&thread, &path])
+                .await
+                .map_err(pg("truncate", key))?
+            else {
+                // Not a file: a directory or nothing (`meta` says which).
+                return meta(&tx, &sql, key).await.map(|_| false);
+            };
+            let generation: i64 = row.try_get(0).map_err(pg("truncate", key))?;
+            let size: i64 = row.try_get(1).map_err(pg("truncate", key))?;
+            if len >= uint(size) {
+                return Ok(false);
+            }
+            let cut = int(len);
+            tx.execute(sql.drop_chunks_from.as_str(), &[&thread, &generation, &cut])
+                .await
+                .map_err(pg("truncate", key))?;
+            tx.execute(sql.cut_chunk.as_str(), &[&thread, &generation, &cut])
+                .await
+                .map_err(pg("truncate", key))?;
+            tx.execute(sql.set_size.as_str(), &[&thread, &path, &cut])
+                .await
+                .map_err(pg("truncate", key))?;
+            tx.commit().await.map_err(pg("commit a truncation", key))?;
             Ok(true)
         })
     }

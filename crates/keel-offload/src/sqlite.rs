@@ -677,6 +677,44 @@ impl OffloadStore for SqliteStore {
         Ok(true)
     }
 
+    /// Deletes the chunk rows past `len` and shortens the one across it, in one
+    /// transaction.
+    fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+        let mut conn = self.writer();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error("begin a write", key))?;
+        let (generation, size) = Self::meta(&tx, key)?;
+        if len >= size {
+            return Ok(false);
+        }
+        let (thread, cut) = (
+            key.thread().as_str(),
+            i64::try_from(len).unwrap_or(i64::MAX),
+        );
+        let err = |op| sql_error(op, key);
+        tx.prepare_cached(
+            "DELETE FROM keel_offload_chunks WHERE thread_id = ?1 AND generation = ?2 AND off >= ?3",
+        )
+        .and_then(|mut s| s.execute(params![thread, generation, cut]))
+        .map_err(err("truncate"))?;
+        tx.prepare_cached(
+            "UPDATE keel_offload_chunks SET data = substr(data, 1, ?3 - off)
+             WHERE thread_id = ?1 AND generation = ?2 AND off + length(data) > ?3
+               AND off = (SELECT max(off) FROM keel_offload_chunks
+                          WHERE thread_id = ?1 AND generation = ?2 AND off < ?3)",
+        )
+        .and_then(|mut s| s.execute(params![thread, generation, cut]))
+        .map_err(err("truncate"))?;
+        tx.prepare_cached(
+            "UPDATE keel_offload_files SET size = ?3 WHERE thread_id = ?1 AND path = ?2",
+        )
+        .and_then(|mut s| s.execute(params![thread, key.path().as_str(), cut]))
+        .map_err(err("truncate"))?;
+        tx.commit().map_err(err("commit a truncation"))?;
+        Ok(true)
+    }
+
     /// Deletes the thread's rows of both tables in one transaction.
     fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
         let mut conn = self.writer();

@@ -111,6 +111,49 @@ pub trait OffloadStore: Send + Sync {
         Ok(removed)
     }
 
+    /// Cuts `key` to its first `len` bytes without rewriting them; returns whether
+    /// anything was cut (`false` when the value is `len` bytes or shorter). Nothing
+    /// stored is [`OffloadError::NotFound`]. [`collect_garbage`](crate::collect_garbage)
+    /// uses it to drop what only an abandoned branch of a thread appended to a file
+    /// the surviving branches share.
+    ///
+    /// keel's backends cut in place (a file's length; the chunk rows past `len`). The
+    /// default reads the whole value and puts its first `len` bytes back, and refuses a
+    /// `len` inside a character.
+    ///
+    /// ```
+    /// use keel_offload::{Key, MemoryStore, OffloadStore};
+    ///
+    /// let store = MemoryStore::new();
+    /// let key = Key::new("t1", "archive/messages.jsonl")?;
+    /// store.append(&key, "one\ntwo\n")?;
+    /// assert!(store.truncate(&key, 4)?);
+    /// assert_eq!(store.get(&key)?, "one\n");
+    /// assert!(!store.truncate(&key, 100)?);
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+        let text = self.get(key)?;
+        let Ok(len) = usize::try_from(len) else {
+            return Ok(false);
+        };
+        if len >= text.len() {
+            return Ok(false);
+        }
+        let kept = text.get(..len).ok_or_else(|| {
+            OffloadError::io(
+                "truncate",
+                key,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "the cut falls inside a character",
+                ),
+            )
+        })?;
+        self.put(key, kept)?;
+        Ok(true)
+    }
+
     /// Lines `range.offset ..` of `key`, at most `range.limit` of them, each cut to
     /// `range.max_line_bytes`. Streams: the entry is never loaded whole.
     ///
@@ -200,6 +243,9 @@ macro_rules! forward {
             }
             fn delete_thread(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
                 (**self).delete_thread(thread)
+            }
+            fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
+                (**self).truncate(key, len)
             }
             fn grep(
                 &self,
