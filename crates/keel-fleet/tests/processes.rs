@@ -34,7 +34,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command as Process, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use common::{Db, Echo, INTERRUPTED_WRITES, archived, database_url, goal, reference_with, summary};
 use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
@@ -66,7 +66,7 @@ const KILLS: usize = 20;
 /// Each echo call's sleep.
 const DELAY: Duration = Duration::from_millis(10);
 /// The wait before each kill, in milliseconds: uniform in this range.
-const KILL_GAP: (u64, u64) = (300, 2_700);
+const KILL_GAP: std::ops::RangeInclusive<u64> = 300..=2_700;
 const DEADLINE: Duration = Duration::from_secs(300);
 
 /// The two fleet tests run one after the other: each has the two cores (and the
@@ -404,34 +404,14 @@ async fn forward(listener: TcpListener, to: (String, u16)) {
     }
 }
 
-/// splitmix64: the kill moments and victims, from a seed the test prints.
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(label: &str) -> Rng {
-        let seed = std::env::var(SEED)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64)
-            });
-        eprintln!("fleet ({label}): seed {seed} (replay the kill moments with {SEED}={seed})");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn between(&mut self, (lo, hi): (u64, u64)) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
+/// The generator of the kill moments and victims, from a seed it prints.
+fn rng(label: &str) -> fastrand::Rng {
+    let seed = std::env::var(SEED)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    eprintln!("fleet ({label}): seed {seed} (replay the kill moments with {SEED}={seed})");
+    fastrand::Rng::with_seed(seed)
 }
 
 /// The worker processes, one per place, and which place each pid ran in.
@@ -532,7 +512,7 @@ fn killed_worker_processes_in_network_namespaces_lose_nothing() {
 /// The test: submit, run the fleet under kills, check every thread (see the module).
 fn fleet(rt: &tokio::runtime::Runtime, hosts: &Hosts, url: &str) {
     let label = hosts.label();
-    let mut rng = Rng::seeded(label);
+    let mut rng = rng(label);
     let threads: Vec<String> = (0..THREADS).map(|i| format!("thread-{i}")).collect();
     let (db, runs) = rt.block_on(async {
         let db = Db::new(url, label).await;
@@ -589,7 +569,7 @@ fn fleet(rt: &tokio::runtime::Runtime, hosts: &Hosts, url: &str) {
     let mut fleet = Fleet::start(hosts, &db.schema, files.path());
     let mut kills = 0;
     loop {
-        std::thread::sleep(Duration::from_millis(rng.between(KILL_GAP)));
+        std::thread::sleep(Duration::from_millis(rng.u64(KILL_GAP)));
         if all_done() {
             break;
         }
@@ -598,7 +578,7 @@ fn fleet(rt: &tokio::runtime::Runtime, hosts: &Hosts, url: &str) {
             "the fleet did not finish in {DEADLINE:?} ({kills} kills)"
         );
         if kills < KILLS {
-            fleet.kill((rng.next() % PROCESSES as u64) as usize);
+            fleet.kill(rng.usize(..PROCESSES));
             kills += 1;
         }
     }
