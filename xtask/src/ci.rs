@@ -189,6 +189,12 @@ const FORBIDDEN: &[(&str, &[&str], &str, &str)] = &[
         "without `openai` / `ollama` keel-model is the contract alone",
     ),
     (
+        "keel-model",
+        &["--no-default-features", "--features", "retry"],
+        "reqwest",
+        "the `Retrying` wrapper needs a timer, not an HTTP client",
+    ),
+    (
         "keel-offload",
         &[],
         "tiktoken-rs",

@@ -21,8 +21,10 @@ pub const LIVE_SYSTEM: &str = "You are a careful engineering agent. Use your too
 /// How a live model is called: its window, reply length and time limit.
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
-    /// The model's context window in tokens, when keel does not know the model
-    /// (default: KEEL_WINDOW, or `window` in keel.toml, else keel's profile of the
+    /// The model's context window in tokens, when keel does not know the model; an
+    /// Ollama model is also run with it (`num_ctx`), since Ollama otherwise runs every
+    /// model with its own small default (default: KEEL_WINDOW, or `window` in
+    /// keel.toml, else keel's profile of the
     /// model).
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
@@ -82,7 +84,7 @@ impl LiveArgs {
             .request_timeout(timeout)
             .stream_timeout(timeout);
         Ok(Live {
-            client: spec.client_with(settings, http.clone())?,
+            client: spec.client_with(settings, http.clone(), window)?,
             options: ChatOptions::new().max_tokens(self.max_tokens),
             profile,
             http,
@@ -165,25 +167,31 @@ impl ModelSpec {
 
     /// A client for the model, with the default HTTP limits.
     pub fn client(&self, settings: &Settings) -> anyhow::Result<Arc<dyn ChatModel>> {
-        self.client_with(settings, HttpConfig::default())
+        self.client_with(settings, HttpConfig::default(), None)
     }
 
-    /// A client for the model with these HTTP limits.
+    /// A client for the model with these HTTP limits; an Ollama model given a
+    /// `window` is run with it (`num_ctx`).
     pub fn client_with(
         &self,
         settings: &Settings,
         http: HttpConfig,
+        window: Option<usize>,
     ) -> anyhow::Result<Arc<dyn ChatModel>> {
         let url = self.base_url(settings);
         Ok(match self {
-            Self::Ollama(name) => Arc::new(
-                OllamaModel::new(
-                    OllamaConfig::new(name.clone())
-                        .base_url(url.clone())
-                        .http(http),
+            Self::Ollama(name) => {
+                let mut config = OllamaConfig::new(name.clone())
+                    .base_url(url.clone())
+                    .http(http);
+                if let Some(w) = window {
+                    config = config.num_ctx(u32::try_from(w).unwrap_or(u32::MAX));
+                }
+                Arc::new(
+                    OllamaModel::new(config)
+                        .with_context(|| format!("cannot set up Ollama at {url}"))?,
                 )
-                .with_context(|| format!("cannot set up Ollama at {url}"))?,
-            ),
+            }
             Self::OpenAi(name) => {
                 let mut config = OpenAiConfig::new(name.clone())
                     .base_url(url.clone())
@@ -231,7 +239,7 @@ pub fn summarizer(
         "--summarizer takes `extractive` (no model needed) or a model such as ollama/<name>",
     )?;
     Ok(Arc::new(LlmSummarizer::new(
-        spec.client_with(settings, http)?,
+        spec.client_with(settings, http, None)?,
     )))
 }
 

@@ -581,6 +581,16 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
                 "cached tokens are reported:\n{stdout}"
             );
         }
+        // `--window` is the window Ollama runs the model with (it otherwise uses its own
+        // small default); the OpenAI wire format has no such setting.
+        let requests = server.received_requests().await.unwrap();
+        assert!(!requests.is_empty());
+        for r in &requests {
+            let body: Value = serde_json::from_slice(&r.body).unwrap();
+            let num_ctx = body.pointer("/options/num_ctx").cloned();
+            let expected = (!openai).then(|| json!(8000));
+            assert_eq!(num_ctx, expected, "{model}: {body}");
+        }
         // The thread continues; a second goal is refused with a sentence.
         let (h, d) = (home.path().to_owned(), proj.path().to_owned());
         let env = if openai {

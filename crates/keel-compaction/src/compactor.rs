@@ -1203,8 +1203,8 @@ impl Compactor {
         overflowing: bool,
         (prefix, tools): (&[Message], &[ToolSpec]),
     ) -> Result<(String, keel_summarize::Summary, bool), CompactionError> {
-        let attempts = self.config.summarize_attempts.max(1);
-        let mut wait = self.config.retry_backoff;
+        let retry = &self.config.summary_retry;
+        let attempts = retry.max_attempts.max(1);
         let mut last_error = None;
         for attempt in 1..=attempts {
             let result = match &self.prefix_summarizer {
@@ -1220,8 +1220,7 @@ impl Compactor {
                 Err(e) => last_error = Some(e),
             }
             if attempt < attempts {
-                tokio::time::sleep(wait).await;
-                wait = wait.saturating_mul(2);
+                tokio::time::sleep(retry.delay(attempt - 1)).await;
             }
         }
         if overflowing {

@@ -1,6 +1,6 @@
 //! What triggers compaction and how much it keeps.
 
-use std::time::Duration;
+use keel_message::RetryPolicy;
 
 /// How the context is kept small.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -204,10 +204,11 @@ pub struct CompactionConfig {
     /// The hard step ceiling: [`crate::Compactor::check`] reports
     /// [`crate::Trigger::StepCeiling`] once the run has made this many model calls.
     pub max_steps: u64,
-    /// Summarizer attempts per compaction before giving up (or falling back).
-    pub summarize_attempts: u32,
-    /// Wait before the second summarizer attempt; doubled for each further one.
-    pub retry_backoff: Duration,
+    /// How a failed summary is retried before the compaction gives up (or falls back to
+    /// the extractive summary when the context would overflow): keel's one
+    /// [`RetryPolicy`], the type graph nodes and model clients use (default 2 attempts
+    /// in all, 500 ms apart, with jitter).
+    pub summary_retry: RetryPolicy,
 }
 
 impl Default for CompactionConfig {
@@ -231,8 +232,7 @@ impl Default for CompactionConfig {
             epoch_budget_tokens: None,
             force: false,
             max_steps: 500,
-            summarize_attempts: 2,
-            retry_backoff: Duration::from_millis(500),
+            summary_retry: RetryPolicy::default().max_attempts(2),
         }
     }
 }
@@ -296,6 +296,23 @@ impl CompactionConfig {
     #[must_use]
     pub fn with_max_steps(mut self, steps: u64) -> Self {
         self.max_steps = steps;
+        self
+    }
+
+    /// Sets how failed summaries are retried ([`CompactionConfig::summary_retry`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keel_compaction::CompactionConfig;
+    /// use keel_message::RetryPolicy;
+    ///
+    /// let config = CompactionConfig::default()
+    ///     .with_summary_retry(RetryPolicy::default().max_attempts(4).initial_backoff(Duration::from_secs(1)));
+    /// assert_eq!(config.summary_retry.max_attempts, 4);
+    /// ```
+    #[must_use]
+    pub fn with_summary_retry(mut self, retry: RetryPolicy) -> Self {
+        self.summary_retry = retry;
         self
     }
 

@@ -7,6 +7,8 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use keel_message::RetryPolicy;
+
 use crate::State;
 
 /// A node's result: a state update and where to go next.
@@ -303,12 +305,13 @@ impl NodeContext {
     }
 }
 
-/// Retry on node failure, with exponential backoff: the wait after failed attempt `k`
-/// is `initial_backoff * multiplier^(k-1)`, at most `max_backoff`.
+/// Per-node execution options, built from `default()` with the setters.
 ///
-/// `compile` refuses a policy with `max_attempts` 0 or a `multiplier` that is not a
-/// finite number of at least 1 ([`BuildError::InvalidRetryPolicy`](crate::BuildError::InvalidRetryPolicy));
-/// a wait too long for a `Duration` is `max_backoff`.
+/// [`RetryPolicy`] is keel's one retry policy (the same type as model calls and
+/// summaries use; re-exported here): `compile` refuses a policy with `max_attempts` 0
+/// or a `multiplier` that is not a finite number of at least 1
+/// ([`BuildError::InvalidRetryPolicy`](crate::BuildError::InvalidRetryPolicy)). A node
+/// without a policy runs once.
 ///
 /// ```
 /// use std::time::Duration;
@@ -326,95 +329,6 @@ impl NodeContext {
 ///     .destinations(["review", "publish"]);
 /// assert_eq!(options.retry.map(|r| r.max_attempts), Some(5));
 /// ```
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct RetryPolicy {
-    /// Attempts in all, including the first (1 = no retry).
-    pub max_attempts: u32,
-    /// Wait before the second attempt.
-    pub initial_backoff: Duration,
-    /// Factor applied to the wait after each attempt.
-    pub multiplier: f64,
-    /// Longest wait.
-    pub max_backoff: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            max_attempts: 3,
-            initial_backoff: Duration::from_millis(500),
-            multiplier: 2.0,
-            max_backoff: Duration::from_secs(30),
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// Sets [`max_attempts`](Self::max_attempts): attempts in all, the first included.
-    #[must_use]
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts;
-        self
-    }
-
-    /// Sets [`initial_backoff`](Self::initial_backoff).
-    #[must_use]
-    pub fn initial_backoff(mut self, wait: Duration) -> Self {
-        self.initial_backoff = wait;
-        self
-    }
-
-    /// Sets [`multiplier`](Self::multiplier).
-    #[must_use]
-    pub fn multiplier(mut self, factor: f64) -> Self {
-        self.multiplier = factor;
-        self
-    }
-
-    /// Sets [`max_backoff`](Self::max_backoff).
-    #[must_use]
-    pub fn max_backoff(mut self, wait: Duration) -> Self {
-        self.max_backoff = wait;
-        self
-    }
-
-    /// The wait after failed attempt `retry + 1`: `initial_backoff * multiplier^retry`,
-    /// at most `max_backoff`. Total for any field values: a wait that is not a
-    /// representable duration (NaN, negative, past `Duration::MAX`) is `max_backoff`
-    /// (`compile` refuses such a policy; this keeps the engine from panicking anyway).
-    pub(crate) fn backoff(&self, retry: u32) -> Duration {
-        let factor = self
-            .multiplier
-            .powi(i32::try_from(retry).unwrap_or(i32::MAX));
-        let secs = self.initial_backoff.as_secs_f64() * factor;
-        Duration::try_from_secs_f64(secs).map_or(self.max_backoff, |d| d.min(self.max_backoff))
-    }
-
-    /// The first setting `compile` refuses, as `(setting, why)`.
-    pub(crate) fn problem(&self) -> Option<(&'static str, String)> {
-        if self.max_attempts == 0 {
-            return Some((
-                "max_attempts",
-                "is 0; it counts the first attempt, so it must be at least 1".to_owned(),
-            ));
-        }
-        if !self.multiplier.is_finite() || self.multiplier < 1.0 {
-            return Some((
-                "multiplier",
-                format!(
-                    "is {}; it must be a finite number of at least 1 (1 waits the same \
-                     each time)",
-                    self.multiplier
-                ),
-            ));
-        }
-        None
-    }
-}
-
-/// Per-node execution options, built from `default()` with the setters (see
-/// [`RetryPolicy`] for an example).
 #[derive(Debug, Clone, Default, PartialEq)]
 #[non_exhaustive]
 pub struct NodeOptions {

@@ -259,11 +259,11 @@ impl<S: State> StateGraph<S> {
             if let Some(d) = n.options.destinations.iter().find(|d| !known_target(d)) {
                 return Err(unknown(d));
             }
-            if let Some((setting, problem)) = n.options.retry.as_ref().and_then(|r| r.problem()) {
+            if let Some(Err(e)) = n.options.retry.as_ref().map(|r| r.validate()) {
                 return Err(BuildError::InvalidRetryPolicy {
                     node: n.name.to_string(),
-                    setting,
-                    problem,
+                    setting: e.setting,
+                    problem: e.reason,
                 });
             }
         }

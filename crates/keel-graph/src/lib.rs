@@ -56,13 +56,14 @@ mod graph;
 pub mod state;
 mod stream;
 
-pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, RetryPolicy, Route, SendTo};
+pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, Route, SendTo};
 pub use config::{DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot};
 pub use engine::CompiledGraph;
 pub use error::GraphError;
 pub use graph::{BuildError, StateGraph};
 pub use keel_checkpoint as checkpoint;
 pub use keel_graph_macros::State;
+pub use keel_message::RetryPolicy;
 pub use keel_reducer as reducer;
 pub use state::{State, StateError, channel_index};
 

@@ -18,6 +18,11 @@
 //! index and the field. Tool-call arguments that are not valid JSON are kept verbatim as
 //! [`ToolArguments::Invalid`] rather than dropped.
 //!
+//! Two small contracts live here too, because every layer shares them: the [`Tool`]
+//! trait (the offload retrieval tools and the agent runtime both implement and call
+//! it), and [`RetryPolicy`], the one retry policy of graph nodes, model calls and
+//! summaries.
+//!
 //! # Example
 //!
 //! ```
@@ -50,6 +55,7 @@ mod error;
 pub mod langchain;
 mod message;
 pub mod openai;
+mod retry;
 mod tool;
 mod value;
 
@@ -57,6 +63,7 @@ pub use callable::{FnTool, Tool, ToolContext, ToolError, ToolFuture, tool_fn};
 pub use content::{Content, ContentPart};
 pub use error::{FormatError, Problem};
 pub use message::{Message, Role};
+pub use retry::{RetryPolicy, RetryPolicyError};
 pub use tool::{ToolArguments, ToolCall, ToolSpec};
 
 /// Free-form metadata attached to a [`Message`] (a JSON object, insertion-ordered).

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use keel_message::RetryPolicy;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -52,7 +53,7 @@ pub(crate) fn env(name: &str) -> Option<String> {
 ///     .max_body_bytes(8 << 20)
 ///     .max_concurrency(4)
 ///     .rate_limit(RateLimit::per_second(2.0, 4))
-///     .retry(RetryPolicy::default().max_retries(5));
+///     .retry(RetryPolicy::default().max_attempts(6));
 /// assert_eq!(config.max_concurrency, 4);
 /// assert_eq!(config.max_body_bytes, 8 << 20);
 /// ```
@@ -82,8 +83,21 @@ pub struct HttpConfig {
     /// The most bytes of text and tool-call fragments a streamed reply may carry
     /// (default 16 MiB). More ends the stream with [`ModelError::AnswerTooLarge`].
     pub max_answer_bytes: usize,
-    /// How failed attempts are retried.
+    /// How failed attempts are retried: keel's one [`RetryPolicy`] (default 3 attempts
+    /// in all, 500 ms doubling to at most 30 s, with jitter).
+    ///
+    /// An attempt is retried when it failed with HTTP 429, a 5xx status, or a
+    /// connection error (including a non-streamed reply cut off mid-body). A
+    /// `Retry-After` (or `retry-after-ms`) header is honoured exactly instead of the
+    /// backoff; one asking for more than [`max_retry_after`](Self::max_retry_after)
+    /// ends the call at once with [`ModelError::RateLimited`] carrying the wait, so the
+    /// caller can decide (a wait over a year, or too large to represent, is reported as
+    /// a year; a negative, NaN or infinite one is ignored and the backoff applies).
+    /// Context overflow, other 4xx statuses, timeouts, replies over a size limit and
+    /// malformed replies are never retried.
     pub retry: RetryPolicy,
+    /// The longest `Retry-After` the client waits for (default 60 s).
+    pub max_retry_after: Duration,
     /// The most calls this client has in flight at once, retries and streams included
     /// (default 8). Further calls wait for a slot.
     pub max_concurrency: usize,
@@ -102,6 +116,7 @@ impl Default for HttpConfig {
             max_line_bytes: 4 << 20,
             max_answer_bytes: 16 << 20,
             retry: RetryPolicy::default(),
+            max_retry_after: Duration::from_secs(60),
             max_concurrency: 8,
             rate_limit: None,
         }
@@ -165,6 +180,13 @@ impl HttpConfig {
         self
     }
 
+    /// Sets [`HttpConfig::max_retry_after`].
+    #[must_use]
+    pub fn max_retry_after(mut self, d: Duration) -> Self {
+        self.max_retry_after = d;
+        self
+    }
+
     /// Sets [`HttpConfig::max_concurrency`] (0 is taken as 1).
     #[must_use]
     pub fn max_concurrency(mut self, n: usize) -> Self {
@@ -177,135 +199,6 @@ impl HttpConfig {
     pub fn rate_limit(mut self, limit: RateLimit) -> Self {
         self.rate_limit = Some(limit);
         self
-    }
-}
-
-/// Retries with exponential backoff and jitter.
-///
-/// An attempt is retried when it failed with HTTP 429, a 5xx status, or a connection
-/// error (including a non-streamed reply cut off mid-body). A `Retry-After` (or
-/// `retry-after-ms`) header is honoured exactly; one asking for more than
-/// [`max_retry_after`](RetryPolicy::max_retry_after) ends the call at once with
-/// [`ModelError::RateLimited`] carrying the wait, so the caller can decide (a wait over
-/// a year, or too large to represent, is reported as a year; a negative, NaN or
-/// infinite one is ignored and the backoff applies). Context overflow, other 4xx
-/// statuses, timeouts, replies over a size limit and malformed replies are never
-/// retried.
-///
-/// The `n`th retry (from 0) waits `initial_backoff * multiplier^n`, capped at
-/// `max_backoff`; with jitter, a uniformly random time between half that and all of it.
-///
-/// ```
-/// use std::time::Duration;
-/// use keel_model::RetryPolicy;
-///
-/// let p = RetryPolicy::default();
-/// assert_eq!(p.backoff(0), Duration::from_millis(500));
-/// assert_eq!(p.backoff(2), Duration::from_secs(2));
-/// assert_eq!(p.backoff(20), Duration::from_secs(30)); // capped
-/// ```
-#[derive(Debug, Clone, PartialEq)]
-pub struct RetryPolicy {
-    /// Retries after the first attempt (default 3).
-    pub max_retries: u32,
-    /// Wait before the first retry (default 500 ms).
-    pub initial_backoff: Duration,
-    /// The longest wait between attempts (default 30 s).
-    pub max_backoff: Duration,
-    /// Growth factor per retry (default 2).
-    pub multiplier: f64,
-    /// Randomize each wait between half and all of it (default true).
-    pub jitter: bool,
-    /// The longest `Retry-After` the client waits for (default 60 s).
-    pub max_retry_after: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            max_retries: 3,
-            initial_backoff: Duration::from_millis(500),
-            max_backoff: Duration::from_secs(30),
-            multiplier: 2.0,
-            jitter: true,
-            max_retry_after: Duration::from_secs(60),
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// Never retry.
-    pub fn none() -> Self {
-        RetryPolicy {
-            max_retries: 0,
-            ..Self::default()
-        }
-    }
-
-    /// Sets [`RetryPolicy::max_retries`].
-    #[must_use]
-    pub fn max_retries(mut self, n: u32) -> Self {
-        self.max_retries = n;
-        self
-    }
-
-    /// Sets [`RetryPolicy::initial_backoff`].
-    #[must_use]
-    pub fn initial_backoff(mut self, d: Duration) -> Self {
-        self.initial_backoff = d;
-        self
-    }
-
-    /// Sets [`RetryPolicy::max_backoff`].
-    #[must_use]
-    pub fn max_backoff(mut self, d: Duration) -> Self {
-        self.max_backoff = d;
-        self
-    }
-
-    /// Sets [`RetryPolicy::jitter`].
-    #[must_use]
-    pub fn jitter(mut self, on: bool) -> Self {
-        self.jitter = on;
-        self
-    }
-
-    /// Sets [`RetryPolicy::max_retry_after`].
-    #[must_use]
-    pub fn max_retry_after(mut self, d: Duration) -> Self {
-        self.max_retry_after = d;
-        self
-    }
-
-    /// The wait before retry number `retry` (0-based), without jitter.
-    pub fn backoff(&self, retry: u32) -> Duration {
-        let factor = self.multiplier.max(1.0).powi(retry.min(64) as i32);
-        let secs = self.initial_backoff.as_secs_f64() * factor;
-        // Too large for a Duration (or not finite): the cap.
-        Duration::try_from_secs_f64(secs)
-            .unwrap_or(self.max_backoff)
-            .min(self.max_backoff)
-    }
-
-    /// The wait before retry number `retry`: the provider's `retry_after` when it gave
-    /// one (`None` if that is longer than allowed), else the backoff with jitter taken
-    /// from `unit` (a number in `[0, 1)`).
-    pub(crate) fn delay(
-        &self,
-        retry: u32,
-        retry_after: Option<Duration>,
-        unit: f64,
-    ) -> Option<Duration> {
-        if let Some(wait) = retry_after {
-            return (wait <= self.max_retry_after).then_some(wait);
-        }
-        let base = self.backoff(retry);
-        Some(if self.jitter {
-            let secs = base.as_secs_f64() * (0.5 + 0.5 * unit.clamp(0.0, 1.0));
-            Duration::try_from_secs_f64(secs).unwrap_or(base).min(base)
-        } else {
-            base
-        })
     }
 }
 
@@ -396,6 +289,9 @@ pub(crate) type Classify = fn(u16, &[u8], Option<Duration>) -> ModelError;
 #[derive(Clone)]
 pub(crate) struct Http {
     client: reqwest::Client,
+    /// Sent with every request (an API key), not baked into the client, so a client
+    /// the caller built works the same.
+    headers: HeaderMap,
     pub(crate) config: HttpConfig,
     slots: Arc<Semaphore>,
     bucket: Option<Arc<TokenBucket>>,
@@ -411,10 +307,13 @@ impl std::fmt::Debug for Http {
 }
 
 impl Http {
+    /// `client`: the caller's own `reqwest::Client` (proxies, custom CAs, middleware),
+    /// or `None` for one built from `config` (its connect timeout, rustls).
     pub(crate) fn new(
         config: HttpConfig,
         headers: &[(&str, String)],
         classify: Classify,
+        client: Option<reqwest::Client>,
     ) -> Result<Self, ModelError> {
         let mut map = HeaderMap::new();
         for (name, value) in headers {
@@ -425,11 +324,13 @@ impl Http {
             value.set_sensitive(true);
             map.insert(name, value);
         }
-        let client = reqwest::Client::builder()
-            .connect_timeout(config.connect_timeout)
-            .default_headers(map)
-            .build()
-            .map_err(|e| ModelError::Config(error_chain(&e)))?;
+        let client = match client {
+            Some(c) => c,
+            None => reqwest::Client::builder()
+                .connect_timeout(config.connect_timeout)
+                .build()
+                .map_err(|e| ModelError::Config(error_chain(&e)))?,
+        };
         let bucket = config
             .rate_limit
             .map(TokenBucket::new)
@@ -437,6 +338,7 @@ impl Http {
             .map(Arc::new);
         Ok(Http {
             client,
+            headers: map,
             slots: Arc::new(Semaphore::new(config.max_concurrency.max(1))),
             bucket,
             classify,
@@ -467,10 +369,15 @@ impl Http {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
-            if !err.is_retryable() || retry >= policy.max_retries {
+            if !err.is_retryable() || !policy.allows_retry(retry + 1) {
                 return Err(err);
             }
-            let Some(wait) = policy.delay(retry, err.retry_after(), random_unit()) else {
+            let Some(wait) = retry_wait(
+                policy,
+                self.config.max_retry_after,
+                retry,
+                err.retry_after(),
+            ) else {
                 return Err(err);
             };
             tracing::warn!(url, retry = retry + 1, wait_ms = wait.as_millis() as u64, error = %err, "retrying model call");
@@ -493,7 +400,11 @@ impl Http {
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .body(body.to_vec())
         };
-        let response = request.send().await.map_err(transport_error)?;
+        let response = request
+            .headers(self.headers.clone())
+            .send()
+            .await
+            .map_err(transport_error)?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -736,9 +647,19 @@ pub(crate) fn random_u64() -> u64 {
     })
 }
 
-/// A random number in `[0, 1)`.
-pub(crate) fn random_unit() -> f64 {
-    (random_u64() >> 11) as f64 / (1u64 << 53) as f64
+/// The wait before retry number `retry` (0-based): the provider's `retry_after` when it
+/// gave one (`None`, give up, if that is longer than `max_retry_after`), else the
+/// policy's backoff with jitter.
+pub(crate) fn retry_wait(
+    policy: &RetryPolicy,
+    max_retry_after: Duration,
+    retry: u32,
+    retry_after: Option<Duration>,
+) -> Option<Duration> {
+    match retry_after {
+        Some(wait) => (wait <= max_retry_after).then_some(wait),
+        None => Some(policy.delay(retry)),
+    }
 }
 
 /// A fresh tool-call id, for providers that send none.
@@ -1002,26 +923,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn delay_honours_retry_after_within_the_cap() {
-        let p = RetryPolicy::default().max_retry_after(Duration::from_secs(10));
-        assert_eq!(
-            p.delay(0, Some(Duration::from_secs(3)), 0.7),
-            Some(Duration::from_secs(3))
-        );
-        assert_eq!(p.delay(0, Some(Duration::from_secs(11)), 0.7), None);
-    }
-
-    #[test]
-    fn jitter_stays_between_half_and_full_backoff() {
-        let p = RetryPolicy::default();
-        assert_eq!(p.delay(1, None, 0.0), Some(Duration::from_millis(500)));
-        assert_eq!(p.delay(1, None, 1.0), Some(Duration::from_secs(1)));
-        let no_jitter = p.clone().jitter(false);
-        assert_eq!(no_jitter.delay(1, None, 0.0), Some(Duration::from_secs(1)));
-        for _ in 0..100 {
-            let u = random_unit();
-            assert!((0.0..1.0).contains(&u));
-        }
+    fn retry_wait_honours_retry_after_within_the_cap() {
+        let p = RetryPolicy::default().jitter(false);
+        let cap = Duration::from_secs(10);
+        let three = Some(Duration::from_secs(3));
+        assert_eq!(retry_wait(&p, cap, 0, three), three);
+        assert_eq!(retry_wait(&p, cap, 0, Some(Duration::from_secs(11))), None);
+        assert_eq!(retry_wait(&p, cap, 1, None), Some(Duration::from_secs(1)));
     }
 
     #[test]
@@ -1089,8 +997,8 @@ mod tests {
             .max_backoff(Duration::MAX);
         assert_eq!(p.backoff(0), Duration::MAX);
         assert_eq!(p.backoff(64), Duration::MAX);
-        assert_eq!(p.delay(3, None, 1.0), Some(Duration::MAX));
-        assert!(p.delay(3, None, 0.5).is_some_and(|d| d < Duration::MAX));
+        assert_eq!(p.delay_with(3, 1.0), Duration::MAX);
+        assert!(p.delay_with(3, 0.5) < Duration::MAX);
         let mut huge = RetryPolicy::default().max_backoff(Duration::MAX);
         huge.multiplier = f64::MAX;
         assert_eq!(huge.backoff(40), Duration::MAX);

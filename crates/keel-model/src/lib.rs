@@ -13,10 +13,13 @@
 //! * [`OpenAiModel`] (feature `openai`): `/v1/chat/completions` (OpenAI, vLLM,
 //!   llama.cpp's server, LM Studio), SSE streaming, tools, usage.
 //! * [`OllamaModel`] (feature `ollama`): Ollama's `/api/chat`, NDJSON streaming, tools,
-//!   `options` (`temperature`, `num_ctx`, ...), `keep_alive`, `format`.
+//!   `options` (`temperature`, ...), `format`, and the config's `num_ctx` and `keep_alive`.
 //! * [`ScriptedModel`]: answers from a script of turns and records requests (tests,
 //!   demos, examples like the one below).
 //! * [`ReplayModel`]: answers with the assistant turns of a recorded trajectory.
+//! * [`Retrying`] (feature `retry`, on with either provider): retries around any
+//!   `ChatModel`, with keel's one [`RetryPolicy`] (shared with graph nodes and the
+//!   compactor).
 //!
 //! Both HTTP providers share [`HttpConfig`]: timeouts, retries with exponential backoff
 //! and jitter on 429, 5xx and connection errors honouring `Retry-After`
@@ -37,10 +40,11 @@
 //! # Features
 //!
 //! `openai` and `ollama` (both on by default) each bring the shared HTTP layer
-//! (reqwest with rustls, tokio timers). With `default-features = false` the crate is the
-//! contract alone (the trait, its types, [`ModelError`], [`ScriptedModel`],
-//! [`ReplayModel`]) and pulls in no HTTP client: what a summarizer or a compactor
-//! written against `dyn ChatModel` needs.
+//! (reqwest with rustls, tokio timers) and `retry`. With `default-features = false` the
+//! crate is the contract alone (the trait, its types, [`ModelError`], [`ScriptedModel`],
+//! [`ReplayModel`], [`RetryPolicy`]) and pulls in no HTTP client: what a summarizer or a
+//! compactor written against `dyn ChatModel` needs. `retry` alone adds [`Retrying`]
+//! with tokio's timer and no HTTP client.
 //!
 //! # Example
 //!
@@ -95,12 +99,15 @@ mod ollama;
 mod openai;
 mod policy;
 mod replay;
+#[cfg(feature = "retry")]
+mod retry;
 mod scripted;
 mod types;
 
 pub use error::ModelError;
 #[cfg(any(feature = "openai", feature = "ollama"))]
-pub use http::{HttpConfig, RateLimit, RetryPolicy};
+pub use http::{HttpConfig, RateLimit};
+pub use keel_message::RetryPolicy;
 pub use model::ChatModel;
 #[cfg(feature = "ollama")]
 pub use ollama::{OllamaConfig, OllamaModel};
@@ -108,6 +115,12 @@ pub use ollama::{OllamaConfig, OllamaModel};
 pub use openai::{OpenAiConfig, OpenAiModel};
 pub use policy::PolicyModel;
 pub use replay::ReplayModel;
+/// The HTTP client crate the providers use, for building the `reqwest::Client` given to
+/// `OpenAiModel::with_client` / `OllamaModel::with_client` at the matching version.
+#[cfg(any(feature = "openai", feature = "ollama"))]
+pub use reqwest;
+#[cfg(feature = "retry")]
+pub use retry::Retrying;
 pub use scripted::{RecordedRequest, ScriptedModel, Turn};
 pub use types::{
     ChatEvent, ChatOptions, ChatResponse, ChatStream, FinishReason, KeepAlive, ResponseFormat,

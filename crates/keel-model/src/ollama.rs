@@ -10,19 +10,28 @@ use serde_json::{Map, Value, json};
 use crate::error::snippet;
 use crate::http::{self, Decoder, Http, HttpConfig, env};
 use crate::{
-    ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, FinishReason, ModelError,
-    ResponseFormat, ToolCallDelta, Usage,
+    ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, FinishReason, KeepAlive,
+    ModelError, ResponseFormat, ToolCallDelta, Usage,
 };
 
 /// Where and how to reach an Ollama server.
 ///
-/// ```
-/// use keel_model::OllamaConfig;
+/// Besides the address and model, it holds the settings only Ollama knows, sent with
+/// every call: the context window to run the model with (`num_ctx`, which Ollama
+/// otherwise keeps small whatever the model supports) and how long the server keeps the
+/// model loaded (`keep_alive`).
 ///
-/// let config = OllamaConfig::new("llama3.1:8b");
+/// ```
+/// use keel_model::{KeepAlive, OllamaConfig};
+///
+/// let config = OllamaConfig::new("llama3.1:8b")
+///     .num_ctx(16_384)
+///     .keep_alive(KeepAlive::Forever);
 /// assert_eq!(config.base_url, "http://127.0.0.1:11434");
+/// assert_eq!(config.num_ctx, Some(16_384));
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct OllamaConfig {
     /// The server root, without `/api`.
     pub base_url: String,
@@ -30,6 +39,11 @@ pub struct OllamaConfig {
     pub model: String,
     /// Timeouts, retries and limits.
     pub http: HttpConfig,
+    /// The context window the server runs the model with (`options.num_ctx`; default
+    /// unset: the server's own default).
+    pub num_ctx: Option<u32>,
+    /// How long the server keeps the model loaded after each call (default unset).
+    pub keep_alive: Option<KeepAlive>,
 }
 
 impl OllamaConfig {
@@ -43,6 +57,8 @@ impl OllamaConfig {
             base_url: Self::DEFAULT_BASE_URL.to_owned(),
             model: model.into(),
             http: HttpConfig::default(),
+            num_ctx: None,
+            keep_alive: None,
         }
     }
 
@@ -69,6 +85,20 @@ impl OllamaConfig {
         self.http = http;
         self
     }
+
+    /// Sets [`OllamaConfig::num_ctx`].
+    #[must_use]
+    pub fn num_ctx(mut self, tokens: u32) -> Self {
+        self.num_ctx = Some(tokens);
+        self
+    }
+
+    /// Sets [`OllamaConfig::keep_alive`].
+    #[must_use]
+    pub fn keep_alive(mut self, keep: KeepAlive) -> Self {
+        self.keep_alive = Some(keep);
+        self
+    }
 }
 
 /// A client for Ollama's native `/api/chat`.
@@ -78,8 +108,9 @@ impl OllamaConfig {
 ///   object `arguments`, and tool results with `tool_name` (looked up from the call
 ///   they answer). Arguments that are not a JSON object are sent as
 ///   `{"arguments": <value or raw text>}`, since Ollama accepts only objects.
-/// * Options: `temperature`, `top_p`, `seed`, `stop`, `num_ctx`, and `max_tokens` as
-///   `num_predict` go in `options`; `format` and `keep_alive` at the top level.
+/// * Options: `temperature`, `top_p`, `seed`, `stop`, the config's `num_ctx`, and
+///   `max_tokens` as `num_predict` go in `options`; `format` and the config's
+///   `keep_alive` at the top level.
 /// * Streaming reads newline-delimited JSON; the final `"done": true` line carries
 ///   `prompt_eval_count` and `eval_count`, reported as [`Usage`] (Ollama leaves out
 ///   `prompt_eval_count` when the whole prompt came from its cache: that is reported
@@ -96,13 +127,11 @@ impl OllamaConfig {
 /// use keel_message::Message;
 /// use keel_model::{ChatOptions, KeepAlive, OllamaConfig, OllamaModel};
 ///
-/// let model = OllamaModel::new(OllamaConfig::new("qwen2.5-coder:7b"))?;
-/// let body = model.request_body(
-///     &[Message::user("hi")],
-///     &[],
-///     &ChatOptions::new().num_ctx(16_384).keep_alive(KeepAlive::Forever),
-///     false,
-/// );
+/// let config = OllamaConfig::new("qwen2.5-coder:7b")
+///     .num_ctx(16_384)
+///     .keep_alive(KeepAlive::Forever);
+/// let model = OllamaModel::new(config)?;
+/// let body = model.request_body(&[Message::user("hi")], &[], &ChatOptions::new(), false);
 /// assert_eq!(body["options"]["num_ctx"], 16_384);
 /// assert_eq!(body["keep_alive"], -1);
 /// assert_eq!(body["stream"], false);
@@ -118,7 +147,28 @@ pub struct OllamaModel {
 impl OllamaModel {
     /// A client with its own connection pool and limits.
     pub fn new(config: OllamaConfig) -> Result<Self, ModelError> {
-        let http = Http::new(config.http.clone(), &[], classify)?;
+        Self::build(config, None)
+    }
+
+    /// A client sending its requests through `client`, the caller's own
+    /// `reqwest::Client` (a proxy, custom root certificates, tracing middleware). The
+    /// config's limits, timeouts and retries still apply, except
+    /// `HttpConfig::connect_timeout`, which is the given client's own.
+    ///
+    /// ```
+    /// use keel_model::{OllamaConfig, OllamaModel};
+    ///
+    /// let client = keel_model::reqwest::Client::builder().no_proxy().build()?;
+    /// let model = OllamaModel::with_client(OllamaConfig::new("llama3.1:8b"), client)?;
+    /// # let _ = model;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_client(config: OllamaConfig, client: reqwest::Client) -> Result<Self, ModelError> {
+        Self::build(config, Some(client))
+    }
+
+    fn build(config: OllamaConfig, client: Option<reqwest::Client>) -> Result<Self, ModelError> {
+        let http = Http::new(config.http.clone(), &[], classify, client)?;
         let chat_url = format!("{}/api/chat", config.base_url.trim_end_matches('/'));
         Ok(OllamaModel {
             config,
@@ -165,7 +215,7 @@ impl OllamaModel {
         if let Some(p) = options.top_p {
             opts.insert("top_p".into(), json!(p));
         }
-        if let Some(n) = options.num_ctx {
+        if let Some(n) = self.config.num_ctx {
             opts.insert("num_ctx".into(), json!(n));
         }
         if let Some(n) = options.max_tokens {
@@ -180,7 +230,7 @@ impl OllamaModel {
         if !opts.is_empty() {
             body.insert("options".into(), Value::Object(opts));
         }
-        if let Some(keep) = options.keep_alive {
+        if let Some(keep) = self.config.keep_alive {
             body.insert("keep_alive".into(), keep.to_value());
         }
         for (k, v) in &options.extra {

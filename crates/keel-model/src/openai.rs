@@ -141,11 +141,33 @@ pub struct OpenAiModel {
 impl OpenAiModel {
     /// A client with its own connection pool and limits.
     pub fn new(config: OpenAiConfig) -> Result<Self, ModelError> {
+        Self::build(config, None)
+    }
+
+    /// A client sending its requests through `client`, the caller's own
+    /// `reqwest::Client` (a proxy, custom root certificates, tracing middleware). The
+    /// API key is still sent with every request, and the config's limits, timeouts and
+    /// retries still apply, except `HttpConfig::connect_timeout`, which is the given
+    /// client's own.
+    ///
+    /// ```
+    /// use keel_model::{OpenAiConfig, OpenAiModel};
+    ///
+    /// let client = keel_model::reqwest::Client::builder().no_proxy().build()?;
+    /// let model = OpenAiModel::with_client(OpenAiConfig::new("gpt-4.1-mini"), client)?;
+    /// # let _ = model;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_client(config: OpenAiConfig, client: reqwest::Client) -> Result<Self, ModelError> {
+        Self::build(config, Some(client))
+    }
+
+    fn build(config: OpenAiConfig, client: Option<reqwest::Client>) -> Result<Self, ModelError> {
         let mut headers = Vec::new();
         if let Some(key) = &config.api_key {
             headers.push(("authorization", format!("Bearer {key}")));
         }
-        let http = Http::new(config.http.clone(), &headers, classify)?;
+        let http = Http::new(config.http.clone(), &headers, classify, client)?;
         let chat_url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
         Ok(OpenAiModel {
             config,

@@ -7,11 +7,12 @@ use serde_json::{Map, Value};
 
 use crate::ModelError;
 
-/// Per-call settings. Every field is optional; a provider sends only what is set, so
-/// the server's defaults apply otherwise.
+/// Per-call settings that mean the same to every provider. Every field is optional; a
+/// provider sends only what is set, so the server's defaults apply otherwise.
 ///
-/// Fields that only one API knows are ignored by the other: `num_ctx` and
-/// `keep_alive` are Ollama's.
+/// Settings only one server knows live on that provider's config instead (Ollama's
+/// `num_ctx` and `keep_alive` on `OllamaConfig`); anything else a server accepts can
+/// go in [`extra`](Self::extra).
 ///
 /// ```
 /// use keel_model::{ChatOptions, ResponseFormat};
@@ -19,7 +20,6 @@ use crate::ModelError;
 /// let options = ChatOptions::new()
 ///     .temperature(0.0)
 ///     .max_tokens(256)
-///     .num_ctx(8192)
 ///     .format(ResponseFormat::Json);
 /// assert_eq!(options.temperature, Some(0.0));
 /// assert_eq!(options.max_tokens, Some(256));
@@ -42,10 +42,6 @@ pub struct ChatOptions {
     pub seed: Option<u64>,
     /// Constrain the reply to JSON (OpenAI `response_format`, Ollama `format`).
     pub format: Option<ResponseFormat>,
-    /// Ollama: the context window to run the model with (`options.num_ctx`).
-    pub num_ctx: Option<u32>,
-    /// Ollama: how long the server keeps the model loaded after this call.
-    pub keep_alive: Option<KeepAlive>,
     /// A deadline for this call instead of the client's request timeout.
     pub timeout: Option<Duration>,
     /// Extra top-level fields merged into the request body as they are (they override
@@ -105,20 +101,6 @@ impl ChatOptions {
     #[must_use]
     pub fn format(mut self, format: ResponseFormat) -> Self {
         self.format = Some(format);
-        self
-    }
-
-    /// Sets [`ChatOptions::num_ctx`].
-    #[must_use]
-    pub fn num_ctx(mut self, n: u32) -> Self {
-        self.num_ctx = Some(n);
-        self
-    }
-
-    /// Sets [`ChatOptions::keep_alive`].
-    #[must_use]
-    pub fn keep_alive(mut self, k: KeepAlive) -> Self {
-        self.keep_alive = Some(k);
         self
     }
 

@@ -49,16 +49,13 @@ async fn ollama() -> Option<Arc<dyn ChatModel>> {
     };
     eprintln!("live: Ollama at {:?}, model {name}", var("OLLAMA_BASE_URL"));
     Some(Arc::new(
-        OllamaModel::new(OllamaConfig::from_env(name).http(http())).ok()?,
+        OllamaModel::new(OllamaConfig::from_env(name).http(http()).num_ctx(8192)).ok()?,
     ))
 }
 
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 async fn exercise(model: Arc<dyn ChatModel>) {
-    let options = ChatOptions::new()
-        .temperature(0.0)
-        .max_tokens(24)
-        .num_ctx(8192);
+    let options = ChatOptions::new().temperature(0.0).max_tokens(24);
     let ask = [
         Message::system("You answer in one short sentence."),
         Message::user("What is the capital of France?"),

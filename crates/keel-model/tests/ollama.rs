@@ -81,15 +81,21 @@ async fn non_streamed_call_sends_ollama_shapes_and_reads_tool_calls_and_counts()
         .await;
     let options = ChatOptions::new()
         .temperature(0.0)
-        .num_ctx(8192)
         .max_tokens(128)
         .seed(3)
-        .keep_alive(KeepAlive::For(std::time::Duration::from_secs(300)))
         .format(ResponseFormat::JsonSchema {
             name: "w".into(),
             schema: json!({"type": "object"}),
         });
-    let reply = model_at(&server.uri())
+    let model = OllamaModel::new(
+        OllamaConfig::new("llama3.1:8b")
+            .base_url(server.uri())
+            .http(fast_http())
+            .num_ctx(8192)
+            .keep_alive(KeepAlive::For(std::time::Duration::from_secs(300))),
+    )
+    .unwrap();
+    let reply = model
         .chat(&history(), &[weather_tool()], &options)
         .await
         .unwrap();

@@ -781,3 +781,32 @@ async fn max_completion_tokens_and_extra_fields() {
     assert_eq!(sent["model"], "o4-mini");
     assert_eq!(sent["reasoning_effort"], "low");
 }
+
+#[tokio::test]
+async fn a_client_of_the_callers_own_sends_its_headers_and_the_api_key() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path(CHAT))
+        .and(header("authorization", "Bearer sk-test"))
+        .and(header("x-trace", "abc"))
+        .respond_with(ResponseTemplate::new(200).set_body_json(tool_call_reply()))
+        .expect(1)
+        .mount(&server)
+        .await;
+    let mut headers = keel_model::reqwest::header::HeaderMap::new();
+    headers.insert("x-trace", "abc".parse().unwrap());
+    let client = keel_model::reqwest::Client::builder()
+        .default_headers(headers)
+        .build()
+        .unwrap();
+    let model = OpenAiModel::with_client(
+        OpenAiConfig::new("gpt-4o-mini")
+            .base_url(format!("{}/v1", server.uri()))
+            .api_key("sk-test")
+            .http(fast_http()),
+        client,
+    )
+    .unwrap();
+    let reply = model.chat(&history(), &[], &ChatOptions::new()).await;
+    assert!(reply.is_ok(), "{reply:?}");
+}

@@ -136,7 +136,7 @@ impl LlmSummarizer {
         self
     }
 
-    /// Base options for every call (a timeout, `num_ctx`, ...). `temperature` is always
+    /// Base options for every call (a timeout, a seed, ...). `temperature` is always
     /// 0 and `max_tokens` always the budget.
     #[must_use]
     pub fn with_options(mut self, options: ChatOptions) -> Self {

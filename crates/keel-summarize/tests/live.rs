@@ -55,7 +55,8 @@ async fn models() -> Vec<Arc<dyn ChatModel>> {
                 .and_then(|m| m.into_iter().next()),
         };
         if let Some(name) = name
-            && let Ok(m) = OllamaModel::new(OllamaConfig::from_env(name).http(http()))
+            && let Ok(m) =
+                OllamaModel::new(OllamaConfig::from_env(name).http(http()).num_ctx(8_192))
         {
             out.push(Arc::new(m));
         }
@@ -103,7 +104,7 @@ async fn live_summaries_have_their_shape_and_budget_or_are_errors() {
             let summarizer = LlmSummarizer::new(model.clone())
                 .with_format(format)
                 .with_window_tokens(window)
-                .with_options(ChatOptions::new().num_ctx(8_192));
+                .with_options(ChatOptions::new());
             let budget = 200;
             let result = summarizer
                 .summarize(&SummaryRequest::milestone(&msgs, budget))

@@ -228,7 +228,7 @@ async fn walk(
 ) -> Result<Vec<Turn>, EvalError> {
     let recorder = Recorder::default();
     let mut config = world::forced();
-    config.summarize_attempts = attempts;
+    config.summary_retry = config.summary_retry.max_attempts(attempts);
     let mut builder = world::builder(
         Arc::new(world::reader_model(recorder.clone())),
         VisitTool::chain(len),

@@ -501,10 +501,11 @@ pub(super) async fn run_task<S: State>(
     state: Arc<S>,
     ctx: NodeContext,
 ) -> Result<Outcome<S>, GraphError> {
-    let policy = node.options.retry.clone().unwrap_or(crate::RetryPolicy {
-        max_attempts: 1,
-        ..Default::default()
-    });
+    let policy = node
+        .options
+        .retry
+        .clone()
+        .unwrap_or_else(crate::RetryPolicy::none);
     let mut attempt = 0u32;
     loop {
         attempt += 1;
@@ -542,7 +543,7 @@ pub(super) async fn run_task<S: State>(
             return Err(error);
         }
         tracing::warn!(node = %node.name, attempt, error = %error, "node failed; retrying");
-        tokio::time::sleep(policy.backoff(attempt - 1)).await;
+        tokio::time::sleep(policy.delay(attempt - 1)).await;
     }
 }
 

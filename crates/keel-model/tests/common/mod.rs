@@ -18,7 +18,7 @@ pub fn fast_http() -> HttpConfig {
         .request_timeout(Duration::from_secs(10))
         .retry(
             RetryPolicy::default()
-                .max_retries(2)
+                .max_attempts(3)
                 .initial_backoff(Duration::from_millis(1))
                 .max_backoff(Duration::from_millis(5)),
         )
