@@ -44,6 +44,10 @@ pub enum SummarizeError {
         /// Replies received.
         attempts: u32,
     },
+    /// The blocking-pool thread summarizing a large span stopped before it finished
+    /// (it panicked, or the runtime shut down).
+    #[error("the summary was interrupted: {0}")]
+    Interrupted(String),
 }
 
 /// Why a summary reply was rejected.

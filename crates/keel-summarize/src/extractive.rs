@@ -2197,10 +2197,38 @@ fn contains_token(hay: &str, needle: &str) -> bool {
     })
 }
 
+/// Spans with more text than this (in bytes) are summarized on Tokio's blocking pool
+/// when a runtime is current, so a huge span never stalls the runtime's other tasks;
+/// smaller ones (the common case: a few steps, well under a millisecond of work) are
+/// summarized inline, without copying the span.
+pub const BLOCKING_POOL_BYTES: usize = 256 * 1024;
+
 #[async_trait]
 impl Summarizer for ExtractiveSummarizer {
+    /// [`summarize_sync`](ExtractiveSummarizer::summarize_sync), moved to Tokio's
+    /// blocking pool for spans over [`BLOCKING_POOL_BYTES`] (the span is copied for it).
     async fn summarize(&self, request: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
-        self.summarize_sync(request)
+        let bytes: usize = request
+            .messages
+            .iter()
+            .map(|m| m.text().len())
+            .fold(request.previous.map_or(0, str::len), usize::saturating_add);
+        if bytes <= BLOCKING_POOL_BYTES || tokio::runtime::Handle::try_current().is_err() {
+            return self.summarize_sync(request);
+        }
+        let summarizer = self.clone();
+        let (level, budget) = (request.level, request.budget_tokens);
+        let messages = request.messages.to_vec();
+        let previous = request.previous.map(str::to_owned);
+        tokio::task::spawn_blocking(move || {
+            let mut owned = SummaryRequest::new(level, &messages, budget);
+            if let Some(p) = &previous {
+                owned = owned.previous(p);
+            }
+            summarizer.summarize_sync(&owned)
+        })
+        .await
+        .map_err(|e| SummarizeError::Interrupted(e.to_string()))?
     }
 }
 

@@ -73,7 +73,9 @@ mod prompts;
 mod summary;
 
 pub use error::{Rejection, SummarizeError};
-pub use extractive::{EXTRACTIVE_MODEL, EXTRACTIVE_VERSION, ExtractiveSummarizer};
+pub use extractive::{
+    BLOCKING_POOL_BYTES, EXTRACTIVE_MODEL, EXTRACTIVE_VERSION, ExtractiveSummarizer,
+};
 pub use llm::{DEFAULT_MAX_MESSAGE_CHARS, LlmSummarizer, SummaryFormat};
 pub use prompts::{EPOCH_V1, MILESTONE_V1, STRUCTURED_V1, Template};
 pub use summary::{

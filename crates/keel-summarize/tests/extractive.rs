@@ -479,3 +479,53 @@ fn a_high_priority_item_over_its_share_is_not_displaced() {
     let s = run(&msgs, 80);
     assert_eq!(items(&s, SESSION_INTENT), [ask], "{}", s.text);
 }
+
+/// A span over `BLOCKING_POOL_BYTES` is summarized off the runtime: on a current-thread
+/// runtime another task keeps running while it is; a small span is summarized inline
+/// (nothing else runs, and nothing is copied).
+#[test]
+fn a_large_span_is_summarized_while_a_current_thread_runtime_serves_other_tasks() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let big: Vec<Message> = (0..12)
+        .map(|i| {
+            let line = format!("row {i}: the build step compiled module m{i} with warnings\n");
+            Message::tool(format!("call_{i}"), line.repeat(25_000 / line.len() * 4))
+        })
+        .collect();
+    let bytes: usize = big.iter().map(|m| m.text().len()).sum();
+    assert!(bytes > keel_summarize::BLOCKING_POOL_BYTES, "{bytes}");
+    let small = vec![
+        Message::user("Summarize the build."),
+        Message::assistant("Done."),
+    ];
+    for (span, expect_others) in [(&big, true), (&small, false)] {
+        let ticks = Arc::new(AtomicU64::new(0));
+        let summary = runtime.block_on(async {
+            let t = ticks.clone();
+            let ticker = tokio::spawn(async move {
+                loop {
+                    t.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                }
+            });
+            let request = SummaryRequest::milestone(span, 400);
+            let summary = ExtractiveSummarizer::new().summarize(&request).await;
+            let during = ticks.load(Ordering::Relaxed);
+            ticker.abort();
+            summary.map(|s| (s, during))
+        });
+        let (summary, during) = summary.unwrap();
+        assert!(!summary.text.is_empty());
+        assert_eq!(
+            during > 0,
+            expect_others,
+            "ticks while summarizing: {during}"
+        );
+    }
+}
