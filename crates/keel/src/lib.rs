@@ -30,6 +30,7 @@
 //! | `postgres` | no | `postgres::PostgresSaver` |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |
+//! | `retry` | no | `model::Retrying`, retries around any `ChatModel` (on with either provider) |
 //! | `proptest` | no | reducer law checks and the checkpointer conformance suite |
 //!
 //! `default-features = false` with any one feature builds; features only add.
