@@ -15,18 +15,26 @@ use crate::ToolSpec;
 /// The future a [`Tool`] returns.
 pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = Result<String, ToolError>> + Send + 'a>>;
 
-/// What a tool knows about the call it serves.
+/// What a tool knows about the call it serves: its id, the thread, and values the
+/// runtime hands every call (LangGraph's `config["configurable"]`).
 ///
 /// ```
-/// let ctx = keel_message::ToolContext::new("call_7").with_thread_id("t-1");
+/// use serde_json::json;
+///
+/// let ctx = keel_message::ToolContext::new("call_7")
+///     .with_thread_id("t-1")
+///     .with_configurable("user", json!("ada"));
 /// assert_eq!(ctx.call_id(), "call_7");
 /// assert_eq!(ctx.thread_id(), Some("t-1"));
+/// assert_eq!(ctx.configurable("user"), Some(&json!("ada")));
+/// assert_eq!(ctx.configurable("missing"), None);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ToolContext {
     call_id: String,
     thread_id: Option<String>,
+    configurable: serde_json::Map<String, Value>,
 }
 
 impl ToolContext {
@@ -35,6 +43,7 @@ impl ToolContext {
         ToolContext {
             call_id: call_id.into(),
             thread_id: None,
+            configurable: serde_json::Map::new(),
         }
     }
 
@@ -53,6 +62,20 @@ impl ToolContext {
     /// The thread the call runs in, when the runtime has one.
     pub fn thread_id(&self) -> Option<&str> {
         self.thread_id.as_deref()
+    }
+
+    /// Sets one value the runtime hands the call. keel-agent puts the lineage of the
+    /// thread's checkpoint here (`keel.lineage`), so the offload tools read the branch
+    /// of the thread the call runs on.
+    #[must_use]
+    pub fn with_configurable(mut self, key: impl Into<String>, value: Value) -> Self {
+        self.configurable.insert(key.into(), value);
+        self
+    }
+
+    /// A value the runtime handed the call, by key.
+    pub fn configurable(&self, key: &str) -> Option<&Value> {
+        self.configurable.get(key)
     }
 }
 

@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use crate::error::OffloadError;
 use crate::key::{Key, StorePath, ThreadId};
+use crate::lineage::{Lineage, LineageStore};
 use crate::policy::{Failure, PolicyOutcome, Stored, StoredWhat};
 use crate::store::{GrepOptions, OffloadStore, Pattern};
 
@@ -77,8 +78,12 @@ pub struct Archive {
     /// Seed of the id hashes in the index (random per archive, so ids cannot be
     /// chosen to collide).
     seed: u64,
-    threads: Mutex<HashMap<ThreadId, Arc<Mutex<ThreadIndex>>>>,
+    /// Index by thread and lineage fingerprint (0: the thread's own paths).
+    threads: Mutex<HashMap<IndexKey, Arc<Mutex<ThreadIndex>>>>,
 }
+
+/// A thread and the fingerprint of the lineage its index was read through.
+type IndexKey = (ThreadId, u64);
 
 impl std::fmt::Debug for Archive {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -219,45 +224,50 @@ impl Archive {
         Key::from_parts(thread.clone(), self.path.clone())
     }
 
-    fn index(&self, thread: &ThreadId) -> Arc<Mutex<ThreadIndex>> {
+    fn index(&self, thread: &ThreadId, fingerprint: u64) -> Arc<Mutex<ThreadIndex>> {
         let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
-        if threads.len() >= Self::CACHED_THREADS && !threads.contains_key(thread) {
+        let key = (thread.clone(), fingerprint);
+        if threads.len() >= Self::CACHED_THREADS && !threads.contains_key(&key) {
             // Bounded: drop the indexes nobody is using; they reload from the store.
             threads.retain(|_, index| Arc::strong_count(index) > 1);
         }
-        threads.entry(thread.clone()).or_default().clone()
+        threads.entry(key).or_default().clone()
     }
 
-    /// Runs `f` on the thread's index, loading it first if needed.
+    /// Runs `f` on the index of the thread's archive as `store` shows it, loading it
+    /// first if needed.
     fn with_index<T>(
         &self,
+        store: &dyn OffloadStore,
         thread: &ThreadId,
+        fingerprint: u64,
         f: impl FnOnce(&mut ThreadIndex, &Key) -> Result<T, OffloadError>,
     ) -> Result<T, OffloadError> {
-        let index = self.index(thread);
+        let index = self.index(thread, fingerprint);
         let mut idx = index.lock().unwrap_or_else(PoisonError::into_inner);
         let key = self.key(thread);
-        if idx.loaded && self.store.size(&key)?.unwrap_or(0) != idx.end {
-            // Another writer (a worker on the same database, a deleted thread) changed
-            // the archive since this index read it: read it again.
+        if idx.loaded && store.size(&key)?.unwrap_or(0) != idx.end {
+            // Another writer (a worker on the same database, a deleted thread, another
+            // lineage of the thread) changed the archive since this index read it:
+            // read it again.
             idx.loaded = false;
         }
         if !idx.loaded {
-            *idx = self.load(&key)?;
+            *idx = self.load(store, &key)?;
         }
         f(&mut idx, &key)
     }
 
     /// Builds a thread's index by reading its archive once.
-    fn load(&self, key: &Key) -> Result<ThreadIndex, OffloadError> {
+    fn load(&self, store: &dyn OffloadStore, key: &Key) -> Result<ThreadIndex, OffloadError> {
         let mut idx = ThreadIndex {
             loaded: true,
             ..ThreadIndex::default()
         };
-        if self.store.size(key)?.is_none() {
+        if store.size(key)?.is_none() {
             return Ok(idx);
         }
-        let mut reader = BufReader::with_capacity(1 << 20, self.store.open(key)?);
+        let mut reader = BufReader::with_capacity(1 << 20, store.open(key)?);
         let mut line = Vec::new();
         let mut offset = 0u64;
         loop {
@@ -296,7 +306,43 @@ impl Archive {
         thread: &ThreadId,
         messages: &[Message],
     ) -> Result<Appended, OffloadError> {
-        self.with_index(thread, |idx, key| {
+        self.append_to(&*self.store, thread, 0, messages)
+    }
+
+    /// Appends `messages` to the thread's archive as `lineage` writes it, and moves
+    /// `lineage` on past them (only when the append succeeded): store it with the
+    /// checkpoint the records belong to. Records another branch of the thread stored
+    /// are not seen, so they are neither duplicates nor visible (see [`Lineage`]).
+    pub fn append_in(
+        &self,
+        lineage: &mut Lineage,
+        thread: &ThreadId,
+        messages: &[Message],
+    ) -> Result<Appended, OffloadError> {
+        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let before = lineage.fingerprint();
+        let out = self.append_to(&view, thread, before, messages)?;
+        let moved = view.lineage();
+        let after = moved.fingerprint();
+        if after != before {
+            // The lineage wrote apart: the index it just extended is its own now.
+            let mut threads = self.threads.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(index) = threads.remove(&(thread.clone(), before)) {
+                threads.insert((thread.clone(), after), index);
+            }
+        }
+        *lineage = moved;
+        Ok(out)
+    }
+
+    fn append_to(
+        &self,
+        store: &dyn OffloadStore,
+        thread: &ThreadId,
+        fingerprint: u64,
+        messages: &[Message],
+    ) -> Result<Appended, OffloadError> {
+        self.with_index(store, thread, fingerprint, |idx, key| {
             let mut batch = String::new();
             if idx.needs_newline {
                 batch.push('\n');
@@ -350,7 +396,7 @@ impl Archive {
             if new.is_empty() {
                 return Ok(out);
             }
-            let offset = match self.store.append(key, &batch) {
+            let offset = match store.append(key, &batch) {
                 Ok(offset) => offset,
                 Err(e) => {
                     // Part of the batch may have been written: re-read the archive next time.
@@ -382,7 +428,17 @@ impl Archive {
 
     /// Number of records in the thread's archive.
     pub fn len(&self, thread: &ThreadId) -> Result<u64, OffloadError> {
-        self.with_index(thread, |idx, _| Ok(idx.records.len() as u64))
+        self.with_index(&*self.store, thread, 0, |idx, _| {
+            Ok(idx.records.len() as u64)
+        })
+    }
+
+    /// Number of records of the thread's archive `lineage` sees.
+    pub fn len_in(&self, lineage: &Lineage, thread: &ThreadId) -> Result<u64, OffloadError> {
+        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        self.with_index(&view, thread, lineage.fingerprint(), |idx, _| {
+            Ok(idx.records.len() as u64)
+        })
     }
 
     /// True when the thread's archive has no records.
@@ -396,18 +452,39 @@ impl Archive {
         thread: &ThreadId,
         id: &str,
     ) -> Result<Option<ArchivedMessage>, OffloadError> {
-        self.with_index(thread, |idx, key| {
+        self.get_from(&*self.store, thread, 0, id)
+    }
+
+    /// The newest archived message with this id that `lineage` sees.
+    pub fn get_in(
+        &self,
+        lineage: &Lineage,
+        thread: &ThreadId,
+        id: &str,
+    ) -> Result<Option<ArchivedMessage>, OffloadError> {
+        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        self.get_from(&view, thread, lineage.fingerprint(), id)
+    }
+
+    fn get_from(
+        &self,
+        store: &dyn OffloadStore,
+        thread: &ThreadId,
+        fingerprint: u64,
+        id: &str,
+    ) -> Result<Option<ArchivedMessage>, OffloadError> {
+        self.with_index(store, thread, fingerprint, |idx, key| {
             let Some(&seq) = idx.by_id.get(&self.id_hash(id)) else {
                 return Ok(None);
             };
-            let found = self.read_record(idx, key, seq)?;
+            let found = self.read_record(store, idx, key, seq)?;
             if found.message.id.as_deref() == Some(id) {
                 return Ok(Some(found));
             }
             // Two ids share a 64-bit hash (about one chance in 2^64 per pair): look
             // for the newest record of this id the slow way.
             for seq in (0..idx.records.len()).rev() {
-                let candidate = self.read_record(idx, key, seq)?;
+                let candidate = self.read_record(store, idx, key, seq)?;
                 if candidate.message.id.as_deref() == Some(id) {
                     return Ok(Some(candidate));
                 }
@@ -422,12 +499,13 @@ impl Archive {
 
     fn read_record(
         &self,
+        store: &dyn OffloadStore,
         idx: &ThreadIndex,
         key: &Key,
         seq: usize,
     ) -> Result<ArchivedMessage, OffloadError> {
         let pos = idx.records[seq];
-        let bytes = self.store.read_at(key, pos.offset, pos.len as usize)?;
+        let bytes = store.read_at(key, pos.offset, pos.len as usize)?;
         parse(key, seq as u64, &bytes)
     }
 
@@ -437,7 +515,28 @@ impl Archive {
         thread: &ThreadId,
         seqs: Range<u64>,
     ) -> Result<Vec<ArchivedMessage>, OffloadError> {
-        self.with_index(thread, |idx, key| {
+        self.range_from(&*self.store, thread, 0, seqs)
+    }
+
+    /// The archived messages `lineage` sees at positions `seqs` (clamped), in order.
+    pub fn range_in(
+        &self,
+        lineage: &Lineage,
+        thread: &ThreadId,
+        seqs: Range<u64>,
+    ) -> Result<Vec<ArchivedMessage>, OffloadError> {
+        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        self.range_from(&view, thread, lineage.fingerprint(), seqs)
+    }
+
+    fn range_from(
+        &self,
+        store: &dyn OffloadStore,
+        thread: &ThreadId,
+        fingerprint: u64,
+        seqs: Range<u64>,
+    ) -> Result<Vec<ArchivedMessage>, OffloadError> {
+        self.with_index(store, thread, fingerprint, |idx, key| {
             let n = idx.records.len() as u64;
             let (lo, hi) = (seqs.start.min(n) as usize, seqs.end.min(n) as usize);
             if lo >= hi {
@@ -446,7 +545,7 @@ impl Archive {
             let first = idx.records[lo];
             let last = idx.records[hi - 1];
             let span = (last.offset + last.len - first.offset) as usize;
-            let bytes = self.store.read_at(key, first.offset, span)?;
+            let bytes = store.read_at(key, first.offset, span)?;
             idx.records[lo..hi]
                 .iter()
                 .enumerate()
@@ -467,7 +566,31 @@ impl Archive {
         pattern: &Pattern,
         max_results: usize,
     ) -> Result<ArchiveGrep, OffloadError> {
-        self.with_index(thread, |idx, key| {
+        self.grep_from(&*self.store, thread, 0, pattern, max_results)
+    }
+
+    /// Archived messages `lineage` sees whose record matches `pattern`, at most
+    /// `max_results`, in archive order.
+    pub fn grep_in(
+        &self,
+        lineage: &Lineage,
+        thread: &ThreadId,
+        pattern: &Pattern,
+        max_results: usize,
+    ) -> Result<ArchiveGrep, OffloadError> {
+        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        self.grep_from(&view, thread, lineage.fingerprint(), pattern, max_results)
+    }
+
+    fn grep_from(
+        &self,
+        store: &dyn OffloadStore,
+        thread: &ThreadId,
+        fingerprint: u64,
+        pattern: &Pattern,
+        max_results: usize,
+    ) -> Result<ArchiveGrep, OffloadError> {
+        self.with_index(store, thread, fingerprint, |idx, key| {
             if idx.records.is_empty() {
                 return Ok(ArchiveGrep::default());
             }
@@ -475,9 +598,7 @@ impl Archive {
                 max_results,
                 max_line_bytes: 0,
             };
-            let found = self
-                .store
-                .grep(thread, Some(&self.path), pattern, &options)?;
+            let found = store.grep(thread, Some(&self.path), pattern, &options)?;
             let mut out = ArchiveGrep {
                 messages: Vec::with_capacity(found.matches.len()),
                 truncated: found.truncated,
@@ -490,7 +611,7 @@ impl Archive {
                 else {
                     continue;
                 };
-                out.messages.push(self.read_record(idx, key, seq)?);
+                out.messages.push(self.read_record(store, idx, key, seq)?);
             }
             Ok(out)
         })

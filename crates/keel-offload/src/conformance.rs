@@ -21,8 +21,9 @@
 //! offset, reads at offsets, line reads, listing, grep, deletes, the file-or-directory
 //! rule), values large enough to span many internal chunks, `delete_thread`,
 //! `truncate`, readers
-//! racing a `put`, and the crate's own users over the store: [`Archive`] and
-//! [`RetrievalTools`].
+//! racing a `put`, and the crate's own users over the store: [`Archive`],
+//! [`RetrievalTools`] and the lineages of forked threads ([`LineageStore`],
+//! [`collect_garbage`]).
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
@@ -34,8 +35,8 @@ use keel_message::{Message, ToolCall};
 use serde_json::json;
 
 use crate::{
-    Archive, Entry, GrepOptions, Key, LineRange, OffloadError, OffloadStore, Pattern,
-    RetrievalTools, StorePath, ThreadId,
+    Archive, Entry, GrepOptions, Key, LineRange, Lineage, LineageStore, OffloadError, OffloadStore,
+    Pattern, RetrievalTools, StorePath, ThreadId, collect_garbage,
 };
 
 /// Runs every check on `store`.
@@ -47,6 +48,7 @@ pub fn run_all<S: OffloadStore + 'static>(store: &Arc<S>) {
     puts_are_atomic(store);
     archive(store);
     retrieval_tools(store);
+    lineages(store);
 }
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -775,4 +777,210 @@ pub fn retrieval_tools<S: OffloadStore + 'static>(store: &Arc<S>) {
     check!("retrieval_tools", missing.is_err());
     store.delete_thread(&n.thread("t1")).unwrap();
     store.delete_thread(&n.thread("t2")).unwrap();
+}
+
+/// Lineages over the store: a fork reads the archive and the large results as of the
+/// fork point plus its own (through [`RetrievalTools`], as the agent does) and never
+/// what the other branch stored after it; a retried write takes over its own bytes; the
+/// files left after [`collect_garbage`] are exactly those a live lineage sees, and
+/// `delete_thread` leaves none.
+pub fn lineages<S: OffloadStore + 'static>(store: &Arc<S>) {
+    let n = Names::new("lineages");
+    let t = n.thread("t");
+    let shared: Arc<dyn OffloadStore> = store.clone();
+    let archive = Archive::new(shared.clone());
+    let records = |tag: &str, range: std::ops::Range<usize>| -> Vec<Message> {
+        range
+            .map(|i| Message::user(format!("{tag} record {i}")).with_id(format!("{tag}-{i}")))
+            .collect()
+    };
+    let big = n.key("t", "large_tool_results/call_7");
+    let stored = || -> Vec<String> {
+        paths(&store.list(&t, None).unwrap())
+            .into_iter()
+            .map(|p| {
+                p.split('/')
+                    .map(|c| {
+                        if c.len() == 16 && c.bytes().all(|b| b.is_ascii_hexdigit()) {
+                            "<fork>"
+                        } else {
+                            c
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join("/")
+            })
+            .collect()
+    };
+
+    // The main branch: 10 records, the fork point, then 5 records and a large result.
+    let mut main = Lineage::new();
+    archive
+        .append_in(&mut main, &t, &records("base", 0..10))
+        .unwrap();
+    let fork_point = main.clone();
+    archive
+        .append_in(&mut main, &t, &records("main", 0..5))
+        .unwrap();
+    let view = LineageStore::new(shared.clone(), t.clone(), main.clone());
+    view.put(&big, "main's large result\n").unwrap();
+    let main = view.lineage();
+    check!("lineages", main.sees_all(&*shared, &t).unwrap());
+    check_eq!("lineages", main.forks().count(), 0);
+
+    // The fork writes apart: its own records, its own result under the same path.
+    let mut fork = fork_point.clone();
+    archive
+        .append_in(&mut fork, &t, &records("fork", 0..3))
+        .unwrap();
+    check_eq!("lineages", fork.forks().count(), 1);
+    // A retry of that write (a step that crashed before its checkpoint) takes over the
+    // bytes it left: the same lineage, nothing written twice.
+    let size = |k: &str| store.size(&n.key("t", k)).unwrap();
+    let root_bytes = size("archive/messages.jsonl");
+    let files_before = store.list(&t, None).unwrap().len();
+    let mut retry = fork_point.clone();
+    archive
+        .append_in(&mut retry, &t, &records("fork", 0..3))
+        .unwrap();
+    check_eq!("lineages", &retry, &fork);
+    check_eq!("lineages", size("archive/messages.jsonl"), root_bytes);
+    check_eq!(
+        "lineages",
+        store.list(&t, None).unwrap().len(),
+        files_before
+    );
+    let view = LineageStore::new(shared.clone(), t.clone(), fork.clone());
+    view.put(&big, "the fork's large result\n").unwrap();
+    let fork = view.lineage();
+    check!("lineages", !fork.sees_all(&*shared, &t).unwrap());
+    check!("lineages", !main.sees_all(&*shared, &t).unwrap());
+
+    let tools =
+        |l: &Lineage| RetrievalTools::new(shared.clone(), t.clone()).with_lineage(l.clone());
+    let run = |l: &Lineage, name: &str, args: serde_json::Value| {
+        tools(l).execute(&ToolCall::new("c", name, args)).unwrap()
+    };
+    let grep = |l: &Lineage, p: &str| run(l, "grep", json!({"pattern": p, "path": "archive"}));
+    check!(
+        "lineages",
+        grep(&fork, "main record").starts_with("No lines match")
+    );
+    check!(
+        "lineages",
+        grep(&fork, "base record 9").contains("archive/messages.jsonl:10:")
+    );
+    let own = grep(&fork, "fork record 2");
+    check!(
+        "lineages",
+        own.contains("archive/messages.jsonl:13:"),
+        "{own}"
+    );
+    check!(
+        "lineages",
+        grep(&main, "fork record").starts_with("No lines match")
+    );
+    check!(
+        "lineages",
+        grep(&main, "main record 4").contains("archive/messages.jsonl:15:")
+    );
+    let lines = run(
+        &fork,
+        "read_file",
+        json!({"path": "archive/messages.jsonl", "offset": 9}),
+    );
+    check!(
+        "lineages",
+        lines.contains("base record 9") && lines.contains("fork record 0"),
+        "{lines}"
+    );
+    check!(
+        "lineages",
+        lines.ends_with("[end of file: 13 lines]"),
+        "{lines}"
+    );
+    let read = |l: &Lineage| run(l, "read_file", json!({"path": "large_tool_results/call_7"}));
+    check!("lineages", read(&main).contains("main's large result"));
+    check!("lineages", read(&fork).contains("the fork's large result"));
+    let at_fork_point = run(&fork_point, "ls", json!({}));
+    check!(
+        "lineages",
+        !at_fork_point.contains("call_7"),
+        "{at_fork_point}"
+    );
+    check!(
+        "lineages",
+        !at_fork_point.contains(".keel"),
+        "{at_fork_point}"
+    );
+    check_eq!("lineages", archive.len_in(&main, &t).unwrap(), 15);
+    check_eq!("lineages", archive.len_in(&fork, &t).unwrap(), 13);
+    check_eq!("lineages", archive.len_in(&fork_point, &t).unwrap(), 10);
+    check!(
+        "lineages",
+        archive.get_in(&fork, &t, "main-0").unwrap().is_none()
+    );
+    check_eq!(
+        "lineages",
+        archive
+            .get_in(&fork, &t, "fork-1")
+            .unwrap()
+            .unwrap()
+            .message
+            .text(),
+        "fork record 1"
+    );
+
+    // Both branches live: nothing goes.
+    let kept = collect_garbage(&*shared, &t, &[main.clone(), fork.clone()]).unwrap();
+    check_eq!("lineages", kept.files, 0);
+    check_eq!("lineages", kept.bytes, 0);
+    // Only the fork lives (the main branch's checkpoints were pruned): main's records
+    // are cut off the shared archive and its result deleted.
+    let removed = collect_garbage(&*shared, &t, std::slice::from_ref(&fork)).unwrap();
+    check_eq!("lineages", removed.files, 1);
+    check!("lineages", removed.bytes > 0);
+    check_eq!(
+        "lineages",
+        stored(),
+        [
+            ".keel/files.jsonl",
+            ".keel/forks/<fork>/data/archive/messages.jsonl",
+            ".keel/forks/<fork>/data/large_tool_results/call_7",
+            ".keel/forks/<fork>/files.jsonl",
+            "archive/messages.jsonl",
+        ]
+    );
+    check!("lineages", fork.sees_all(&*shared, &t).unwrap());
+    check!(
+        "lineages",
+        grep(&fork, "base record 0").contains("archive/messages.jsonl:1:")
+    );
+    check!("lineages", read(&fork).contains("the fork's large result"));
+    check_eq!("lineages", archive.len_in(&fork, &t).unwrap(), 13);
+    // Only the fork point lives: the fork's directory (its record, archive and result) goes too.
+    let removed = collect_garbage(&*shared, &t, std::slice::from_ref(&fork_point)).unwrap();
+    check_eq!("lineages", removed.files, 3);
+    check_eq!(
+        "lineages",
+        stored(),
+        [".keel/files.jsonl", "archive/messages.jsonl"]
+    );
+    check_eq!("lineages", archive.len_in(&fork_point, &t).unwrap(), 10);
+    // No lineage lives: every recorded file goes.
+    collect_garbage(&*shared, &t, &[]).unwrap();
+    check!("lineages", stored().is_empty(), "{:?}", stored());
+
+    // delete_thread takes every branch.
+    let mut again = Lineage::new();
+    archive
+        .append_in(&mut again, &t, &records("base", 0..2))
+        .unwrap();
+    let mut other = Lineage::new();
+    archive
+        .append_in(&mut other, &t, &records("other", 0..2))
+        .unwrap();
+    check_eq!("lineages", other.forks().count(), 1);
+    store.delete_thread(&t).unwrap();
+    check!("lineages", store.list(&t, None).unwrap().is_empty());
 }

@@ -101,6 +101,17 @@ pub enum OffloadError {
         /// The newest version this build knows.
         supported: i64,
     },
+    /// A [`LineageStore`](crate::LineageStore) refused a call, or found the store
+    /// disagreeing with the lineage it reads: a key of another thread, a reserved
+    /// path, a file written both with `put` and `append`, a stored file shorter than
+    /// the lineage has seen, a lineage that does not parse.
+    #[error("{key}: {reason}")]
+    Lineage {
+        /// `thread/path` being accessed (or the thread).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// An archive record could not be read back.
     #[error("{key}: archive record {seq} is damaged: {reason}")]
     Corrupt {

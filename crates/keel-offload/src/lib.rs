@@ -104,6 +104,7 @@ mod error;
 #[cfg(feature = "fs")]
 mod fs;
 mod key;
+mod lineage;
 mod memory;
 mod policy;
 #[cfg(feature = "postgres")]
@@ -121,6 +122,7 @@ pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
 #[cfg(feature = "fs")]
 pub use fs::{FsStore, Fsync};
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
+pub use lineage::{Collected, LINEAGE_DIR, LINEAGE_KEY, Lineage, LineageStore, collect_garbage};
 pub use memory::MemoryStore;
 pub use policy::{
     EvictLargeResults, Failure, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored, StoredWhat,

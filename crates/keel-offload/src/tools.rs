@@ -6,6 +6,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{OffloadError, Shown};
 use crate::key::{Key, StorePath, ThreadId};
+use crate::lineage::{Lineage, LineageStore};
 use crate::policy::{cap_chars, thousands};
 use crate::store::{GrepOptions, LineRange, OffloadStore, Pattern};
 
@@ -112,7 +113,10 @@ pub enum ToolError {
 /// ```
 #[derive(Clone)]
 pub struct RetrievalTools {
+    /// The thread's files as the lineage sees them.
     store: Arc<dyn OffloadStore>,
+    /// The store below the view.
+    raw: Arc<dyn OffloadStore>,
     thread: ThreadId,
     limits: ToolLimits,
 }
@@ -127,13 +131,51 @@ impl std::fmt::Debug for RetrievalTools {
 }
 
 impl RetrievalTools {
-    /// The tools over `thread`'s namespace of `store`, with default limits.
+    /// The tools over `thread`'s namespace of `store`, with default limits. They read
+    /// every file of the thread (as [`Lineage::unscoped`] sees it; keel's own
+    /// [`LINEAGE_DIR`](crate::LINEAGE_DIR) is hidden); [`with_lineage`](Self::with_lineage)
+    /// narrows them to one branch of the thread.
     pub fn new(store: Arc<dyn OffloadStore>, thread: ThreadId) -> Self {
+        let view = LineageStore::new(store.clone(), thread.clone(), Lineage::unscoped());
         RetrievalTools {
-            store,
+            store: Arc::new(view),
+            raw: store,
             thread,
             limits: ToolLimits::default(),
         }
+    }
+
+    /// Reads the thread as `lineage` sees it: the branch of its history the call's
+    /// checkpoint is on (the archive up to the fork point plus the branch's own
+    /// records, never another branch's).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_message::ToolCall;
+    /// use keel_offload::{Key, Lineage, LineageStore, MemoryStore, OffloadStore, RetrievalTools, ThreadId};
+    /// use serde_json::json;
+    ///
+    /// let store = Arc::new(MemoryStore::new());
+    /// let thread = ThreadId::new("t1")?;
+    /// let fork_point = Lineage::new();
+    /// let main = LineageStore::new(store.clone(), thread.clone(), fork_point.clone());
+    /// main.put(&Key::new("t1", "large_tool_results/call_9")?, "stored after the fork point")?;
+    ///
+    /// let grep = ToolCall::new("c1", "grep", json!({"pattern": "fork point"}));
+    /// let on_main = RetrievalTools::new(store.clone(), thread.clone()).with_lineage(main.lineage());
+    /// assert!(on_main.execute(&grep)?.contains("call_9"));
+    /// let on_fork = RetrievalTools::new(store.clone(), thread.clone()).with_lineage(fork_point);
+    /// assert!(on_fork.execute(&grep)?.starts_with("No lines match"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn with_lineage(mut self, lineage: Lineage) -> Self {
+        self.store = Arc::new(LineageStore::new(
+            self.raw.clone(),
+            self.thread.clone(),
+            lineage,
+        ));
+        self
     }
 
     /// Sets the output limits.
