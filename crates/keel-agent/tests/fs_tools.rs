@@ -186,6 +186,27 @@ async fn ls_lists_sorted_with_directories_marked_and_sizes() {
     );
 }
 
+/// A `write_file` killed between writing its temporary file and renaming it leaves
+/// `.keel-write-*` behind: neither `ls` nor `grep` shows it (found by the fleet test,
+/// which SIGKILLs workers mid-write).
+#[tokio::test]
+async fn a_killed_writes_temporary_file_is_not_listed_or_searched() {
+    let f = Fixture::new();
+    f.put("notes.txt", "the answer is 42\n");
+    f.put(".keel-write-Ab12Cd", "the answer is 42\n");
+    f.put("src/.keel-write-Zz9", "partial");
+    assert_eq!(
+        f.ok(LS, json!({})).await,
+        "The root directory holds 2 entries:\nnotes.txt\t17 bytes\nsrc/"
+    );
+    assert_eq!(f.ok(LS, json!({"path": "src"})).await, "`src` is empty.");
+    let hits = f.ok("grep", json!({"pattern": "answer"})).await;
+    assert!(
+        hits.contains("notes.txt") && !hits.contains(".keel-write-"),
+        "{hits}"
+    );
+}
+
 #[tokio::test]
 async fn ls_keeps_the_first_entries_by_name_and_says_how_many_more() {
     let f = Fixture::with(|t| {

@@ -71,6 +71,10 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
         if shadowed && name.to_str().is_some_and(|n| OFFLOAD_DIRS.contains(&n)) {
             continue;
         }
+        // A write killed before its rename leaves its temporary file: not the agent's.
+        if name.to_str().is_some_and(|n| n.starts_with(TEMP_PREFIX)) {
+            continue;
+        }
         total += 1;
         smallest.push(name);
         if smallest.len() > cap {
@@ -421,12 +425,16 @@ pub(super) fn edit_file(tools: &FileTools, args: &Map<String, Value>) -> Result<
     ))
 }
 
-/// A temporary file in `dir` (hidden, so `grep` and listings pass over a leftover),
+/// The name prefix of the tools' temporary files (see [`temp_file`]).
+const TEMP_PREFIX: &str = ".keel-write-";
+
+/// A temporary file in `dir` (hidden, so `grep` and `ls` pass over a leftover of a
+/// write that was killed before its rename),
 /// with exactly `keep` permissions (those of the file an edit replaces), or the usual
 /// ones of a new file (`0o666` less the umask).
 fn temp_file(dir: &Path, keep: Option<fs::Permissions>) -> io::Result<tempfile::NamedTempFile> {
     let mut builder = tempfile::Builder::new();
-    builder.prefix(".keel-write-");
+    builder.prefix(TEMP_PREFIX);
     if let Some(p) = default_permissions() {
         builder.permissions(p);
     }
