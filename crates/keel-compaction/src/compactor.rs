@@ -6,7 +6,8 @@ use std::time::Instant;
 use keel_message::{Message, Role, ToolSpec};
 use keel_model::{ChatModel, ChatOptions, ChatResponse};
 use keel_offload::{
-    Appended, Archive, EvictLargeResults, OffloadError, PolicyEnv, ThreadId, TruncateArguments,
+    Appended, Archive, EvictLargeResults, Lineage, LineageStore, OffloadError, PolicyEnv, ThreadId,
+    TruncateArguments,
 };
 use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
 use keel_token::{ModelProfile, TokenCounter};
@@ -266,7 +267,7 @@ impl Compactor {
         }
         let results = match &self.evict {
             Some(policy) if results.iter().any(is_observation) => {
-                self.evict(policy, &reply, results)
+                self.evict(policy, &reply, results, &mut state.lineage)
             }
             _ => results,
         };
@@ -280,21 +281,26 @@ impl Compactor {
         let mut messages = messages;
         state.assign_push_ids(&mut messages);
         let messages = match &self.evict {
-            Some(policy) if messages.iter().any(is_observation) => {
-                self.evict(policy, &Message::assistant(""), messages)
-            }
+            Some(policy) if messages.iter().any(is_observation) => self.evict(
+                policy,
+                &Message::assistant(""),
+                messages,
+                &mut state.lineage,
+            ),
             _ => messages,
         };
         state.push(messages);
     }
 
-    /// Runs the evict policy over `results`. Observations that arrived as user messages
-    /// are offloaded like tool results (under their message id).
+    /// Runs the evict policy over `results`, storing in `lineage`'s branch of the
+    /// thread (and moving it on). Observations that arrived as user messages are
+    /// offloaded like tool results (under their message id).
     fn evict(
         &self,
         policy: &EvictLargeResults,
         reply: &Message,
         results: Vec<Message>,
+        lineage: &mut Lineage,
     ) -> Vec<Message> {
         // The reply goes along so the policy can name each result's tool.
         let mut batch = Vec::with_capacity(results.len() + 1);
@@ -314,8 +320,10 @@ impl Compactor {
             as_tool.push(observation);
             batch.push(m);
         }
-        let env = PolicyEnv::new(self.archive.store().as_ref(), &self.thread, &*self.counter);
+        let view = self.view(lineage);
+        let env = PolicyEnv::new(&view, &self.thread, &*self.counter);
         let outcome = policy.apply(batch, &env);
+        *lineage = view.lineage();
         for f in &outcome.failures {
             tracing::warn!(error = %f.error, "offloading a large tool result failed; kept in full");
         }
@@ -332,6 +340,15 @@ impl Compactor {
                 m
             })
             .collect()
+    }
+
+    /// The offload store as `lineage` of this thread sees it.
+    fn view(&self, lineage: &Lineage) -> LineageStore {
+        LineageStore::new(
+            Arc::clone(self.archive.store()),
+            self.thread.clone(),
+            lineage.clone(),
+        )
     }
 
     /// The settings.
@@ -704,9 +721,15 @@ impl Compactor {
             return Ok(Done::masked(0));
         }
         let originals: Vec<Message> = targets.iter().map(|&i| state.raw[i].clone()).collect();
-        let appended = append_off_runtime(&self.archive, &self.thread, originals)
-            .await
-            .map_err(CompactionError::Archive)?;
+        let (appended, lineage) = append_off_runtime(
+            &self.archive,
+            &self.thread,
+            state.lineage.clone(),
+            originals,
+        )
+        .await
+        .map_err(CompactionError::Archive)?;
+        state.lineage = lineage;
         for (k, &i) in targets.iter().enumerate() {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
             let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
@@ -804,10 +827,11 @@ impl Compactor {
         let before = self.truncate_arguments(state, tools);
         let result = self.milestone_after_truncation(state, trigger, tools).await;
         if result.is_err()
-            && let Some((raw, ledger)) = before
+            && let Some((raw, ledger, lineage)) = before
         {
             state.raw = raw;
             state.ledger = ledger;
+            state.lineage = lineage;
         }
         result
     }
@@ -880,11 +904,17 @@ impl Compactor {
             .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
             .cloned()
             .collect();
-        let appended = append_off_runtime(&self.archive, &self.thread, to_archive)
-            .await
-            .map_err(CompactionError::Archive)?;
+        let (appended, lineage) = append_off_runtime(
+            &self.archive,
+            &self.thread,
+            state.lineage.clone(),
+            to_archive,
+        )
+        .await
+        .map_err(CompactionError::Archive)?;
 
         // From here nothing can fail: flush.
+        state.lineage = lineage;
         state.raw.drain(..cut);
         let removed: usize = state
             .ledger
@@ -1253,18 +1283,19 @@ impl Compactor {
 
     /// Replaces long string arguments of old write/edit calls with pointers (stored
     /// once), when the context passes the policy's fraction of the window. Returns the
-    /// raw buffer and ledger as they were when it changed something.
+    /// raw buffer, ledger and lineage as they were when it changed something.
     fn truncate_arguments(
         &self,
         state: &mut ContextState,
         tools: &[ToolSpec],
-    ) -> Option<(Vec<Message>, crate::state::Ledger)> {
+    ) -> Option<(Vec<Message>, crate::state::Ledger, Lineage)> {
         let policy = self.truncate.as_ref()?;
         let used = self.tokens(state, tools).total;
         if !policy.triggered(used, self.budget()) {
             return None;
         }
-        let env = PolicyEnv::new(self.archive.store().as_ref(), &self.thread, &*self.counter);
+        let view = self.view(&state.lineage);
+        let env = PolicyEnv::new(&view, &self.thread, &*self.counter);
         let raw = state.raw.clone();
         let outcome = policy.apply_with_usage(raw, &env, used, self.budget());
         for f in &outcome.failures {
@@ -1276,6 +1307,7 @@ impl Compactor {
         let before = (
             std::mem::replace(&mut state.raw, outcome.messages),
             state.ledger.clone(),
+            std::mem::replace(&mut state.lineage, view.lineage()),
         );
         let changed: Vec<usize> = outcome.stored.iter().map(|s| s.index).collect();
         for i in changed {
@@ -1375,21 +1407,27 @@ fn add_usage(a: (u64, u64, u64), b: (u64, u64, u64)) -> (u64, u64, u64) {
     (a.0 + b.0, a.1 + b.1, a.2 + b.2)
 }
 
-/// Appends to the archive off the async runtime. An append writes to the store and, with
-/// the file store's default, fsyncs: on a Tokio runtime it runs on the blocking pool so
-/// the runtime's threads keep serving other tasks (a current-thread runtime included);
+/// Appends to the archive as `lineage` writes it, off the async runtime; returns the
+/// lineage moved on past the records. An append writes to the store and, with the file
+/// store's default, fsyncs: on a Tokio runtime it runs on the blocking pool so the
+/// runtime's threads keep serving other tasks (a current-thread runtime included);
 /// without one it runs inline.
 async fn append_off_runtime(
     archive: &Arc<Archive>,
     thread: &ThreadId,
+    mut lineage: Lineage,
     messages: Vec<Message>,
-) -> Result<Appended, OffloadError> {
+) -> Result<(Appended, Lineage), OffloadError> {
     let Ok(handle) = tokio::runtime::Handle::try_current() else {
-        return archive.append(thread, &messages);
+        let appended = archive.append_in(&mut lineage, thread, &messages)?;
+        return Ok((appended, lineage));
     };
     let (archive, owned) = (Arc::clone(archive), thread.clone());
     handle
-        .spawn_blocking(move || archive.append(&owned, &messages))
+        .spawn_blocking(move || {
+            let appended = archive.append_in(&mut lineage, &owned, &messages)?;
+            Ok((appended, lineage))
+        })
         .await
         .unwrap_or_else(|e| {
             Err(OffloadError::Io {

@@ -1,6 +1,7 @@
 //! What the compaction engine keeps: the layers of an agent's memory.
 
 use keel_message::Message;
+use keel_offload::Lineage;
 use serde::{Deserialize, Serialize};
 
 use crate::event::CompactionEvent;
@@ -108,6 +109,14 @@ pub struct ContextState {
     /// Epoch summaries (tier 2) made so far (numbers them).
     #[serde(default)]
     pub epochs_made: u64,
+    /// Which branch of the thread's history this state is on: how much of the archive
+    /// and the offloaded results it has seen. The compactor reads and writes the
+    /// offload store through it, so a state restored from an older checkpoint (a
+    /// fork) sees the archive as it was there plus its own records, never what the
+    /// other branch archived after it. A state stored before lineages reads back
+    /// [`Lineage::unscoped`] (everything of the thread, as before).
+    #[serde(default)]
+    pub lineage: Lineage,
     /// Token counts of what the compactor has seen (recounted lazily after a load).
     #[serde(skip)]
     pub(crate) ledger: Ledger,
@@ -139,6 +148,7 @@ impl ContextState {
             events: Vec::new(),
             milestones_made: 0,
             epochs_made: 0,
+            lineage: Lineage::new(),
             ledger: Ledger::default(),
         }
     }

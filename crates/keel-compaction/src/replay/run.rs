@@ -325,7 +325,13 @@ impl StoredText {
         store: &Arc<dyn OffloadStore>,
         thread: &ThreadId,
     ) -> Result<&Self, CompactionError> {
-        let entries = store.list(thread, None).map_err(CompactionError::Archive)?;
+        // keel's own bookkeeping (the lineage records) is not something to search.
+        let entries: Vec<_> = store
+            .list(thread, None)
+            .map_err(CompactionError::Archive)?
+            .into_iter()
+            .filter(|e| e.path.components().next() != Some(keel_offload::LINEAGE_DIR))
+            .collect();
         let sizes: Vec<u64> = entries.iter().map(|e| e.bytes).collect();
         if sizes != self.sizes {
             self.text.clear();
