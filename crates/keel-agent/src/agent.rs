@@ -14,14 +14,18 @@ use keel_graph::{
 };
 use keel_message::{Message, Tool};
 use keel_model::{ChatModel, ChatOptions};
-use keel_offload::{Archive, EvictLargeResults, MemoryStore, OffloadStore, ThreadId, ToolLimits};
+use keel_offload::{
+    Archive, EvictLargeResults, Lineage, MemoryStore, OffloadStore, ThreadId, ToolLimits,
+};
 use keel_summarize::{ExtractiveSummarizer, Summarizer};
 use keel_token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
 use serde_json::Value;
 
 use crate::error::{AgentError, BuildError};
 use crate::event::AgentEvent;
-use crate::nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOOLS};
+use crate::nodes::{
+    AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOOLS, collect_after_prune,
+};
 use crate::state::{AgentState, AgentStateUpdate, Stop};
 use crate::tools::{Toolbox, retrieval_tools};
 
@@ -364,22 +368,83 @@ impl Agent {
         Ok(self.snapshot(thread_id).await?.map(|s| s.values))
     }
 
-    /// Keeps the newest `keep` checkpoints of a thread; returns how many were removed.
+    /// Keeps the newest `keep` checkpoints of a thread and removes the offloaded files
+    /// (archive records, large results) only the removed checkpoints saw — an
+    /// abandoned fork's, say — never what a kept one reads; returns how many
+    /// checkpoints were removed. The agent does this itself after each compaction
+    /// ([`AgentBuilder::keep_checkpoints`]).
     pub async fn prune(&self, thread_id: &str, keep: usize) -> Result<usize, AgentError> {
         let Some(cp) = &self.checkpointer else {
             return Ok(0);
         };
-        Ok(cp
-            .prune(&ThreadKey::new(thread_id.to_owned()), keep)
+        let key = ThreadKey::new(thread_id.to_owned());
+        let removed = cp
+            .prune(&key, keep)
             .await
-            .map_err(keel_graph::GraphError::from)?)
+            .map_err(keel_graph::GraphError::from)?;
+        collect_after_prune(&self.nodes.parts, cp.as_ref(), &key, None)
+            .await
+            .map_err(|reason| AgentError::Offload {
+                thread_id: thread_id.to_owned(),
+                reason,
+            })?;
+        Ok(removed)
+    }
+
+    /// Deletes a thread: its checkpoints (every namespace) and every offloaded file of
+    /// it, on every branch (the store's `delete_thread`: one transaction on the
+    /// databases). Deleting a thread that does not exist does nothing.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_model::ScriptedModel;
+    /// use keel_offload::{MemoryStore, OffloadStore, ThreadId};
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let store = Arc::new(MemoryStore::new());
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Done."])))
+    ///     .goal("Say done.")
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .offload_store(store.clone())
+    ///     .build()?;
+    /// agent.run("t", AgentInput::new()).await?;
+    /// agent.delete_thread("t").await?;
+    /// assert!(agent.state("t").await?.is_none());
+    /// assert!(store.list(&ThreadId::new("t")?, None)?.is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn delete_thread(&self, thread_id: &str) -> Result<(), AgentError> {
+        let id = ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
+            thread_id: thread_id.to_owned(),
+            reason: e.to_string(),
+        })?;
+        if let Some(cp) = &self.checkpointer {
+            cp.delete_thread(thread_id)
+                .await
+                .map_err(keel_graph::GraphError::from)?;
+        }
+        let store = self.nodes.parts.store.clone();
+        tokio::task::spawn_blocking(move || store.delete_thread(&id))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|reason| AgentError::Offload {
+                thread_id: thread_id.to_owned(),
+                reason,
+            })?;
+        Ok(())
     }
 
     /// Deletes threads idle for longer than `idle_for` (no checkpoint since), at most
-    /// `limit` of them per call, with their offloaded results and archive; returns
-    /// their ids. Call it again while it returns `limit` ids to sweep everything.
-    /// Without a checkpointer there is nothing to sweep; a checkpointer without a sweep
-    /// is an error saying so.
+    /// `limit` of them per call, with their offloaded results and archive on every
+    /// branch (the store's `delete_thread`); returns their ids. Call it again while it
+    /// returns `limit` ids to sweep everything. Without a checkpointer there is nothing
+    /// to sweep; a checkpointer without a sweep is an error saying so.
     pub async fn sweep_idle(
         &self,
         idle_for: Duration,
@@ -400,18 +465,8 @@ impl Agent {
                 let Ok(id) = ThreadId::new(thread.as_str()) else {
                     continue;
                 };
-                let entries = match store.list(&id, None) {
-                    Ok(e) => e,
-                    Err(e) => {
-                        tracing::warn!(thread = %thread, error = %e, "listing a swept thread's offload files failed");
-                        continue;
-                    }
-                };
-                for entry in entries {
-                    let key = keel_offload::Key::from_parts(id.clone(), entry.path);
-                    if let Err(e) = store.delete(&key) {
-                        tracing::warn!(thread = %thread, error = %e, "deleting a swept thread's offload file failed");
-                    }
+                if let Err(e) = store.delete_thread(&id) {
+                    tracing::warn!(thread = %thread, error = %e, "deleting a swept thread's offload files failed");
                 }
             }
         })
@@ -494,7 +549,8 @@ impl Agent {
                         .ok_or_else(|| AgentError::NoGoal {
                             thread_id: thread_id.to_owned(),
                         })?;
-                update = update.goal(goal);
+                // A new thread's files are scoped to its branches from the start.
+                update = update.goal(goal).lineage(Lineage::new());
                 if let Some(system) = input.system.or_else(|| self.system.clone()) {
                     update = update.system(Some(system));
                 }

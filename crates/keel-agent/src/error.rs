@@ -62,6 +62,16 @@ pub enum AgentError {
         /// The key.
         key: String,
     },
+    /// The offload store failed while the thread's files were cleaned up (after a
+    /// prune, a sweep or a delete). The checkpoints are as the call left them; what
+    /// was not removed is removed by the next prune, or by deleting the thread again.
+    #[error("cleaning the offloaded files of thread `{thread_id}` failed: {reason}")]
+    Offload {
+        /// The thread.
+        thread_id: String,
+        /// What failed.
+        reason: String,
+    },
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),

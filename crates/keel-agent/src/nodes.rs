@@ -4,13 +4,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use keel_checkpoint::{Checkpointer, ThreadKey};
+use keel_checkpoint::{CheckpointTuple, Checkpointer, ListOptions, ThreadKey};
 use keel_compaction::{CompactionConfig, CompactionError, Compactor, ContextState, Trigger};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{END, NodeContext, NodeError};
-use keel_message::{Message, Role, ToolCall};
+use keel_message::{Message, Role, ToolCall, ToolContext};
 use keel_model::{ChatModel, ChatOptions};
-use keel_offload::{EvictLargeResults, OffloadStore, PolicyEnv, StoredWhat, ThreadId};
+use keel_offload::{
+    Collected, EvictLargeResults, LINEAGE_KEY, Lineage, LineageStore, OffloadStore, PolicyEnv,
+    StoredWhat, ThreadId, collect_garbage,
+};
 use keel_token::{ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -385,9 +388,13 @@ impl AgentNodes {
             };
             let calls = &reply.tool_calls;
             let denied = self.approval(calls, &ctx)?;
+            // Every call reads the offload store as this checkpoint's lineage sees it.
+            let lineage = s.lineage.to_value();
             let runs = calls.iter().map(|c| {
                 let denied = denied.contains(&c.id);
-                let thread = thread.clone();
+                let call_ctx = ToolContext::new(c.id.clone())
+                    .with_thread_id(thread.clone())
+                    .with_configurable(LINEAGE_KEY, lineage.clone());
                 async move {
                     if denied {
                         let mut m = Message::tool(
@@ -402,7 +409,7 @@ impl AgentNodes {
                             duration: std::time::Duration::ZERO,
                         }
                     } else {
-                        p.tools.run(c, Some(&thread)).await
+                        p.tools.run_in(c, call_ctx).await
                     }
                 }
             });
@@ -422,7 +429,9 @@ impl AgentNodes {
                 });
             }
             let results: Vec<Message> = outcomes.into_iter().map(|o| o.message).collect();
-            let (results, offloads) = self.offload(&thread, reply.clone(), results).await;
+            let (results, offloads, moved) = self
+                .offload(&thread, &s.lineage, reply.clone(), results)
+                .await;
             let span = tracing::Span::current();
             span.record("calls", calls.len());
             span.record("failed", failed);
@@ -435,9 +444,13 @@ impl AgentNodes {
                     tokens,
                 });
             }
-            Ok(AgentStateUpdate::default()
+            let mut update = AgentStateUpdate::default()
                 .messages(AddMessagesUpdate::append(results))
-                .events(events))
+                .events(events);
+            if let Some(lineage) = moved.filter(|l| *l != s.lineage) {
+                update = update.lineage(lineage);
+            }
+            Ok(update)
         }
         .instrument(span)
         .await
@@ -471,16 +484,18 @@ impl AgentNodes {
             .collect())
     }
 
-    /// Runs the evict policy over fresh results on the blocking pool. Returns the
-    /// results (large ones as stubs) and `(call id, path, tokens)` per offload.
+    /// Runs the evict policy over fresh results on the blocking pool, storing in
+    /// `lineage`'s branch of the thread. Returns the results (large ones as stubs),
+    /// `(call id, path, tokens)` per offload, and the lineage moved on when it stored.
     async fn offload(
         &self,
         thread: &str,
+        lineage: &Lineage,
         reply: Message,
         results: Vec<Message>,
-    ) -> (Vec<Message>, Vec<(String, String, u64)>) {
+    ) -> (Vec<Message>, Vec<(String, String, u64)>, Option<Lineage>) {
         let Some(policy) = self.parts.evict.clone() else {
-            return (results, Vec::new());
+            return (results, Vec::new(), None);
         };
         // A token covers at least one byte, so a result of at most half the threshold
         // in bytes is under it in tokens, even for a counter calibrated up to 2x: it
@@ -489,19 +504,21 @@ impl AgentNodes {
             .iter()
             .all(|m| m.content.text().len().saturating_mul(2) <= policy.threshold_tokens)
         {
-            return (results, Vec::new());
+            return (results, Vec::new(), None);
         }
         let Ok(thread_id) = ThreadId::new(thread) else {
-            return (results, Vec::new());
+            return (results, Vec::new(), None);
         };
         let store = self.parts.store.clone();
+        let lineage = lineage.clone();
         let counter = self.parts.counter.clone();
         let fallback = results.clone();
         let job = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::with_capacity(results.len() + 1);
             batch.push(reply);
             batch.extend(results);
-            let env = PolicyEnv::new(store.as_ref(), &thread_id, &*counter);
+            let view = LineageStore::new(store, thread_id.clone(), lineage);
+            let env = PolicyEnv::new(&view, &thread_id, &*counter);
             let outcome = policy.apply(batch, &env);
             for f in &outcome.failures {
                 tracing::warn!(error = %f.error, "offloading a large tool result failed; kept in full");
@@ -519,13 +536,13 @@ impl AgentNodes {
                 })
                 .collect::<Vec<_>>();
             let messages: Vec<Message> = outcome.messages.into_iter().skip(1).collect();
-            (messages, offloads)
+            (messages, offloads, Some(view.lineage()))
         });
         match job.await {
             Ok(done) => done,
             Err(e) => {
                 tracing::warn!(error = %e, "the offload policy did not finish; results kept in full");
-                (fallback, Vec::new())
+                (fallback, Vec::new(), None)
             }
         }
     }
@@ -600,12 +617,14 @@ impl AgentNodes {
             update.compactions = Some(events);
         }
         if result.is_ok() {
-            self.prune_after_compaction(ctx).await;
+            self.prune_after_compaction(ctx, &c.lineage).await;
         }
         Ok(update)
     }
 
-    async fn prune_after_compaction(&self, ctx: &NodeContext) {
+    /// Prunes the thread to the last checkpoints, then removes the offloaded files
+    /// only pruned checkpoints saw (`running`: the lineage this step will store).
+    async fn prune_after_compaction(&self, ctx: &NodeContext, running: &Lineage) {
         let (Some(keep), Some(cp), Some(thread)) = (
             self.parts.keep_checkpoints,
             self.parts.checkpointer.as_ref(),
@@ -618,9 +637,87 @@ impl AgentNodes {
         // the checkpoint this step continues from stays.
         match cp.prune(&key, keep.max(1)).await {
             Ok(n) => tracing::debug!(removed = n, keep, "pruned checkpoints after compaction"),
-            Err(e) => tracing::warn!(error = %e, "pruning checkpoints after compaction failed"),
+            Err(e) => {
+                tracing::warn!(error = %e, "pruning checkpoints after compaction failed");
+                return;
+            }
+        }
+        match collect_after_prune(&self.parts, cp.as_ref(), &key, Some(running)).await {
+            Ok(c) if c.files > 0 || c.bytes > 0 => tracing::debug!(
+                files = c.files,
+                bytes = c.bytes,
+                "removed offloaded files only pruned checkpoints saw"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "removing what pruned checkpoints saw failed"),
         }
     }
+}
+
+/// The lineage a stored checkpoint of an agent thread has (unscoped when the thread was
+/// stored before lineages, or its channel was never written).
+pub(crate) fn lineage_of(tuple: &CheckpointTuple) -> Result<Lineage, serde_json::Error> {
+    let Some(chain) = tuple.channels.get("lineage") else {
+        return Ok(Lineage::unscoped());
+    };
+    match chain.updates().last().or(chain.snapshot.as_ref()) {
+        Some(v) => serde_json::from_value(v.clone()),
+        None => Ok(Lineage::unscoped()),
+    }
+}
+
+/// After `key` was pruned: removes from the offload store what no checkpoint left (nor
+/// `running`, a step not stored yet) sees. When the newest lineage sees everything the
+/// store holds of the thread (a thread never forked: a few size queries), nothing is
+/// loaded; otherwise the lineage of every checkpoint left is read. Only the root
+/// namespace is an agent's.
+pub(crate) async fn collect_after_prune(
+    parts: &Parts,
+    cp: &dyn Checkpointer,
+    key: &ThreadKey,
+    running: Option<&Lineage>,
+) -> Result<Collected, String> {
+    if !key.ns.is_empty() {
+        return Ok(Collected::default());
+    }
+    let thread = ThreadId::new(key.thread_id.as_str()).map_err(|e| e.to_string())?;
+    let newest = match running {
+        Some(l) => Some(l.clone()),
+        None => match cp.get(key, None).await.map_err(|e| e.to_string())? {
+            Some(t) => Some(lineage_of(&t).map_err(|e| e.to_string())?),
+            None => None,
+        },
+    };
+    let store = parts.store.clone();
+    if let Some(l) = newest.clone() {
+        let (store, thread) = (store.clone(), thread.clone());
+        let sees_all = tokio::task::spawn_blocking(move || l.sees_all(&*store, &thread))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        if sees_all {
+            return Ok(Collected::default());
+        }
+    }
+    let mut live: Vec<Lineage> = running.into_iter().cloned().collect();
+    let ids: Vec<_> = {
+        use futures::StreamExt;
+        cp.list(key, ListOptions::default())
+            .map(|s| s.map(|s| s.checkpoint.id))
+            .collect::<Vec<_>>()
+            .await
+    };
+    for id in ids {
+        let id = id.map_err(|e| e.to_string())?;
+        // Pruned by someone else since it was listed: it sees nothing any more.
+        if let Some(t) = cp.get(key, Some(&id)).await.map_err(|e| e.to_string())? {
+            live.push(lineage_of(&t).map_err(|e| e.to_string())?);
+        }
+    }
+    tokio::task::spawn_blocking(move || collect_garbage(&*store, &thread, &live))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
 }
 
 fn context(s: &AgentState) -> Result<ContextState, NodeError> {
@@ -712,6 +809,9 @@ pub(crate) fn diff(before: &AgentState, after: &ContextState) -> AgentStateUpdat
     }
     if after.epochs_made != before.epochs_made {
         u.epochs_made = Some(after.epochs_made);
+    }
+    if after.lineage != before.lineage {
+        u.lineage = Some(after.lineage.clone());
     }
     u
 }

@@ -6,6 +6,7 @@ use keel_compaction::{CompactionEvent, ContextState, GoalAnchor, Layer};
 use keel_graph::State;
 use keel_graph::reducer::{AddMessages, KeepLast, Messages, ReduceError, Reducer};
 use keel_message::Message;
+use keel_offload::Lineage;
 use serde::{Deserialize, Serialize};
 
 use crate::event::AgentEvent;
@@ -30,6 +31,7 @@ pub const RECENT_COMPACTIONS: usize = 16;
 /// | `compactions` | keep last 16 | the compaction's event |
 /// | `events` | keep last 64 | the step's [`AgentEvent`]s |
 /// | `stop` | last value | why the run stopped, if it did |
+/// | `lineage` | last value | how much of the thread's archive and offloaded results this branch has seen, when it stored some |
 ///
 /// The raw buffer (`messages`) is what the model sees after the summaries: the goal,
 /// epoch and milestones are kept in their own channels and assembled in front of it.
@@ -68,6 +70,12 @@ pub struct AgentState {
     pub events: VecDeque<AgentEvent>,
     /// Why the run stopped early, if it did (cleared when it continues).
     pub stop: Option<Stop>,
+    /// Which branch of the thread's history this state is on, for the offload store:
+    /// the archive and offloaded results as of this checkpoint. A run forked from an
+    /// older checkpoint reads (with the retrieval and file tools) what was stored up to
+    /// there plus its own, never what another branch stored after it. A thread stored
+    /// before lineages reads [`Lineage::unscoped`] back (everything, as before).
+    pub lineage: Lineage,
 }
 
 impl AgentState {
@@ -105,6 +113,7 @@ impl AgentState {
         c.masked_turns = self.masked_turns;
         c.milestones_made = self.milestones_made;
         c.epochs_made = self.epochs_made;
+        c.lineage = self.lineage.clone();
         Some(c)
     }
 }

@@ -178,6 +178,17 @@ impl RetrievalTools {
         self
     }
 
+    /// Reads the thread as the lineage a runtime handed `ctx` sees it
+    /// ([`Lineage::of_tool_call`]; keel-agent hands every tool call the lineage of its
+    /// checkpoint); unchanged when it handed none. A value that is not a lineage is an
+    /// error, never a wider view.
+    pub fn with_lineage_of(self, ctx: &keel_message::ToolContext) -> Result<Self, OffloadError> {
+        Ok(match Lineage::of_tool_call(ctx)? {
+            Some(lineage) => self.with_lineage(lineage),
+            None => self,
+        })
+    }
+
     /// Sets the output limits.
     #[must_use]
     pub fn with_limits(mut self, limits: ToolLimits) -> Self {

@@ -389,7 +389,10 @@ async fn offloaded(
     args.remove("glob");
     args.insert("path".to_owned(), Value::String(path.display()));
     let call = ToolCall::new(ctx.call_id(), kind.name(), Value::Object(args));
-    let tools = RetrievalTools::new(store, thread).with_limits(limits);
+    let tools = RetrievalTools::new(store, thread)
+        .with_limits(limits)
+        .with_lineage_of(ctx)
+        .map_err(ToolError::failed)?;
     blocking(move || {
         tools.execute(&call).map_err(|e| match e {
             keel_offload::ToolError::BadArguments { problem, .. } => {

@@ -88,8 +88,40 @@ impl Toolbox {
     /// not JSON, a tool error, a panic or a timeout each become a tool message that says
     /// so, so the model can act on it and the run goes on.
     pub async fn run(&self, call: &ToolCall, thread_id: Option<&str>) -> ToolOutcome {
+        let mut ctx = ToolContext::new(call.id.clone());
+        if let Some(t) = thread_id {
+            ctx = ctx.with_thread_id(t);
+        }
+        self.run_in(call, ctx).await
+    }
+
+    /// Runs one call like [`Toolbox::run`], handing the tool `ctx` (its thread and
+    /// configurable values; the agent's tools node adds the checkpoint's lineage
+    /// under [`keel_offload::LINEAGE_KEY`], so the offload tools read the branch of the
+    /// thread the call runs on).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::tools::Toolbox;
+    /// use keel_message::{ToolCall, ToolContext, ToolSpec, tool_fn};
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let mut tools = Toolbox::new();
+    /// let who = tool_fn(ToolSpec::new("who", "Says who asked.", json!({})), |_args, ctx| async move {
+    ///     Ok(ctx.configurable("user").and_then(|v| v.as_str()).unwrap_or("nobody").to_owned())
+    /// });
+    /// tools.add(Arc::new(who)).unwrap();
+    /// let call = ToolCall::new("c1", "who", json!({}));
+    /// let ctx = ToolContext::new("c1").with_configurable("user", json!("ada"));
+    /// assert_eq!(tools.run_in(&call, ctx).await.message.text(), "ada");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn run_in(&self, call: &ToolCall, ctx: ToolContext) -> ToolOutcome {
         let started = Instant::now();
-        let result = self.execute(call, thread_id).await;
+        let result = self.execute(call, ctx).await;
         let (text, error, chars) = match result {
             Ok(text) => {
                 let n = text.len();
@@ -110,7 +142,7 @@ impl Toolbox {
         }
     }
 
-    async fn execute(&self, call: &ToolCall, thread_id: Option<&str>) -> Result<String, String> {
+    async fn execute(&self, call: &ToolCall, ctx: ToolContext) -> Result<String, String> {
         let Some(tool) = self.tools.get(&call.name).cloned() else {
             let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
             return Err(format!(
@@ -129,10 +161,6 @@ impl Toolbox {
             }
             a => a.as_json().cloned().unwrap_or(Value::Null),
         };
-        let mut ctx = ToolContext::new(call.id.clone());
-        if let Some(t) = thread_id {
-            ctx = ctx.with_thread_id(t);
-        }
         let timeout = self.timeout.unwrap_or(DEFAULT_TOOL_TIMEOUT);
         // Its own task: a panic is caught as a JoinError, and a tool that never yields
         // cannot stall the other calls of the step.
@@ -222,7 +250,10 @@ impl Tool for OffloadTool {
                 .thread_id()
                 .ok_or_else(|| ToolError::failed("this tool needs the run's thread id"))?;
             let thread = ThreadId::new(thread).map_err(ToolError::failed)?;
-            let tools = RetrievalTools::new(self.store.clone(), thread).with_limits(self.limits);
+            let tools = RetrievalTools::new(self.store.clone(), thread)
+                .with_limits(self.limits)
+                .with_lineage_of(&ctx)
+                .map_err(ToolError::failed)?;
             let call = ToolCall::new(ctx.call_id(), self.spec.name.clone(), arguments);
             tokio::task::spawn_blocking(move || tools.execute(&call))
                 .await
