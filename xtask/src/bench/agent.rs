@@ -616,7 +616,8 @@ fn missing(k: Option<&Summary>, p: Option<&Summary>) -> &'static str {
     }
 }
 
-fn thousands(n: u64) -> String {
+/// `n` with a comma between each group of three digits.
+pub(super) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {

@@ -21,8 +21,8 @@ use crate::util::{cargo, run_capture};
 /// LangGraph's SQLite saver, installed beside `langgraph` in the peer virtualenv.
 const LANGGRAPH_SQLITE: &str = "langgraph-checkpoint-sqlite==3.1.2";
 
-/// The sizes the peers run: at N = 20,000 their files would be ~100 times the 2,000-step
-/// one (see [`skip_note`]).
+/// The sizes the peers run: at N = 20,000 their files would be about 100 times the
+/// 2,000-step one (see [`skip_note`]).
 const PEER_SIZES: [&str; 2] = ["200", "2000"];
 
 /// The peers' results keyed by (peer, synchronous, N).
@@ -58,9 +58,9 @@ fn peers(reps: &str) -> Result<PeerRows> {
     Ok(out)
 }
 
-/// Why `peer` has no row at `n`: its saver stores every checkpoint with the whole
-/// message list, so its file grows with N².
-fn skip_note(peer: &'static str, peers: &PeerRows, sync: &str) -> String {
+/// Why `peer` was not run at `n` (beyond [`PEER_SIZES`]): its saver stores every
+/// checkpoint with the whole message list, so its file grows with N².
+fn skip_note(peer: &'static str, peers: &PeerRows, sync: &str, n: u64) -> String {
     let at_2000 = peers
         .get(&(peer, sync.to_owned(), 2_000))
         .and_then(|v| v["file_bytes"].as_f64())
@@ -68,9 +68,10 @@ fn skip_note(peer: &'static str, peers: &PeerRows, sync: &str) -> String {
             format!(" ({:.0} MB after 2,000 steps)", b / 1e6)
         });
     format!(
-        "{peer} not run at this N: its SqliteSaver stores every checkpoint with the whole \
+        "{peer} not run at N = {}: its SqliteSaver stores every checkpoint with the whole \
          message list, so the file grows with N²{at_2000}; 20,000 steps would write about \
-         100 times that"
+         100 times that",
+        super::agent::thousands(n)
     )
 }
 
@@ -201,7 +202,7 @@ pub fn run() -> Result<Vec<Row>> {
                     "{}; {pragmas}{overhead}{bytes}",
                     peers_failed
                         .clone()
-                        .unwrap_or_else(|| skip_note(peer, &peers, sync))
+                        .unwrap_or_else(|| skip_note(peer, &peers, sync, *n))
                 ),
             };
             table.push(
