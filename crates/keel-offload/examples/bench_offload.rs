@@ -15,6 +15,11 @@
 //!   store's grep (the `regex` crate).
 //! * `index <dir> [reps]` — rebuild the archive index from the 1 GiB file, then fetch
 //!   messages by id.
+//! * `lineage <work dir> [reps]` — what lineages cost an unforked thread: archive
+//!   appends (`Archive::append` against `append_in`), grep and line reads of the
+//!   archive and of a large result (the store itself against a `LineageStore` view),
+//!   puts of large results, and the check after each compaction
+//!   (`Lineage::sees_all`), on a file store (fsync off) and a memory store.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
@@ -23,8 +28,8 @@ use std::time::Instant;
 
 use keel_message::{Message, ToolCall};
 use keel_offload::{
-    Archive, EvictLargeResults, FsStore, Fsync, GrepOptions, MemoryStore, OffloadStore, Pattern,
-    PolicyEnv, ThreadId,
+    Archive, EvictLargeResults, FsStore, Fsync, GrepOptions, Key, LineRange, Lineage, LineageStore,
+    MemoryStore, OffloadStore, Pattern, PolicyEnv, ThreadId,
 };
 use keel_token::{ApproxCounter, TiktokenCounter, TokenCounter};
 use serde_json::json;
@@ -54,7 +59,8 @@ fn main() {
             reps(3, 5),
         ),
         Some("index") => index(Path::new(arg(1).expect("dir")), reps(2, 3)),
-        _ => panic!("usage: bench_offload evict|append|archive|grep|index ..."),
+        Some("lineage") => lineage(Path::new(arg(1).expect("work dir")), reps(2, 5)),
+        _ => panic!("usage: bench_offload evict|append|archive|grep|index|lineage ..."),
     }
 }
 
@@ -479,4 +485,196 @@ fn index(dir: &Path, reps: usize) {
             "rebuild_median_s": median(rebuild), "get_us": get_s / gets as f64 * 1e6, "reps": reps,
         })
     );
+}
+
+// ---------------------------------------------------------------- lineage
+
+/// Median seconds of `reps` runs of `f`.
+fn time(reps: usize, mut f: impl FnMut()) -> f64 {
+    median(
+        (0..reps)
+            .map(|_| {
+                let start = Instant::now();
+                f();
+                start.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn lineage(work: &Path, reps: usize) {
+    let mut rng = Rng(17);
+    let messages: Vec<Message> = (0..20_000).map(|i| history_message(&mut rng, i)).collect();
+    let result = log_text(&mut rng, 400_000);
+    let dir = work.join("lineage");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stores: Vec<(&str, Arc<dyn OffloadStore>)> = vec![
+        (
+            "files",
+            Arc::new(FsStore::new(&dir).unwrap().with_fsync(Fsync::Never)),
+        ),
+        ("memory", Arc::new(MemoryStore::new())),
+    ];
+    let row = |store: &str, what: &str, old: f64, new: f64, unit: &str| {
+        println!(
+            "{}",
+            json!({
+                "bench": "lineage", "store": store, "case": what, "unit": unit,
+                "without": old, "with": new, "ratio": new / old, "reps": reps,
+            })
+        );
+    };
+    for (name, store) in stores {
+        // Appends of 20 messages (a compaction's worth), 20,000 messages in all.
+        let mut n = 0u64;
+        let mut fresh = |tag: &str| {
+            n += 1;
+            ThreadId::new(format!("{tag}-{n}")).unwrap()
+        };
+        // Taken in turns, each thread deleted before the next, so neither side pays
+        // for the other's memory or files.
+        let (mut plain, mut scoped) = (Vec::new(), Vec::new());
+        let mut thread = None;
+        let mut last = Lineage::new();
+        for rep in 0..reps {
+            let (archive, t) = (Archive::new(store.clone()), fresh("plain"));
+            let start = Instant::now();
+            for batch in messages.chunks(20) {
+                archive.append(&t, batch).unwrap();
+            }
+            plain.push(start.elapsed().as_secs_f64());
+            store.delete_thread(&t).unwrap();
+            let (archive, t) = (Archive::new(store.clone()), fresh("scoped"));
+            let mut lineage = Lineage::new();
+            let start = Instant::now();
+            for batch in messages.chunks(20) {
+                archive.append_in(&mut lineage, &t, batch).unwrap();
+            }
+            scoped.push(start.elapsed().as_secs_f64());
+            if rep + 1 < reps {
+                store.delete_thread(&t).unwrap();
+            } else {
+                thread = Some(t);
+                last = lineage;
+            }
+        }
+        let (plain, scoped) = (median(plain), median(scoped));
+        let per = messages.len() as f64;
+        row(
+            name,
+            "archive append, 20 per call",
+            plain / per * 1e6,
+            scoped / per * 1e6,
+            "us/message",
+        );
+        let t = thread.unwrap();
+        let view = LineageStore::new(store.clone(), t.clone(), last.clone());
+        let archive_path = keel_offload::StorePath::new(Archive::DEFAULT_PATH).unwrap();
+        let options = GrepOptions {
+            max_results: usize::MAX,
+            max_line_bytes: 64,
+        };
+        let p = Pattern::new("deadline exceeded").unwrap();
+        let plain = time(reps, || {
+            store.grep(&t, Some(&archive_path), &p, &options).unwrap();
+        });
+        let scoped = time(reps, || {
+            view.grep(&t, Some(&archive_path), &p, &options).unwrap();
+        });
+        row(name, "grep the archive", plain * 1e3, scoped * 1e3, "ms");
+        let everything = time(reps, || {
+            store.grep(&t, None, &p, &options).unwrap();
+        });
+        let scoped = time(reps, || {
+            view.grep(&t, None, &p, &options).unwrap();
+        });
+        row(
+            name,
+            "grep every file",
+            everything * 1e3,
+            scoped * 1e3,
+            "ms",
+        );
+        let key = Key::from_parts(t.clone(), archive_path.clone());
+        let range = LineRange::new(15_000, 100);
+        let plain = time(reps, || {
+            for _ in 0..100 {
+                store.read_lines(&key, &range).unwrap();
+            }
+        });
+        let scoped = time(reps, || {
+            for _ in 0..100 {
+                view.read_lines(&key, &range).unwrap();
+            }
+        });
+        row(
+            name,
+            "read 100 archive lines at 15,000",
+            plain * 1e4,
+            scoped * 1e4,
+            "us/read",
+        );
+        // Large results: 50 puts of 400 KB, then line reads of one.
+        let plain = time(reps, || {
+            let t = fresh("puts");
+            for i in 0..50 {
+                store
+                    .put(
+                        &Key::new(t.as_str(), format!("large_tool_results/call_{i}")).unwrap(),
+                        &result,
+                    )
+                    .unwrap();
+            }
+        });
+        let mut big = None;
+        let scoped = time(reps, || {
+            let t = fresh("puts");
+            let view = LineageStore::new(store.clone(), t.clone(), Lineage::new());
+            for i in 0..50 {
+                view.put(
+                    &Key::new(t.as_str(), format!("large_tool_results/call_{i}")).unwrap(),
+                    &result,
+                )
+                .unwrap();
+            }
+            big = Some(view);
+        });
+        row(
+            name,
+            "put a 400 KB result",
+            plain / 50.0 * 1e6,
+            scoped / 50.0 * 1e6,
+            "us/put",
+        );
+        let big = big.unwrap();
+        let key = Key::new(big.thread().as_str(), "large_tool_results/call_7").unwrap();
+        let range = LineRange::new(1_000, 100);
+        let plain = time(reps, || {
+            for _ in 0..100 {
+                store.read_lines(&key, &range).unwrap();
+            }
+        });
+        let scoped = time(reps, || {
+            for _ in 0..100 {
+                big.read_lines(&key, &range).unwrap();
+            }
+        });
+        row(
+            name,
+            "read 100 lines of a result",
+            plain * 1e4,
+            scoped * 1e4,
+            "us/read",
+        );
+        let check = time(reps, || {
+            for _ in 0..100 {
+                assert!(last.sees_all(&*store, &t).unwrap());
+            }
+        });
+        println!(
+            "{}",
+            json!({"bench": "lineage", "store": name, "case": "sees_all after a compaction", "unit": "us", "with": check * 1e4, "reps": reps})
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
