@@ -984,3 +984,101 @@ pub fn lineages<S: OffloadStore + 'static>(store: &Arc<S>) {
     store.delete_thread(&t).unwrap();
     check!("lineages", store.list(&t, None).unwrap().is_empty());
 }
+
+/// What a database backend's tables hold of one thread, for [`lineage_rows`]: file
+/// rows, chunk rows no file row holds, and the bytes of its chunk rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rows {
+    /// Rows of the files table.
+    pub files: i64,
+    /// Chunk rows of a generation no file row has.
+    pub orphan_chunks: i64,
+    /// Bytes of all the thread's chunk rows.
+    pub chunk_bytes: i64,
+}
+
+/// For database backends: after forks and [`collect_garbage`] the tables hold exactly
+/// the files a live lineage reads (one row each, their chunks' bytes adding up to their
+/// sizes, no chunk without its file), and after `delete_thread` nothing. `rows` counts
+/// a thread's rows with SQL.
+pub fn lineage_rows<S: OffloadStore + 'static>(store: &Arc<S>, rows: &dyn Fn(&ThreadId) -> Rows) {
+    let n = Names::new("lineage_rows");
+    let t = n.thread("t");
+    let shared: Arc<dyn OffloadStore> = store.clone();
+    let archive = Archive::new(shared.clone());
+    let records = |tag: &str, range: std::ops::Range<usize>| -> Vec<Message> {
+        range
+            .map(|i| {
+                Message::user(format!("{tag} record {i} {}", "x".repeat(200)))
+                    .with_id(format!("{tag}-{i}"))
+            })
+            .collect()
+    };
+    let check_rows = |when: &str| {
+        let listed = store.list(&t, None).unwrap();
+        let bytes: u64 = listed.iter().map(|e| e.bytes).sum();
+        let got = rows(&t);
+        check_eq!(
+            "lineage_rows",
+            (when, got),
+            (
+                when,
+                Rows {
+                    files: listed.len() as i64,
+                    orphan_chunks: 0,
+                    chunk_bytes: bytes as i64,
+                }
+            )
+        );
+        listed.len()
+    };
+    let big = n.key("t", "large_tool_results/call_1");
+    // Several chunks: the cut of a shared value crosses chunk rows.
+    let large = |tag: &str| format!("{tag} line of a large result\n").repeat(100_000);
+    let mut main = Lineage::new();
+    archive
+        .append_in(&mut main, &t, &records("base", 0..5))
+        .unwrap();
+    let fork_point = main.clone();
+    for k in 0..3 {
+        archive
+            .append_in(&mut main, &t, &records("main", k * 5..k * 5 + 5))
+            .unwrap();
+    }
+    let view = LineageStore::new(shared.clone(), t.clone(), main.clone());
+    view.put(&big, &large("main")).unwrap();
+    let main = view.lineage();
+    let mut fork = fork_point.clone();
+    archive
+        .append_in(&mut fork, &t, &records("fork", 0..5))
+        .unwrap();
+    let view = LineageStore::new(shared.clone(), t.clone(), fork.clone());
+    view.put(&big, &large("fork")).unwrap();
+    let fork = view.lineage();
+    let mut sibling = fork_point.clone();
+    archive
+        .append_in(&mut sibling, &t, &records("sibling", 0..5))
+        .unwrap();
+    check_rows("after the forks");
+    collect_garbage(&*shared, &t, &[main.clone(), fork.clone(), sibling]).unwrap();
+    let all = check_rows("with every branch live");
+    collect_garbage(&*shared, &t, std::slice::from_ref(&fork)).unwrap();
+    let kept = check_rows("with the fork live");
+    check!("lineage_rows", kept < all, "{kept} of {all} files kept");
+    check!("lineage_rows", fork.sees_all(&*shared, &t).unwrap());
+    check_eq!("lineage_rows", archive.len_in(&fork, &t).unwrap(), 10);
+    collect_garbage(&*shared, &t, std::slice::from_ref(&fork_point)).unwrap();
+    check_rows("with the fork point live");
+    check_eq!("lineage_rows", archive.len_in(&fork_point, &t).unwrap(), 5);
+    drop(main);
+    store.delete_thread(&t).unwrap();
+    check_eq!(
+        "lineage_rows",
+        rows(&t),
+        Rows {
+            files: 0,
+            orphan_chunks: 0,
+            chunk_bytes: 0,
+        }
+    );
+}

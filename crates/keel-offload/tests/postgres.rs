@@ -202,6 +202,28 @@ fn delete_thread_leaves_no_rows() {
 }
 
 #[test]
+fn forks_and_their_collection_leave_only_the_rows_a_live_lineage_reads() {
+    let Some(db) = Db::new("lineage_rows") else {
+        return;
+    };
+    let store = Arc::new(db.store());
+    conformance::lineage_rows(&store, &|thread| {
+        let count = |sql: &str| db.query_i64(sql, &[thread.as_str()]);
+        conformance::Rows {
+            files: count("SELECT count(*) FROM {s}.keel_offload_files WHERE thread_id = $1"),
+            orphan_chunks: count(
+                "SELECT count(*) FROM {s}.keel_offload_chunks c WHERE c.thread_id = $1 AND NOT EXISTS
+                 (SELECT 1 FROM {s}.keel_offload_files f
+                  WHERE f.thread_id = c.thread_id AND f.generation = c.generation)",
+            ),
+            chunk_bytes: count(
+                "SELECT coalesce(sum(length(data)), 0)::bigint FROM {s}.keel_offload_chunks WHERE thread_id = $1",
+            ),
+        }
+    });
+}
+
+#[test]
 fn a_newer_schema_is_refused_with_its_version() {
     let Some(db) = Db::new("newer") else {
         return;

@@ -84,6 +84,31 @@ fn delete_thread_leaves_no_rows() {
 }
 
 #[test]
+fn forks_and_their_collection_leave_only_the_rows_a_live_lineage_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("offload.db");
+    let store = Arc::new(SqliteStore::open(&path).unwrap());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conformance::lineage_rows(&store, &|thread| {
+        let count = |sql: &str| -> i64 {
+            conn.query_row(sql, [thread.as_str()], |r| r.get(0))
+                .unwrap()
+        };
+        conformance::Rows {
+            files: count("SELECT count(*) FROM keel_offload_files WHERE thread_id = ?1"),
+            orphan_chunks: count(
+                "SELECT count(*) FROM keel_offload_chunks c WHERE c.thread_id = ?1 AND NOT EXISTS
+                 (SELECT 1 FROM keel_offload_files f
+                  WHERE f.thread_id = c.thread_id AND f.generation = c.generation)",
+            ),
+            chunk_bytes: count(
+                "SELECT coalesce(sum(length(data)), 0) FROM keel_offload_chunks WHERE thread_id = ?1",
+            ),
+        }
+    });
+}
+
+#[test]
 fn a_newer_schema_is_refused_with_its_version() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("offload.db");
