@@ -489,17 +489,19 @@ fn index(dir: &Path, reps: usize) {
 
 // ---------------------------------------------------------------- lineage
 
-/// Median seconds of `reps` runs of `f`.
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    median(
-        (0..reps)
-            .map(|_| {
-                let start = Instant::now();
-                f();
-                start.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+/// Medians of `reps` runs of `plain` and of `scoped`, taken in turns so that both see
+/// the same machine (the benchmark shares its cores).
+fn pair(reps: usize, mut plain: impl FnMut(), mut scoped: impl FnMut()) -> (f64, f64) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let start = Instant::now();
+        plain();
+        a.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        scoped();
+        b.push(start.elapsed().as_secs_f64());
+    }
+    (median(a), median(b))
 }
 
 fn lineage(work: &Path, reps: usize) {
@@ -515,59 +517,49 @@ fn lineage(work: &Path, reps: usize) {
         ),
         ("memory", Arc::new(MemoryStore::new())),
     ];
-    let row = |store: &str, what: &str, old: f64, new: f64, unit: &str| {
+    let row = |store: &str, what: &str, (old, new): (f64, f64), scale: f64, unit: &str| {
         println!(
             "{}",
             json!({
                 "bench": "lineage", "store": store, "case": what, "unit": unit,
-                "without": old, "with": new, "ratio": new / old, "reps": reps,
+                "without": old * scale, "with": new * scale, "ratio": new / old, "reps": reps,
             })
         );
     };
     for (name, store) in stores {
-        // Appends of 20 messages (a compaction's worth), 20,000 messages in all.
-        let mut n = 0u64;
-        let mut fresh = |tag: &str| {
-            n += 1;
-            ThreadId::new(format!("{tag}-{n}")).unwrap()
-        };
-        // Taken in turns, each thread deleted before the next, so neither side pays
-        // for the other's memory or files.
-        let (mut plain, mut scoped) = (Vec::new(), Vec::new());
-        let mut thread = None;
+        let plain_t = ThreadId::new("plain").unwrap();
+        let scoped_t = ThreadId::new("scoped").unwrap();
+        // Appends of 20 messages (a compaction's worth), 20,000 messages in all, each
+        // thread deleted before the next run.
         let mut last = Lineage::new();
-        for rep in 0..reps {
-            let (archive, t) = (Archive::new(store.clone()), fresh("plain"));
-            let start = Instant::now();
-            for batch in messages.chunks(20) {
-                archive.append(&t, batch).unwrap();
-            }
-            plain.push(start.elapsed().as_secs_f64());
-            store.delete_thread(&t).unwrap();
-            let (archive, t) = (Archive::new(store.clone()), fresh("scoped"));
-            let mut lineage = Lineage::new();
-            let start = Instant::now();
-            for batch in messages.chunks(20) {
-                archive.append_in(&mut lineage, &t, batch).unwrap();
-            }
-            scoped.push(start.elapsed().as_secs_f64());
-            if rep + 1 < reps {
-                store.delete_thread(&t).unwrap();
-            } else {
-                thread = Some(t);
-                last = lineage;
-            }
-        }
-        let (plain, scoped) = (median(plain), median(scoped));
         let per = messages.len() as f64;
+        let appends = pair(
+            reps,
+            || {
+                store.delete_thread(&plain_t).unwrap();
+                let archive = Archive::new(store.clone());
+                for batch in messages.chunks(20) {
+                    archive.append(&plain_t, batch).unwrap();
+                }
+            },
+            || {
+                store.delete_thread(&scoped_t).unwrap();
+                let archive = Archive::new(store.clone());
+                let mut lineage = Lineage::new();
+                for batch in messages.chunks(20) {
+                    archive.append_in(&mut lineage, &scoped_t, batch).unwrap();
+                }
+                last = lineage;
+            },
+        );
         row(
             name,
             "archive append, 20 per call",
-            plain / per * 1e6,
-            scoped / per * 1e6,
+            appends,
+            1e6 / per,
             "us/message",
         );
-        let t = thread.unwrap();
+        let t = scoped_t.clone();
         let view = LineageStore::new(store.clone(), t.clone(), last.clone());
         let archive_path = keel_offload::StorePath::new(Archive::DEFAULT_PATH).unwrap();
         let options = GrepOptions {
@@ -575,106 +567,109 @@ fn lineage(work: &Path, reps: usize) {
             max_line_bytes: 64,
         };
         let p = Pattern::new("deadline exceeded").unwrap();
-        let plain = time(reps, || {
-            store.grep(&t, Some(&archive_path), &p, &options).unwrap();
-        });
-        let scoped = time(reps, || {
-            view.grep(&t, Some(&archive_path), &p, &options).unwrap();
-        });
-        row(name, "grep the archive", plain * 1e3, scoped * 1e3, "ms");
-        let everything = time(reps, || {
-            store.grep(&t, None, &p, &options).unwrap();
-        });
-        let scoped = time(reps, || {
-            view.grep(&t, None, &p, &options).unwrap();
-        });
-        row(
-            name,
-            "grep every file",
-            everything * 1e3,
-            scoped * 1e3,
-            "ms",
+        let greps = pair(
+            reps,
+            || {
+                store.grep(&t, Some(&archive_path), &p, &options).unwrap();
+            },
+            || {
+                view.grep(&t, Some(&archive_path), &p, &options).unwrap();
+            },
         );
+        row(name, "grep the archive", greps, 1e3, "ms");
         let key = Key::from_parts(t.clone(), archive_path.clone());
         let range = LineRange::new(15_000, 100);
-        let plain = time(reps, || {
-            for _ in 0..100 {
-                store.read_lines(&key, &range).unwrap();
-            }
-        });
-        let scoped = time(reps, || {
-            for _ in 0..100 {
-                view.read_lines(&key, &range).unwrap();
-            }
-        });
+        let reads = pair(
+            reps,
+            || {
+                for _ in 0..100 {
+                    store.read_lines(&key, &range).unwrap();
+                }
+            },
+            || {
+                for _ in 0..100 {
+                    view.read_lines(&key, &range).unwrap();
+                }
+            },
+        );
         row(
             name,
             "read 100 archive lines at 15,000",
-            plain * 1e4,
-            scoped * 1e4,
+            reads,
+            1e4,
             "us/read",
         );
         // Large results: 50 puts of 400 KB, then line reads of one.
-        let plain = time(reps, || {
-            let t = fresh("puts");
-            for i in 0..50 {
-                store
-                    .put(
-                        &Key::new(t.as_str(), format!("large_tool_results/call_{i}")).unwrap(),
-                        &result,
-                    )
-                    .unwrap();
-            }
-        });
-        let mut big = None;
-        let scoped = time(reps, || {
-            let t = fresh("puts");
-            let view = LineageStore::new(store.clone(), t.clone(), Lineage::new());
-            for i in 0..50 {
-                view.put(
-                    &Key::new(t.as_str(), format!("large_tool_results/call_{i}")).unwrap(),
-                    &result,
-                )
-                .unwrap();
-            }
-            big = Some(view);
-        });
-        row(
-            name,
-            "put a 400 KB result",
-            plain / 50.0 * 1e6,
-            scoped / 50.0 * 1e6,
-            "us/put",
+        let (plain_r, scoped_r) = (
+            ThreadId::new("plain-results").unwrap(),
+            ThreadId::new("scoped-results").unwrap(),
         );
-        let big = big.unwrap();
-        let key = Key::new(big.thread().as_str(), "large_tool_results/call_7").unwrap();
+        let path = |i: usize| {
+            keel_offload::StorePath::new(format!("large_tool_results/call_{i}")).unwrap()
+        };
+        let mut results = LineageStore::new(store.clone(), scoped_r.clone(), Lineage::new());
+        let puts = pair(
+            reps,
+            || {
+                store.delete_thread(&plain_r).unwrap();
+                for i in 0..50 {
+                    store
+                        .put(&Key::from_parts(plain_r.clone(), path(i)), &result)
+                        .unwrap();
+                }
+            },
+            || {
+                store.delete_thread(&scoped_r).unwrap();
+                results = LineageStore::new(store.clone(), scoped_r.clone(), Lineage::new());
+                for i in 0..50 {
+                    results
+                        .put(&Key::from_parts(scoped_r.clone(), path(i)), &result)
+                        .unwrap();
+                }
+            },
+        );
+        row(name, "put a 400 KB result", puts, 1e6 / 50.0, "us/put");
+        let (plain_k, scoped_k) = (
+            Key::from_parts(plain_r.clone(), path(7)),
+            Key::from_parts(scoped_r.clone(), path(7)),
+        );
         let range = LineRange::new(1_000, 100);
-        let plain = time(reps, || {
-            for _ in 0..100 {
-                store.read_lines(&key, &range).unwrap();
-            }
-        });
-        let scoped = time(reps, || {
-            for _ in 0..100 {
-                big.read_lines(&key, &range).unwrap();
-            }
-        });
+        let result_reads = pair(
+            reps,
+            || {
+                for _ in 0..100 {
+                    store.read_lines(&plain_k, &range).unwrap();
+                }
+            },
+            || {
+                for _ in 0..100 {
+                    results.read_lines(&scoped_k, &range).unwrap();
+                }
+            },
+        );
         row(
             name,
             "read 100 lines of a result",
-            plain * 1e4,
-            scoped * 1e4,
+            result_reads,
+            1e4,
             "us/read",
         );
-        let check = time(reps, || {
-            for _ in 0..100 {
-                assert!(last.sees_all(&*store, &t).unwrap());
-            }
-        });
+        let checks = pair(
+            reps,
+            || {},
+            || {
+                for _ in 0..100 {
+                    assert!(last.sees_all(&*store, &t).unwrap());
+                }
+            },
+        );
         println!(
             "{}",
-            json!({"bench": "lineage", "store": name, "case": "sees_all after a compaction", "unit": "us", "with": check * 1e4, "reps": reps})
+            json!({"bench": "lineage", "store": name, "case": "sees_all after a compaction", "unit": "us", "with": checks.1 * 1e4, "reps": reps})
         );
+        for t in [&plain_t, &scoped_t, &plain_r, &scoped_r] {
+            store.delete_thread(t).unwrap();
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
