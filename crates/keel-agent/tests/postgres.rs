@@ -5,6 +5,8 @@
 //! fails. `cargo xtask test` starts a throwaway cluster and sets `DATABASE_URL`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -18,20 +20,6 @@ use keel_model::{ChatResponse, PolicyModel};
 use keel_offload::MemoryStore;
 use keel_token::{Encoding, ModelProfile};
 use serde_json::json;
-
-fn database_url() -> Option<String> {
-    match std::env::var("DATABASE_URL") {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            let reason = "DATABASE_URL is not set (run `cargo xtask test`, which starts a throwaway PostgreSQL cluster)";
-            if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
-                panic!("CI=true but no PostgreSQL: {reason}");
-            }
-            eprintln!("keel-agent postgres tests: skipped: {reason}");
-            None
-        }
-    }
-}
 
 async fn saver(url: &str, schema: &str) -> Arc<PostgresSaver> {
     let config = PostgresConfig::new(url).unwrap().schema(schema).unwrap();
@@ -84,7 +72,9 @@ fn agent(saver: Arc<PostgresSaver>, store: Arc<MemoryStore>, max_steps: u64) -> 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_long_run_on_postgres_compacts_prunes_and_continues_on_another_worker() {
-    let Some(url) = database_url() else { return };
+    let Some(url) = common::database_url("keel-agent postgres tests") else {
+        return;
+    };
     let schema = format!("keel_agent_test_{}", std::process::id());
     let store = Arc::new(MemoryStore::new());
     let first = saver(&url, &schema).await;

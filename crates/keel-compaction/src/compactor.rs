@@ -342,6 +342,21 @@ impl Compactor {
             .collect()
     }
 
+    /// Archives `messages` in the state's lineage (off the async runtime) and moves the
+    /// lineage on past them; on failure the state is as it was.
+    async fn archive_in(
+        &self,
+        state: &mut ContextState,
+        messages: Vec<Message>,
+    ) -> Result<Appended, CompactionError> {
+        let (appended, lineage) =
+            append_off_runtime(&self.archive, &self.thread, state.lineage.clone(), messages)
+                .await
+                .map_err(CompactionError::Archive)?;
+        state.lineage = lineage;
+        Ok(appended)
+    }
+
     /// The offload store as `lineage` of this thread sees it.
     fn view(&self, lineage: &Lineage) -> LineageStore {
         LineageStore::new(
@@ -721,15 +736,7 @@ impl Compactor {
             return Ok(Done::masked(0));
         }
         let originals: Vec<Message> = targets.iter().map(|&i| state.raw[i].clone()).collect();
-        let (appended, lineage) = append_off_runtime(
-            &self.archive,
-            &self.thread,
-            state.lineage.clone(),
-            originals,
-        )
-        .await
-        .map_err(CompactionError::Archive)?;
-        state.lineage = lineage;
+        let appended = self.archive_in(state, originals).await?;
         for (k, &i) in targets.iter().enumerate() {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
             let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
@@ -904,17 +911,9 @@ impl Compactor {
             .filter(|m| !m.metadata.contains_key(MASKED_METADATA_KEY))
             .cloned()
             .collect();
-        let (appended, lineage) = append_off_runtime(
-            &self.archive,
-            &self.thread,
-            state.lineage.clone(),
-            to_archive,
-        )
-        .await
-        .map_err(CompactionError::Archive)?;
+        let appended = self.archive_in(state, to_archive).await?;
 
         // From here nothing can fail: flush.
-        state.lineage = lineage;
         state.raw.drain(..cut);
         let removed: usize = state
             .ledger

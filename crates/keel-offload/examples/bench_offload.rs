@@ -504,6 +504,13 @@ fn pair(reps: usize, mut plain: impl FnMut(), mut scoped: impl FnMut()) -> (f64,
     (median(a), median(b))
 }
 
+/// 100 reads of `range` of `key`.
+fn read_100(store: &dyn OffloadStore, key: &Key, range: &LineRange) {
+    for _ in 0..100 {
+        store.read_lines(key, range).unwrap();
+    }
+}
+
 fn lineage(work: &Path, reps: usize) {
     let mut rng = Rng(17);
     let messages: Vec<Message> = (0..20_000).map(|i| history_message(&mut rng, i)).collect();
@@ -581,16 +588,8 @@ fn lineage(work: &Path, reps: usize) {
         let range = LineRange::new(15_000, 100);
         let reads = pair(
             reps,
-            || {
-                for _ in 0..100 {
-                    store.read_lines(&key, &range).unwrap();
-                }
-            },
-            || {
-                for _ in 0..100 {
-                    view.read_lines(&key, &range).unwrap();
-                }
-            },
+            || read_100(&*store, &key, &range),
+            || read_100(&view, &key, &range),
         );
         row(
             name,
@@ -636,16 +635,8 @@ fn lineage(work: &Path, reps: usize) {
         let range = LineRange::new(1_000, 100);
         let result_reads = pair(
             reps,
-            || {
-                for _ in 0..100 {
-                    store.read_lines(&plain_k, &range).unwrap();
-                }
-            },
-            || {
-                for _ in 0..100 {
-                    results.read_lines(&scoped_k, &range).unwrap();
-                }
-            },
+            || read_100(&*store, &plain_k, &range),
+            || read_100(&results, &scoped_k, &range),
         );
         row(
             name,

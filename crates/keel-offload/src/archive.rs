@@ -1,6 +1,5 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
-use std::io::{BufRead, BufReader};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -11,6 +10,7 @@ use crate::error::OffloadError;
 use crate::key::{Key, StorePath, ThreadId};
 use crate::lineage::{Lineage, LineageStore};
 use crate::policy::{Failure, PolicyOutcome, Stored, StoredWhat};
+use crate::scan;
 use crate::store::{GrepOptions, OffloadStore, Pattern};
 
 /// Each thread's history of messages that left the context: JSON Lines in the store,
@@ -220,6 +220,11 @@ impl Archive {
             .len()
     }
 
+    /// The store as `lineage` of `thread` sees it.
+    fn view(&self, lineage: &Lineage, thread: &ThreadId) -> LineageStore {
+        LineageStore::new(self.store.clone(), thread.clone(), lineage.clone())
+    }
+
     fn key(&self, thread: &ThreadId) -> Key {
         Key::from_parts(thread.clone(), self.path.clone())
     }
@@ -267,20 +272,9 @@ impl Archive {
         if store.size(key)?.is_none() {
             return Ok(idx);
         }
-        let mut reader = BufReader::with_capacity(1 << 20, store.open(key)?);
-        let mut line = Vec::new();
-        let mut offset = 0u64;
-        loop {
-            line.clear();
-            let n = reader
-                .read_until(b'\n', &mut line)
-                .map_err(|e| OffloadError::io("read the archive", key, e))?;
-            if n == 0 {
-                break;
-            }
-            let complete = line.last() == Some(&b'\n');
-            let body = if complete { &line[..n - 1] } else { &line[..] };
-            if let Some((id, hash)) = read_head(body, self.seed) {
+        let seed = self.seed;
+        let end = scan::each_line(store.open(key)?, 1 << 20, |offset, body, complete| {
+            if let Some((id, hash)) = read_head(body, seed) {
                 let seq = idx.records.len();
                 idx.records.push(Pos {
                     offset,
@@ -292,9 +286,9 @@ impl Archive {
                 }
             }
             idx.needs_newline = !complete;
-            offset += n as u64;
-        }
-        idx.end = offset;
+        })
+        .map_err(|e| OffloadError::io("read the archive", key, e))?;
+        idx.end = end;
         Ok(idx)
     }
 
@@ -319,7 +313,7 @@ impl Archive {
         thread: &ThreadId,
         messages: &[Message],
     ) -> Result<Appended, OffloadError> {
-        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let view = self.view(lineage, thread);
         let before = lineage.fingerprint();
         let out = self.append_to(&view, thread, before, messages)?;
         let moved = view.lineage();
@@ -435,7 +429,7 @@ impl Archive {
 
     /// Number of records of the thread's archive `lineage` sees.
     pub fn len_in(&self, lineage: &Lineage, thread: &ThreadId) -> Result<u64, OffloadError> {
-        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let view = self.view(lineage, thread);
         self.with_index(&view, thread, lineage.fingerprint(), |idx, _| {
             Ok(idx.records.len() as u64)
         })
@@ -462,7 +456,7 @@ impl Archive {
         thread: &ThreadId,
         id: &str,
     ) -> Result<Option<ArchivedMessage>, OffloadError> {
-        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let view = self.view(lineage, thread);
         self.get_from(&view, thread, lineage.fingerprint(), id)
     }
 
@@ -525,7 +519,7 @@ impl Archive {
         thread: &ThreadId,
         seqs: Range<u64>,
     ) -> Result<Vec<ArchivedMessage>, OffloadError> {
-        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let view = self.view(lineage, thread);
         self.range_from(&view, thread, lineage.fingerprint(), seqs)
     }
 
@@ -578,7 +572,7 @@ impl Archive {
         pattern: &Pattern,
         max_results: usize,
     ) -> Result<ArchiveGrep, OffloadError> {
-        let view = LineageStore::new(self.store.clone(), thread.clone(), lineage.clone());
+        let view = self.view(lineage, thread);
         self.grep_from(&view, thread, lineage.fingerprint(), pattern, max_results)
     }
 

@@ -779,6 +779,37 @@ pub fn retrieval_tools<S: OffloadStore + 'static>(store: &Arc<S>) {
     store.delete_thread(&n.thread("t2")).unwrap();
 }
 
+/// Messages `<tag> record <i>` (padded with `pad` bytes), ids `<tag>-<i>`.
+fn tagged(tag: &str, range: std::ops::Range<usize>, pad: usize) -> Vec<Message> {
+    range
+        .map(|i| {
+            Message::user(format!("{tag} record {i}{}", " ".repeat(pad)))
+                .with_id(format!("{tag}-{i}"))
+        })
+        .collect()
+}
+
+/// Puts `text` at `key` as `lineage` writes it; the lineage after.
+fn put_in(store: &Arc<dyn OffloadStore>, lineage: &Lineage, key: &Key, text: &str) -> Lineage {
+    let view = LineageStore::new(store.clone(), key.thread().clone(), lineage.clone());
+    view.put(key, text).unwrap();
+    view.lineage()
+}
+
+/// The listed paths, each fork's id written `<fork>`.
+fn forks_masked(entries: &[Entry]) -> Vec<String> {
+    entries
+        .iter()
+        .map(|e| {
+            let mut parts: Vec<&str> = e.path.components().collect();
+            if parts.get(..2) == Some(&[".keel", "forks"][..]) && parts.len() > 2 {
+                parts[2] = "<fork>";
+            }
+            parts.join("/")
+        })
+        .collect()
+}
+
 /// Lineages over the store: a fork reads the archive and the large results as of the
 /// fork point plus its own (through [`RetrievalTools`], as the agent does) and never
 /// what the other branch stored after it; a retried write takes over its own bytes; the
@@ -789,29 +820,9 @@ pub fn lineages<S: OffloadStore + 'static>(store: &Arc<S>) {
     let t = n.thread("t");
     let shared: Arc<dyn OffloadStore> = store.clone();
     let archive = Archive::new(shared.clone());
-    let records = |tag: &str, range: std::ops::Range<usize>| -> Vec<Message> {
-        range
-            .map(|i| Message::user(format!("{tag} record {i}")).with_id(format!("{tag}-{i}")))
-            .collect()
-    };
+    let records = |tag: &str, range| tagged(tag, range, 0);
     let big = n.key("t", "large_tool_results/call_7");
-    let stored = || -> Vec<String> {
-        paths(&store.list(&t, None).unwrap())
-            .into_iter()
-            .map(|p| {
-                p.split('/')
-                    .map(|c| {
-                        if c.len() == 16 && c.bytes().all(|b| b.is_ascii_hexdigit()) {
-                            "<fork>"
-                        } else {
-                            c
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .join("/")
-            })
-            .collect()
-    };
+    let stored = || forks_masked(&store.list(&t, None).unwrap());
 
     // The main branch: 10 records, the fork point, then 5 records and a large result.
     let mut main = Lineage::new();
@@ -822,9 +833,7 @@ pub fn lineages<S: OffloadStore + 'static>(store: &Arc<S>) {
     archive
         .append_in(&mut main, &t, &records("main", 0..5))
         .unwrap();
-    let view = LineageStore::new(shared.clone(), t.clone(), main.clone());
-    view.put(&big, "main's large result\n").unwrap();
-    let main = view.lineage();
+    let main = put_in(&shared, &main, &big, "main's large result\n");
     check!("lineages", main.sees_all(&*shared, &t).unwrap());
     check_eq!("lineages", main.forks().count(), 0);
 
@@ -850,9 +859,7 @@ pub fn lineages<S: OffloadStore + 'static>(store: &Arc<S>) {
         store.list(&t, None).unwrap().len(),
         files_before
     );
-    let view = LineageStore::new(shared.clone(), t.clone(), fork.clone());
-    view.put(&big, "the fork's large result\n").unwrap();
-    let fork = view.lineage();
+    let fork = put_in(&shared, &fork, &big, "the fork's large result\n");
     check!("lineages", !fork.sees_all(&*shared, &t).unwrap());
     check!("lineages", !main.sees_all(&*shared, &t).unwrap());
 
@@ -1006,14 +1013,7 @@ pub fn lineage_rows<S: OffloadStore + 'static>(store: &Arc<S>, rows: &dyn Fn(&Th
     let t = n.thread("t");
     let shared: Arc<dyn OffloadStore> = store.clone();
     let archive = Archive::new(shared.clone());
-    let records = |tag: &str, range: std::ops::Range<usize>| -> Vec<Message> {
-        range
-            .map(|i| {
-                Message::user(format!("{tag} record {i} {}", "x".repeat(200)))
-                    .with_id(format!("{tag}-{i}"))
-            })
-            .collect()
-    };
+    let records = |tag: &str, range| tagged(tag, range, 200);
     let check_rows = |when: &str| {
         let listed = store.list(&t, None).unwrap();
         let bytes: u64 = listed.iter().map(|e| e.bytes).sum();
@@ -1045,16 +1045,12 @@ pub fn lineage_rows<S: OffloadStore + 'static>(store: &Arc<S>, rows: &dyn Fn(&Th
             .append_in(&mut main, &t, &records("main", k * 5..k * 5 + 5))
             .unwrap();
     }
-    let view = LineageStore::new(shared.clone(), t.clone(), main.clone());
-    view.put(&big, &large("main")).unwrap();
-    let main = view.lineage();
+    let main = put_in(&shared, &main, &big, &large("main"));
     let mut fork = fork_point.clone();
     archive
         .append_in(&mut fork, &t, &records("fork", 0..5))
         .unwrap();
-    let view = LineageStore::new(shared.clone(), t.clone(), fork.clone());
-    view.put(&big, &large("fork")).unwrap();
-    let fork = view.lineage();
+    let fork = put_in(&shared, &fork, &big, &large("fork"));
     let mut sibling = fork_point.clone();
     archive
         .append_in(&mut sibling, &t, &records("sibling", 0..5))

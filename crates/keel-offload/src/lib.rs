@@ -34,6 +34,12 @@
 //!   reports the error.
 //! * **Retrieval tools** — [`RetrievalTools`] gives the agent `ls`, `read_file` and
 //!   `grep` over its thread's files, with JSON schemas and capped output.
+//! * **Lineages** — a run forked from an older checkpoint writes into the same thread.
+//!   A [`Lineage`] (kept in each checkpoint's state) says how much of the thread's
+//!   files that checkpoint has seen; a [`LineageStore`] shows the store as one lineage
+//!   sees it (the archive as of the fork point plus the fork's own records) and writes
+//!   apart, into `.keel/forks/<id>/`, only when another branch stored past the fork
+//!   point. [`collect_garbage`] removes what no surviving checkpoint sees.
 //!
 //! All store operations block (plain `std::fs`, SQLite calls, a wait for
 //! [`PostgresStore`]'s connection thread); async callers run them on a blocking

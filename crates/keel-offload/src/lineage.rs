@@ -3,8 +3,8 @@
 //! [`collect_garbage`] (what no surviving checkpoint sees).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{self, BufRead, BufReader, Read};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::io::{self, Read};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use keel_message::ToolContext;
 use serde::{Deserialize, Serialize};
@@ -243,31 +243,15 @@ fn read_records(
         Some(n) => Box::new(reader.take(n)),
         None => reader,
     };
-    let mut reader = BufReader::new(reader);
     let mut out = Vec::new();
-    let mut line = Vec::new();
-    let mut at = 0u64;
-    loop {
-        line.clear();
-        let n = reader
-            .read_until(b'\n', &mut line)
-            .map_err(|e| OffloadError::io("read the lineage record", key, e))?;
-        if n == 0 {
-            break;
+    crate::scan::each_line(reader, 16 * 1024, |start, line, complete| {
+        // A record cut short (a torn write) is left out.
+        if complete && let Ok(record) = serde_json::from_slice::<Record>(line) {
+            let end = start + line.len() as u64 + 1;
+            out.push(Recorded { start, end, record });
         }
-        let start = at;
-        at += n as u64;
-        if line.last() != Some(&b'\n') {
-            break;
-        }
-        if let Ok(record) = serde_json::from_slice::<Record>(&line[..n - 1]) {
-            out.push(Recorded {
-                start,
-                end: at,
-                record,
-            });
-        }
-    }
+    })
+    .map_err(|e| OffloadError::io("read the lineage record", key, e))?;
     Ok(out)
 }
 
@@ -625,6 +609,19 @@ impl LineageStore {
     fn snapshot(&self) -> Lineage {
         self.lineage()
     }
+    /// The lineage, locked and scoped, for a write at `key`; and whether it was scoped
+    /// before.
+    fn writable(&self, key: &Key) -> Result<(MutexGuard<'_, Lineage>, bool), OffloadError> {
+        self.check_key(key)?;
+        if hidden(key.path()) {
+            return Err(problem(key, format!("`{LINEAGE_DIR}/` is keel's own")));
+        }
+        let mut lineage = self.lineage.lock().unwrap_or_else(PoisonError::into_inner);
+        let was_scoped = lineage.is_scoped();
+        self.scope(&mut lineage)?;
+        Ok((lineage, was_scoped))
+    }
+
     /// Makes an unscoped lineage scoped at what the thread holds now.
     fn scope(&self, lineage: &mut Lineage) -> Result<(), OffloadError> {
         if lineage.is_scoped() {
@@ -759,13 +756,8 @@ impl Read for Parts<'_> {
 
 impl OffloadStore for LineageStore {
     fn put(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
-        self.check_key(key)?;
         let path = key.path();
-        if hidden(path) {
-            return Err(problem(key, format!("`{LINEAGE_DIR}/` is keel's own")));
-        }
-        let mut lineage = self.lineage.lock().unwrap_or_else(PoisonError::into_inner);
-        self.scope(&mut lineage)?;
+        let (mut lineage, _) = self.writable(key)?;
         if lineage.is_log(path) {
             return Err(problem(
                 key,
@@ -805,14 +797,8 @@ impl OffloadStore for LineageStore {
     }
 
     fn append(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
-        self.check_key(key)?;
         let path = key.path();
-        if hidden(path) {
-            return Err(problem(key, format!("`{LINEAGE_DIR}/` is keel's own")));
-        }
-        let mut lineage = self.lineage.lock().unwrap_or_else(PoisonError::into_inner);
-        let was_scoped = lineage.is_scoped();
-        self.scope(&mut lineage)?;
+        let (mut lineage, was_scoped) = self.writable(key)?;
         if !lineage.is_log(path)
             && let Resolved::File(stored) = self.resolve(&lineage, path)?
         {

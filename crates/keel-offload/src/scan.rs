@@ -35,6 +35,29 @@ fn cut_text(bytes: &[u8], max: usize) -> (String, bool) {
     (String::from_utf8_lossy(cut).into_owned(), true)
 }
 
+/// Calls `f(offset, line, complete)` for each line of `reader` in order: its byte
+/// offset, its bytes without the `\n`, and whether it had one (only the last may not).
+/// Reads `buffer` bytes at a time; returns the bytes read.
+pub(crate) fn each_line<R: Read>(
+    reader: R,
+    buffer: usize,
+    mut f: impl FnMut(u64, &[u8], bool),
+) -> io::Result<u64> {
+    let mut reader = BufReader::with_capacity(buffer, reader);
+    let mut line = Vec::new();
+    let mut offset = 0u64;
+    loop {
+        line.clear();
+        let n = reader.read_until(b'\n', &mut line)?;
+        if n == 0 {
+            return Ok(offset);
+        }
+        let complete = line.last() == Some(&b'\n');
+        f(offset, &line[..n - usize::from(complete)], complete);
+        offset += n as u64;
+    }
+}
+
 /// Reads `range` of the lines of `reader` (see [`OffloadStore::read_lines`]).
 ///
 /// [`OffloadStore::read_lines`]: crate::OffloadStore::read_lines

@@ -22,6 +22,13 @@ fn records(tag: &str, range: std::ops::Range<usize>) -> Vec<Message> {
         .collect()
 }
 
+/// Appends records `<tag> record <range>` as `lineage` writes them.
+fn append(archive: &Archive, lineage: &mut Lineage, tag: &str, range: std::ops::Range<usize>) {
+    archive
+        .append_in(lineage, &thread(), &records(tag, range))
+        .unwrap();
+}
+
 /// The texts `lineage` finds for `pattern` in the archive.
 fn found(archive: &Archive, lineage: &Lineage, pattern: &str) -> Vec<String> {
     archive
@@ -78,12 +85,8 @@ fn a_thread_stored_before_lineages_reads_everything_and_continues_its_archive() 
     );
     // And a fork from the scoped point is scoped.
     let mut fork = next.clone();
-    archive
-        .append_in(&mut next, &thread(), &records("main", 0..1))
-        .unwrap();
-    archive
-        .append_in(&mut fork, &thread(), &records("fork", 0..1))
-        .unwrap();
+    append(&archive, &mut next, "main", 0..1);
+    append(&archive, &mut fork, "fork", 0..1);
     assert!(found(&archive, &fork, "main record").is_empty());
     assert_eq!(found(&archive, &fork, "fork record"), ["fork record 0"]);
 }
@@ -95,25 +98,15 @@ fn forks_of_forks_read_each_ancestor_up_to_where_they_left_it() {
         Arc::new(FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never));
     let archive = Archive::new(store.clone());
     let mut a = Lineage::new();
-    archive
-        .append_in(&mut a, &thread(), &records("a", 0..2))
-        .unwrap();
+    append(&archive, &mut a, "a", 0..2);
     let a_point = a.clone();
-    archive
-        .append_in(&mut a, &thread(), &records("a", 2..4))
-        .unwrap();
+    append(&archive, &mut a, "a", 2..4);
     let mut b = a_point.clone();
-    archive
-        .append_in(&mut b, &thread(), &records("b", 0..2))
-        .unwrap();
+    append(&archive, &mut b, "b", 0..2);
     let b_point = b.clone();
-    archive
-        .append_in(&mut b, &thread(), &records("b", 2..4))
-        .unwrap();
+    append(&archive, &mut b, "b", 2..4);
     let mut c = b_point.clone();
-    archive
-        .append_in(&mut c, &thread(), &records("c", 0..2))
-        .unwrap();
+    append(&archive, &mut c, "c", 0..2);
     assert_eq!(
         (a.forks().count(), b.forks().count(), c.forks().count()),
         (0, 1, 2)
@@ -163,19 +156,13 @@ fn a_fork_with_nothing_stored_past_its_point_writes_on_in_place() {
     let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
     let archive = Archive::new(store.clone());
     let mut main = Lineage::new();
-    archive
-        .append_in(&mut main, &thread(), &records("base", 0..2))
-        .unwrap();
+    append(&archive, &mut main, "base", 0..2);
     // A fork from the newest checkpoint (the other branch stored nothing since).
     let mut fork = main.clone();
-    archive
-        .append_in(&mut fork, &thread(), &records("fork", 0..2))
-        .unwrap();
+    append(&archive, &mut fork, "fork", 0..2);
     assert_eq!(fork.forks().count(), 0, "no copy, no segment: {fork:?}");
     // Now the old branch is the one that must write apart.
-    archive
-        .append_in(&mut main, &thread(), &records("main", 0..2))
-        .unwrap();
+    append(&archive, &mut main, "main", 0..2);
     assert_eq!(main.forks().count(), 1);
     assert!(found(&archive, &main, "fork").is_empty());
     assert!(found(&archive, &fork, "main").is_empty());
@@ -236,9 +223,7 @@ fn a_file_cut_under_a_lineage_is_an_error_not_a_narrower_view() {
     let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
     let archive = Archive::new(store.clone());
     let mut main = Lineage::new();
-    archive
-        .append_in(&mut main, &thread(), &records("base", 0..4))
-        .unwrap();
+    append(&archive, &mut main, "base", 0..4);
     let key = Key::new("t", "archive/messages.jsonl").unwrap();
     store.truncate(&key, 10).unwrap();
     let view = LineageStore::new(store.clone(), thread(), main.clone());
