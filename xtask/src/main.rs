@@ -7,6 +7,8 @@
 //! * `eval` — the targeted context evals (`--live`: the model-facing ones on a real
 //!   server).
 //! * `gen-vectors` — regenerate differential test vectors from LangGraph's Python code.
+//! * `fuzz` — run the cargo-fuzz targets of `fuzz/` for a while each (not part of `ci`,
+//!   which replays their corpora through the tests).
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -14,6 +16,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod ci;
 mod eval;
+mod fuzz;
 mod llm;
 mod node;
 mod pg;
@@ -59,6 +62,16 @@ enum Command {
     LlmLive,
     /// Regenerate the differential test vectors from LangGraph's Python `add_messages`.
     GenVectors,
+    /// Run the cargo-fuzz targets (nightly; installs cargo-fuzz if missing) for a while
+    /// each; fails naming the targets that crashed and their artifacts.
+    Fuzz {
+        /// libFuzzer time per target, in seconds.
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+        /// Targets to run (default: all of them).
+        #[arg(value_parser = clap::builder::PossibleValuesParser::new(fuzz::TARGETS))]
+        targets: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -69,5 +82,6 @@ fn main() -> Result<()> {
         Command::Eval { live } => eval::eval(live),
         Command::LlmLive => llm::live(),
         Command::GenVectors => vectors::gen_vectors(),
+        Command::Fuzz { seconds, targets } => fuzz::fuzz(seconds, &targets),
     }
 }

@@ -317,6 +317,87 @@ fn stem(path: &Path) -> String {
         .unwrap_or_else(|| "run".to_owned())
 }
 
+/// The properties of `keel replay`'s loading over any bytes: for the
+/// `trajectory_import` fuzz target (the repository's `fuzz/` crate builds this file into
+/// itself) and the corpus replay test below.
+#[cfg(any(fuzzing, test))]
+pub mod fuzzing {
+    use std::collections::HashSet;
+    use std::path::Path;
+
+    use super::{Format, load};
+
+    const FORMATS: [Format; 6] = [
+        Format::Auto,
+        Format::Openai,
+        Format::OpenaiJsonl,
+        Format::Langchain,
+        Format::SweAgent,
+        Format::TauBench,
+    ];
+
+    /// Writes `data` to `dir/run.json` and `dir/run.jsonl` and loads each in every
+    /// format, detected or given.
+    ///
+    /// * Loading never panics: runs, or an error that names the file.
+    /// * Loaded runs are in the format given (a detected one said so), hold messages,
+    ///   and every message has an id, unique in its run.
+    /// * Loading again in the detected format gives the same runs.
+    pub fn check_load(dir: &Path, data: &[u8]) -> Result<(), String> {
+        for name in ["run.json", "run.jsonl"] {
+            let path = dir.join(name);
+            std::fs::write(&path, data).map_err(|e| format!("{}: {e}", path.display()))?;
+            for format in FORMATS {
+                let loaded = match load(&path, format, 1 << 20) {
+                    Ok(loaded) => loaded,
+                    Err(e) if format!("{e:#}").contains(name) => continue,
+                    Err(e) => return Err(format!("{name} as {format:?}: {e:#} names no file")),
+                };
+                let what = format!("{name} as {format:?}");
+                let detected = format == Format::Auto;
+                if loaded.format == Format::Auto
+                    || loaded.detected != detected
+                    || (!detected && loaded.format != format)
+                {
+                    return Err(format!("{what}: loaded as {:?}", loaded.format));
+                }
+                if loaded.runs.iter().all(|r| r.messages.is_empty()) {
+                    return Err(format!("{what}: no messages"));
+                }
+                for run in &loaded.runs {
+                    let mut seen = HashSet::new();
+                    if !run
+                        .messages
+                        .iter()
+                        .all(|m| m.id.as_ref().is_some_and(|id| seen.insert(id)))
+                    {
+                        return Err(format!(
+                            "{what}: run {} has a message without a unique id",
+                            run.id
+                        ));
+                    }
+                }
+                if detected {
+                    match load(&path, loaded.format, 1 << 20) {
+                        Ok(again) if again.runs == loaded.runs => {}
+                        Ok(_) => {
+                            return Err(format!("{what}: loading as {:?} differs", loaded.format));
+                        }
+                        Err(e) => {
+                            return Err(format!("{what}: as {:?} fails: {e:#}", loaded.format));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "../../../fuzz/props/corpus.rs"]
+mod corpus;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,6 +475,15 @@ mod tests {
         );
         let err = format!("{:#}", load(&jsonl, Format::Auto, 1 << 20).unwrap_err());
         assert!(err.contains("line 2"), "{err}");
+    }
+
+    /// Every input of `fuzz/corpus/trajectory_import/` loads as the fuzz target checks.
+    #[test]
+    fn trajectory_import_corpus_replays() {
+        let d = tempfile::tempdir().unwrap();
+        super::corpus::replay("trajectory_import", |data| {
+            fuzzing::check_load(d.path(), data)
+        });
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //!
 //! * `tool_calls` carry `args` as JSON objects; `invalid_tool_calls` (whose `args` is a
 //!   string that failed to parse) become [`ToolArguments::Invalid`] and are exported
-//!   back to `invalid_tool_calls`.
+//!   back to `invalid_tool_calls`. AI messages always export both lists; another
+//!   message exports them when it has calls.
 //! * Fields keel does not model (`additional_kwargs`, `response_metadata`,
 //!   `usage_metadata`, `artifact`, `status`, ...) are kept in `metadata["langchain"]`
 //!   and written back on export.
@@ -158,7 +159,9 @@ pub fn to_value(m: &Message) -> Value {
     out.insert("type".into(), Value::String(type_for_role(m.role).into()));
     out.insert("name".into(), opt(&m.name));
     out.insert("id".into(), opt(&m.id));
-    if m.role == Role::Assistant {
+    // Only AI messages have the fields in LangChain, but a call on another message
+    // (imported from one that carried it) is written too, so it is not lost.
+    if m.role == Role::Assistant || !m.tool_calls.is_empty() {
         let (mut valid, mut invalid) = (Vec::new(), Vec::new());
         for c in &m.tool_calls {
             let id = if c.id.is_empty() {

@@ -28,7 +28,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{each, parse_json};
 use crate::value::{Obj, metadata_with_extras, restore_extras};
-use crate::{FormatError, Message, Problem, Role, ToolArguments, ToolCall, ToolSpec};
+use crate::{Content, FormatError, Message, Problem, Role, ToolArguments, ToolCall, ToolSpec};
 
 const EXTRAS: &str = "openai";
 const KNOWN: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
@@ -121,7 +121,9 @@ pub fn to_json(messages: &[Message]) -> String {
 pub fn to_value(m: &Message) -> Value {
     let mut out = Map::new();
     out.insert("role".into(), Value::String(m.role.as_str().to_owned()));
-    let content = if m.content.is_empty() && !m.tool_calls.is_empty() {
+    // Empty parts (`[]`) stay a list: only empty text reads back from `null`.
+    let empty_text = matches!(&m.content, Content::Text(text) if text.is_empty());
+    let content = if empty_text && !m.tool_calls.is_empty() {
         Value::Null
     } else {
         m.content.to_value()

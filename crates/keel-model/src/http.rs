@@ -811,7 +811,12 @@ where
                 self.fail(ModelError::AnswerTooLarge { limit });
             }
         }
-        if !self.finished && self.buf.len() - start > max_line {
+        // An unfinished line may not grow past the limit. A `\r` at its end may be the
+        // start of its `\r\n` and does not count yet: a line of exactly `max_line`
+        // bytes is accepted whether or not its ending arrives in one chunk.
+        let unfinished = self.buf.get(start..).unwrap_or_default();
+        let unfinished = unfinished.strip_suffix(b"\r").unwrap_or(unfinished);
+        if !self.finished && unfinished.len() > max_line {
             self.fail(ModelError::LineTooLong { limit: max_line });
         }
         self.buf.drain(..start);
@@ -910,6 +915,55 @@ impl<S, D> Driver<S, D> {
             _slot: slot,
         }
     }
+}
+
+/// A body already in memory, as the chunks a server sent it in (tests and fuzzing).
+#[cfg(any(test, all(fuzzing, feature = "openai", feature = "ollama")))]
+pub(crate) type Chunks = futures::stream::Iter<std::vec::IntoIter<Result<Vec<u8>, reqwest::Error>>>;
+
+/// A [`Driver`] over a body in memory: no deadline, an hour's idle timeout, and
+/// `max_line` / `max_answer` as its limits. `None` only if a fresh one-permit
+/// semaphore had no permit.
+#[cfg(any(test, all(fuzzing, feature = "openai", feature = "ollama")))]
+fn chunk_driver<D: Decoder>(
+    chunks: Vec<Vec<u8>>,
+    decoder: D,
+    max_line: usize,
+    max_answer: usize,
+) -> Option<Driver<Chunks, D>> {
+    let chunks: Vec<Result<Vec<u8>, reqwest::Error>> = chunks.into_iter().map(Ok).collect();
+    let slot = Arc::new(Semaphore::new(1)).try_acquire_owned().ok()?;
+    let limits = StreamLimits {
+        idle: Duration::from_secs(3600),
+        total: Duration::from_secs(3600),
+        max_line,
+        max_answer,
+    };
+    Some(Driver::new(
+        futures::stream::iter(chunks),
+        decoder,
+        limits,
+        None,
+        slot,
+    ))
+}
+
+/// Every item a streamed reply yields when its body arrives as `chunks` (fuzzing).
+#[cfg(all(any(fuzzing, test), feature = "openai", feature = "ollama"))]
+pub(crate) async fn decode_chunks<D: Decoder>(
+    chunks: Vec<Vec<u8>>,
+    decoder: D,
+    max_line: usize,
+    max_answer: usize,
+) -> Vec<Result<ChatEvent, ModelError>> {
+    let Some(mut d) = chunk_driver(chunks, decoder, max_line, max_answer) else {
+        return vec![Err(ModelError::Config("no stream slot".into()))];
+    };
+    let mut items = Vec::new();
+    while let Some(item) = d.next().await {
+        items.push(item);
+    }
+    items
 }
 
 /// A request body as JSON bytes.
@@ -1056,27 +1110,12 @@ mod tests {
         }
     }
 
-    type Chunks = futures::stream::Iter<std::vec::IntoIter<Result<Vec<u8>, reqwest::Error>>>;
-
     fn driver(chunks: Vec<&[u8]>, max_line: usize, max_answer: usize) -> Driver<Chunks, Lines> {
-        let chunks: Vec<Result<Vec<u8>, reqwest::Error>> =
-            chunks.into_iter().map(|c| Ok(c.to_vec())).collect();
-        let Ok(slot) = Arc::new(Semaphore::new(1)).try_acquire_owned() else {
+        let chunks = chunks.into_iter().map(<[u8]>::to_vec).collect();
+        let Some(d) = chunk_driver(chunks, Lines(Vec::new()), max_line, max_answer) else {
             unreachable!("a fresh semaphore has a permit")
         };
-        let limits = StreamLimits {
-            idle: Duration::from_secs(3600),
-            total: Duration::from_secs(3600),
-            max_line,
-            max_answer,
-        };
-        Driver::new(
-            futures::stream::iter(chunks),
-            Lines(Vec::new()),
-            limits,
-            None,
-            slot,
-        )
+        d
     }
 
     async fn drain(d: &mut Driver<Chunks, Lines>) -> Vec<Result<ChatEvent, ModelError>> {
@@ -1133,6 +1172,32 @@ mod tests {
             matches!(
                 items.as_slice(),
                 [Ok(_), Err(ModelError::LineTooLong { limit: 1000 })]
+            ),
+            "{items:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_line_at_the_limit_is_kept_when_its_crlf_is_split() {
+        // Found by the sse_stream and ndjson_stream fuzz targets: the `\r` of a line
+        // of exactly the limit counted against it while the `\n` had not arrived.
+        let line = [b'z'; 10];
+        for chunks in [
+            vec![&line[..], b"\r\n"],
+            vec![&line[..], b"\r", b"\n"],
+            vec![&line[..], b"\r"],
+        ] {
+            let mut d = driver(chunks.clone(), 10, 1 << 20);
+            let items = drain(&mut d).await;
+            assert!(items.iter().all(Result::is_ok), "{chunks:?}: {items:?}");
+            assert_eq!(d.decoder.0, ["zzzzzzzzzz"], "{chunks:?}");
+        }
+        let mut d = driver(vec![&line[..], b"z\r"], 10, 1 << 20);
+        let items = drain(&mut d).await;
+        assert!(
+            matches!(
+                items.as_slice(),
+                [Err(ModelError::LineTooLong { limit: 10 })]
             ),
             "{items:?}"
         );

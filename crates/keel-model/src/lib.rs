@@ -90,6 +90,9 @@
 #![deny(clippy::indexing_slicing, clippy::string_slice)]
 
 mod error;
+#[cfg(all(any(fuzzing, test), feature = "openai", feature = "ollama"))]
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(any(feature = "openai", feature = "ollama"))]
 mod http;
 mod model;

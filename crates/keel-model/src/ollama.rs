@@ -568,6 +568,16 @@ fn tool_call_from(call: &Value) -> Result<ToolCall, ModelError> {
     })
 }
 
+/// The items of a streamed reply whose NDJSON body arrives as `chunks` (fuzzing).
+#[cfg(all(any(fuzzing, test), feature = "openai"))]
+pub(crate) async fn decode_ndjson(
+    chunks: Vec<Vec<u8>>,
+    max_line: usize,
+    max_answer: usize,
+) -> Vec<Result<ChatEvent, ModelError>> {
+    http::decode_chunks(chunks, Accumulator::new("fuzz"), max_line, max_answer).await
+}
+
 impl Decoder for Accumulator {
     fn line(
         &mut self,

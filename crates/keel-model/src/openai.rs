@@ -600,6 +600,17 @@ impl SseDecoder {
     }
 }
 
+/// The items of a streamed reply whose SSE body arrives as `chunks` (fuzzing).
+#[cfg(all(any(fuzzing, test), feature = "ollama"))]
+pub(crate) async fn decode_sse(
+    chunks: Vec<Vec<u8>>,
+    max_line: usize,
+    max_answer: usize,
+) -> Vec<Result<ChatEvent, ModelError>> {
+    let decoder = SseDecoder::new("fuzz", max_line);
+    http::decode_chunks(chunks, decoder, max_line, max_answer).await
+}
+
 impl Decoder for SseDecoder {
     fn line(
         &mut self,
