@@ -2,21 +2,10 @@
 //! chunking (properties: `keel_model::fuzzing::check_stream`).
 #![no_main]
 
-use std::sync::LazyLock;
-
-use keel_model::fuzzing::{Format, check_stream};
+use keel_model::fuzzing::Format;
 use libfuzzer_sys::fuzz_target;
-use tokio::runtime::{Builder, Runtime};
 
-static RUNTIME: LazyLock<Runtime> = LazyLock::new(|| {
-    Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap_or_else(|e| panic!("no tokio runtime: {e}"))
-});
+#[path = "../props/stream.rs"]
+mod stream;
 
-fuzz_target!(|data: &[u8]| {
-    if let Err(e) = RUNTIME.block_on(check_stream(Format::Ndjson, data)) {
-        panic!("{e}");
-    }
-});
+fuzz_target!(|data: &[u8]| stream::fuzz(Format::Ndjson, data));

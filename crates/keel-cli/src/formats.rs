@@ -134,6 +134,9 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
     if runs.iter().all(|r| r.messages.is_empty()) {
         bail!("{} holds no messages", path.display());
     }
+    for run in &runs {
+        unique_ids(path, run)?;
+    }
     Ok(Loaded {
         path: path.to_owned(),
         format,
@@ -244,6 +247,25 @@ fn messages_of(
     result.map_err(|e| anyhow!("{}, run {run}: {e}", path.display()))
 }
 
+/// Fails unless every message of the run has an id of its own. Compaction names what
+/// it removes by id, so two messages with one id (LangChain dicts carry their own, and
+/// one may even be the `<run>-<index>` given to a message without) would be one to it.
+fn unique_ids(path: &Path, run: &Trajectory) -> anyhow::Result<()> {
+    let mut first = std::collections::HashMap::new();
+    for (i, m) in run.messages.iter().enumerate() {
+        if let Some(id) = &m.id
+            && let Some(earlier) = first.insert(id.as_str(), i)
+        {
+            bail!(
+                "{}, run {}: messages {earlier} and {i} have the same id `{id}`; message ids must be unique",
+                path.display(),
+                run.id
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The runs of a parsed JSON file of `openai` or `langchain` messages.
 fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Vec<Trajectory>> {
     let stem = stem(path);
@@ -336,18 +358,19 @@ pub mod fuzzing {
         Format::TauBench,
     ];
 
-    /// Writes `data` to `dir/run.json` and `dir/run.jsonl` and loads each in every
-    /// format, detected or given.
+    /// Writes `data` to `dir/run.json` and loads it in every format, detected or
+    /// given, then to `dir/run.jsonl` and loads it detected (only detection looks at
+    /// the extension).
     ///
     /// * Loading never panics: runs, or an error that names the file.
     /// * Loaded runs are in the format given (a detected one said so), hold messages,
     ///   and every message has an id, unique in its run.
     /// * Loading again in the detected format gives the same runs.
     pub fn check_load(dir: &Path, data: &[u8]) -> Result<(), String> {
-        for name in ["run.json", "run.jsonl"] {
+        for (name, formats) in [("run.json", &FORMATS[..]), ("run.jsonl", &FORMATS[..1])] {
             let path = dir.join(name);
             std::fs::write(&path, data).map_err(|e| format!("{}: {e}", path.display()))?;
-            for format in FORMATS {
+            for &format in formats {
                 let loaded = match load(&path, format, 1 << 20) {
                     Ok(loaded) => loaded,
                     Err(e) if format!("{e:#}").contains(name) => continue,
@@ -467,6 +490,17 @@ mod tests {
         let other = write(d.path(), "other.json", r#"{"hello": 1}"#);
         let err = format!("{:#}", load(&other, Format::Auto, 1 << 20).unwrap_err());
         assert!(err.contains("--format"), "{err}");
+
+        let twice = write(
+            d.path(),
+            "twice.json",
+            r#"[{"type":"human","content":"a","id":"m1"},{"type":"ai","content":"b","id":"m1"}]"#,
+        );
+        let err = format!("{:#}", load(&twice, Format::Auto, 1 << 20).unwrap_err());
+        assert!(
+            err.contains("twice.json") && err.contains("messages 0 and 1") && err.contains("`m1`"),
+            "{err}"
+        );
 
         let jsonl = write(
             d.path(),

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, HeaderValue};
 
-use crate::http::RETRY_AFTER_CEILING;
+use crate::http::{RETRY_AFTER_CEILING, decode_chunks};
 use crate::{ChatEvent, ModelError};
 
 /// The bounds a fuzzed stream is decoded within.
@@ -53,10 +53,19 @@ pub async fn decode(
     chunks: Vec<Vec<u8>>,
     limits: Limits,
 ) -> Vec<Result<ChatEvent, ModelError>> {
+    let Limits {
+        max_line,
+        max_answer,
+    } = limits;
     match format {
-        Format::Sse => crate::openai::decode_sse(chunks, limits.max_line, limits.max_answer).await,
+        // As the providers build them: an SSE event may be as long as a line.
+        Format::Sse => {
+            let decoder = crate::openai::SseDecoder::new("fuzz", max_line);
+            decode_chunks(chunks, decoder, max_line, max_answer).await
+        }
         Format::Ndjson => {
-            crate::ollama::decode_ndjson(chunks, limits.max_line, limits.max_answer).await
+            let decoder = crate::ollama::Accumulator::new("fuzz");
+            decode_chunks(chunks, decoder, max_line, max_answer).await
         }
     }
 }

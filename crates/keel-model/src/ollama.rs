@@ -417,7 +417,7 @@ fn classify(status: u16, body: &[u8], retry_after: Option<Duration>) -> ModelErr
 
 /// Assembles a reply from `/api/chat` objects: the one object of a non-streamed reply,
 /// or the lines of a stream.
-struct Accumulator {
+pub(crate) struct Accumulator {
     text: String,
     calls: Vec<ToolCall>,
     usage: Option<Usage>,
@@ -426,7 +426,7 @@ struct Accumulator {
 }
 
 impl Accumulator {
-    fn new(model: &str) -> Self {
+    pub(crate) fn new(model: &str) -> Self {
         Accumulator {
             text: String::new(),
             calls: Vec::new(),
@@ -566,16 +566,6 @@ fn tool_call_from(call: &Value) -> Result<ToolCall, ModelError> {
         Some(v) => ToolCall::new(id, name, v.clone()),
         None => ToolCall::new(id, name, json!({})),
     })
-}
-
-/// The items of a streamed reply whose NDJSON body arrives as `chunks` (fuzzing).
-#[cfg(all(any(fuzzing, test), feature = "openai"))]
-pub(crate) async fn decode_ndjson(
-    chunks: Vec<Vec<u8>>,
-    max_line: usize,
-    max_answer: usize,
-) -> Vec<Result<ChatEvent, ModelError>> {
-    http::decode_chunks(chunks, Accumulator::new("fuzz"), max_line, max_answer).await
 }
 
 impl Decoder for Accumulator {

@@ -463,7 +463,7 @@ struct PartialCall {
 }
 
 /// Server-sent events of `chat.completion.chunk` objects, ended by `data: [DONE]`.
-struct SseDecoder {
+pub(crate) struct SseDecoder {
     data: String,
     has_data: bool,
     /// The longest event (its `data:` lines together), in bytes.
@@ -476,7 +476,7 @@ struct SseDecoder {
 }
 
 impl SseDecoder {
-    fn new(model: &str, max_event: usize) -> Self {
+    pub(crate) fn new(model: &str, max_event: usize) -> Self {
         SseDecoder {
             data: String::new(),
             has_data: false,
@@ -598,17 +598,6 @@ impl SseDecoder {
         }
         Ok(false)
     }
-}
-
-/// The items of a streamed reply whose SSE body arrives as `chunks` (fuzzing).
-#[cfg(all(any(fuzzing, test), feature = "ollama"))]
-pub(crate) async fn decode_sse(
-    chunks: Vec<Vec<u8>>,
-    max_line: usize,
-    max_answer: usize,
-) -> Vec<Result<ChatEvent, ModelError>> {
-    let decoder = SseDecoder::new("fuzz", max_line);
-    http::decode_chunks(chunks, decoder, max_line, max_answer).await
 }
 
 impl Decoder for SseDecoder {
