@@ -17,6 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::error::{looks_like_overflow, snippet};
+use crate::retry::retry_wait;
 use crate::{ChatEvent, ChatStream, ModelError};
 
 /// An environment variable's value, unless unset or blank.
@@ -647,21 +648,6 @@ pub(crate) fn random_u64() -> u64 {
     })
 }
 
-/// The wait before retry number `retry` (0-based): the provider's `retry_after` when it
-/// gave one (`None`, give up, if that is longer than `max_retry_after`), else the
-/// policy's backoff with jitter.
-pub(crate) fn retry_wait(
-    policy: &RetryPolicy,
-    max_retry_after: Duration,
-    retry: u32,
-    retry_after: Option<Duration>,
-) -> Option<Duration> {
-    match retry_after {
-        Some(wait) => (wait <= max_retry_after).then_some(wait),
-        None => Some(policy.delay(retry)),
-    }
-}
-
 /// A fresh tool-call id, for providers that send none.
 pub(crate) fn new_call_id() -> String {
     format!("call_{:016x}", random_u64())
@@ -975,16 +961,6 @@ pub(crate) fn encode_body(body: &serde_json::Value) -> Result<Vec<u8>, ModelErro
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn retry_wait_honours_retry_after_within_the_cap() {
-        let p = RetryPolicy::default().jitter(false);
-        let cap = Duration::from_secs(10);
-        let three = Some(Duration::from_secs(3));
-        assert_eq!(retry_wait(&p, cap, 0, three), three);
-        assert_eq!(retry_wait(&p, cap, 0, Some(Duration::from_secs(11))), None);
-        assert_eq!(retry_wait(&p, cap, 1, None), Some(Duration::from_secs(1)));
-    }
 
     #[test]
     fn retry_after_parses_seconds_and_http_dates() {

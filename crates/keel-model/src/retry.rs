@@ -90,10 +90,49 @@ impl<M> Retrying<M> {
         if !err.is_retryable() || !self.policy.allows_retry(failed) {
             return None;
         }
-        match err.retry_after() {
-            Some(wait) => (wait <= self.max_retry_after).then_some(wait),
-            None => Some(self.policy.delay(failed.saturating_sub(1))),
+        retry_wait(
+            &self.policy,
+            self.max_retry_after,
+            failed.saturating_sub(1),
+            err.retry_after(),
+        )
+    }
+
+    /// Runs `attempt` until it succeeds or its error is final.
+    async fn retrying<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<T, ModelError>
+    where
+        M: ChatModel,
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ModelError>>,
+    {
+        let mut failed = 0u32;
+        loop {
+            let err = match attempt().await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            failed += 1;
+            let Some(wait) = self.wait(&err, failed) else {
+                return Err(err);
+            };
+            tracing::warn!(model = self.inner.model_name(), attempt = failed, wait_ms = wait.as_millis() as u64, error = %err, "{what} failed; retrying");
+            tokio::time::sleep(wait).await;
         }
+    }
+}
+
+/// The wait before retry number `retry` (0-based): the provider's `retry_after` when it
+/// gave one (`None`, give up, if that is longer than `max_retry_after`), else the
+/// policy's backoff with jitter.
+pub(crate) fn retry_wait(
+    policy: &RetryPolicy,
+    max_retry_after: Duration,
+    retry: u32,
+    retry_after: Option<Duration>,
+) -> Option<Duration> {
+    match retry_after {
+        Some(wait) => (wait <= max_retry_after).then_some(wait),
+        None => Some(policy.delay(retry)),
     }
 }
 
@@ -109,19 +148,8 @@ impl<M: ChatModel> ChatModel for Retrying<M> {
         tools: &[ToolSpec],
         options: &ChatOptions,
     ) -> Result<ChatResponse, ModelError> {
-        let mut failed = 0u32;
-        loop {
-            let err = match self.inner.chat(messages, tools, options).await {
-                Ok(r) => return Ok(r),
-                Err(e) => e,
-            };
-            failed += 1;
-            let Some(wait) = self.wait(&err, failed) else {
-                return Err(err);
-            };
-            tracing::warn!(model = self.inner.model_name(), attempt = failed, wait_ms = wait.as_millis() as u64, error = %err, "model call failed; retrying");
-            tokio::time::sleep(wait).await;
-        }
+        self.retrying("model call", || self.inner.chat(messages, tools, options))
+            .await
     }
 
     async fn chat_stream(
@@ -130,25 +158,27 @@ impl<M: ChatModel> ChatModel for Retrying<M> {
         tools: &[ToolSpec],
         options: &ChatOptions,
     ) -> Result<ChatStream, ModelError> {
-        let mut failed = 0u32;
-        loop {
-            let err = match self.inner.chat_stream(messages, tools, options).await {
-                Ok(s) => return Ok(s),
-                Err(e) => e,
-            };
-            failed += 1;
-            let Some(wait) = self.wait(&err, failed) else {
-                return Err(err);
-            };
-            tracing::warn!(model = self.inner.model_name(), attempt = failed, wait_ms = wait.as_millis() as u64, error = %err, "opening a model stream failed; retrying");
-            tokio::time::sleep(wait).await;
-        }
+        self.retrying("opening a model stream", || {
+            self.inner.chat_stream(messages, tools, options)
+        })
+        .await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_wait_honours_retry_after_within_the_cap() {
+        let p = RetryPolicy::default().jitter(false);
+        let cap = Duration::from_secs(10);
+        let three = Some(Duration::from_secs(3));
+        assert_eq!(retry_wait(&p, cap, 0, three), three);
+        assert_eq!(retry_wait(&p, cap, 0, Some(Duration::from_secs(11))), None);
+        assert_eq!(retry_wait(&p, cap, 1, None), Some(Duration::from_secs(1)));
+    }
+
     use crate::{ScriptedModel, Turn};
 
     fn fast(attempts: u32) -> RetryPolicy {
