@@ -11,6 +11,7 @@ mod agent;
 mod agent_keel;
 mod cli;
 mod compaction;
+mod fleet;
 mod graph;
 mod model;
 mod offload;
@@ -89,9 +90,10 @@ pub fn bench(target: &str, quick: bool) -> Result<()> {
         "reducer" => reducer::run_bench(),
         "agent" => agent::run().map(drop),
         "cli" => cli::run_bench(),
+        "fleet" => fleet::run(),
         "all" => all(),
         other => bail!(
-            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction, agent, cli or all)"
+            "unknown bench target `{other}` (expected token, reducer, graph, sqlite, postgres, offload, model, compaction, agent, cli, fleet or all)"
         ),
     }
 }
