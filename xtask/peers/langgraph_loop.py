@@ -25,7 +25,6 @@ from typing import Annotated, TypedDict
 
 from langchain_core.messages import AIMessage
 from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
@@ -66,6 +65,10 @@ def run_once(saver_kind: str, n: int, rep: int, measure: bool):
     if kind == "memory":
         saver = InMemorySaver()
     elif kind == "sqlite":
+        # Imported here: the graph group installs only langgraph, the SQLite group adds
+        # langgraph-checkpoint-sqlite.
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
         if synchronous not in ("full", "normal"):
             raise SystemExit(f"sqlite:{synchronous}: expected full or normal")
         tmp = tempfile.TemporaryDirectory(prefix="lg-loop-")
