@@ -107,6 +107,7 @@ pub struct AgentInput {
     messages: Vec<Message>,
     resume: Option<Value>,
     metadata: serde_json::Map<String, Value>,
+    max_steps: Option<u64>,
 }
 
 impl AgentInput {
@@ -160,6 +161,51 @@ impl AgentInput {
     #[must_use]
     pub fn metadata(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
         self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// This run's budget of model calls: the run stops with [`Stop::RunBudget`] before
+    /// its `n + 1`-th call, wherever the thread is (the builder's
+    /// [`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)
+    /// caps the whole thread). Run the thread again to continue: each run has its own
+    /// budget. `0` makes no call.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput, Stop};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_message::{Message, ToolCall, ToolSpec, tool_fn};
+    /// use keel_model::PolicyModel;
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// // A model that calls a tool forever.
+    /// let model = PolicyModel::new("loop", |_, _| {
+    ///     Ok(keel_model::ChatResponse::new(
+    ///         Message::assistant("Again.").with_tool_calls(vec![ToolCall::new("c", "noop", json!({}))]),
+    ///         "loop",
+    ///     ))
+    /// });
+    /// let noop = tool_fn(ToolSpec::new("noop", "Does nothing.", json!({"type": "object"})), |_, _| async { Ok("ok".to_owned()) });
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(model))
+    ///     .tool(Arc::new(noop))
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .goal("Loop.")
+    ///     .build()?;
+    /// let run = agent.run("t", AgentInput::new().max_steps(3)).await?;
+    /// assert_eq!(run.stop, Some(Stop::RunBudget { steps: 3, max: 3 }));
+    /// // The next run has a budget of its own.
+    /// let run = agent.run("t", AgentInput::new().max_steps(2)).await?;
+    /// assert_eq!(run.stop, Some(Stop::RunBudget { steps: 2, max: 2 }));
+    /// assert_eq!(run.state.step, 5);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn max_steps(mut self, n: u64) -> Self {
+        self.max_steps = Some(n);
         self
     }
 
@@ -226,15 +272,26 @@ impl Agent {
         &self.nodes
     }
 
-    fn config(&self, thread_id: &str, metadata: &serde_json::Map<String, Value>) -> RunConfig {
+    fn config(
+        &self,
+        thread_id: &str,
+        metadata: &serde_json::Map<String, Value>,
+        budget: Option<RunBudget>,
+    ) -> RunConfig {
         // Four supersteps per model call at most (agent, tools, compact, epoch).
-        let limit = usize::try_from(self.nodes.compaction().max_steps)
+        let calls = budget.map_or(self.nodes.compaction().max_steps, |b| {
+            b.max.min(self.nodes.compaction().max_steps)
+        });
+        let limit = usize::try_from(calls)
             .unwrap_or(usize::MAX / 8)
             .saturating_mul(4)
             .saturating_add(16);
         let mut config = RunConfig::thread(thread_id)
             .with_durability(self.durability)
             .with_recursion_limit(limit);
+        if let Some(budget) = budget {
+            config = config.with_configurable(RUN_BUDGET_KEY, budget.to_value());
+        }
         for (key, value) in metadata {
             config = config.with_metadata(key.clone(), value.clone());
         }
@@ -272,10 +329,10 @@ impl Agent {
     /// the input brings messages (a follow-up), and otherwise returns as it is.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let metadata = input.metadata.clone();
-        let command = self.command(thread_id, input).await?;
+        let (command, budget) = self.command(thread_id, input).await?;
         let run = self
             .graph
-            .invoke(command, &self.config(thread_id, &metadata))
+            .invoke(command, &self.config(thread_id, &metadata, budget))
             .await?;
         Ok(AgentRun {
             answer: if run.next.is_empty() && run.state.stop.is_none() {
@@ -332,7 +389,7 @@ impl Agent {
         // stream is dropped with it, which cancels the run).
         tokio::spawn(async move {
             let metadata = input.metadata.clone();
-            let command = match agent.command(&thread, input).await {
+            let (command, budget) = match agent.command(&thread, input).await {
                 Ok(c) => c,
                 Err(e) => {
                     let _ = tx.send(Err(e)).await;
@@ -341,7 +398,7 @@ impl Agent {
             };
             let mut events = Box::pin(agent.graph.stream(
                 command,
-                agent.config(&thread, &metadata),
+                agent.config(&thread, &metadata, budget),
                 StreamMode::updates(),
             ));
             let mut ending = Ending::default();
@@ -506,7 +563,7 @@ impl Agent {
         &self,
         thread_id: &str,
         input: AgentInput,
-    ) -> Result<Command<AgentState>, AgentError> {
+    ) -> Result<(Command<AgentState>, Option<RunBudget>), AgentError> {
         ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
             thread_id: thread_id.to_owned(),
             reason: e.to_string(),
@@ -518,15 +575,32 @@ impl Agent {
         {
             return Err(AgentError::ReservedMetadata { key: key.clone() });
         }
+        let existing = match &self.checkpointer {
+            Some(_) if input.resume.is_none() || input.max_steps.is_some() => {
+                self.graph.get_state(&RunConfig::thread(thread_id)).await?
+            }
+            _ => None,
+        };
+        // The budget counts from the calls the thread has made when this run starts.
+        let budget = input.max_steps.map(|max| RunBudget {
+            start: existing.as_ref().map_or(0, |s| s.values.step),
+            max,
+        });
+        let command = self.command_for(thread_id, input, existing.as_ref())?;
+        Ok((command, budget))
+    }
+
+    fn command_for(
+        &self,
+        thread_id: &str,
+        input: AgentInput,
+        existing: Option<&keel_graph::StateSnapshot<AgentState>>,
+    ) -> Result<Command<AgentState>, AgentError> {
         if let Some(answer) = input.resume {
             return Ok(Command::resume(answer));
         }
-        let existing = match &self.checkpointer {
-            Some(_) => self.graph.get_state(&RunConfig::thread(thread_id)).await?,
-            None => None,
-        };
         let mut update = AgentStateUpdate::default();
-        match &existing {
+        match existing {
             Some(snap) if snap.values.goal.is_some() => {
                 if input.goal.is_some() {
                     return Err(AgentError::GoalAlreadySet {
@@ -560,6 +634,32 @@ impl Agent {
             update = update.messages(AddMessagesUpdate::append(input.messages));
         }
         Ok(update.stop(None).into())
+    }
+}
+
+/// Where a run's model calls are counted in its [`RunConfig::configurable`]: the
+/// thread's calls when the run started and the run's budget ([`AgentInput::max_steps`]).
+pub(crate) const RUN_BUDGET_KEY: &str = "keel.run_budget";
+
+/// A run's budget of model calls, counted from `start` (the thread's calls before it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RunBudget {
+    pub(crate) start: u64,
+    pub(crate) max: u64,
+}
+
+impl RunBudget {
+    fn to_value(self) -> Value {
+        serde_json::json!({"start": self.start, "max": self.max})
+    }
+
+    /// The budget a node finds in its run's configuration, if the run has one.
+    pub(crate) fn of(config: &serde_json::Map<String, Value>) -> Option<RunBudget> {
+        let v = config.get(RUN_BUDGET_KEY)?;
+        Some(RunBudget {
+            start: v.get("start")?.as_u64()?,
+            max: v.get("max")?.as_u64()?,
+        })
     }
 }
 

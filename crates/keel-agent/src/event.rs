@@ -73,6 +73,16 @@ pub enum AgentEvent {
         /// The ceiling.
         max: u64,
     },
+    /// The run used its budget of model calls
+    /// ([`AgentInput::max_steps`](crate::AgentInput::max_steps)) and stopped; the thread
+    /// can continue.
+    #[non_exhaustive]
+    RunBudget {
+        /// Model calls this run made.
+        steps: u64,
+        /// The run's budget.
+        max: u64,
+    },
     /// The model name has no profile: the window and output limits of the default
     /// profile are used.
     #[non_exhaustive]

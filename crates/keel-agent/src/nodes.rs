@@ -18,6 +18,7 @@ use keel_token::{ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
+use crate::agent::RunBudget;
 use crate::event::AgentEvent;
 use crate::state::{AgentState, AgentStateUpdate, MilestoneOp, Stop};
 use crate::tools::Toolbox;
@@ -257,6 +258,17 @@ impl AgentNodes {
                 return Ok(AgentStateUpdate::default()
                     .stop(Some(Stop::StepCeiling { steps: c.step, max }))
                     .events(events));
+            }
+            if let Some(budget) = RunBudget::of(ctx.config()) {
+                let steps = c.step.saturating_sub(budget.start);
+                if steps >= budget.max {
+                    let max = budget.max;
+                    tracing::info!(steps, max, "the run's budget of model calls is used; the run stops");
+                    events.push(AgentEvent::RunBudget { steps, max });
+                    return Ok(AgentStateUpdate::default()
+                        .stop(Some(Stop::RunBudget { steps, max }))
+                        .events(events));
+                }
             }
             let compactor = self.compactor(&thread)?;
             let specs = p.tools.specs();

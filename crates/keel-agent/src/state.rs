@@ -136,6 +136,13 @@ pub enum Stop {
         /// Model calls made.
         steps: u64,
     },
+    /// The run used its budget of model calls ([`AgentInput::max_steps`](crate::AgentInput::max_steps)).
+    RunBudget {
+        /// Model calls this run made.
+        steps: u64,
+        /// The run's budget.
+        max: u64,
+    },
 }
 
 /// A sentence for people: `the step ceiling of 100 model calls was reached`.
@@ -149,6 +156,10 @@ impl std::fmt::Display for Stop {
             Self::EmptyReply { steps } => write!(
                 f,
                 "the model replied with nothing twice in a row (after {steps} model calls)"
+            ),
+            Self::RunBudget { steps, max } => write!(
+                f,
+                "this run's budget of {max} model calls was used ({steps} made)"
             ),
         }
     }

@@ -438,6 +438,67 @@ async fn the_step_ceiling_stops_the_run_and_a_higher_one_continues_it() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn each_run_has_its_own_budget_of_model_calls_and_the_thread_ceiling_still_holds() {
+    let saver = Arc::new(MemorySaver::new());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let model = Arc::new(counting_model(1_000, seen.clone()));
+    let agent = Agent::builder()
+        .model(model)
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .compaction(CompactionConfig::default().with_max_steps(10))
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    let run = agent
+        .run("budget", AgentInput::new().max_steps(4))
+        .await
+        .unwrap();
+    assert_eq!(run.stop, Some(Stop::RunBudget { steps: 4, max: 4 }));
+    assert_eq!(run.state.step, 4);
+    assert!(run.state.events.iter().any(|e| matches!(
+        e,
+        AgentEvent::RunBudget {
+            steps: 4,
+            max: 4,
+            ..
+        }
+    )));
+    assert_eq!(seen.lock().unwrap().len(), 4, "four model calls");
+    // A budget of 0 makes no call and changes nothing but the stop.
+    let run = agent
+        .run("budget", AgentInput::new().max_steps(0))
+        .await
+        .unwrap();
+    assert_eq!(run.stop, Some(Stop::RunBudget { steps: 0, max: 0 }));
+    assert_eq!(seen.lock().unwrap().len(), 4);
+    // Streaming counts the same way, from where the thread is.
+    let mut updates = agent.stream("budget", AgentInput::new().max_steps(3));
+    let mut stop = None;
+    while let Some(update) = updates.next().await {
+        if let AgentUpdate::Done { stop: s, .. } = update.unwrap() {
+            stop = s;
+        }
+    }
+    assert_eq!(stop, Some(Stop::RunBudget { steps: 3, max: 3 }));
+    assert_eq!(agent.state("budget").await.unwrap().unwrap().step, 7);
+    // The thread's ceiling (10) comes first when it is nearer than the budget.
+    let run = agent
+        .run("budget", AgentInput::new().max_steps(50))
+        .await
+        .unwrap();
+    assert_eq!(run.stop, Some(Stop::StepCeiling { steps: 10, max: 10 }));
+    let echoes = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .count();
+    assert_eq!(echoes, 10, "every step's result kept, none repeated");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn run_metadata_is_stored_with_the_checkpoints_and_read_back() {
     let saver = Arc::new(MemorySaver::new());
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -485,6 +546,10 @@ fn stops_read_as_sentences() {
     assert_eq!(
         Stop::StepCeiling { steps: 5, max: 5 }.to_string(),
         "the step ceiling of 5 model calls was reached (5 made)"
+    );
+    assert_eq!(
+        Stop::RunBudget { steps: 2, max: 2 }.to_string(),
+        "this run's budget of 2 model calls was used (2 made)"
     );
     assert!(
         Stop::EmptyReply { steps: 3 }

@@ -134,7 +134,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let live = args.live.connect(&spec, window, settings)?;
     let counter = model::counter(&live.profile)?;
 
-    let build = |max_steps: u64| -> anyhow::Result<Agent> {
+    let agent = {
         let mut tools = FileTools::new(&dir)
             .with_context(|| format!("cannot root the file tools at {}", dir.display()))?;
         if !args.approve {
@@ -155,18 +155,20 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             .checkpointer(storage.saver.clone())
             .offload_store(offload.clone())
             .evict(Some(EvictLargeResults::new()))
-            .compaction(CompactionConfig::default().with_max_steps(max_steps));
+            // --max-steps is each run's budget (AgentInput::max_steps), not a ceiling
+            // on the thread.
+            .compaction(CompactionConfig::default().with_max_steps(u64::MAX));
         if args.approve {
             builder = builder.approve(["write_file", "edit_file"]);
         }
-        builder.build().context("cannot build the agent")
+        builder.build().context("cannot build the agent")?
     };
-    let agent = build(args.max_steps)?;
     let existing = agent
         .state(&thread)
         .await
         .with_context(|| format!("cannot read thread `{thread}`"))?;
-    let mut input = AgentInput::new();
+    let start = existing.as_ref().map_or(0, |s| s.step);
+    let mut input = AgentInput::new().max_steps(args.max_steps);
     match (&existing, &args.goal) {
         (None, None) => bail!("thread `{thread}` is new: give it a --goal"),
         (Some(_), Some(_)) => bail!(
@@ -178,12 +180,6 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         }
         (Some(_), None) => {}
     }
-    // --max-steps counts this run's model calls: the ceiling is where the thread is
-    // now plus that many.
-    let agent = match &existing {
-        Some(s) if s.step > 0 => build(s.step.saturating_add(args.max_steps))?,
-        _ => agent,
-    };
     if let Some(m) = &args.message {
         input = input.message(Message::user(m.clone()));
     }
@@ -221,7 +217,11 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             break;
         };
         let answer = ask(&question).await?;
-        input = AgentInput::new().resume(answer);
+        // The resumed run spends what is left of this run's budget.
+        let now = agent.state(&thread).await?.map_or(start, |s| s.step);
+        input = AgentInput::new()
+            .resume(answer)
+            .max_steps(args.max_steps.saturating_sub(now.saturating_sub(start)));
     }
     let state = agent
         .state(&thread)

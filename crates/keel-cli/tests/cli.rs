@@ -889,10 +889,10 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
     let (stdout, stderr) = text(&first);
     assert!(first.status.success(), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("the step ceiling of 2 model calls was reached"),
+        stdout.contains("this run's budget of 2 model calls was used (2 made)"),
         "{stdout}"
     );
-    assert!(!stdout.contains("StepCeiling"), "no Debug output: {stdout}");
+    assert!(!stdout.contains("RunBudget"), "no Debug output: {stdout}");
     let thread = stdout
         .split_whitespace()
         .find(|w| w.starts_with("run-"))
@@ -947,7 +947,7 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
         "{stdout}"
     );
     assert!(
-        stdout.contains("the step ceiling of 5 model calls was reached"),
+        stdout.contains("this run's budget of 3 model calls was used (3 made)"),
         "{stdout}"
     );
     assert_eq!(seen.lock().unwrap().len(), 5);
