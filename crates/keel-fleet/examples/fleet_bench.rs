@@ -62,9 +62,9 @@ fn args() -> Args {
             ("--steps", Some(v)) => a.steps = v,
             ("--reps", Some(v)) => a.reps = (v as usize).max(1),
             ("--concurrency", Some(v)) => a.concurrency = (v as usize).max(1),
-            _ => panic!(
-                "usage: fleet_bench [--threads N] [--steps N] [--reps N] [--concurrency N]"
-            ),
+            _ => {
+                panic!("usage: fleet_bench [--threads N] [--steps N] [--reps N] [--concurrency N]")
+            }
         }
     }
     a
@@ -163,7 +163,11 @@ async fn archived(store: Arc<dyn OffloadStore>, threads: usize) -> u64 {
     tokio::task::spawn_blocking(move || {
         let archive = Archive::new(store);
         (0..threads)
-            .map(|i| archive.len(&ThreadId::new(format!("t{i}")).unwrap()).unwrap())
+            .map(|i| {
+                archive
+                    .len(&ThreadId::new(format!("t{i}")).unwrap())
+                    .unwrap()
+            })
             .sum()
     })
     .await
