@@ -12,7 +12,9 @@
 //!   its root; either reads back as the text it was made from.
 //! * A key prints as `thread/path` and parses back from that; `join` and
 //!   `starts_with` agree with the components.
-//! * [`safe_component`] always gives one valid component, the same for the same text.
+//! * [`safe_component`] always gives one valid component, the same for the same text,
+//!   and two different texts (`a` and `b`, and each beside the other's component)
+//!   never get the same one.
 
 use std::path::{Component, Path};
 
@@ -33,6 +35,9 @@ pub fn check_offload_key(data: &[u8]) -> Result<(), String> {
     };
     let path_b = check_one(b)?;
     check_key(a, b)?;
+    check_distinct(a, b)?;
+    check_distinct(&safe_component(a), b)?;
+    check_distinct(a, &safe_component(b))?;
     if let Some(dir) = &path_a {
         check_join(dir, b)?;
         if let Some(other) = &path_b {
@@ -127,6 +132,17 @@ fn check_component(s: &str) -> Result<(), String> {
         Ok(p) if p.components().count() == 1 => Ok(()),
         other => Err(format!("safe_component({s:?}) = {c:?} is {other:?}")),
     }
+}
+
+/// Different texts get different components.
+fn check_distinct(a: &str, b: &str) -> Result<(), String> {
+    if a != b && safe_component(a) == safe_component(b) {
+        return Err(format!(
+            "safe_component({a:?}) and safe_component({b:?}) are both {:?}",
+            safe_component(a)
+        ));
+    }
+    Ok(())
 }
 
 /// `Key::new(a, b)`: valid iff both parts are; prints as `a/b`; parses back.

@@ -209,10 +209,12 @@ impl fmt::Display for Key {
 /// Turns any text (a tool-call id, an argument name) into one safe path component.
 ///
 /// Text that is already a short, plain name (ASCII letters, digits, `_`, `-`, `.`, at
-/// most 128 bytes, not `.` or `..`) is kept as it is, so `call_abc123` stays
-/// `call_abc123`. Anything else has every other character replaced by `_`, is cut to 64
-/// bytes, and gets a hash of the original appended, so different ids never share a
-/// path.
+/// most 128 bytes, not `.` or `..`, not ending as a mapped name does) is kept as it is,
+/// so `call_abc123` stays `call_abc123`. Anything else has every other character
+/// replaced by `_`, is cut to 64 bytes, and gets `-` and a 16-digit hash of the
+/// original appended. A kept name never ends in `-` and 16 lowercase hex digits, so it
+/// cannot equal a mapped one: different texts never share a component (short of a
+/// 64-bit hash collision).
 ///
 /// ```
 /// use keel_offload::safe_component;
@@ -221,16 +223,28 @@ impl fmt::Display for Key {
 /// let odd = safe_component("../../etc/passwd");
 /// assert!(odd.starts_with(".._.._etc_passwd-"));
 /// assert_ne!(safe_component("a/b"), safe_component("a_b"));
+/// // A plain name shaped like a mapped one is mapped too.
+/// let mapped = safe_component("a/b");
+/// assert_ne!(safe_component(&mapped), mapped);
 /// ```
 pub fn safe_component(raw: &str) -> String {
     const KEEP_MAX: usize = 128;
     const CUT: usize = 64;
+    const HASH_DIGITS: usize = 16;
     let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    let looks_mapped = |s: &str| {
+        s.len() > HASH_DIGITS
+            && s.as_bytes()[s.len() - HASH_DIGITS - 1] == b'-'
+            && s.as_bytes()[s.len() - HASH_DIGITS..]
+                .iter()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
     if !raw.is_empty()
         && raw.len() <= KEEP_MAX
         && raw != "."
         && raw != ".."
         && raw.chars().all(plain)
+        && !looks_mapped(raw)
     {
         return raw.to_owned();
     }
