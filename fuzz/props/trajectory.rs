@@ -5,7 +5,8 @@
 //! (crates/keel-cli/src/formats.rs).
 //!
 //! * Loading never panics: runs, or a typed [`LoadError`] that names the file.
-//! * tau-bench: one run per element, every message with an id, unique in its run; the
+//! * tau-bench: one run per element, every message with an id, unique in its run
+//!   (`Trajectory::new` refuses a run whose ids repeat, with a typed error); the
 //!   messages export to OpenAI values that import back to them.
 //! * SWE-agent: every message with an id, unique; no OpenAI extras kept; at most one
 //!   user message not flagged as an observation, and a goal whenever there is a user

@@ -134,9 +134,6 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
     if runs.iter().all(|r| r.messages.is_empty()) {
         bail!("{} holds no messages", path.display());
     }
-    for run in &runs {
-        unique_ids(path, run)?;
-    }
     Ok(Loaded {
         path: path.to_owned(),
         format,
@@ -247,35 +244,22 @@ fn messages_of(
     result.map_err(|e| anyhow!("{}, run {run}: {e}", path.display()))
 }
 
-/// Fails unless every message of the run has an id of its own. Compaction names what
-/// it removes by id, so two messages with one id (LangChain dicts carry their own, and
-/// one may even be the `<run>-<index>` given to a message without) would be one to it.
-fn unique_ids(path: &Path, run: &Trajectory) -> anyhow::Result<()> {
-    let mut first = std::collections::HashMap::new();
-    for (i, m) in run.messages.iter().enumerate() {
-        if let Some(id) = &m.id
-            && let Some(earlier) = first.insert(id.as_str(), i)
-        {
-            bail!(
-                "{}, run {}: messages {earlier} and {i} have the same id `{id}`; message ids must be unique",
-                path.display(),
-                run.id
-            );
-        }
-    }
-    Ok(())
-}
-
 /// The runs of a parsed JSON file of `openai` or `langchain` messages.
 fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Vec<Trajectory>> {
     let stem = stem(path);
     let dataset = format.name().to_owned();
-    let make = |id: String, messages: Vec<Message>| Trajectory::new(dataset.clone(), id, messages);
+    // Compaction names what it removes by id: two messages with one id (LangChain dicts
+    // carry their own, and one may even be the `<run>-<index>` given to a message
+    // without) are refused.
+    let make = |id: String, messages: Vec<Message>| {
+        Trajectory::new(dataset.clone(), id, messages)
+            .map_err(|e| anyhow!("{}, {e}", path.display()))
+    };
     if let Some(messages) = value.get("messages").and_then(Value::as_array) {
         return Ok(vec![make(
             stem.clone(),
             messages_of(path, messages, format, &stem)?,
-        )]);
+        )?]);
     }
     let items = value.as_array().ok_or_else(|| {
         anyhow!(
@@ -293,14 +277,14 @@ fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<V
                     .get("messages")
                     .and_then(Value::as_array)
                     .ok_or_else(|| anyhow!("{}: run {i} has no `messages` list", path.display()))?;
-                Ok(make(id.clone(), messages_of(path, messages, format, &id)?))
+                make(id.clone(), messages_of(path, messages, format, &id)?)
             })
             .collect();
     }
     Ok(vec![make(
         stem.clone(),
         messages_of(path, items, format, &stem)?,
-    )])
+    )?])
 }
 
 /// JSON Lines: one message per line, or one `{"messages": [...]}` per line.
@@ -320,7 +304,10 @@ fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
             let id = format!("{stem}-{}", n + 1);
             let msgs = openai::from_values(messages)
                 .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
-            runs.push(Trajectory::new("openai-jsonl", id, msgs));
+            runs.push(
+                Trajectory::new("openai-jsonl", id, msgs)
+                    .map_err(|e| anyhow!("{}, {e}", path.display()))?,
+            );
         } else {
             let m = openai::from_value(&v)
                 .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
@@ -328,7 +315,10 @@ fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
         }
     }
     if !single.is_empty() {
-        runs.push(Trajectory::new("openai-jsonl", stem, single));
+        runs.push(
+            Trajectory::new("openai-jsonl", stem, single)
+                .map_err(|e| anyhow!("{}, {e}", path.display()))?,
+        );
     }
     Ok(runs)
 }

@@ -109,7 +109,7 @@ async fn the_replay_counts_the_summarizers_calls_in_the_cost() {
         messages.push(reply);
         messages.extend(results);
     }
-    let t = Trajectory::new("hand-made", "orders", messages);
+    let t = Trajectory::new("hand-made", "orders", messages).unwrap();
     let counter: Arc<dyn TokenCounter> = Arc::new(ApproxCounter::new());
     let mut config = ReplayConfig::new(4_000, Strategy::Hierarchical);
     config.encoding = Encoding::Approximate;

@@ -67,7 +67,7 @@ fn transcript() -> Trajectory {
     for (i, msg) in m.iter_mut().enumerate() {
         msg.id = Some(format!("m{i}"));
     }
-    Trajectory::new("hand-made", "support", m)
+    Trajectory::new("hand-made", "support", m).unwrap()
 }
 
 fn last_turn_facts(facts: &[FactCheck]) -> Vec<(&str, bool, bool)> {

@@ -168,11 +168,12 @@ fn a_bare_greeting_is_not_the_goal_but_a_greeting_with_a_request_is() {
                 Message::user("I need to cancel reservation ZK81QP.".to_owned()),
             ],
         )
+        .unwrap()
     };
     assert_eq!(run("Hi there!").goal_index(), Some(3));
     assert_eq!(run("Hello.").goal_index(), Some(3));
     assert_eq!(run("Hi! I need to cancel my flight.").goal_index(), Some(1));
-    let only = Trajectory::new("t", "r", vec![Message::user("Hey".to_owned())]);
+    let only = Trajectory::new("t", "r", vec![Message::user("Hey".to_owned())]).unwrap();
     assert_eq!(
         only.goal_index(),
         Some(0),

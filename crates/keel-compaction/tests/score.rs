@@ -71,7 +71,7 @@ fn transcript() -> Trajectory {
     for (i, msg) in m.iter_mut().enumerate() {
         msg.id = Some(format!("m{i}"));
     }
-    Trajectory::new("hand-made", "support", m)
+    Trajectory::new("hand-made", "support", m).unwrap()
 }
 
 /// The full history before each recorded assistant message.
@@ -238,7 +238,8 @@ fn one_prompt_per_recorded_model_call() {
         "d",
         "bare",
         vec![Message::system("s"), Message::assistant("hi")],
-    );
+    )
+    .unwrap();
     let run = score_prompts(&bare, &[vec![Message::system("s")]], counter()).unwrap();
     assert!(!run.turns[0].goal_intact);
 }

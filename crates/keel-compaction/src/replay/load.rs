@@ -21,22 +21,37 @@ pub struct Trajectory {
 
 impl Trajectory {
     /// A run of `messages` from `dataset`, named `id`; a message without an id gets
-    /// `<id>-<index>`, so compaction can name what it removes.
+    /// `<id>-<index>`, so compaction can name what it removes. Compaction tells
+    /// messages apart by id, so two messages with one id (their own, or one equal to
+    /// the `<id>-<index>` given to another) are refused with [`DuplicateId`].
     ///
     /// ```
     /// use keel_compaction::replay::Trajectory;
     /// use keel_message::Message;
     ///
-    /// let t = Trajectory::new("mine", "run-1", vec![Message::user("Book a flight.")]);
+    /// let t = Trajectory::new("mine", "run-1", vec![Message::user("Book a flight.")])?;
     /// assert_eq!(t.messages[0].id.as_deref(), Some("run-1-0"));
+    ///
+    /// let twice = vec![
+    ///     Message::user("Book a flight.").with_id("m"),
+    ///     Message::assistant("Where to?").with_id("m"),
+    /// ];
+    /// let err = Trajectory::new("mine", "run-2", twice).unwrap_err();
+    /// assert_eq!((err.first, err.second), (0, 1));
+    /// # Ok::<(), keel_compaction::replay::DuplicateId>(())
     /// ```
-    pub fn new(dataset: impl Into<String>, id: impl Into<String>, messages: Vec<Message>) -> Self {
+    pub fn new(
+        dataset: impl Into<String>,
+        id: impl Into<String>,
+        messages: Vec<Message>,
+    ) -> Result<Self, DuplicateId> {
         let id = id.into();
-        Trajectory {
+        let messages = with_ids(&id, messages)?;
+        Ok(Trajectory {
             dataset: dataset.into(),
-            messages: with_ids(&id, messages),
+            messages,
             id,
-        }
+        })
     }
 
     /// Assistant turns (model calls).
@@ -124,6 +139,15 @@ pub enum LoadError {
         /// What is wrong.
         reason: String,
     },
+    /// Two messages of a run share an id.
+    #[error("{path}, {source}")]
+    DuplicateId {
+        /// The file.
+        path: PathBuf,
+        /// The run and the messages.
+        #[source]
+        source: DuplicateId,
+    },
     /// A message did not import.
     #[error("{path}, run {run}: {source}")]
     Message {
@@ -148,13 +172,45 @@ fn read_json(path: &Path) -> Result<Value, LoadError> {
     })
 }
 
-fn with_ids(prefix: &str, mut messages: Vec<Message>) -> Vec<Message> {
+/// Two messages of one run with the same id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "run {run}: messages {first} and {second} have the same id `{id}`; message ids must be unique"
+)]
+#[non_exhaustive]
+pub struct DuplicateId {
+    /// The run.
+    pub run: String,
+    /// The id they share.
+    pub id: String,
+    /// The position of the first message with it.
+    pub first: usize,
+    /// The position of the second.
+    pub second: usize,
+}
+
+/// Gives every message without an id `<prefix>-<index>`; fails when two messages end
+/// up with one id.
+fn with_ids(prefix: &str, mut messages: Vec<Message>) -> Result<Vec<Message>, DuplicateId> {
     for (i, m) in messages.iter_mut().enumerate() {
         if m.id.is_none() {
             m.id = Some(format!("{prefix}-{i}"));
         }
     }
-    messages
+    let mut first = std::collections::HashMap::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(id) = m.id.as_deref()
+            && let Some(earlier) = first.insert(id, i)
+        {
+            return Err(DuplicateId {
+                run: prefix.to_owned(),
+                id: id.to_owned(),
+                first: earlier,
+                second: i,
+            });
+        }
+    }
+    Ok(messages)
 }
 
 /// Reads tau-bench's `historical_trajectories` file: a JSON list of runs, each with a
@@ -184,10 +240,9 @@ pub fn load_tau_bench(path: &Path) -> Result<Vec<Trajectory>, LoadError> {
                 run: id.clone(),
                 source: Box::new(source),
             })?;
-            Ok(Trajectory {
-                dataset: "tau-bench".into(),
-                messages: with_ids(&id, messages),
-                id,
+            Trajectory::new("tau-bench", id, messages).map_err(|source| LoadError::DuplicateId {
+                path: path.to_owned(),
+                source,
             })
         })
         .collect()
@@ -257,10 +312,9 @@ pub fn load_swe_agent(path: &Path) -> Result<Trajectory, LoadError> {
         m.metadata.remove("openai");
         messages.push(m);
     }
-    Ok(Trajectory {
-        dataset: "swe-agent".into(),
-        messages: with_ids(&id, messages),
-        id,
+    Trajectory::new("swe-agent", id, messages).map_err(|source| LoadError::DuplicateId {
+        path: path.to_owned(),
+        source,
     })
 }
 

@@ -26,7 +26,9 @@ mod run;
 mod score;
 
 pub use facts::{identifiers, needed_facts, turn_identifiers};
-pub use load::{LoadError, Trajectory, load_swe_agent, load_swe_agent_dir, load_tau_bench};
+pub use load::{
+    DuplicateId, LoadError, Trajectory, load_swe_agent, load_swe_agent_dir, load_tau_bench,
+};
 pub use run::{
     CACHED_TOKEN_PRICE, FactCheck, Needle, OUTPUT_TOKEN_PRICE, ReplayConfig, Report, RunReport,
     TurnRecord, replay_all, replay_trajectory,

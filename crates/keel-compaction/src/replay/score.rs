@@ -60,7 +60,7 @@ pub enum ScoreError {
 ///     Message::user("It is OI5L9G."),
 ///     Message::assistant("Cancelling OI5L9G now."),
 /// ];
-/// let run = Trajectory::new("hand-made", "r1", messages);
+/// let run = Trajectory::new("hand-made", "r1", messages)?;
 /// let messages = &run.messages;
 /// // A manager that dropped the second user message before the second call.
 /// let prompts = vec![messages[..2].to_vec(), messages[..3].to_vec()];
@@ -76,6 +76,7 @@ pub enum ScoreError {
 ///
 /// // One prompt per recorded model call, or a typed error.
 /// assert!(score_prompts(&run, &prompts[..1], Arc::new(ApproxCounter::default())).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn score_prompts(
     trajectory: &Trajectory,
