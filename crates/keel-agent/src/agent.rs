@@ -21,7 +21,7 @@ use keel_summarize::{ExtractiveSummarizer, Summarizer};
 use keel_token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
 use serde_json::Value;
 
-use crate::error::{AgentError, BuildError};
+use crate::error::{AgentError, BuildError, CleanupError};
 use crate::event::AgentEvent;
 use crate::nodes::{
     AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOOLS, collect_after_prune,
@@ -441,9 +441,9 @@ impl Agent {
             .map_err(keel_graph::GraphError::from)?;
         collect_after_prune(&self.nodes.parts, cp.as_ref(), &key, None)
             .await
-            .map_err(|reason| AgentError::Offload {
+            .map_err(|source| AgentError::Offload {
                 thread_id: thread_id.to_owned(),
-                reason,
+                source,
             })?;
         Ok(removed)
     }
@@ -486,14 +486,14 @@ impl Agent {
                 .map_err(keel_graph::GraphError::from)?;
         }
         let store = self.nodes.parts.store.clone();
-        tokio::task::spawn_blocking(move || store.delete_thread(&id))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|reason| AgentError::Offload {
-                thread_id: thread_id.to_owned(),
-                reason,
-            })?;
+        let deleted = match tokio::task::spawn_blocking(move || store.delete_thread(&id)).await {
+            Ok(r) => r.map_err(CleanupError::from),
+            Err(e) => Err(CleanupError::from(e)),
+        };
+        deleted.map_err(|source| AgentError::Offload {
+            thread_id: thread_id.to_owned(),
+            source,
+        })?;
         Ok(())
     }
 

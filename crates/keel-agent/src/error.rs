@@ -65,14 +65,35 @@ pub enum AgentError {
     /// The offload store failed while the thread's files were cleaned up (after a
     /// prune, a sweep or a delete). The checkpoints are as the call left them; what
     /// was not removed is removed by the next prune, or by deleting the thread again.
-    #[error("cleaning the offloaded files of thread `{thread_id}` failed: {reason}")]
+    #[error("cleaning the offloaded files of thread `{thread_id}` failed: {source}")]
     Offload {
         /// The thread.
         thread_id: String,
         /// What failed.
-        reason: String,
+        #[source]
+        source: CleanupError,
     },
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),
+}
+
+/// What failed while a thread's offloaded files were cleaned up
+/// ([`AgentError::Offload`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CleanupError {
+    /// The offload store failed.
+    #[error(transparent)]
+    Store(#[from] keel_offload::OffloadError),
+    /// The checkpointer failed while the kept checkpoints were read.
+    #[error(transparent)]
+    Checkpointer(#[from] keel_checkpoint::CheckpointError),
+    /// A kept checkpoint's `lineage` channel does not decode, so what it sees is
+    /// unknown and nothing was removed.
+    #[error("a checkpoint's lineage does not decode: {0}")]
+    Lineage(#[from] serde_json::Error),
+    /// The blocking task that touched the store panicked or was cancelled.
+    #[error("the store task did not finish: {0}")]
+    Task(#[from] tokio::task::JoinError),
 }

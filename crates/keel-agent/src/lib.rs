@@ -65,7 +65,7 @@ mod state;
 pub mod tools;
 
 pub use agent::{Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, DEFAULT_KEEP_CHECKPOINTS};
-pub use error::{AgentError, BuildError};
+pub use error::{AgentError, BuildError, CleanupError};
 pub use event::AgentEvent;
 pub use nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS};
 pub use state::{

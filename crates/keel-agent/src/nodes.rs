@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::agent::RunBudget;
+use crate::error::CleanupError;
 use crate::event::AgentEvent;
 use crate::state::{AgentState, AgentStateUpdate, MilestoneOp, Stop};
 use crate::tools::Toolbox;
@@ -688,26 +689,22 @@ pub(crate) async fn collect_after_prune(
     cp: &dyn Checkpointer,
     key: &ThreadKey,
     running: Option<&Lineage>,
-) -> Result<Collected, String> {
+) -> Result<Collected, CleanupError> {
     if !key.ns.is_empty() {
         return Ok(Collected::default());
     }
-    let thread = ThreadId::new(key.thread_id.as_str()).map_err(|e| e.to_string())?;
+    let thread = ThreadId::new(key.thread_id.as_str())?;
     let newest = match running {
         Some(l) => Some(l.clone()),
-        None => match cp.get(key, None).await.map_err(|e| e.to_string())? {
-            Some(t) => Some(lineage_of(&t).map_err(|e| e.to_string())?),
+        None => match cp.get(key, None).await? {
+            Some(t) => Some(lineage_of(&t)?),
             None => None,
         },
     };
     let store = parts.store.clone();
     if let Some(l) = newest.clone() {
         let (store, thread) = (store.clone(), thread.clone());
-        let sees_all = tokio::task::spawn_blocking(move || l.sees_all(&*store, &thread))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        if sees_all {
+        if tokio::task::spawn_blocking(move || l.sees_all(&*store, &thread)).await?? {
             return Ok(Collected::default());
         }
     }
@@ -720,16 +717,12 @@ pub(crate) async fn collect_after_prune(
             .await
     };
     for id in ids {
-        let id = id.map_err(|e| e.to_string())?;
         // Pruned by someone else since it was listed: it sees nothing any more.
-        if let Some(t) = cp.get(key, Some(&id)).await.map_err(|e| e.to_string())? {
-            live.push(lineage_of(&t).map_err(|e| e.to_string())?);
+        if let Some(t) = cp.get(key, Some(&id?)).await? {
+            live.push(lineage_of(&t)?);
         }
     }
-    tokio::task::spawn_blocking(move || collect_garbage(&*store, &thread, &live))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())
+    Ok(tokio::task::spawn_blocking(move || collect_garbage(&*store, &thread, &live)).await??)
 }
 
 fn context(s: &AgentState) -> Result<ContextState, NodeError> {

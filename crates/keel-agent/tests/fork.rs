@@ -495,3 +495,41 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
         .await
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_fails_during_cleanup_is_a_typed_error_naming_the_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("store");
+    let store: Arc<dyn OffloadStore> = Arc::new(keel_offload::FsStore::new(&root).unwrap());
+    let saver = Arc::new(MemorySaver::new());
+    let agent = agent(store, saver.clone(), 3);
+    agent.run("t", AgentInput::new()).await.unwrap();
+    // The store's directory becomes a file: every call on it fails.
+    std::fs::remove_dir_all(&root).unwrap();
+    std::fs::write(&root, "not a directory").unwrap();
+    let err = agent.prune("t", 1).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            keel_agent::AgentError::Offload { thread_id, source: keel_agent::CleanupError::Store(_) }
+                if thread_id == "t"
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("thread `t`"), "{err}");
+    assert!(
+        std::error::Error::source(&err).is_some(),
+        "the store's error is the source"
+    );
+    let err = agent.delete_thread("t").await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            keel_agent::AgentError::Offload {
+                source: keel_agent::CleanupError::Store(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
