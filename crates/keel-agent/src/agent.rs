@@ -9,8 +9,8 @@ use keel_checkpoint::{CheckpointId, Checkpointer, ListOptions, ThreadKey};
 use keel_compaction::{CompactionConfig, Compactor, GoalAnchor};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{
-    Command, CompiledGraph, Durability, END, Event, Interrupt, NodeContext, NodeError, RunConfig,
-    START, StateGraph, StreamMode,
+    Command, CompiledGraph, Durability, END, Event, GraphError, Interrupt, NodeContext, NodeError,
+    RunConfig, START, StateGraph, StreamMode,
 };
 use keel_message::{Message, Tool};
 use keel_model::{ChatModel, ChatOptions};
@@ -329,12 +329,80 @@ impl Agent {
     /// the input brings messages (a follow-up), and otherwise returns as it is.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let metadata = input.metadata.clone();
-        let (command, budget) = self.command(thread_id, input).await?;
+        let (command, budget) = self.command(thread_id, None, input).await?;
         let run = self
             .graph
             .invoke(command, &self.config(thread_id, &metadata, budget))
             .await?;
-        Ok(AgentRun {
+        Ok(AgentRun::of(run))
+    }
+
+    /// Runs a thread from one of its past checkpoints: a fork, as LangGraph's `invoke`
+    /// with a `checkpoint_id`. The run starts from the state stored at `checkpoint`
+    /// (with `input`'s messages appended), and what it writes becomes the thread's
+    /// newest checkpoints, children of `checkpoint`; the branch it left stays in the
+    /// history ([`CompiledGraph::state_history`], [`Agent::prune`] removes it with
+    /// what only it saw). Files the fork writes (archive records, offloaded results) are
+    /// its own: neither branch reads what the other wrote after the fork point.
+    ///
+    /// Without a checkpointer, or with a checkpoint the thread does not have, the run
+    /// fails before it writes anything.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_graph::RunConfig;
+    /// use keel_message::Message;
+    /// use keel_model::ScriptedModel;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Paris.", "Rome.", "Madrid."])))
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .goal("Name a capital.")
+    ///     .build()?;
+    /// let first = agent.run("t", AgentInput::new()).await?;
+    /// let second = agent
+    ///     .run("t", AgentInput::new().message(Message::user("Another one.")))
+    ///     .await?;
+    /// assert_eq!(second.answer.as_deref(), Some("Rome."));
+    /// // Back to where the first run ended, asking something else.
+    /// let at = first.checkpoint_id.expect("stored");
+    /// let fork = agent
+    ///     .run_from("t", &at, AgentInput::new().message(Message::user("One in Spain.")))
+    ///     .await?;
+    /// assert_eq!(fork.answer.as_deref(), Some("Madrid."));
+    /// let now = agent.state("t").await?.expect("a thread");
+    /// assert!(now.messages.iter().all(|m| m.text() != "Rome."), "the fork does not hold the other branch");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn run_from(
+        &self,
+        thread_id: &str,
+        checkpoint: &CheckpointId,
+        input: AgentInput,
+    ) -> Result<AgentRun, AgentError> {
+        if self.checkpointer.is_none() {
+            return Err(AgentError::NoCheckpointer {
+                thread_id: thread_id.to_owned(),
+            });
+        }
+        let metadata = input.metadata.clone();
+        let (command, budget) = self.command(thread_id, Some(checkpoint), input).await?;
+        let config = self
+            .config(thread_id, &metadata, budget)
+            .at(checkpoint.clone());
+        let run = self.graph.invoke(command, &config).await?;
+        Ok(AgentRun::of(run))
+    }
+}
+
+impl AgentRun {
+    fn of(run: keel_graph::Run<AgentState>) -> AgentRun {
+        AgentRun {
             answer: if run.next.is_empty() && run.state.stop.is_none() {
                 run.state.answer()
             } else {
@@ -345,9 +413,11 @@ impl Agent {
             checkpoint_id: run.checkpoint_id,
             supersteps: run.steps,
             state: run.state,
-        })
+        }
     }
+}
 
+impl Agent {
     /// Runs a thread like [`Agent::run`], yielding its events and new messages as they
     /// happen (within a step, its events come before its messages), and last
     /// [`AgentUpdate::Done`] with the answer. Dropping the stream cancels the run: the
@@ -389,7 +459,7 @@ impl Agent {
         // stream is dropped with it, which cancels the run).
         tokio::spawn(async move {
             let metadata = input.metadata.clone();
-            let (command, budget) = match agent.command(&thread, input).await {
+            let (command, budget) = match agent.command(&thread, None, input).await {
                 Ok(c) => c,
                 Err(e) => {
                     let _ = tx.send(Err(e)).await;
@@ -559,9 +629,12 @@ impl Agent {
         }
     }
 
+    /// The command that starts a run of `thread_id` from its newest checkpoint, or from
+    /// `at`, and the run's budget.
     async fn command(
         &self,
         thread_id: &str,
+        at: Option<&CheckpointId>,
         input: AgentInput,
     ) -> Result<(Command<AgentState>, Option<RunBudget>), AgentError> {
         ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
@@ -575,8 +648,16 @@ impl Agent {
         {
             return Err(AgentError::ReservedMetadata { key: key.clone() });
         }
-        let existing = match &self.checkpointer {
-            Some(_) if input.resume.is_none() || input.max_steps.is_some() => {
+        let existing = match (&self.checkpointer, at) {
+            (Some(_), Some(id)) => {
+                let config = RunConfig::thread(thread_id).at(id.clone());
+                let snapshot = self.graph.get_state(&config).await?;
+                Some(snapshot.ok_or_else(|| GraphError::CheckpointNotFound {
+                    thread_id: thread_id.to_owned(),
+                    id: id.clone(),
+                })?)
+            }
+            (Some(_), None) if input.resume.is_none() || input.max_steps.is_some() => {
                 self.graph.get_state(&RunConfig::thread(thread_id)).await?
             }
             _ => None,

@@ -62,6 +62,15 @@ pub enum AgentError {
         /// The key.
         key: String,
     },
+    /// [`Agent::run_from`](crate::Agent::run_from) needs the thread's checkpoints: the
+    /// agent was built without a checkpointer.
+    #[error(
+        "thread `{thread_id}` cannot run from a past checkpoint: the agent has no checkpointer"
+    )]
+    NoCheckpointer {
+        /// The thread.
+        thread_id: String,
+    },
     /// The offload store failed while the thread's files were cleaned up (after a
     /// prune, a sweep or a delete). The checkpoints are as the call left them; what
     /// was not removed is removed by the next prune, or by deleting the thread again.

@@ -219,7 +219,7 @@ async fn checkpoints(cp: &dyn Checkpointer, thread: &str) -> Vec<CheckpointId> {
 async fn a_fork_does_not_see_what_the_other_branch_archived_after_the_fork_point() {
     let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
     let saver = Arc::new(MemorySaver::new());
-    let agent = agent(store.clone(), saver, 1_000);
+    let agent = agent(store.clone(), saver.clone(), 1_000);
     let run = agent.run("t", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("Done echoing."));
     assert!(
@@ -242,13 +242,16 @@ async fn a_fork_does_not_see_what_the_other_branch_archived_after_the_fork_point
         .expect("the last compaction archived an echo made after the fork point");
     assert!(archive.contains("REQ-00000"));
 
-    let fork = run_fork(
-        &agent,
-        "t",
-        fork_point,
-        format!("{SEARCH}REQ-00000 {after}"),
-    )
-    .await;
+    // The fork through `run_from` (the other tests fork with `update_state`).
+    let fork = agent
+        .run_from(
+            "t",
+            &fork_point,
+            AgentInput::new().message(Message::user(format!("{SEARCH}REQ-00000 {after}"))),
+        )
+        .await
+        .unwrap()
+        .state;
     let answer = fork.answer().unwrap();
     let (before_fork, after_fork) = answer.split_once("\n---\n").unwrap();
     assert!(
@@ -258,6 +261,55 @@ async fn a_fork_does_not_see_what_the_other_branch_archived_after_the_fork_point
     assert!(
         after_fork.starts_with("No lines match"),
         "the fork must not see {after}, archived by the other branch after the fork point: {after_fork}"
+    );
+    // The fork's checkpoints descend from the fork point.
+    let history: Vec<_> = agent
+        .graph()
+        .state_history(&RunConfig::thread("t"), ListOptions::default())
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    let mut parent = history.first().unwrap().parent_id.clone();
+    loop {
+        let p = parent.expect("the newest checkpoint descends from the fork point");
+        if p == fork_point {
+            break;
+        }
+        parent = history
+            .iter()
+            .find(|h| h.checkpoint_id == p)
+            .and_then(|h| h.parent_id.clone());
+    }
+
+    // A checkpoint the thread does not have, and an agent without checkpoints, fail
+    // before anything is written.
+    let head = || async { checkpoints(&*saver, "t").await };
+    let before = head().await;
+    let unknown = CheckpointId::new();
+    let err = agent
+        .run_from("t", &unknown, AgentInput::new().message(Message::user("x")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            keel_agent::AgentError::Graph(keel_graph::GraphError::CheckpointNotFound { .. })
+        ),
+        "{err:?}"
+    );
+    assert_eq!(head().await, before, "nothing was written");
+    let plain = Agent::builder()
+        .model(Arc::new(model()))
+        .goal("Echo the numbers.")
+        .build()
+        .unwrap();
+    let err = plain
+        .run_from("t", &fork_point, AgentInput::new())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, keel_agent::AgentError::NoCheckpointer { thread_id } if thread_id == "t"),
+        "{err:?}"
     );
 }
 
