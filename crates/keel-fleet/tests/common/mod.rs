@@ -47,12 +47,47 @@ pub struct Db {
 }
 
 impl Db {
+    /// A fresh schema `keel_fleet_<test>_<pid>` with the queue's and the saver's
+    /// tables. The schemas of fleet tests whose process is gone (killed by a signal, or
+    /// failed before dropping its schema) are dropped first.
     pub async fn new(url: &str, test: &str) -> Db {
         let schema = format!("keel_fleet_{test}_{}", std::process::id());
         let db = Db::bare(url, &schema).await;
+        db.drop_stale().await;
         db.queue.setup().await.unwrap();
         db.saver.setup().await.unwrap();
         db
+    }
+
+    /// Drops `keel_fleet_<test>_<pid>` schemas whose process no longer runs here.
+    async fn drop_stale(&self) {
+        let client = self.queue.pool().get().await.unwrap();
+        let rows = client
+            .query(
+                r"SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'keel\_fleet\_%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        for row in rows {
+            let name: String = row.get(0);
+            // The benchmark's schemas end in a repetition number, not a pid.
+            if name.starts_with("keel_fleet_bench_") {
+                continue;
+            }
+            let Some(pid) = name.rsplit('_').next().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            if pid > 1
+                && pid != std::process::id()
+                && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            {
+                eprintln!("dropping the schema {name} of a fleet test process that is gone");
+                let _ = client
+                    .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .await;
+            }
+        }
     }
 
     /// The schema, emptied, with nothing set up.
