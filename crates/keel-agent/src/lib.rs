@@ -25,6 +25,13 @@
 //! it when it shares the checkpointer and the offload store (the default store is in
 //! memory, for one process; an `FsStore` is for one machine).
 //!
+//! A run stops at the thread's step ceiling
+//! ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)) or
+//! at its own budget ([`AgentInput::max_steps`]), both with a resumable [`Stop`].
+//! [`Agent::run_from`] forks a thread from a past checkpoint; [`Agent::prune`],
+//! [`Agent::delete_thread`] and [`Agent::sweep_idle`] remove checkpoints with the
+//! offloaded files only they saw.
+//!
 //! The tools follow the [`keel_message::Tool`] contract. The offload retrieval tools
 //! (`ls`, `read_file`, `grep` over what left the context) are registered by default;
 //! with the `fs` feature, [`tools::FileTools`] adds file tools rooted in one directory
