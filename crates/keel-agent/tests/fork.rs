@@ -548,6 +548,8 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
         .unwrap();
 }
 
+/// Needs the file store (feature `fs`).
+#[cfg(feature = "fs")]
 #[tokio::test(flavor = "multi_thread")]
 async fn a_store_that_fails_during_cleanup_is_a_typed_error_naming_the_thread() {
     let dir = tempfile::tempdir().unwrap();
