@@ -25,6 +25,23 @@ pub fn cargo() -> Command {
     cmd(&std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
 }
 
+/// `cargo run --release --quiet -p <package> --example <example> --`: add the
+/// example's own arguments.
+pub fn release_example(package: &str, example: &str) -> Command {
+    let mut c = cargo();
+    c.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        package,
+        "--example",
+        example,
+        "--",
+    ]);
+    c
+}
+
 /// Runs a command, failing with its description if it exits non-zero.
 pub fn run(c: &mut Command) -> Result<()> {
     eprintln!("$ {}", describe(c));

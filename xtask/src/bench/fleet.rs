@@ -6,7 +6,7 @@
 use anyhow::{Result, bail};
 
 use crate::pg::Database;
-use crate::util::{self, cargo};
+use crate::util::{self, release_example};
 
 /// Runs the fleet benchmark against `DATABASE_URL` or a throwaway cluster and prints
 /// its table (`--quick`: 50 threads x 40 steps, one repetition).
@@ -23,23 +23,8 @@ pub fn run() -> Result<()> {
     };
     let reps = super::reps("3");
     util::run(
-        cargo()
-            .args([
-                "run",
-                "--release",
-                "--quiet",
-                "-p",
-                "keel-fleet",
-                "--example",
-                "fleet_bench",
-                "--",
-                "--threads",
-                threads,
-                "--steps",
-                steps,
-                "--reps",
-                &reps,
-            ])
+        release_example("keel-fleet", "fleet_bench")
+            .args(["--threads", threads, "--steps", steps, "--reps", &reps])
             .envs(db.env()),
     )
 }

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::report::Row;
 use crate::node::NodePeer;
 use crate::python::Venv;
-use crate::util::{cargo, run_capture};
+use crate::util::{release_example, run_capture};
 
 /// LangGraph version the published figures were measured with.
 pub(super) const LANGGRAPH: &str = "langgraph==1.2.24";
@@ -33,20 +33,9 @@ const JS_MEMORY_SKIP: &str = "LangGraph.js's MemorySaver is not run at N = 20,00
 pub fn run() -> Result<Vec<Row>> {
     let reps = super::reps("5");
     eprintln!("keel-graph: self-loop, N = 200 / 2,000 / 20,000, {reps} repetitions, median");
-    let keel = run_capture(cargo().args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "keel-graph",
-        "--example",
-        "bench_loop",
-        "--",
-        &reps,
-        "200",
-        "2000",
-        "20000",
-    ]))?;
+    let keel = run_capture(
+        release_example("keel-graph", "bench_loop").args([&reps, "200", "2000", "20000"]),
+    )?;
 
     let venv = Venv::ensure(&[LANGGRAPH])?;
     let script = "xtask/peers/langgraph_loop.py";

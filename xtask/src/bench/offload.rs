@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use crate::util::{cargo, has_program, root, run_capture};
+use crate::util::{has_program, release_example, root, run_capture};
 
 /// Patterns searched by every contender; valid for the `regex` crate, POSIX ERE and
 /// ripgrep alike.
@@ -34,20 +34,7 @@ pub fn run() -> Result<()> {
     }
 
     let example = |args: &[&str]| -> Result<Vec<Value>> {
-        let out = run_capture(
-            cargo()
-                .args([
-                    "run",
-                    "--release",
-                    "--quiet",
-                    "-p",
-                    "keel-offload",
-                    "--example",
-                    "bench_offload",
-                    "--",
-                ])
-                .args(args),
-        )?;
+        let out = run_capture(release_example("keel-offload", "bench_offload").args(args))?;
         out.lines()
             .filter(|l| l.starts_with('{'))
             .map(|l| serde_json::from_str(l).context("bench output is not JSON"))

@@ -16,7 +16,7 @@ use super::graph::{JS_PEER, LANGGRAPH};
 use super::report::Row;
 use crate::node::NodePeer;
 use crate::python::Venv;
-use crate::util::{cargo, run_capture};
+use crate::util::{release_example, run_capture};
 
 /// LangGraph's SQLite saver, installed beside `langgraph` in the peer virtualenv.
 const LANGGRAPH_SQLITE: &str = "langgraph-checkpoint-sqlite==3.1.2";
@@ -84,22 +84,16 @@ pub fn run() -> Result<Vec<Row>> {
         "keel-checkpoint-sqlite: self-loop on a file, sync durability, N = 200 / 2,000 / 20,000, \
          {reps} repetitions, median (synchronous=FULL up to N = {full_up_to})"
     );
-    let out = run_capture(cargo().args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "keel-checkpoint-sqlite",
-        "--example",
-        "bench_sqlite",
-        "--",
-        &reps,
-        "200",
-        "2000",
-        "20000",
-        "--full-up-to",
-        &full_up_to,
-    ]))?;
+    let out = run_capture(
+        release_example("keel-checkpoint-sqlite", "bench_sqlite").args([
+            &reps,
+            "200",
+            "2000",
+            "20000",
+            "--full-up-to",
+            &full_up_to,
+        ]),
+    )?;
     let mut rows: BTreeMap<(String, String, u64), Value> = BTreeMap::new();
     for line in out.lines().filter(|l| l.starts_with('{')) {
         let v: Value = serde_json::from_str(line).context("bench output is not JSON")?;

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::report::Row;
 use crate::python::Venv;
-use crate::util::{cargo, root, run_capture};
+use crate::util::{cargo, release_example, root, run_capture};
 
 /// The Python peer, pinned.
 const TIKTOKEN: &str = "tiktoken==0.14.0";
@@ -33,17 +33,7 @@ pub fn run() -> Result<Vec<Row>> {
     );
 
     let keel = run_capture(
-        cargo()
-            .args([
-                "run",
-                "--release",
-                "--quiet",
-                "-p",
-                "keel-token",
-                "--example",
-                "count_bench",
-                "--",
-            ])
+        release_example("keel-token", "count_bench")
             .arg(&corpus)
             .arg(&runs),
     )?;
