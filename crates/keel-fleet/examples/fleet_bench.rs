@@ -2,7 +2,8 @@
 //! taking runs from the queue and archiving into PostgreSQL, beside the same threads
 //! run by plain `agent.run` loops (no queue, no leases, an in-memory archive); how long
 //! a claim takes; and how many bytes an archived message takes in PostgreSQL and in
-//! the file store.
+//! the file store. A third side, plain loops archiving into PostgreSQL, splits the
+//! cost between the archive and the queue.
 //!
 //! ```text
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
@@ -17,7 +18,8 @@
 //! every milestone archives the steps it replaces. Checkpoints go to PostgreSQL through
 //! one pool of 16 connections. A worker holds `--concurrency` runs at once; the plain
 //! side runs as many loops as all workers hold slots. Each repetition uses fresh
-//! schemas, the two sides alternate, and medians are printed.
+//! schemas, the sides run back to back, and medians are printed: of the steps/s, and
+//! of each repetition's ratio to the plain loops.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
@@ -241,9 +243,17 @@ async fn fleet(url: &str, a: &Args, workers: usize, rep: usize) -> Fleet {
 
 /// `loops` plain `agent.run` loops over the same threads: no queue, no leases, the
 /// archive in `store`.
-async fn plain(url: &str, a: &Args, loops: usize, tag: &str, store: Arc<dyn OffloadStore>) -> f64 {
+/// With `store` `None`, the archive goes to the schema's own `PostgresStore`.
+async fn plain(
+    url: &str,
+    a: &Args,
+    loops: usize,
+    tag: &str,
+    store: Option<Arc<dyn OffloadStore>>,
+) -> f64 {
     let schema = format!("keel_fleet_bench_{tag}");
-    let (queue, saver, _) = fresh(url, &schema).await;
+    let (queue, saver, pg) = fresh(url, &schema).await;
+    let store = store.unwrap_or(pg);
     let agent = agent(a.steps, store).checkpointer(saver).build().unwrap();
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
@@ -324,14 +334,22 @@ fn main() {
         a.threads, a.steps, a.concurrency, a.reps
     );
     println!(
-        "{:>7}  {:>13}  {:>13}  {:>11}  {:>9}  {:>9}",
-        "workers", "fleet steps/s", "plain steps/s", "fleet/plain", "claim p50", "claim p99"
+        "{:>7}  {:>13}  {:>13}  {:>11}  {:>13}  {:>13}  {:>9}  {:>9}",
+        "workers",
+        "fleet steps/s",
+        "plain steps/s",
+        "fleet/plain",
+        "+pg archive/s",
+        "archive/plain",
+        "claim p50",
+        "claim p99"
     );
     rt.block_on(async {
         let mut pg = (0, 0, 0);
         for workers in [1, 2, 3] {
             let mut fleets = Vec::new();
             let mut plains = Vec::new();
+            let mut archived_plains = Vec::new();
             let mut p50 = Vec::new();
             let mut p99 = Vec::new();
             for rep in 0..a.reps {
@@ -342,19 +360,27 @@ fn main() {
                     &a,
                     loops,
                     &format!("p{workers}_{rep}"),
-                    Arc::new(MemoryStore::new()),
+                    Some(Arc::new(MemoryStore::new())),
                 )
                 .await;
+                let ap = plain(&url, &a, loops, &format!("a{workers}_{rep}"), None).await;
                 fleets.push(f.steps_per_s);
                 plains.push(p);
+                archived_plains.push(ap);
                 p50.push(percentile(&mut f.claims, 0.50).as_secs_f64() * 1e3);
                 p99.push(percentile(&mut f.claims, 0.99).as_secs_f64() * 1e3);
                 pg = (f.messages, f.disk_bytes, f.payload_bytes);
             }
-            let (f, p) = (median(fleets), median(plains));
+            // Ratios within each repetition (the sides ran back to back), then their
+            // median: a machine that slows down between repetitions moves both sides.
+            let ratio = |a: &[f64], b: &[f64]| {
+                median(a.iter().zip(b).map(|(a, b)| 100.0 * a / b).collect())
+            };
+            let (fleet_ratio, archive_ratio) =
+                (ratio(&fleets, &plains), ratio(&archived_plains, &plains));
+            let (f, p, ap) = (median(fleets), median(plains), median(archived_plains));
             println!(
-                "{workers:>7}  {f:>13.0}  {p:>13.0}  {:>10.1}%  {:>7.2}ms  {:>7.2}ms",
-                100.0 * f / p,
+                "{workers:>7}  {f:>13.0}  {p:>13.0}  {fleet_ratio:>10.1}%  {ap:>13.0}  {archive_ratio:>12.1}%  {:>7.2}ms  {:>7.2}ms",
                 median(p50),
                 median(p99)
             );
@@ -362,7 +388,7 @@ fn main() {
         // The same threads once more, archived into the file store, for its bytes.
         let dir = tempfile::tempdir().unwrap();
         let fs: Arc<dyn OffloadStore> = Arc::new(FsStore::new(dir.path()).unwrap());
-        plain(&url, &a, a.concurrency, "fs", fs.clone()).await;
+        plain(&url, &a, a.concurrency, "fs", Some(fs.clone())).await;
         let fs_messages = archived(fs, a.threads).await;
         let (fs_bytes, fs_blocks) = dir_bytes(dir.path());
         let per = |bytes: u64, n: u64| bytes as f64 / n.max(1) as f64;

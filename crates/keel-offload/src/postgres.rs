@@ -11,7 +11,8 @@ use deadpool_postgres::{
     GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Transaction,
 };
 use tokio::sync::mpsc;
-use tokio_postgres::{IsolationLevel, NoTls};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use crate::db::{self, CHUNK, ChunkReader, FETCH};
 use crate::error::OffloadError;
@@ -320,7 +321,8 @@ impl deadpool_postgres::Connect for BridgeConnect {
 
 /// The statements, with the schema filled in.
 struct Sql {
-    meta: String,
+    stat: String,
+    list_path: String,
     is_dir: String,
     ancestor: String,
     put_insert: String,
@@ -328,12 +330,12 @@ struct Sql {
     drop_generation: String,
     set_generation: String,
     append_upsert: String,
+    append_small: String,
     insert_chunk: String,
     chunks_whole: String,
     chunks_cut: String,
     chunk_start: String,
     list_all: String,
-    list_under: String,
     delete_file: String,
     delete_thread_chunks: String,
     delete_thread_files: String,
@@ -349,7 +351,21 @@ impl Sql {
         let files = format!("{s}.keel_offload_files");
         let chunks = format!("{s}.keel_offload_chunks");
         Sql {
-            meta: format!("SELECT generation, size FROM {files} WHERE thread_id = $1 AND path = $2"),
+            // One row: the file's generation and size, or NULLs and whether a directory
+            // is there.
+            stat: format!(
+                "SELECT f.generation, f.size,
+                        f.generation IS NULL AND EXISTS (
+                            SELECT 1 FROM {files}
+                            WHERE thread_id = $1 AND path >= $3 AND path < $4)
+                 FROM (VALUES (1)) AS one (x)
+                 LEFT JOIN {files} f ON f.thread_id = $1 AND f.path = $2"
+            ),
+            // The file at $2, or the files under the directory $2 (never both).
+            list_path: format!(
+                "SELECT path, size FROM {files}
+                 WHERE thread_id = $1 AND (path = $2 OR (path >= $3 AND path < $4)) ORDER BY path"
+            ),
             is_dir: format!(
                 "SELECT EXISTS (SELECT 1 FROM {files} WHERE thread_id = $1 AND path >= $2 AND path < $3)"
             ),
@@ -372,6 +388,26 @@ impl Sql {
                  ON CONFLICT (thread_id, path) DO UPDATE SET size = f.size + EXCLUDED.size
                  RETURNING generation, size"
             ),
+            // A whole append of at most one chunk in one statement: the file's row
+            // (created when the path may hold a file: no file among its ancestors,
+            // none under it) and the chunk at its old end. No row: the path cannot
+            // hold a file.
+            append_small: format!(
+                "WITH shape AS (
+                     SELECT NOT EXISTS (SELECT 1 FROM {files} WHERE thread_id = $1 AND path = ANY($6))
+                        AND NOT EXISTS (SELECT 1 FROM {files}
+                                        WHERE thread_id = $1 AND path >= $7 AND path < $8) AS ok
+                 ), file AS (
+                     INSERT INTO {files} AS f (thread_id, path, generation, size)
+                     SELECT $1, $2, $3, $4 FROM shape WHERE shape.ok
+                     ON CONFLICT (thread_id, path) DO UPDATE SET size = f.size + EXCLUDED.size
+                     RETURNING generation, size
+                 ), chunk AS (
+                     INSERT INTO {chunks} (thread_id, generation, off, data)
+                     SELECT $1, generation, size - $4, $5 FROM file WHERE $4 > 0
+                 )
+                 SELECT generation, size FROM file"
+            ),
             insert_chunk: format!(
                 "INSERT INTO {chunks} (thread_id, generation, off, data) VALUES ($1, $2, $3, $4)"
             ),
@@ -391,10 +427,6 @@ impl Sql {
             ),
             list_all: format!(
                 "SELECT path, size FROM {files} WHERE thread_id = $1 ORDER BY path"
-            ),
-            list_under: format!(
-                "SELECT path, size FROM {files}
-                 WHERE thread_id = $1 AND path >= $2 AND path < $3 ORDER BY path"
             ),
             delete_file: format!(
                 "DELETE FROM {files} WHERE thread_id = $1 AND path = $2 RETURNING generation"
@@ -504,6 +536,49 @@ async fn migrate(pool: &Pool, schema: &str) -> Result<(), OffloadError> {
     tx.commit().await.map_err(err)
 }
 
+/// Runs a statement through the connection's statement cache: prepared once per
+/// connection, then one round trip per call (a statement sent as text would be
+/// parsed, planned and answered in two).
+async fn query<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Vec<Row>, tokio_postgres::Error> {
+    client
+        .query(&client.prepare_cached(sql).await?, params)
+        .await
+}
+
+async fn query_opt<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Option<Row>, tokio_postgres::Error> {
+    client
+        .query_opt(&client.prepare_cached(sql).await?, params)
+        .await
+}
+
+async fn query_one<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Row, tokio_postgres::Error> {
+    client
+        .query_one(&client.prepare_cached(sql).await?, params)
+        .await
+}
+
+async fn execute<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<u64, tokio_postgres::Error> {
+    client
+        .execute(&client.prepare_cached(sql).await?, params)
+        .await
+}
+
 /// `(generation, size)` of the file at `key`; `NotFound`, or an error when it is a
 /// directory.
 async fn meta<C: GenericClient>(
@@ -512,22 +587,18 @@ async fn meta<C: GenericClient>(
     key: &Key,
 ) -> Result<(i64, u64), OffloadError> {
     let (thread, path) = (key.thread().as_str(), key.path().as_str());
-    let row = client
-        .query_opt(sql.meta.as_str(), &[&thread, &path])
+    let (lo, hi) = db::dir_bounds(path);
+    let row = query_one(client, &sql.stat, &[&thread, &path, &lo, &hi])
         .await
         .map_err(pg("read", key))?;
-    if let Some(row) = row {
-        let generation: i64 = row.try_get(0).map_err(pg("read", key))?;
-        let size: i64 = row.try_get(1).map_err(pg("read", key))?;
-        return Ok((generation, uint(size)));
+    let generation: Option<i64> = row.try_get(0).map_err(pg("read", key))?;
+    let size: Option<i64> = row.try_get(1).map_err(pg("read", key))?;
+    let dir: bool = row.try_get(2).map_err(pg("read", key))?;
+    match (generation, size) {
+        (Some(generation), Some(size)) => Ok((generation, uint(size))),
+        _ if dir => Err(db::is_a_directory(key)),
+        _ => Err(db::not_found(key)),
     }
-    if is_dir(client, sql, thread, path)
-        .await
-        .map_err(pg("read", key))?
-    {
-        return Err(db::is_a_directory(key));
-    }
-    Err(db::not_found(key))
 }
 
 async fn is_dir<C: GenericClient>(
@@ -537,8 +608,7 @@ async fn is_dir<C: GenericClient>(
     dir: &str,
 ) -> Result<bool, tokio_postgres::Error> {
     let (lo, hi) = db::dir_bounds(dir);
-    client
-        .query_one(sql.is_dir.as_str(), &[&thread, &lo, &hi])
+    query_one(client, &sql.is_dir, &[&thread, &lo, &hi])
         .await?
         .try_get(0)
 }
@@ -548,8 +618,7 @@ async fn check_shape(tx: &Transaction<'_>, sql: &Sql, key: &Key) -> Result<(), O
     let (thread, path) = (key.thread().as_str(), key.path().as_str());
     let ancestors = db::ancestors(path);
     if !ancestors.is_empty() {
-        let found = tx
-            .query_opt(sql.ancestor.as_str(), &[&thread, &ancestors])
+        let found = query_opt(tx, &sql.ancestor, &[&thread, &ancestors])
             .await
             .map_err(pg("read", key))?;
         if let Some(row) = found {
@@ -580,27 +649,27 @@ async fn chunk_rows<C: GenericClient>(
 ) -> Result<Vec<(u64, Vec<u8>)>, tokio_postgres::Error> {
     let rows = match cut {
         None => {
-            client
-                .query(
-                    sql.chunks_whole.as_str(),
-                    &[&thread, &generation, &int(from), &int(until)],
-                )
-                .await?
+            query(
+                client,
+                &sql.chunks_whole,
+                &[&thread, &generation, &int(from), &int(until)],
+            )
+            .await?
         }
         Some((start, end)) => {
-            client
-                .query(
-                    sql.chunks_cut.as_str(),
-                    &[
-                        &thread,
-                        &generation,
-                        &int(from),
-                        &int(until),
-                        &int(start),
-                        &int(end),
-                    ],
-                )
-                .await?
+            query(
+                client,
+                &sql.chunks_cut,
+                &[
+                    &thread,
+                    &generation,
+                    &int(from),
+                    &int(until),
+                    &int(start),
+                    &int(end),
+                ],
+            )
+            .await?
         }
     };
     rows.into_iter()
@@ -712,6 +781,12 @@ impl PostgresStore {
     /// Writes `text` to `key` (replacing it, or at its end) in one transaction, sent
     /// to the connection thread a chunk at a time. Returns where the text starts.
     fn write(&self, key: &Key, text: &str, replace: bool) -> Result<u64, OffloadError> {
+        if !replace
+            && text.len() <= CHUNK
+            && let Some(start) = self.append_small(key, text)?
+        {
+            return Ok(start);
+        }
         let (pieces_tx, mut pieces) = mpsc::unbounded_channel::<Vec<u8>>();
         let (acks_tx, acks) = std_mpsc::channel::<Ack>();
         let (pool, sql, key2) = (self.pool.clone(), Arc::clone(&self.sql), key.clone());
@@ -732,35 +807,31 @@ impl PostgresStore {
                         .map_err(pg("begin a write", key))?;
                     let fresh = db::new_gen();
                     let (generation, start) = if replace {
-                        let inserted = tx
-                            .query_opt(sql.put_insert.as_str(), &[&thread, &path, &fresh, &len])
-                            .await
-                            .map_err(pg("write", key))?;
+                        let inserted =
+                            query_opt(&tx, &sql.put_insert, &[&thread, &path, &fresh, &len])
+                                .await
+                                .map_err(pg("write", key))?;
                         if inserted.is_some() {
                             check_shape(&tx, &sql, key).await?;
                         } else {
-                            let row = tx
-                                .query_opt(sql.lock.as_str(), &[&thread, &path])
+                            let row = query_opt(&tx, &sql.lock, &[&thread, &path])
                                 .await
                                 .map_err(pg("write", key))?
                                 .ok_or_else(|| OffloadError::io("write", key, db::changed()))?;
                             let old: i64 = row.try_get(0).map_err(pg("write", key))?;
-                            tx.execute(sql.drop_generation.as_str(), &[&thread, &old])
+                            execute(&tx, &sql.drop_generation, &[&thread, &old])
                                 .await
                                 .map_err(pg("write", key))?;
-                            tx.execute(
-                                sql.set_generation.as_str(),
-                                &[&thread, &path, &fresh, &len],
-                            )
-                            .await
-                            .map_err(pg("write", key))?;
+                            execute(&tx, &sql.set_generation, &[&thread, &path, &fresh, &len])
+                                .await
+                                .map_err(pg("write", key))?;
                         }
                         (fresh, 0)
                     } else {
-                        let row = tx
-                            .query_one(sql.append_upsert.as_str(), &[&thread, &path, &fresh, &len])
-                            .await
-                            .map_err(pg("write", key))?;
+                        let row =
+                            query_one(&tx, &sql.append_upsert, &[&thread, &path, &fresh, &len])
+                                .await
+                                .map_err(pg("write", key))?;
                         let generation: i64 = row.try_get(0).map_err(pg("write", key))?;
                         let size: i64 = row.try_get(1).map_err(pg("write", key))?;
                         if generation == fresh {
@@ -812,6 +883,42 @@ impl PostgresStore {
                 return result;
             }
         }
+    }
+}
+
+impl PostgresStore {
+    /// Appends `text` (at most one chunk) in one statement. `None`: the path cannot
+    /// hold a file; the transaction of [`write`](Self::write) says why.
+    fn append_small(&self, key: &Key, text: &str) -> Result<Option<u64>, OffloadError> {
+        let (k, data) = (key.clone(), text.as_bytes().to_vec());
+        self.with_client(key.to_string(), move |client, sql| async move {
+            let key = &k;
+            let (thread, path) = (key.thread().as_str(), key.path().as_str());
+            let (len, ancestors, (lo, hi)) = (
+                int(data.len() as u64),
+                db::ancestors(path),
+                db::dir_bounds(path),
+            );
+            let row = query_opt(
+                &client,
+                &sql.append_small,
+                &[
+                    &thread,
+                    &path,
+                    &db::new_gen(),
+                    &len,
+                    &data,
+                    &ancestors,
+                    &lo,
+                    &hi,
+                ],
+            )
+            .await
+            .map_err(pg("write", key))?;
+            let Some(row) = row else { return Ok(None) };
+            let size: i64 = row.try_get(1).map_err(pg("write", key))?;
+            Ok(Some(uint(size - len)))
+        })
     }
 }
 
@@ -908,11 +1015,7 @@ impl OffloadStore for PostgresStore {
                 return Ok(Vec::new());
             }
             let thread = key.thread().as_str();
-            let first: i64 = tx
-                .query_one(
-                    sql.chunk_start.as_str(),
-                    &[&thread, &generation, &int(start)],
-                )
+            let first: i64 = query_one(&tx, &sql.chunk_start, &[&thread, &generation, &int(start)])
                 .await
                 .and_then(|r| r.try_get(0))
                 .map_err(pg("read", key))?;
@@ -958,20 +1061,10 @@ impl OffloadStore for PostgresStore {
             self.with_client(shown.clone(), move |client, sql| async move {
                 let thread = t.as_str();
                 let rows = match &u {
-                    None => client.query(sql.list_all.as_str(), &[&thread]).await,
+                    None => query(&client, &sql.list_all, &[&thread]).await,
                     Some(p) => {
-                        let found = client
-                            .query_opt(sql.meta.as_str(), &[&thread, &p.as_str()])
-                            .await
-                            .map_err(pg("list", &s))?;
-                        if let Some(row) = found {
-                            let size: i64 = row.try_get(1).map_err(pg("list", &s))?;
-                            return Ok(vec![(p.as_str().to_owned(), size)]);
-                        }
                         let (lo, hi) = db::dir_bounds(p.as_str());
-                        client
-                            .query(sql.list_under.as_str(), &[&thread, &lo, &hi])
-                            .await
+                        query(&client, &sql.list_path, &[&thread, &p.as_str(), &lo, &hi]).await
                     }
                 }
                 .map_err(pg("list", &s))?;
@@ -1002,15 +1095,14 @@ impl OffloadStore for PostgresStore {
                 .transaction()
                 .await
                 .map_err(pg("begin a delete", key))?;
-            let Some(row) = tx
-                .query_opt(sql.delete_file.as_str(), &[&thread, &key.path().as_str()])
+            let Some(row) = query_opt(&tx, &sql.delete_file, &[&thread, &key.path().as_str()])
                 .await
                 .map_err(pg("delete", key))?
             else {
                 return Ok(false);
             };
             let generation: i64 = row.try_get(0).map_err(pg("delete", key))?;
-            tx.execute(sql.drop_generation.as_str(), &[&thread, &generation])
+            execute(&tx, &sql.drop_generation, &[&thread, &generation])
                 .await
                 .map_err(pg("delete", key))?;
             tx.commit().await.map_err(pg("commit a delete", key))?;
@@ -1029,8 +1121,7 @@ impl OffloadStore for PostgresStore {
                 .transaction()
                 .await
                 .map_err(pg("begin a write", key))?;
-            let Some(row) = tx
-                .query_opt(sql.lock_size.as_str(), &[&thread, &path])
+            let Some(row) = query_opt(&tx, &sql.lock_size, &[&thread, &path])
                 .await
                 .map_err(pg("truncate", key))?
             else {
@@ -1043,13 +1134,13 @@ impl OffloadStore for PostgresStore {
                 return Ok(false);
             }
             let cut = int(len);
-            tx.execute(sql.drop_chunks_from.as_str(), &[&thread, &generation, &cut])
+            execute(&tx, &sql.drop_chunks_from, &[&thread, &generation, &cut])
                 .await
                 .map_err(pg("truncate", key))?;
-            tx.execute(sql.cut_chunk.as_str(), &[&thread, &generation, &cut])
+            execute(&tx, &sql.cut_chunk, &[&thread, &generation, &cut])
                 .await
                 .map_err(pg("truncate", key))?;
-            tx.execute(sql.set_size.as_str(), &[&thread, &path, &cut])
+            execute(&tx, &sql.set_size, &[&thread, &path, &cut])
                 .await
                 .map_err(pg("truncate", key))?;
             tx.commit().await.map_err(pg("commit a truncation", key))?;
@@ -1066,11 +1157,10 @@ impl OffloadStore for PostgresStore {
                 .transaction()
                 .await
                 .map_err(pg("begin a delete", &t))?;
-            tx.execute(sql.delete_thread_chunks.as_str(), &[&thread])
+            execute(&tx, &sql.delete_thread_chunks, &[&thread])
                 .await
                 .map_err(pg("delete", &t))?;
-            let files = tx
-                .execute(sql.delete_thread_files.as_str(), &[&thread])
+            let files = execute(&tx, &sql.delete_thread_files, &[&thread])
                 .await
                 .map_err(pg("delete", &t))?;
             tx.commit().await.map_err(pg("commit a delete", &t))?;
