@@ -1,5 +1,6 @@
 //! The fleet on PostgreSQL: aggregate steps/s at 1, 2 and 3 workers with the queue and
-//! the database archive, beside the same threads run without them; claim latency; and
+//! the database archive, beside the same threads run without them and with the archive
+//! alone (the archive's share of the cost); claim latency; and
 //! bytes per archived message in PostgreSQL and in the file store
 //! (`crates/keel-fleet/examples/fleet_bench.rs` says what each column means).
 
