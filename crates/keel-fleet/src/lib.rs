@@ -34,7 +34,7 @@
 //! # Example
 //!
 //! A worker and a submitted run on one database (the doctest needs a server, so it is
-//! only compiled; `cargo run -p keel-fleet --example fleet_bench` runs a fleet):
+//! only compiled; `cargo run -p keel --features fleet --example fleet` runs one):
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -42,6 +42,7 @@
 //! use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 //! use keel_fleet::{Queue, RunInput, RunStatus, Worker};
 //! use keel_model::ScriptedModel;
+//! use keel_offload::PostgresStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://postgres@127.0.0.1:5432/app";
@@ -49,6 +50,9 @@
 //! queue.setup().await?;
 //! let saver = PostgresSaver::connect(&PostgresConfig::new(url)?)?;
 //! saver.setup().await?;
+//! // The archive and offloaded results, in the same database: every worker reads what
+//! // any other compacted away. Connecting blocks, so it runs off the runtime.
+//! let store = tokio::task::spawn_blocking(move || PostgresStore::connect(url)).await??;
 //!
 //! // Anyone, anywhere: submit a run. It is stored when `submit` returns.
 //! let run = queue
@@ -57,7 +61,11 @@
 //!
 //! // A worker (usually another process): runs threads until the queue is empty.
 //! let worker = Worker::builder(queue.clone(), Arc::new(saver))
-//!     .agent(Agent::builder().model(Arc::new(ScriptedModel::from_texts(["Hello."]))))
+//!     .agent(
+//!         Agent::builder()
+//!             .model(Arc::new(ScriptedModel::from_texts(["Hello."])))
+//!             .offload_store(Arc::new(store)),
+//!     )
 //!     .concurrency(4)
 //!     .build()?;
 //! worker.run_until_idle().await?;

@@ -5,8 +5,7 @@
 //! milestones), checkpointed in PostgreSQL by a [`PostgresSaver`]. It prints the
 //! streamed [`AgentUpdate`]s and the answer, then drops the agent and its connection
 //! pool, connects again with a new saver and a new agent, as another worker would, and
-//! continues the same thread with a follow-up question. At the end it deletes the
-//! thread's checkpoints.
+//! continues the same thread with a follow-up question.
 //!
 //! It needs a server: set `DATABASE_URL` (without it the program says how and exits).
 //!
@@ -15,10 +14,11 @@
 //!     cargo run -p keel --example agent_postgres --features postgres
 //! ```
 //!
-//! keel's tables go to their own schema, `keel_example`, created if missing. The
-//! offload store (large tool results and the archive of compacted history) is an
-//! [`FsStore`] in a temporary directory: workers on several machines would need it on
-//! a disk they all share.
+//! keel's tables go to their own schema, `keel_example`, created if missing: the
+//! checkpoints and, through a [`PostgresStore`] in the same schema, the offload store
+//! (large tool results and the archive of compacted history). So the second worker,
+//! with its own connections, reads what the first archived, as a worker on another
+//! machine would. At the end it deletes the thread's checkpoints and archive.
 
 use std::error::Error;
 use std::path::Path;
@@ -28,6 +28,7 @@ use futures::StreamExt;
 use keel::agent::{AgentInput, AgentUpdate};
 use keel::checkpoint::Checkpointer;
 use keel::message::Message;
+use keel::offload::{OffloadStore, PostgresOptions, PostgresStore, ThreadId};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 
 #[path = "tour/mod.rs"]
@@ -53,8 +54,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .canonicalize()?;
-    let dir = tempfile::tempdir()?;
-    let offload = dir.path().join("offload");
     // The database outlives this program: a fresh thread id for each run.
     let thread = format!("repo-tour-{}", std::process::id());
     let config = PostgresConfig::new(&url)?.schema(SCHEMA)?;
@@ -64,11 +63,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     // Creates or upgrades keel's tables (idempotent; safe from many workers at once).
     let applied = saver.setup().await?;
     println!(
-        "connected to {} (schema `{SCHEMA}`, migrations applied now: {applied:?})\noffload store: {}\n",
+        "connected to {} (schema `{SCHEMA}`, migrations applied now: {applied:?}); \
+         the offload store is in the same schema\n",
         redact(&url),
-        offload.display()
     );
-    let agent = build_agent(&repo, saver, &offload)?;
+    let agent = build_agent(&repo, saver, connect_store(&url).await?)?;
     {
         // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
         let mut updates = std::pin::pin!(agent.stream(&thread, AgentInput::new()));
@@ -102,7 +101,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
         storage.deltas,
         storage.total_bytes() / 1024
     );
-    let agent = build_agent(&repo, saver.clone(), &offload)?;
+    let store = connect_store(&url).await?;
+    let archived = {
+        let (store, id) = (store.clone(), ThreadId::new(thread.as_str())?);
+        tokio::task::spawn_blocking(move || keel::offload::Archive::new(store).len(&id)).await??
+    };
+    println!("{archived} messages of the thread are in the archive, read over the new connection");
+    let agent = build_agent(&repo, saver.clone(), store.clone())?;
     let before = agent.state(&thread).await?.ok_or("the thread is gone")?;
     println!(
         "thread `{thread}` is at step {}, goal: {:?}",
@@ -128,8 +133,19 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     // Leave the database as we found it.
     saver.delete_thread(&thread).await?;
-    println!("deleted thread `{thread}`");
+    let id = ThreadId::new(thread.as_str())?;
+    let files = tokio::task::spawn_blocking(move || store.delete_thread(&id)).await??;
+    println!("deleted thread `{thread}`: its checkpoints and {files} files of its archive");
     Ok(())
+}
+
+/// The offload store in keel's schema of the same database. Connecting blocks (it
+/// opens a connection and checks the tables), so it runs off the runtime.
+async fn connect_store(url: &str) -> Result<Arc<dyn OffloadStore>, Box<dyn Error>> {
+    let (url, options) = (url.to_owned(), PostgresOptions::new().schema(SCHEMA)?);
+    let store =
+        tokio::task::spawn_blocking(move || PostgresStore::connect_with(&url, options)).await??;
+    Ok(Arc::new(store))
 }
 
 /// The connection string without its password, for printing.

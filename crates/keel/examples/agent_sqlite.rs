@@ -28,6 +28,7 @@ use std::sync::Arc;
 use futures::StreamExt;
 use keel::agent::{AgentInput, AgentUpdate};
 use keel::message::Message;
+use keel::offload::FsStore;
 use keel::sqlite::SqliteSaver;
 
 #[path = "tour/mod.rs"]
@@ -52,7 +53,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
 
     // ---- First process: a new thread, streamed. ----
-    let agent = build_agent(&repo, Arc::new(SqliteSaver::open(&db).await?), &offload)?;
+    let agent = build_agent(
+        &repo,
+        Arc::new(SqliteSaver::open(&db).await?),
+        Arc::new(FsStore::new(&offload)?),
+    )?;
     {
         // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
         let mut updates = std::pin::pin!(agent.stream(THREAD, AgentInput::new()));
@@ -85,7 +90,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         stats.checkpoints,
         stats.database_bytes / 1024
     );
-    let agent = build_agent(&repo, saver, &offload)?;
+    let agent = build_agent(&repo, saver, Arc::new(FsStore::new(&offload)?))?;
     let before = agent.state(THREAD).await?.ok_or("the thread is gone")?;
     println!(
         "thread `{THREAD}` is at step {}, goal: {:?}",

@@ -18,6 +18,7 @@
 //! | `agent` | keel-agent | the prebuilt compacting agent (feature `agent`) |
 //! | `sqlite` | keel-checkpoint-sqlite | the embedded checkpointer (feature `sqlite`) |
 //! | `postgres` | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
+//! | `fleet` | keel-fleet | the run queue and workers on one PostgreSQL (feature `fleet`) |
 //!
 //! # Features
 //!
@@ -27,7 +28,8 @@
 //! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base) |
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
 //! | `agent` | yes | `agent`: the compacting agent graph |
-//! | `postgres` | no | `postgres::PostgresSaver` |
+//! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database) |
+//! | `fleet` | no | `fleet::{Queue, Worker}`: runs submitted to PostgreSQL, taken by any number of workers (turns on `postgres` and `agent`) |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |
 //! | `retry` | no | `model::Retrying`, retries around any `ChatModel` (on with either provider) |
@@ -82,3 +84,5 @@ pub use keel_agent as agent;
 pub use keel_checkpoint_postgres as postgres;
 #[cfg(feature = "sqlite")]
 pub use keel_checkpoint_sqlite as sqlite;
+#[cfg(feature = "fleet")]
+pub use keel_fleet as fleet;

@@ -1,6 +1,7 @@
 //! The repository tour that `agent_sqlite` and `agent_postgres` both run: the agent's
 //! settings, a scripted policy standing in for the model, one tool of its own, and a
-//! printer for the run's stream. Only the checkpointer differs between the two.
+//! printer for the run's stream. Only the checkpointer and the offload store differ
+//! between the two.
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -13,14 +14,14 @@ use keel::checkpoint::Checkpointer;
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role, Tool, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec};
 use keel::model::{ChatResponse, PolicyModel};
-use keel::offload::{EvictLargeResults, FsStore};
+use keel::offload::{EvictLargeResults, OffloadStore};
 use serde_json::{Value, json};
 
 /// The agent; both "processes" build the same one.
 pub fn build_agent(
     repo: &Path,
     saver: Arc<dyn Checkpointer>,
-    offload: &Path,
+    store: Arc<dyn OffloadStore>,
 ) -> Result<Agent, Box<dyn Error>> {
     Ok(Agent::builder()
         // The model's name picks its profile: gpt-4o's window, exact o200k counts.
@@ -32,7 +33,7 @@ pub fn build_agent(
             root: repo.to_owned(),
         }))
         .checkpointer(saver)
-        .offload_store(Arc::new(FsStore::new(offload)?))
+        .offload_store(store)
         // Results over 2,000 tokens go to the offload store; a stub stays in context.
         // (Results of `ls`, `read_file` and `grep` never do: the policy exempts those
         // names, which the file tools share with the retrieval tools.)
