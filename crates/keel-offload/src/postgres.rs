@@ -167,10 +167,10 @@ impl PostgresOptions {
 ///
 /// # Blocking, and why a connection thread
 ///
-/// The trait is synchronous and keel calls it from async code — on tokio's blocking
-/// pool (the agent's offload policy), but also straight from a runtime's worker (the
-/// compactor's archive append). The synchronous `postgres` crate and
-/// `Handle::block_on` both panic when called from inside a runtime, and
+/// The trait is synchronous. keel calls it from async code on tokio's blocking pool
+/// (the agent's offload policy, the compactor's archive appends); other callers may
+/// call it from anywhere, a runtime's worker included. The synchronous `postgres`
+/// crate and `Handle::block_on` both panic when called from inside a runtime, and
 /// `block_in_place` panics on a current-thread runtime. So the store owns one thread
 /// with its own current-thread runtime: every call sends its work there over a
 /// channel and waits for the answer on a plain `std` channel, which blocks the
@@ -884,9 +884,7 @@ impl PostgresStore {
             }
         }
     }
-}
 
-impl PostgresStore {
     /// Appends `text` (at most one chunk) in one statement. `None`: the path cannot
     /// hold a file; the transaction of [`write`](Self::write) says why.
     fn append_small(&self, key: &Key, text: &str) -> Result<Option<u64>, OffloadError> {
