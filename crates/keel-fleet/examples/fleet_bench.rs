@@ -141,14 +141,8 @@ async fn fresh(url: &str, schema: &str) -> (Queue, Arc<PostgresSaver>, Arc<Postg
         .pool_size(16);
     let saver = Arc::new(PostgresSaver::connect(&config).unwrap());
     saver.setup().await.unwrap();
-    let (url, options) = (
-        url.to_owned(),
-        PostgresOptions::new().schema(schema).unwrap().pool_size(4),
-    );
-    let store = tokio::task::spawn_blocking(move || PostgresStore::connect_with(&url, options))
-        .await
-        .unwrap()
-        .unwrap();
+    let options = PostgresOptions::new().schema(schema).unwrap().pool_size(4);
+    let store = PostgresStore::connect_async(url, options).await.unwrap();
     (queue, saver, Arc::new(store))
 }
 

@@ -42,7 +42,7 @@
 //! use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 //! use keel_fleet::{Queue, RunInput, RunStatus, Worker};
 //! use keel_model::ScriptedModel;
-//! use keel_offload::PostgresStore;
+//! use keel_offload::{PostgresOptions, PostgresStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://postgres@127.0.0.1:5432/app";
@@ -51,8 +51,8 @@
 //! let saver = PostgresSaver::connect(&PostgresConfig::new(url)?)?;
 //! saver.setup().await?;
 //! // The archive and offloaded results, in the same database: every worker reads what
-//! // any other compacted away. Connecting blocks, so it runs off the runtime.
-//! let store = tokio::task::spawn_blocking(move || PostgresStore::connect(url)).await??;
+//! // any other compacted away.
+//! let store = PostgresStore::connect_async(url, PostgresOptions::new()).await?;
 //!
 //! // Anyone, anywhere: submit a run. It is stored when `submit` returns.
 //! let run = queue

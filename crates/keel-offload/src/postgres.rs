@@ -689,6 +689,32 @@ impl PostgresStore {
         Self::connect_with(url, PostgresOptions::default())
     }
 
+    /// [`connect_with`](Self::connect_with) for async code: connecting waits on the
+    /// database (a connection opened, the tables checked or created), so it runs on
+    /// tokio's blocking pool and the caller's runtime thread stays free.
+    ///
+    /// ```no_run
+    /// use keel_offload::{PostgresOptions, PostgresStore};
+    ///
+    /// # async fn demo() -> Result<(), keel_offload::OffloadError> {
+    /// let options = PostgresOptions::new().schema("agents")?;
+    /// let store = PostgresStore::connect_async("postgres://keel@localhost/app", options).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn connect_async(url: &str, options: PostgresOptions) -> Result<Self, OffloadError> {
+        let url = url.to_owned();
+        tokio::task::spawn_blocking(move || Self::connect_with(&url, options))
+            .await
+            .unwrap_or_else(|e| {
+                Err(OffloadError::database(
+                    "connect",
+                    "postgres",
+                    io::Error::other(format!("the connecting task ended: {e}")),
+                ))
+            })
+    }
+
     /// Connects to `url` with `options`, and creates or upgrades the tables.
     pub fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, OffloadError> {
         let mut config = tokio_postgres::Config::from_str(url)

@@ -378,6 +378,27 @@ fn works_straight_from_async_code_on_either_runtime() {
 }
 
 #[test]
+fn connect_async_connects_off_the_runtime() {
+    let Some(db) = Db::new("connect_async") else {
+        return;
+    };
+    let current = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let options = PostgresOptions::new().schema(db.schema.clone()).unwrap();
+    let store = current
+        .block_on(PostgresStore::connect_async(&db.url, options))
+        .unwrap();
+    exercise(&store, "connect-async");
+    let bad = current.block_on(PostgresStore::connect_async(
+        "not a connection string",
+        PostgresOptions::new(),
+    ));
+    assert!(matches!(bad, Err(OffloadError::Database { .. })), "{bad:?}");
+}
+
+#[test]
 fn one_pool_serves_the_checkpointer_and_the_archive() {
     let Some(db) = Db::new("shared_pool") else {
         return;

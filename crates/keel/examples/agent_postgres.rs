@@ -67,7 +67,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
          the offload store is in the same schema\n",
         redact(&url),
     );
-    let agent = build_agent(&repo, saver, connect_store(&url).await?)?;
+    let store = PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?;
+    let agent = build_agent(&repo, saver, Arc::new(store))?;
     {
         // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
         let mut updates = std::pin::pin!(agent.stream(&thread, AgentInput::new()));
@@ -101,7 +102,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
         storage.deltas,
         storage.total_bytes() / 1024
     );
-    let store = connect_store(&url).await?;
+    let store: Arc<dyn OffloadStore> =
+        Arc::new(PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?);
     let archived = {
         let (store, id) = (store.clone(), ThreadId::new(thread.as_str())?);
         tokio::task::spawn_blocking(move || keel::offload::Archive::new(store).len(&id)).await??
@@ -137,15 +139,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let files = tokio::task::spawn_blocking(move || store.delete_thread(&id)).await??;
     println!("deleted thread `{thread}`: its checkpoints and {files} files of its archive");
     Ok(())
-}
-
-/// The offload store in keel's schema of the same database. Connecting blocks (it
-/// opens a connection and checks the tables), so it runs off the runtime.
-async fn connect_store(url: &str) -> Result<Arc<dyn OffloadStore>, Box<dyn Error>> {
-    let (url, options) = (url.to_owned(), PostgresOptions::new().schema(SCHEMA)?);
-    let store =
-        tokio::task::spawn_blocking(move || PostgresStore::connect_with(&url, options)).await??;
-    Ok(Arc::new(store))
 }
 
 /// The connection string without its password, for printing.

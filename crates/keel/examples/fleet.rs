@@ -59,7 +59,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
         &PostgresConfig::new(&url)?.schema(SCHEMA)?,
     )?);
     saver.setup().await?;
-    let store = connect_store(&url).await?;
+    // The archive and offloaded results, in the same database and schema.
+    let store: Arc<dyn OffloadStore> =
+        Arc::new(PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?);
 
     // ---- Anyone, anywhere: submit runs. Each is stored when `submit` returns. ----
     let threads: Vec<String> = (0..4)
@@ -118,10 +120,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
     }
 
     // ---- Another machine: a fresh connection reads what left the context. ----
-    let elsewhere = connect_store(&url).await?;
+    let elsewhere =
+        PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?;
     let thread = ThreadId::new(threads[0].as_str())?;
     let found = tokio::task::spawn_blocking(move || {
-        let archive = Archive::new(elsewhere);
+        let archive = Archive::new(Arc::new(elsewhere));
         let len = archive.len(&thread)?;
         let hits = archive.grep(&thread, &Pattern::literal("TCK-00003")?, 3)?;
         Ok::<_, keel::offload::OffloadError>((len, hits))
@@ -147,15 +150,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .await?;
     println!("\ndropped schema `{SCHEMA}`");
     Ok(())
-}
-
-/// The archive and offloaded results in the same database and schema. Connecting
-/// blocks (it opens a connection and checks the tables), so it runs off the runtime.
-async fn connect_store(url: &str) -> Result<Arc<dyn OffloadStore>, Box<dyn Error>> {
-    let (url, options) = (url.to_owned(), PostgresOptions::new().schema(SCHEMA)?);
-    let store =
-        tokio::task::spawn_blocking(move || PostgresStore::connect_with(&url, options)).await??;
-    Ok(Arc::new(store))
 }
 
 /// The agent every worker runs: the worker adds the checkpointer and durability; the
