@@ -69,6 +69,11 @@ impl TokenCounter for ApproxCounter {
         text.chars().count().div_ceil(self.chars_per_token)
     }
 
+    /// A text has no more characters than bytes.
+    fn max_tokens(&self, text: &str) -> Option<usize> {
+        Some(text.len().div_ceil(self.chars_per_token))
+    }
+
     fn framing(&self) -> Framing {
         self.framing
     }

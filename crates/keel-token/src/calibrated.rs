@@ -194,6 +194,11 @@ impl<C: TokenCounter> TokenCounter for CalibratedCounter<C> {
         self.scale(self.inner.count_text(text))
     }
 
+    /// The inner counter's bound, scaled as its counts are (scaling is monotone).
+    fn max_tokens(&self, text: &str) -> Option<usize> {
+        self.inner.max_tokens(text).map(|n| self.scale(n))
+    }
+
     fn framing(&self) -> Framing {
         self.inner.framing()
     }

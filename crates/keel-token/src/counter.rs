@@ -103,6 +103,28 @@ pub trait TokenCounter: Send + Sync {
     /// The number of tokens of `text` alone, without any framing.
     fn count_text(&self, text: &str) -> usize;
 
+    /// A bound that `count_text(text)` never exceeds, when the counter knows one that
+    /// costs far less than counting (`None`, the default, when it does not). Callers
+    /// that only ask whether a text is under a limit use it to skip counting the
+    /// texts that cannot be over it.
+    ///
+    /// A byte-level BPE gives every token at least one byte, so [`crate::TiktokenCounter`]
+    /// answers the text's length in bytes:
+    ///
+    /// ```
+    /// use keel_token::{TiktokenCounter, TokenCounter};
+    ///
+    /// let counter = TiktokenCounter::o200k_base().unwrap();
+    /// let text = "a tool result of a few words";
+    /// let bound = counter.max_tokens(text).unwrap();
+    /// assert_eq!(bound, text.len());
+    /// assert!(counter.count_text(text) <= bound);
+    /// ```
+    fn max_tokens(&self, text: &str) -> Option<usize> {
+        let _ = text;
+        None
+    }
+
     /// The chat framing this counter adds; [`Framing::OPENAI`] unless overridden.
     fn framing(&self) -> Framing {
         Framing::OPENAI
@@ -187,6 +209,9 @@ macro_rules! forward {
         impl<T: TokenCounter + ?Sized> TokenCounter for $ptr {
             fn count_text(&self, text: &str) -> usize {
                 (**self).count_text(text)
+            }
+            fn max_tokens(&self, text: &str) -> Option<usize> {
+                (**self).max_tokens(text)
             }
             fn framing(&self) -> Framing {
                 (**self).framing()

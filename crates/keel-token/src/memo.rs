@@ -213,6 +213,10 @@ impl<C: TokenCounter> TokenCounter for MemoCounter<C> {
         self.inner.count_text(text)
     }
 
+    fn max_tokens(&self, text: &str) -> Option<usize> {
+        self.inner.max_tokens(text)
+    }
+
     fn framing(&self) -> Framing {
         self.inner.framing()
     }

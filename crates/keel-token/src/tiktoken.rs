@@ -103,6 +103,11 @@ impl TokenCounter for TiktokenCounter {
         self.engine.count_parallel(text, self.threads)
     }
 
+    /// Every token of a byte-level BPE covers at least one byte.
+    fn max_tokens(&self, text: &str) -> Option<usize> {
+        Some(text.len())
+    }
+
     fn framing(&self) -> Framing {
         self.framing
     }

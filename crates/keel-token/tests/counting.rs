@@ -265,3 +265,38 @@ fn empty_and_odd_messages() {
                 .len()
     );
 }
+
+proptest::proptest! {
+    /// `max_tokens` is a bound `count_text` never exceeds, for every counter that
+    /// gives one, through every pointer and the memo.
+    #[test]
+    fn max_tokens_bounds_the_count(text in "\\PC{0,200}|[ a-z0-9{}\":,\\n]{0,400}") {
+        let counters: Vec<Arc<dyn TokenCounter>> = vec![
+            Arc::new(o200k()),
+            Arc::new(cl100k()),
+            Arc::new(ApproxCounter::new()),
+            Arc::new(ApproxCounter::new().with_chars_per_token(3)),
+            Arc::new(keel_token::MemoCounter::new(o200k())),
+            Arc::new(keel_token::CalibratedCounter::new(ApproxCounter::new())),
+        ];
+        for counter in counters {
+            let bound = counter.max_tokens(&text);
+            proptest::prop_assert!(bound.is_some());
+            proptest::prop_assert!(counter.count_text(&text) <= bound.unwrap_or(0));
+        }
+    }
+}
+
+#[test]
+fn a_counter_without_a_bound_says_so() {
+    struct Words;
+    impl TokenCounter for Words {
+        fn count_text(&self, text: &str) -> usize {
+            text.split_whitespace().count()
+        }
+    }
+    assert_eq!(Words.max_tokens("a b c"), None);
+    let shared: Arc<dyn TokenCounter> = Arc::new(Words);
+    assert_eq!(shared.max_tokens("a b c"), None);
+    assert_eq!(Box::new(o200k()).max_tokens("abc"), Some(3));
+}

@@ -193,6 +193,15 @@ impl EvictLargeResults {
             }
             Content::Parts(_) => return Ok(None),
         };
+        // Most results are far under the threshold: skip counting those that cannot
+        // be over it (the compactor counts every message once anyway).
+        if env
+            .counter
+            .max_tokens(&text)
+            .is_some_and(|bound| bound <= self.threshold_tokens)
+        {
+            return Ok(None);
+        }
         let tokens = env.counter.count_text(&text);
         if tokens <= self.threshold_tokens {
             return Ok(None);
