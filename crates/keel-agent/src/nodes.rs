@@ -507,8 +507,9 @@ impl AgentNodes {
         reply: Message,
         results: Vec<Message>,
     ) -> (Vec<Message>, Vec<(String, String, u64)>, Option<Lineage>) {
+        let minify = self.parts.compaction.minify_json;
         let Some(policy) = self.parts.evict.clone() else {
-            return (results, Vec::new(), None);
+            return (minified(results, minify).await, Vec::new(), None);
         };
         // A token covers at least one byte, so a result of at most half the threshold
         // in bytes is under it in tokens, even for a counter calibrated up to 2x: it
@@ -517,10 +518,10 @@ impl AgentNodes {
             .iter()
             .all(|m| m.content.text().len().saturating_mul(2) <= policy.threshold_tokens)
         {
-            return (results, Vec::new(), None);
+            return (minified(results, minify).await, Vec::new(), None);
         }
         let Ok(thread_id) = ThreadId::new(thread) else {
-            return (results, Vec::new(), None);
+            return (minified(results, minify).await, Vec::new(), None);
         };
         let store = self.parts.store.clone();
         let lineage = lineage.clone();
@@ -548,7 +549,10 @@ impl AgentNodes {
                     _ => None,
                 })
                 .collect::<Vec<_>>();
-            let messages: Vec<Message> = outcome.messages.into_iter().skip(1).collect();
+            let mut messages: Vec<Message> = outcome.messages.into_iter().skip(1).collect();
+            if minify {
+                keel_offload::minify_json_results(&mut messages);
+            }
             (messages, offloads, Some(view.lineage()))
         });
         match job.await {
@@ -819,4 +823,58 @@ pub(crate) fn diff(before: &AgentState, after: &ContextState) -> AgentStateUpdat
         u.lineage = Some(after.lineage.clone());
     }
     u
+}
+
+/// A message's text when its content is plain text (only that is minified).
+fn plain_text(m: &Message) -> &str {
+    match &m.content {
+        keel_message::Content::Text(text) => text,
+        _ => "",
+    }
+}
+
+/// `results` with their JSON minified ([`keel_offload::minify_json_results`]) when
+/// `on`: inline for a few kilobytes; beyond that the candidates' texts (at most
+/// [`keel_offload::MAX_MINIFY_BYTES`] each) are copied to the blocking pool, so a large
+/// result never holds up the runtime and a failed task leaves the results as they came.
+async fn minified(mut results: Vec<Message>, on: bool) -> Vec<Message> {
+    const INLINE_BYTES: usize = 64 * 1024;
+    if !on {
+        return results;
+    }
+    let candidates: Vec<usize> = (0..results.len())
+        .filter(|&i| {
+            let m = &results[i];
+            let text = plain_text(m);
+            m.role == Role::Tool
+                && text.len() <= keel_offload::MAX_MINIFY_BYTES
+                && text.trim_start().starts_with(['{', '['])
+        })
+        .collect();
+    let bytes: usize = candidates
+        .iter()
+        .map(|&i| plain_text(&results[i]).len())
+        .sum();
+    if bytes <= INLINE_BYTES {
+        keel_offload::minify_json_results(&mut results);
+        return results;
+    }
+    let texts: Vec<Message> = candidates.iter().map(|&i| results[i].clone()).collect();
+    let done = tokio::task::spawn_blocking(move || {
+        let mut texts = texts;
+        keel_offload::minify_json_results(&mut texts);
+        texts
+    })
+    .await;
+    match done {
+        Ok(minified) => {
+            for (i, m) in candidates.into_iter().zip(minified) {
+                results[i] = m;
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "minifying JSON results did not finish; kept as they came")
+        }
+    }
+    results
 }

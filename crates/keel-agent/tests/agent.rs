@@ -824,3 +824,64 @@ async fn model_call_events_carry_the_providers_cached_tokens() {
     assert_eq!(*provider_prompt_tokens, Some(900));
     assert_eq!(*completion_tokens, Some(12));
 }
+
+/// A tool answering indented JSON.
+struct Pretty;
+
+impl Tool for Pretty {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("lookup", "Looks a booking up.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            Ok(serde_json::to_string_pretty(
+                &json!({"reservation_id": "OBUT9V", "flights": ["HAT078", "HAT118"]}),
+            )
+            .unwrap())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_tool_results_reach_the_model_minified_unless_turned_off() {
+    for on in [true, false] {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let calls = AtomicU64::new(0);
+        let model = PolicyModel::new("lookup", move |messages, _t| {
+            if let Some(m) = messages.iter().find(|m| m.role == Role::Tool) {
+                log.lock().unwrap().push(m.text().into_owned());
+            }
+            let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+                0 => Message::assistant("").with_tool_calls(vec![ToolCall::new(
+                    "c1",
+                    "lookup",
+                    json!({}),
+                )]),
+                _ => Message::assistant("Booked."),
+            };
+            Ok(ChatResponse::new(reply, "lookup"))
+        });
+        let agent = Agent::builder()
+            .model(Arc::new(model))
+            .profile(profile())
+            .goal(GOAL)
+            .tool(Arc::new(Pretty))
+            .compaction(CompactionConfig::default().with_minify_json(on))
+            .build()
+            .unwrap();
+        let run = agent.run("json", AgentInput::new()).await.unwrap();
+        assert_eq!(run.answer.as_deref(), Some("Booked."));
+        let seen = seen.lock().unwrap().clone();
+        let want = if on {
+            r#"{"reservation_id":"OBUT9V","flights":["HAT078","HAT118"]}"#.to_owned()
+        } else {
+            serde_json::to_string_pretty(
+                &json!({"reservation_id": "OBUT9V", "flights": ["HAT078", "HAT118"]}),
+            )
+            .unwrap()
+        };
+        assert_eq!(seen, [want], "minify_json = {on}");
+    }
+}

@@ -257,7 +257,8 @@ impl Compactor {
     /// archive can find it again). Tool results over the eviction threshold are
     /// written to the offload store first and enter the context as a stub (path, size,
     /// head and tail lines); a result whose write fails enters in full, so nothing is
-    /// lost. This is the one way into the raw buffer, with [`Compactor::push`].
+    /// lost. JSON results that stay are minified ([`CompactionConfig::minify_json`]).
+    /// This is the one way into the raw buffer, with [`Compactor::push`].
     pub fn push_step(&self, state: &mut ContextState, mut reply: Message, results: Vec<Message>) {
         let step = state.step + u64::from(reply.role == Role::Assistant);
         crate::state::ensure_id(&mut reply, || format!("keel-{step}-0"));
@@ -265,12 +266,15 @@ impl Compactor {
         for (k, m) in results.iter_mut().enumerate() {
             crate::state::ensure_id(m, || format!("keel-{step}-{}", k + 1));
         }
-        let results = match &self.evict {
+        let mut results = match &self.evict {
             Some(policy) if results.iter().any(is_observation) => {
                 self.evict(policy, &reply, results, &mut state.lineage)
             }
             _ => results,
         };
+        if self.config.minify_json {
+            keel_offload::minify_json_results(&mut results);
+        }
         state.push_step(reply, results);
     }
 
@@ -280,7 +284,7 @@ impl Compactor {
     pub fn push(&self, state: &mut ContextState, messages: Vec<Message>) {
         let mut messages = messages;
         state.assign_push_ids(&mut messages);
-        let messages = match &self.evict {
+        let mut messages = match &self.evict {
             Some(policy) if messages.iter().any(is_observation) => self.evict(
                 policy,
                 &Message::assistant(""),
@@ -289,6 +293,9 @@ impl Compactor {
             ),
             _ => messages,
         };
+        if self.config.minify_json {
+            keel_offload::minify_json_results(&mut messages);
+        }
         state.push(messages);
     }
 

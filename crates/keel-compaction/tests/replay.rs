@@ -38,9 +38,10 @@ async fn tau_bench_meets_the_targets() {
     let (r, _) = replay(&long, 8_000, Strategy::Hierarchical).await;
     eprintln!("{r}");
     assert!(r.token_reduction() >= 0.40, "{r}");
-    // The target is 25%; milestones that keep the facts the agent passes on (recall
-    // 96%) cost the cache resets of a milestone every few steps: 22.8% measured.
-    assert!(r.cost_reduction() >= 0.22, "{r}");
+    // 26.2% measured. About 3 points of it come from sending the JSON tool results
+    // minified (lossless: the same values in fewer tokens); compaction alone makes
+    // 23.0%, checked below.
+    assert!(r.cost_reduction() >= 0.25, "{r}");
     assert!(r.recall() >= 0.95, "{r}");
     assert!((r.recall() + r.archive_recall() - 1.0).abs() < 1e-9, "{r}");
     assert_eq!(r.over_window, 0, "{r}");
@@ -52,6 +53,16 @@ async fn tau_bench_meets_the_targets() {
     assert!(r.needles_left > 0);
     assert_eq!(r.needles_found, r.needles_left, "{r}");
     assert_eq!(r.failed_compactions, 0);
+
+    // The same without minifying: what the milestones and epochs alone save.
+    let mut config = ReplayConfig::new(8_000, Strategy::Hierarchical);
+    config.compaction = config.compaction.with_minify_json(false);
+    let (plain, _) = replay_all(&long, &config, counter()).await.unwrap();
+    eprintln!("without minify_json: {plain}");
+    assert!(plain.token_reduction() >= 0.40, "{plain}");
+    assert!(plain.cost_reduction() >= 0.22, "{plain}");
+    assert!(plain.cost_reduction() < r.cost_reduction(), "{plain}");
+    assert!(plain.recall() >= 0.95, "{plain}");
 
     for window in [15_000, 32_000, 128_000] {
         for strategy in [

@@ -278,3 +278,49 @@ async fn a_failed_compaction_leaves_the_whole_state_as_it_was_even_when_truncati
     assert_ne!(state.raw, before.raw);
     assert!(state.raw.iter().all(|m| m.role != Role::System));
 }
+
+/// JSON tool results enter minified (the same values, fewer tokens) unless
+/// `minify_json` is off; other results and other roles enter as they came.
+#[test]
+fn json_results_enter_minified_unless_turned_off() {
+    let pretty =
+        "{\n  \"reservation_id\": \"OBUT9V\",\n  \"flights\": [ \"HAT078\", \"HAT118\" ]\n}";
+    let reply = Message::assistant("").with_tool_calls(vec![ToolCall::new(
+        "c1",
+        "get_reservation_details",
+        json!({}),
+    )]);
+    for on in [true, false] {
+        let r = rig(
+            CompactionConfig::default().with_minify_json(on),
+            100_000,
+            extractive(),
+        );
+        let mut state = ContextState::new(GoalAnchor::new("Change my flight."));
+        r.compactor.push(&mut state, vec![Message::user(pretty)]);
+        r.compactor.push_step(
+            &mut state,
+            reply.clone(),
+            vec![
+                Message::tool("c1", pretty),
+                Message::tool("c1", "Error: no seats"),
+            ],
+        );
+        let texts: Vec<String> = state.raw.iter().map(|m| m.text().into_owned()).collect();
+        assert_eq!(texts[0], pretty, "a user message is never rewritten");
+        assert_eq!(texts[3], "Error: no seats");
+        if on {
+            assert_eq!(
+                texts[2],
+                r#"{"reservation_id":"OBUT9V","flights":["HAT078","HAT118"]}"#
+            );
+            assert_eq!(
+                state.raw[2].metadata["keel_offload"]["minified_json"]["bytes"],
+                pretty.len()
+            );
+        } else {
+            assert_eq!(texts[2], pretty);
+            assert!(state.raw[2].metadata.is_empty());
+        }
+    }
+}

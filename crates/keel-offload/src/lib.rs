@@ -131,8 +131,8 @@ pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, saf
 pub use lineage::{Collected, LINEAGE_DIR, LINEAGE_KEY, Lineage, LineageStore, collect_garbage};
 pub use memory::MemoryStore;
 pub use policy::{
-    EvictLargeResults, Failure, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored, StoredWhat,
-    TruncateArguments,
+    EvictLargeResults, Failure, MAX_MINIFY_BYTES, METADATA_KEY, PolicyEnv, PolicyOutcome, Stored,
+    StoredWhat, TruncateArguments, minify_json, minify_json_results,
 };
 #[cfg(feature = "postgres")]
 pub use postgres::{

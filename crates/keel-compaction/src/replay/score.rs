@@ -317,8 +317,14 @@ impl<'a> Scorer<'a> {
     }
 }
 
+/// The hash of a message's text, JSON whitespace aside: a result keel minified
+/// ([`keel_offload::minify_json`]) still holds everything the agent was told.
 fn text_hash(m: &Message) -> u64 {
     let mut h = DefaultHasher::new();
-    m.text().hash(&mut h);
+    let text = m.text();
+    match keel_offload::minify_json(&text) {
+        Some(short) => short.hash(&mut h),
+        None => text.hash(&mut h),
+    }
     h.finish()
 }

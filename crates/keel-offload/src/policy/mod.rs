@@ -2,9 +2,11 @@
 //! of what was stored.
 
 mod evict;
+mod minify;
 mod truncate;
 
 pub use evict::EvictLargeResults;
+pub use minify::{MAX_MINIFY_BYTES, minify_json, minify_json_results};
 pub use truncate::TruncateArguments;
 
 use keel_message::{Message, Metadata};
