@@ -14,7 +14,9 @@
 //!   and retries once; at the step ceiling it stops with a resumable [`Stop`].
 //! - `tools` runs the reply's tool calls concurrently, each with a timeout; an unknown
 //!   tool, bad arguments, a tool error, a panic or a timeout becomes a tool message the
-//!   model can act on. Large results go to the offload store, a stub stays.
+//!   model can act on. Large results go to the offload store, a stub stays; JSON
+//!   results enter without the whitespace between their tokens, the same values in
+//!   fewer tokens (`CompactionConfig::with_minify_json(false)` keeps them byte-exact).
 //! - `compact` turns older raw steps into a milestone (archived first, so nothing is
 //!   lost) when a trigger fires: the step count, the token fraction of the model's
 //!   window, or an overflow. `epoch` folds milestones into an epoch summary. After each
