@@ -885,3 +885,74 @@ async fn json_tool_results_reach_the_model_minified_unless_turned_off() {
         assert_eq!(seen, [want], "minify_json = {on}");
     }
 }
+
+/// A tool answering about 200 KB of indented JSON: past the inline limit, so it is
+/// minified on the blocking pool.
+struct BigPretty;
+
+impl Tool for BigPretty {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("list", "Lists every booking.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            let rows: Vec<Value> = (0..2_000)
+                .map(|i| json!({"id": format!("R{i:05}"), "seats": [i, i + 1]}))
+                .collect();
+            Ok(serde_json::to_string_pretty(&rows).unwrap())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_json_result_kept_in_full_is_minified_off_the_runtime() {
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("list", move |_m, _t| {
+        let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+            0 => {
+                Message::assistant("").with_tool_calls(vec![ToolCall::new("c1", "list", json!({}))])
+            }
+            _ => Message::assistant("Listed."),
+        };
+        Ok(ChatResponse::new(reply, "list"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new(
+            "roomy",
+            1_000_000,
+            10_000,
+            Encoding::Approximate,
+        ))
+        .goal(GOAL)
+        .tool(Arc::new(BigPretty))
+        .evict(None)
+        .build()
+        .unwrap();
+    let run = agent.run("big-json", AgentInput::new()).await.unwrap();
+    let result = run
+        .state
+        .messages
+        .iter()
+        .find(|m| m.role == Role::Tool)
+        .unwrap();
+    let text = result.text();
+    let original = BigPretty
+        .call(json!({}), ToolContext::new("c1"))
+        .await
+        .unwrap();
+    assert!(original.len() > 128 * 1024, "{}", original.len());
+    assert!(
+        !text.contains('\n') && text.len() < original.len() * 3 / 4,
+        "{}",
+        text.len()
+    );
+    let a: Value = serde_json::from_str(&text).unwrap();
+    let b: Value = serde_json::from_str(&original).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(
+        result.metadata["keel_offload"]["minified_json"]["bytes"],
+        original.len()
+    );
+}
