@@ -511,13 +511,14 @@ impl AgentNodes {
         let Some(policy) = self.parts.evict.clone() else {
             return (minified(results, minify).await, Vec::new(), None);
         };
-        // A token covers at least one byte, so a result of at most half the threshold
-        // in bytes is under it in tokens, even for a counter calibrated up to 2x: it
-        // stays as it is, with no trip to the blocking pool.
-        if results
-            .iter()
-            .all(|m| m.content.text().len().saturating_mul(2) <= policy.threshold_tokens)
-        {
+        // Results the counter's cheap bound puts under the threshold stay as they
+        // are, with no trip to the blocking pool.
+        let counter = &self.parts.counter;
+        if results.iter().all(|m| {
+            counter
+                .max_tokens(&m.content.text())
+                .is_some_and(|bound| bound <= policy.threshold_tokens)
+        }) {
             return (minified(results, minify).await, Vec::new(), None);
         }
         let Ok(thread_id) = ThreadId::new(thread) else {
