@@ -8,6 +8,8 @@
 //! * splits with hand-written matchers instead of a backtracking regex ([`split`]),
 //! * looks tokens up in a compact open-addressing table ([`vocab`]),
 //! * counts merged parts instead of building token vectors ([`merge`]),
+//! * remembers the counts of recent short pieces per thread ([`cache`]), so a text that
+//!   arrives cold rarely reaches the megabytes of vocabulary,
 //! * and can count a long text on several threads by cutting it only where a piece
 //!   boundary is certain ([`split::is_safe_boundary`]).
 //!
@@ -18,6 +20,7 @@ use std::sync::OnceLock;
 
 use crate::{Encoding, TokenError};
 
+mod cache;
 mod classes;
 mod merge;
 mod split;
@@ -33,6 +36,8 @@ pub(crate) const PARALLEL_MIN_BYTES: usize = 256 * 1024;
 
 /// One loaded encoding: its splitting pattern and vocabulary.
 pub(crate) struct Engine {
+    /// This encoding's id in the piece cache (nonzero, one per encoding).
+    id: u8,
     pattern: Pattern,
     classes: &'static Classes,
     vocab: Vocab,
@@ -61,9 +66,9 @@ impl Engine {
             .get_or_init(Classes::build)
             .as_ref()
             .map_err(|e| fail(format!("Unicode tables: {e}")))?;
-        let (core, pattern, expected) = match encoding {
-            Encoding::O200kBase => (tiktoken_rs::o200k_base(), Pattern::O200k, 199_998),
-            Encoding::Cl100kBase => (tiktoken_rs::cl100k_base(), Pattern::Cl100k, 100_256),
+        let (id, core, pattern, expected) = match encoding {
+            Encoding::O200kBase => (1, tiktoken_rs::o200k_base(), Pattern::O200k, 199_998),
+            Encoding::Cl100kBase => (2, tiktoken_rs::cl100k_base(), Pattern::Cl100k, 100_256),
             Encoding::Approximate => return Err(TokenError::NotBpe { encoding }),
         };
         let core = core.map_err(|e| fail(e.to_string()))?;
@@ -83,6 +88,7 @@ impl Engine {
             return Err(fail(format!("byte {rank} is not a token")));
         }
         Ok(Engine {
+            id,
             pattern,
             classes,
             vocab: Vocab::new(&tokens).map_err(fail)?,
@@ -91,6 +97,29 @@ impl Engine {
 
     /// The number of tokens of `text`, as tiktoken's `encode_ordinary` would give.
     pub(crate) fn count(&self, text: &str) -> usize {
+        cache::with(self.id, |cache| {
+            let mut total = 0;
+            match cache {
+                Some(mut cache) => self.pattern.for_each_piece(self.classes, text, |piece| {
+                    total += match piece.len() {
+                        0 | 1 => piece.len(),
+                        n if n <= cache::MAX_PIECE => {
+                            cache.get_or(piece, |p| count_piece(&self.vocab, p))
+                        }
+                        _ => count_piece(&self.vocab, piece),
+                    };
+                }),
+                None => self.pattern.for_each_piece(self.classes, text, |piece| {
+                    total += count_piece(&self.vocab, piece);
+                }),
+            }
+            total
+        })
+    }
+
+    /// [`Engine::count`] without the piece cache (tests compare the two).
+    #[cfg(test)]
+    pub(crate) fn count_uncached(&self, text: &str) -> usize {
         let mut total = 0;
         self.pattern.for_each_piece(self.classes, text, |piece| {
             total += count_piece(&self.vocab, piece);

@@ -250,3 +250,52 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_piece_cache_keeps_each_encoding_apart() {
+    // The same pieces under both vocabularies, on one thread, in turns: each count is
+    // its own encoding's (a piece cached by one engine is never answered to the other).
+    let text = "fn main() {\n    let résumé = \"naïve café\"; // 12345 !!! ???\n}\n".repeat(20);
+    for _ in 0..3 {
+        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            let e = engine(encoding).unwrap();
+            let expected = reference(encoding).encode_ordinary(&text).len();
+            assert_eq!(e.count(&text), expected, "{encoding}");
+            assert_eq!(e.count_uncached(&text), expected, "{encoding}");
+        }
+    }
+}
+
+#[test]
+fn counting_inside_a_count_on_the_same_thread_goes_without_the_cache() {
+    let e = o200k();
+    let text = "the quick brown fox jumps over the lazy dog";
+    let expected = reference(Encoding::O200kBase).encode_ordinary(text).len();
+    let (outer_had_cache, inner) = cache::with(e.id, |outer| (outer.is_some(), e.count(text)));
+    assert!(outer_had_cache);
+    assert_eq!(inner, expected);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn cached_counts_equal_uncached_counts(
+        words in prop::collection::vec(prop::collection::vec(nasty_char(), 1..18), 1..40),
+    ) {
+        // Short repeated pieces (the cache's whole business), counted twice so the
+        // second pass is answered from the cache.
+        let text: String = words
+            .iter()
+            .cycle()
+            .take(words.len() * 3)
+            .map(|w| w.iter().collect::<String>())
+            .collect::<Vec<_>>()
+            .join(" ");
+        for e in [o200k(), cl100k()] {
+            let uncached = e.count_uncached(&text);
+            prop_assert_eq!(e.count(&text), uncached);
+            prop_assert_eq!(e.count(&text), uncached);
+        }
+    }
+}
