@@ -6,7 +6,9 @@
 //! `@langchain/langgraph-checkpoint-sqlite`; both sides on a file in WAL mode with
 //! `synchronous=NORMAL`, keel's default) and PostgreSQL (PostgresSaver), each with sync and
 //! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs below
-//! 10,000, one run at 10,000; a 10,000-step run whose estimate from the 1,000-step one
+//! 10,000, one run at 10,000; the two sides take turns, one process and one repetition
+//! at a time, so a slow spell of the machine falls on both; a 10,000-step run whose
+//! estimate from the 1,000-step one
 //! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
 //! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
@@ -128,43 +130,31 @@ pub fn run() -> Result<Vec<Row>> {
                 last.map(|(m, secs)| secs * n as f64 / m as f64)
                     .filter(|est| *est > max_secs)
             };
-            if let Some(est) = too_long(last_peer) {
-                skipped.push(format!(
-                    "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
-                    thousands(n)
-                ));
-            } else {
-                eprintln!(
-                    "LangGraph.js {backend}/{durability}: N = {}, {reps} repetition(s)",
-                    thousands(n)
-                );
-                if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
-                    settle(u);
+            let run_peer_side = match too_long(last_peer) {
+                Some(est) => {
+                    skipped.push(format!(
+                        "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
+                        thousands(n)
+                    ));
+                    false
                 }
-                let rows = run_peer(
-                    &peer,
-                    url.as_deref(),
-                    &scratch,
-                    backend,
-                    durability,
-                    n,
-                    reps,
-                )?;
-                last_peer = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
-                peer_rows.extend(rows);
-            }
-            if let Some(est) = too_long(last_keel) {
-                skipped.push(format!(
-                    "keel {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s)",
-                    thousands(n)
-                ));
-                continue;
-            }
+                None => true,
+            };
+            let mut run_keel_side = match too_long(last_keel) {
+                Some(est) => {
+                    skipped.push(format!(
+                        "keel {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s)",
+                        thousands(n)
+                    ));
+                    false
+                }
+                None => true,
+            };
             let config = Config {
                 backend: backend.to_owned(),
                 durability: durability.to_owned(),
                 steps: n,
-                reps,
+                reps: 1,
                 repo: root(),
                 database_url: if backend == "postgres" {
                     url.clone()
@@ -173,23 +163,54 @@ pub fn run() -> Result<Vec<Row>> {
                 },
                 scratch: scratch.clone(),
             };
-            eprintln!(
-                "keel {backend}/{durability}: N = {}, {reps} repetition(s)",
-                thousands(n)
-            );
-            if let (true, Some(u)) = (backend == "postgres", url.as_deref()) {
-                settle(u);
-            }
-            match agent_keel::run(&config) {
-                Ok(ms) => {
-                    let rows: Vec<Value> = ms.iter().map(measurement_json).collect();
-                    last_keel = median(rows.iter().map(|r| num(r, "wall_s"))).map(|w| (n, w));
-                    keel_rows.extend(rows);
+            let postgres = url.as_deref().filter(|_| backend == "postgres");
+            let mut peer_walls = Vec::new();
+            let mut keel_walls = Vec::new();
+            // The sides take turns, one repetition each: a change in the machine's speed
+            // during the run (the disk's commit latency swings by several times on a
+            // shared machine) falls on both sides instead of on whichever ran then.
+            for rep in 1..=reps {
+                if run_peer_side {
+                    eprintln!(
+                        "LangGraph.js {backend}/{durability}: N = {}, repetition {rep}/{reps}",
+                        thousands(n)
+                    );
+                    if let Some(u) = postgres {
+                        settle(u);
+                    }
+                    let rows = run_peer(&peer, postgres, &scratch, backend, durability, n, 1)?;
+                    peer_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
+                    peer_rows.extend(rows);
                 }
-                Err(e) => keel_errors
-                    .entry(format!("{e:#}"))
-                    .or_default()
-                    .push(format!("{backend}/{durability} N={n}")),
+                if run_keel_side {
+                    eprintln!(
+                        "keel {backend}/{durability}: N = {}, repetition {rep}/{reps}",
+                        thousands(n)
+                    );
+                    if let Some(u) = postgres {
+                        settle(u);
+                    }
+                    match agent_keel::run(&config) {
+                        Ok(ms) => {
+                            let rows: Vec<Value> = ms.iter().map(measurement_json).collect();
+                            keel_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
+                            keel_rows.extend(rows);
+                        }
+                        Err(e) => {
+                            keel_errors
+                                .entry(format!("{e:#}"))
+                                .or_default()
+                                .push(format!("{backend}/{durability} N={n}"));
+                            run_keel_side = false;
+                        }
+                    }
+                }
+            }
+            if let Some(w) = median(peer_walls.into_iter()) {
+                last_peer = Some((n, w));
+            }
+            if let Some(w) = median(keel_walls.into_iter()) {
+                last_keel = Some((n, w));
             }
         }
     }
