@@ -58,8 +58,9 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
     let shadowed = tools.offload.is_some() && rel.is_root();
     let cap = tools.limits.max_ls_entries;
     // The `cap` smallest names, in a max-heap: sorted and bounded however large the
-    // directory.
-    let mut smallest: BinaryHeap<OsString> = BinaryHeap::new();
+    // directory. Each keeps its entry, whose metadata is read relative to the open
+    // directory (no walk of the whole path per entry).
+    let mut smallest: BinaryHeap<ByName> = BinaryHeap::new();
     let mut total: u64 = 0;
     let mut unreadable: u64 = 0;
     for entry in fs::read_dir(&dir).map_err(|e| io_failed("list", &rel, &e))? {
@@ -76,7 +77,7 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
             continue;
         }
         total += 1;
-        smallest.push(name);
+        smallest.push(ByName(name, entry));
         if smallest.len() > cap {
             smallest.pop();
         }
@@ -97,8 +98,8 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
     };
     let mut chars = out.chars().count();
     let mut shown: u64 = 0;
-    for name in smallest.into_sorted_vec() {
-        let line = entry_line(&tools.root, &dir.join(&name), &prefix, &name);
+    for ByName(name, entry) in smallest.into_sorted_vec() {
+        let line = entry_line(&tools.root, &entry, &prefix, &name);
         let n = line.chars().count() + 1;
         if chars + n > tools.limits.max_output_chars {
             break;
@@ -133,11 +134,35 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
     Ok(out)
 }
 
+/// A directory entry ordered by its name.
+struct ByName(OsString, fs::DirEntry);
+
+impl PartialEq for ByName {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+
+impl Eq for ByName {}
+
+impl PartialOrd for ByName {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByName {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.cmp(&other.0)
+    }
+}
+
 /// One line of an `ls` listing: `dir/`, `file\tN bytes`, or what a link or special
 /// file is.
-fn entry_line(root: &Root, path: &Path, prefix: &str, name: &OsString) -> String {
+fn entry_line(root: &Root, entry: &fs::DirEntry, prefix: &str, name: &OsString) -> String {
     let shown = format!("{prefix}{}", name.to_string_lossy());
-    let Ok(meta) = path.symlink_metadata() else {
+    // The entry's own metadata: a symbolic link is described, not followed.
+    let Ok(meta) = entry.metadata() else {
         return format!("{shown}\t(could not be read)");
     };
     if meta.is_dir() {
@@ -149,7 +174,7 @@ fn entry_line(root: &Root, path: &Path, prefix: &str, name: &OsString) -> String
     if !meta.file_type().is_symlink() {
         return format!("{shown}\t(special file: cannot be read)");
     }
-    match path.canonicalize() {
+    match entry.path().canonicalize() {
         Ok(target) if root.contains(&target) => {
             let to = root.relative_display(&target);
             match target.metadata() {

@@ -59,10 +59,18 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let what = rel.describe();
 
     let mut walk = WalkBuilder::new(&target);
+    // .gitignore files are read as the walker's custom ignore files, not with its git
+    // options: those make it canonicalize the search path and read the ignore files of
+    // every directory up to `/` before the first entry (a third of a small search's
+    // time), all of which `parents(false)` then leaves unused. The ones between the root
+    // and the search path are `above`.
     walk.standard_filters(true)
         .hidden(true)
         .parents(false)
+        .git_ignore(false)
+        .git_exclude(false)
         .git_global(false)
+        .add_custom_ignore_filename(".gitignore")
         .require_git(false)
         .follow_links(false)
         .sort_by_file_name(|a, b| a.cmp(b));
