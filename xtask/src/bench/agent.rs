@@ -170,26 +170,24 @@ pub fn run() -> Result<Vec<Row>> {
             // during the run (the disk's commit latency swings by several times on a
             // shared machine) falls on both sides instead of on whichever ran then.
             for rep in 1..=reps {
-                if run_peer_side {
+                // Says which side runs now, on a freshly vacuumed PostgreSQL.
+                let start = |side: &str| {
                     eprintln!(
-                        "LangGraph.js {backend}/{durability}: N = {}, repetition {rep}/{reps}",
+                        "{side} {backend}/{durability}: N = {}, repetition {rep}/{reps}",
                         thousands(n)
                     );
                     if let Some(u) = postgres {
                         settle(u);
                     }
+                };
+                if run_peer_side {
+                    start("LangGraph.js");
                     let rows = run_peer(&peer, postgres, &scratch, backend, durability, n, 1)?;
                     peer_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
                     peer_rows.extend(rows);
                 }
                 if run_keel_side {
-                    eprintln!(
-                        "keel {backend}/{durability}: N = {}, repetition {rep}/{reps}",
-                        thousands(n)
-                    );
-                    if let Some(u) = postgres {
-                        settle(u);
-                    }
+                    start("keel");
                     match agent_keel::run(&config) {
                         Ok(ms) => {
                             let rows: Vec<Value> = ms.iter().map(measurement_json).collect();

@@ -97,32 +97,26 @@ impl Engine {
 
     /// The number of tokens of `text`, as tiktoken's `encode_ordinary` would give.
     pub(crate) fn count(&self, text: &str) -> usize {
-        cache::with(self.id, |cache| {
-            let mut total = 0;
-            match cache {
-                Some(mut cache) => self.pattern.for_each_piece(self.classes, text, |piece| {
-                    total += match piece.len() {
-                        0 | 1 => piece.len(),
-                        n if n <= cache::MAX_PIECE => {
-                            cache.get_or(piece, |p| count_piece(&self.vocab, p))
-                        }
-                        _ => count_piece(&self.vocab, piece),
-                    };
-                }),
-                None => self.pattern.for_each_piece(self.classes, text, |piece| {
-                    total += count_piece(&self.vocab, piece);
-                }),
-            }
-            total
-        })
+        cache::with(self.id, |cache| self.count_with(text, cache))
     }
 
     /// [`Engine::count`] without the piece cache (tests compare the two).
     #[cfg(test)]
     pub(crate) fn count_uncached(&self, text: &str) -> usize {
+        self.count_with(text, None)
+    }
+
+    /// Counts `text`, asking `cache` (when there is one) for pieces of 2 to
+    /// [`cache::MAX_PIECE`] bytes; shorter pieces are counted at once, longer ones merged.
+    fn count_with(&self, text: &str, mut cache: Option<cache::PieceCache<'_>>) -> usize {
         let mut total = 0;
         self.pattern.for_each_piece(self.classes, text, |piece| {
-            total += count_piece(&self.vocab, piece);
+            total += match &mut cache {
+                Some(c) if (2..=cache::MAX_PIECE).contains(&piece.len()) => {
+                    c.get_or(piece, |p| count_piece(&self.vocab, p))
+                }
+                _ => count_piece(&self.vocab, piece),
+            };
         });
         total
     }
