@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -53,6 +53,9 @@ struct Inner {
     /// Declared first so readers close before the writer, which then cleans up the WAL.
     readers: Option<Lane>,
     writer: Lane,
+    /// The versions of the newest checkpoint this saver put in each namespace, so a
+    /// put that carries them over need not read their deltas back.
+    heads: Arc<Mutex<store::HeadVersions>>,
 }
 
 impl std::fmt::Debug for SqliteSaver {
@@ -127,6 +130,7 @@ impl SqliteSaver {
                 path: Some(path),
                 readers,
                 writer,
+                heads: Arc::default(),
             }),
         })
     }
@@ -149,6 +153,7 @@ impl SqliteSaver {
                 path: None,
                 readers: None,
                 writer,
+                heads: Arc::default(),
             }),
         })
     }
@@ -268,7 +273,12 @@ impl Checkpointer for SqliteSaver {
 
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
         support::validate_put(&request)?;
-        self.write(move |conn| store::put(conn, &request)).await
+        let heads = Arc::clone(&self.inner.heads);
+        self.write(move |conn| {
+            let mut heads = heads.lock().unwrap_or_else(PoisonError::into_inner);
+            store::put(conn, &request, &mut heads)
+        })
+        .await
     }
 
     async fn put_writes(

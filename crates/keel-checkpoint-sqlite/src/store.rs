@@ -1,7 +1,7 @@
 //! The SQL behind each [`Checkpointer`](keel_checkpoint::Checkpointer) method. Every
 //! function here runs on a database thread; all values are bound as parameters.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use keel_checkpoint::support;
 use keel_checkpoint::{
@@ -138,9 +138,55 @@ fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>>
     }
 }
 
+/// Namespaces whose head versions [`HeadVersions`] remembers at most; past that it
+/// starts over (a miss only costs the reads it saves).
+const HEAD_VERSIONS_CAP: usize = 4096;
+
+/// The channel versions of the newest checkpoint the saver put in each namespace.
+///
+/// A put must refer only to stored deltas. Most refer to the versions of the head they
+/// extend, and those are stored: they were checked (or inserted) when the head was put,
+/// and nothing deletes a delta the head reaches while it is the head (`prune` keeps
+/// the newest checkpoints' chains, and deleting a thread changes its head). So a
+/// reference equal to the remembered head's version of that channel needs no read, as
+/// long as the head read inside the put's transaction is the remembered one; anything
+/// else (another writer moved the head, a fork from an older checkpoint) is read as
+/// before.
+#[derive(Debug, Default)]
+pub(crate) struct HeadVersions {
+    heads: HashMap<ThreadKey, (CheckpointId, BTreeMap<String, ChannelVersion>)>,
+}
+
+impl HeadVersions {
+    fn of(
+        &self,
+        thread: &ThreadKey,
+        head: &CheckpointId,
+    ) -> Option<&BTreeMap<String, ChannelVersion>> {
+        self.heads
+            .get(thread)
+            .filter(|(id, _)| id == head)
+            .map(|(_, versions)| versions)
+    }
+
+    fn remember(&mut self, thread: &ThreadKey, checkpoint: &Checkpoint) {
+        if self.heads.len() >= HEAD_VERSIONS_CAP && !self.heads.contains_key(thread) {
+            self.heads.clear();
+        }
+        self.heads.insert(
+            thread.clone(),
+            (checkpoint.id.clone(), checkpoint.channel_versions.clone()),
+        );
+    }
+}
+
 /// `Checkpointer::put`: fencing, reference checks and every insert in one
 /// `BEGIN IMMEDIATE` transaction. Any refusal or failure rolls it all back.
-pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
+pub(crate) fn put(
+    conn: &mut Connection,
+    request: &PutRequest,
+    heads: &mut HeadVersions,
+) -> OpResult<()> {
     let PutRequest {
         thread,
         checkpoint,
@@ -170,7 +216,11 @@ pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
             "SELECT seq FROM deltas \
              WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
         )?;
+        let known = current.as_ref().and_then(|head| heads.of(thread, head));
         for (channel, version) in support::referenced_versions(request) {
+            if known.is_some_and(|known| known.get(channel) == Some(version)) {
+                continue;
+            }
             let seq: Option<i64> = stored_seq
                 .query_row(
                     params![
@@ -252,6 +302,7 @@ pub(crate) fn put(conn: &mut Connection, request: &PutRequest) -> OpResult<()> {
         .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
     }
     tx.commit()?;
+    heads.remember(thread, checkpoint);
     Ok(())
 }
 
@@ -596,7 +647,9 @@ pub(crate) fn prune(
 
     // Mark every delta a kept checkpoint's chain reaches (the same walk as
     // `support::build_chain`: back to the newest snapshot or a delta without base),
-    // then delete the unmarked ones.
+    // then delete the unmarked ones. Only deltas written before the cutoff can go: a
+    // kept checkpoint's own deltas are on its chain. Each (channel, writer) is read
+    // once, however many kept checkpoints share it.
     tx.execute_batch(
         "CREATE TEMP TABLE IF NOT EXISTS prune_keep \
          (channel TEXT NOT NULL, writer TEXT NOT NULL, PRIMARY KEY (channel, writer)) WITHOUT ROWID; \
@@ -612,14 +665,20 @@ pub(crate) fn prune(
             "SELECT seq, snapshot IS NULL, base_writer, base_seq FROM deltas \
              WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
         )?;
+        // Walked (channel, writer) pairs: as many as the kept chains have deltas.
+        let mut walked: HashSet<(String, String)> = HashSet::new();
         let mut rows = kept.query(params![thread.thread_id, thread.ns])?;
         while let Some(row) = rows.next()? {
             let versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
-            for (channel, version) in &versions.channels {
+            for (channel, version) in versions.channels {
                 let mut writer = version.writer.as_str().to_owned();
                 loop {
+                    let key = (channel.clone(), writer);
+                    if walked.contains(&key) {
+                        break; // already walked from here
+                    }
                     let found = step
-                        .query_row(params![thread.thread_id, thread.ns, channel, writer], |r| {
+                        .query_row(params![thread.thread_id, thread.ns, key.0, key.1], |r| {
                             Ok((
                                 r.get::<_, i64>(0)?,
                                 r.get::<_, bool>(1)?,
@@ -632,9 +691,13 @@ pub(crate) fn prune(
                     let Some((seq, no_snapshot, base_writer, base_seq)) = found else {
                         break;
                     };
-                    if mark.execute(params![channel, writer])? == 0 {
-                        break; // already walked from here
+                    if cutoff
+                        .as_deref()
+                        .is_some_and(|cutoff| key.1.as_str() < cutoff)
+                    {
+                        mark.execute(params![key.0, key.1])?;
                     }
+                    walked.insert(key);
                     match (no_snapshot, base_writer, base_seq) {
                         (true, Some(base), Some(base_seq)) if base_seq < seq => writer = base,
                         _ => break,
@@ -644,10 +707,11 @@ pub(crate) fn prune(
         }
     }
     tx.prepare_cached(
-        "DELETE FROM deltas WHERE thread_id = ?1 AND ns = ?2 AND NOT EXISTS \
+        "DELETE FROM deltas WHERE thread_id = ?1 AND ns = ?2 \
+         AND (?3 IS NULL OR writer < ?3) AND NOT EXISTS \
          (SELECT 1 FROM temp.prune_keep k WHERE k.channel = deltas.channel AND k.writer = deltas.writer)",
     )?
-    .execute(params![thread.thread_id, thread.ns])?;
+    .execute(params![thread.thread_id, thread.ns, cutoff])?;
     tx.execute_batch("DELETE FROM temp.prune_keep")?;
     tx.commit()?;
     Ok(removed)

@@ -162,6 +162,7 @@ fn spawn_child(
     db: &Path,
     thread: &str,
     extra: &[(&str, String)],
+    stdout: Stdio,
 ) -> std::process::Child {
     let mut cmd = Process::new(std::env::current_exe().unwrap());
     cmd.args([
@@ -176,7 +177,7 @@ fn spawn_child(
     .env("KEEL_SQLITE_DB", db)
     .env("KEEL_SQLITE_THREAD", thread)
     .stdin(Stdio::null())
-    .stdout(Stdio::piped())
+    .stdout(stdout)
     .stderr(Stdio::piped());
     for (k, v) in extra {
         cmd.env(k, v);
@@ -285,7 +286,9 @@ fn killed_at_random_moments_resumes_to_the_uninterrupted_result() {
             break;
         }
         let thread = format!("crash-{thread_no}");
-        let mut child = spawn_child("graph", &db, &thread, &steps);
+        // Nothing reads this child's output: one that reaches the end must not block
+        // on a full pipe writing its summary, which would look like a hung run.
+        let mut child = spawn_child("graph", &db, &thread, &steps, Stdio::null());
         // Up to `delay_ms`, at microsecond resolution: lands in start-up (opening the
         // file, loading the thread), in a step, in a task's writes, or in a commit.
         std::thread::sleep(Duration::from_micros(rng.next() % (delay_ms * 1000)));
@@ -310,7 +313,7 @@ fn killed_at_random_moments_resumes_to_the_uninterrupted_result() {
             }
         }
         // The child finished before the kill: the run is complete.
-        let out = child_output(spawn_child("graph", &db, &thread, &steps));
+        let out = child_output(spawn_child("graph", &db, &thread, &steps, Stdio::piped()));
         check(&out, &thread);
         completed += 1;
         thread_no += 1;
@@ -326,7 +329,7 @@ fn killed_at_random_moments_resumes_to_the_uninterrupted_result() {
 
     // The last child runs to the end.
     let thread = format!("crash-{thread_no}");
-    let out = child_output(spawn_child("graph", &db, &thread, &steps));
+    let out = child_output(spawn_child("graph", &db, &thread, &steps, Stdio::piped()));
     check(&out, &thread);
 }
 
@@ -352,7 +355,7 @@ fn two_processes_racing_on_one_thread_keep_a_linear_history() {
                 ("KEEL_SQLITE_NAME", name.to_owned()),
                 ("KEEL_SQLITE_STEPS", STEPS.to_string()),
             ];
-            spawn_child("racer", &db, "raced", &extra)
+            spawn_child("racer", &db, "raced", &extra, Stdio::piped())
         })
         .collect();
     let outputs: Vec<Value> = racers.into_iter().map(child_output).collect();
