@@ -1,6 +1,7 @@
 //! The agent: a builder over the nodes, and the run API.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -327,14 +328,27 @@ impl Agent {
     /// checkpoint. A thread that stopped early ([`AgentRun::stop`]: a step ceiling,
     /// empty replies) runs on; one that finished with an answer runs again only when
     /// the input brings messages (a follow-up), and otherwise returns as it is.
+    ///
+    /// # Where it runs
+    ///
+    /// Like [`stream`](Agent::stream), the run is driven by a Tokio task of its own, so
+    /// the tasks it starts (each tool call, background checkpoint writes) are picked up
+    /// by the same worker thread as it waits for them, instead of waking another thread
+    /// each time, as they would from `block_on`'s thread. Dropping the returned future
+    /// aborts that task at its next `.await`, which is where an inline run would have
+    /// stopped; a panic in it resumes in the caller.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
-        let metadata = input.metadata.clone();
-        let (command, budget) = self.command(thread_id, None, input).await?;
-        let run = self
-            .graph
-            .invoke(command, &self.config(thread_id, &metadata, budget))
-            .await?;
-        Ok(AgentRun::of(run))
+        let (agent, thread) = (self.clone(), thread_id.to_owned());
+        on_own_task(async move {
+            let metadata = input.metadata.clone();
+            let (command, budget) = agent.command(&thread, None, input).await?;
+            let run = agent
+                .graph
+                .invoke(command, &agent.config(&thread, &metadata, budget))
+                .await?;
+            Ok(AgentRun::of(run))
+        })
+        .await
     }
 
     /// Runs a thread from one of its past checkpoints: a fork, as LangGraph's `invoke`
@@ -390,13 +404,15 @@ impl Agent {
                 thread_id: thread_id.to_owned(),
             });
         }
-        let metadata = input.metadata.clone();
-        let (command, budget) = self.command(thread_id, Some(checkpoint), input).await?;
-        let config = self
-            .config(thread_id, &metadata, budget)
-            .at(checkpoint.clone());
-        let run = self.graph.invoke(command, &config).await?;
-        Ok(AgentRun::of(run))
+        let (agent, thread, checkpoint) = (self.clone(), thread_id.to_owned(), checkpoint.clone());
+        on_own_task(async move {
+            let metadata = input.metadata.clone();
+            let (command, budget) = agent.command(&thread, Some(&checkpoint), input).await?;
+            let config = agent.config(&thread, &metadata, budget).at(checkpoint);
+            let run = agent.graph.invoke(command, &config).await?;
+            Ok(AgentRun::of(run))
+        })
+        .await
     }
 }
 
@@ -1234,5 +1250,27 @@ impl ChatModel for NoModel {
         Err(keel_model::ModelError::Config(
             "these agent nodes were built without a model (AgentBuilder::build_nodes); give the builder one with .model(..)".to_owned(),
         ))
+    }
+}
+
+/// Drives `run` on a Tokio task of its own (see [`Agent::run`]): aborted when the
+/// returned future is dropped, its panic resumed in the caller.
+async fn on_own_task<F>(run: F) -> Result<AgentRun, AgentError>
+where
+    F: Future<Output = Result<AgentRun, AgentError>> + Send + 'static,
+{
+    /// Aborts the task when the caller stops waiting for it.
+    struct AbortOnDrop(tokio::task::AbortHandle);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let task = tokio::spawn(run);
+    let _abort = AbortOnDrop(task.abort_handle());
+    match task.await {
+        Ok(result) => result,
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(_) => Err(AgentError::Graph(GraphError::Cancelled)),
     }
 }

@@ -956,3 +956,63 @@ async fn a_large_json_result_kept_in_full_is_minified_off_the_runtime() {
         original.len()
     );
 }
+
+/// A tool that answers after a pause.
+struct Slow;
+impl Tool for Slow {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("slow", "Answers after a while.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok("finally".to_owned())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dropping_a_run_stops_it_although_it_runs_on_a_task_of_its_own() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let counted = calls.clone();
+    let model = PolicyModel::new("slow", move |_m, _t| {
+        let reply = match counted.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("Waiting.").with_tool_calls(vec![ToolCall::new(
+                "s",
+                "slow",
+                json!({}),
+            )]),
+            _ => Message::assistant("The slow tool answered."),
+        };
+        Ok(ChatResponse::new(reply, "slow"))
+    });
+    let saver = Arc::new(MemorySaver::new());
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tools([Arc::new(Slow) as Arc<dyn Tool>])
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    // The caller gives up while the tool runs: the run's task must stop with it, not
+    // go on to ask the model again once the tool answers.
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        agent.run("dropped", AgentInput::new()),
+    )
+    .await;
+    assert!(
+        gave_up.is_err(),
+        "the run should still be waiting on the tool"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the dropped run called the model again"
+    );
+    // The thread stays resumable from its last checkpoint.
+    let run = agent.run("dropped", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("The slow tool answered."));
+}
