@@ -486,6 +486,20 @@ async fn grep_applies_gitignore_files_between_the_root_and_the_search_path() {
             "searching {path:?}"
         );
     }
+    // The tools keep the parsed .gitignore files above the search path between calls:
+    // an edited one is read again.
+    f.put("a/.gitignore", "secret/\nkeep.txt\n");
+    assert_eq!(
+        f.ok(GREP, json!({"pattern": "needle", "path": "a/b"}))
+            .await,
+        "No lines match `needle` in 0 files under `a/b`."
+    );
+    fs::remove_file(f.path().join("a/.gitignore")).unwrap();
+    assert_eq!(
+        f.ok(GREP, json!({"pattern": "needle", "path": "a/b"}))
+            .await,
+        "a/b/keep.txt:1: needle\na/b/secret/x.txt:1: needle"
+    );
 }
 
 #[tokio::test]

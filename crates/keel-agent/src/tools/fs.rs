@@ -154,6 +154,8 @@ pub struct FileTools {
     file_limits: FileLimits,
     offload: Option<Arc<dyn OffloadStore>>,
     read_only: bool,
+    /// What `grep` keeps between calls: compiled patterns, parsed .gitignore files.
+    grep_cache: Arc<search::GrepCache>,
 }
 
 impl fmt::Debug for FileTools {
@@ -190,6 +192,7 @@ impl FileTools {
             file_limits: FileLimits::default(),
             offload: None,
             read_only: false,
+            grep_cache: Arc::default(),
         })
     }
 

@@ -1,15 +1,18 @@
 //! `grep` on the disk: ripgrep's walker (the `ignore` crate) and a line-by-line regex.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufReader, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::SystemTime;
 
 use ignore::gitignore::Gitignore;
 use ignore::overrides::OverrideBuilder;
 use ignore::{DirEntry, Match, WalkBuilder};
 use keel_message::ToolError;
-use regex::bytes::RegexBuilder;
+use regex::bytes::{Regex, RegexBuilder};
 use serde_json::{Map, Value};
 
 use super::args;
@@ -24,6 +27,70 @@ pub(super) const GREP_LINE_BYTES: usize = 64 * 1024;
 
 /// Most bytes of compiled regex a pattern may take.
 const REGEX_SIZE_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Compiled patterns [`GrepCache`] keeps at most (it starts over past that).
+const CACHED_PATTERNS: usize = 64;
+
+/// Parsed .gitignore files [`GrepCache`] keeps at most (it starts over past that).
+const CACHED_IGNORES: usize = 256;
+
+/// What `grep` keeps between calls of one [`FileTools`]: the compiled regex of recent
+/// patterns (an agent greps the same few again and again; compiling one costs more than
+/// searching a small tree), and the .gitignore files above the search path, parsed,
+/// each used again only while its modification time and length are unchanged.
+#[derive(Debug, Default)]
+pub(super) struct GrepCache {
+    patterns: Mutex<HashMap<String, Regex>>,
+    ignores: Mutex<HashMap<PathBuf, (Stamp, Arc<Gitignore>)>>,
+}
+
+/// When a file was last changed, as far as the cache can tell.
+type Stamp = (Option<SystemTime>, u64);
+
+impl GrepCache {
+    fn regex(&self, pattern: &str) -> Result<Regex, ToolError> {
+        let mut patterns = self.patterns.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(regex) = patterns.get(pattern) {
+            return Ok(regex.clone());
+        }
+        let regex = RegexBuilder::new(pattern)
+            .size_limit(REGEX_SIZE_LIMIT)
+            .build()
+            .map_err(|e| {
+                ToolError::bad_arguments(format!(
+                    "`pattern` is not a valid regular expression: {e}"
+                ))
+            })?;
+        if patterns.len() >= CACHED_PATTERNS {
+            patterns.clear();
+        }
+        patterns.insert(pattern.to_owned(), regex.clone());
+        Ok(regex)
+    }
+
+    /// The parsed .gitignore at `file`, if it is a file.
+    fn gitignore(&self, file: PathBuf) -> Option<Arc<Gitignore>> {
+        let meta = std::fs::metadata(&file)
+            .ok()
+            .filter(std::fs::Metadata::is_file)?;
+        let stamp: Stamp = (meta.modified().ok(), meta.len());
+        let mut ignores = self.ignores.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((seen, gitignore)) = ignores.get(&file)
+            && seen.0.is_some()
+            && *seen == stamp
+        {
+            return Some(Arc::clone(gitignore));
+        }
+        // Parsed under the lock: two calls do not parse the same file twice.
+        let (gitignore, _partial_errors) = Gitignore::new(&file);
+        let gitignore = Arc::new(gitignore);
+        if ignores.len() >= CACHED_IGNORES {
+            ignores.clear();
+        }
+        ignores.insert(file, (stamp, Arc::clone(&gitignore)));
+        Some(gitignore)
+    }
+}
 
 /// Why the walk stopped early.
 enum Stop {
@@ -41,12 +108,7 @@ struct Found {
 
 pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<String, ToolError> {
     let pattern = args::required_string(args, "pattern")?;
-    let regex = RegexBuilder::new(pattern)
-        .size_limit(REGEX_SIZE_LIMIT)
-        .build()
-        .map_err(|e| {
-            ToolError::bad_arguments(format!("`pattern` is not a valid regular expression: {e}"))
-        })?;
+    let regex = tools.grep_cache.regex(pattern)?;
     let rel = args::optional_path(args)?;
     let glob = args::string(args, "glob")?;
     let l = &tools.limits;
@@ -84,7 +146,7 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
             .map_err(|e| ToolError::bad_arguments(format!("`glob` is not a valid glob: {e}")))?;
         walk.overrides(globs);
     }
-    let above = ancestor_ignores(&tools.root, &target);
+    let above = ancestor_ignores(&tools.grep_cache, &tools.root, &target);
     let skip_offload_dirs = tools.offload.is_some() && target == tools.root.dir();
     walk.filter_entry(move |entry| keep_entry(entry, &above, skip_offload_dirs));
 
@@ -259,17 +321,19 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
 /// The .gitignore files of the directories from the root down to `target`'s parent:
 /// the walker reads those at `target` and below, but none above it (it would climb
 /// past the root).
-fn ancestor_ignores(root: &Root, target: &Path) -> Vec<Gitignore> {
+fn ancestor_ignores(cache: &GrepCache, root: &Root, target: &Path) -> Vec<Arc<Gitignore>> {
     let mut out = Vec::new();
     let Ok(rel) = target.strip_prefix(root.dir()) else {
         return out;
     };
+    if rel.as_os_str().is_empty() {
+        // `target` is the root: the walker reads its .gitignore.
+        return out;
+    }
     let mut dir = root.dir().to_path_buf();
     let mut parts = rel.components().peekable();
     loop {
-        let file = dir.join(".gitignore");
-        if file.is_file() {
-            let (gitignore, _partial_errors) = Gitignore::new(&file);
+        if let Some(gitignore) = cache.gitignore(dir.join(".gitignore")) {
             out.push(gitignore);
         }
         match parts.next() {
@@ -278,17 +342,13 @@ fn ancestor_ignores(root: &Root, target: &Path) -> Vec<Gitignore> {
             _ => break,
         }
     }
-    if rel.as_os_str().is_empty() {
-        // `target` is the root: the walker reads its .gitignore.
-        out.clear();
-    }
     out
 }
 
 /// Whether the walk goes into / searches `entry`: not `target/` directories, not
 /// top-level offload directories (shadowed), not what the .gitignore files above the
 /// search path exclude. The search path itself (depth 0) is always kept.
-fn keep_entry(entry: &DirEntry, above: &[Gitignore], skip_offload_dirs: bool) -> bool {
+fn keep_entry(entry: &DirEntry, above: &[Arc<Gitignore>], skip_offload_dirs: bool) -> bool {
     if entry.depth() == 0 {
         return true;
     }
