@@ -1,7 +1,7 @@
 //! The saver.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -49,7 +49,13 @@ struct Inner {
     pool: Pool,
     schema: String,
     sql: Statements,
+    /// The versions of the newest checkpoint this saver put in each namespace: `keel_put`
+    /// confirms the head under its lock, so references to them need no lookup.
+    heads: Mutex<support::HeadVersions>,
 }
+
+/// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
+const HEAD_VERSIONS: usize = 4096;
 
 impl std::fmt::Debug for PostgresSaver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -122,6 +128,7 @@ impl PostgresSaver {
                 pool,
                 schema: schema.to_owned(),
                 sql: Statements::new(schema),
+                heads: Mutex::new(support::HeadVersions::new(HEAD_VERSIONS)),
             }),
         })
     }
@@ -680,7 +687,13 @@ impl Checkpointer for PostgresSaver {
             .iter()
             .map(|s| s.as_deref().map(JsonText))
             .collect();
-        let refs = support::referenced_versions(&request);
+        // `keel_put` checks that the head is `expected_head` before these references.
+        let refs = self
+            .inner
+            .heads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .to_check(&request);
         let mut r_channel = Vec::with_capacity(refs.len());
         let mut r_writer = Vec::with_capacity(refs.len());
         let mut r_seq = Vec::with_capacity(refs.len());
@@ -719,6 +732,11 @@ impl Checkpointer for PostgresSaver {
             )
             .await
             .map_err(|e| put_error(&self.inner.schema, expected_head, e))?;
+        self.inner
+            .heads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remember(&request);
         Ok(())
     }
 

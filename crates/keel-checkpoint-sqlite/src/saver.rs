@@ -47,6 +47,9 @@ pub struct SqliteSaver {
     inner: Arc<Inner>,
 }
 
+/// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
+const HEAD_VERSIONS: usize = 4096;
+
 struct Inner {
     path: Option<PathBuf>,
     /// Reader connections; `None` when the writer does everything (memory, `readers(0)`).
@@ -55,7 +58,7 @@ struct Inner {
     writer: Lane,
     /// The versions of the newest checkpoint this saver put in each namespace, so a
     /// put that carries them over need not read their deltas back.
-    heads: Arc<Mutex<store::HeadVersions>>,
+    heads: Arc<Mutex<support::HeadVersions>>,
 }
 
 impl std::fmt::Debug for SqliteSaver {
@@ -130,7 +133,7 @@ impl SqliteSaver {
                 path: Some(path),
                 readers,
                 writer,
-                heads: Arc::default(),
+                heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
         })
     }
@@ -153,7 +156,7 @@ impl SqliteSaver {
                 path: None,
                 readers: None,
                 writer,
-                heads: Arc::default(),
+                heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
         })
     }

@@ -1,7 +1,7 @@
 //! The SQL behind each [`Checkpointer`](keel_checkpoint::Checkpointer) method. Every
 //! function here runs on a database thread; all values are bound as parameters.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use keel_checkpoint::support;
 use keel_checkpoint::{
@@ -138,54 +138,12 @@ fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>>
     }
 }
 
-/// Namespaces whose head versions [`HeadVersions`] remembers at most; past that it
-/// starts over (a miss only costs the reads it saves).
-const HEAD_VERSIONS_CAP: usize = 4096;
-
-/// The channel versions of the newest checkpoint the saver put in each namespace.
-///
-/// A put must refer only to stored deltas. Most refer to the versions of the head they
-/// extend, and those are stored: they were checked (or inserted) when the head was put,
-/// and nothing deletes a delta the head reaches while it is the head (`prune` keeps
-/// the newest checkpoints' chains, and deleting a thread changes its head). So a
-/// reference equal to the remembered head's version of that channel needs no read, as
-/// long as the head read inside the put's transaction is the remembered one; anything
-/// else (another writer moved the head, a fork from an older checkpoint) is read as
-/// before.
-#[derive(Debug, Default)]
-pub(crate) struct HeadVersions {
-    heads: HashMap<ThreadKey, (CheckpointId, BTreeMap<String, ChannelVersion>)>,
-}
-
-impl HeadVersions {
-    fn of(
-        &self,
-        thread: &ThreadKey,
-        head: &CheckpointId,
-    ) -> Option<&BTreeMap<String, ChannelVersion>> {
-        self.heads
-            .get(thread)
-            .filter(|(id, _)| id == head)
-            .map(|(_, versions)| versions)
-    }
-
-    fn remember(&mut self, thread: &ThreadKey, checkpoint: &Checkpoint) {
-        if self.heads.len() >= HEAD_VERSIONS_CAP && !self.heads.contains_key(thread) {
-            self.heads.clear();
-        }
-        self.heads.insert(
-            thread.clone(),
-            (checkpoint.id.clone(), checkpoint.channel_versions.clone()),
-        );
-    }
-}
-
 /// `Checkpointer::put`: fencing, reference checks and every insert in one
 /// `BEGIN IMMEDIATE` transaction. Any refusal or failure rolls it all back.
 pub(crate) fn put(
     conn: &mut Connection,
     request: &PutRequest,
-    heads: &mut HeadVersions,
+    heads: &mut support::HeadVersions,
 ) -> OpResult<()> {
     let PutRequest {
         thread,
@@ -216,11 +174,8 @@ pub(crate) fn put(
             "SELECT seq FROM deltas \
              WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
         )?;
-        let known = current.as_ref().and_then(|head| heads.of(thread, head));
-        for (channel, version) in support::referenced_versions(request) {
-            if known.is_some_and(|known| known.get(channel) == Some(version)) {
-                continue;
-            }
+        // The head is `expected_head` (checked above): what it carried is stored.
+        for (channel, version) in heads.to_check(request) {
             let seq: Option<i64> = stored_seq
                 .query_row(
                     params![
@@ -302,7 +257,7 @@ pub(crate) fn put(
         .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
     }
     tx.commit()?;
-    heads.remember(thread, checkpoint);
+    heads.remember(request);
     Ok(())
 }
 

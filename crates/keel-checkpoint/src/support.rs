@@ -3,11 +3,11 @@
 //! pending-write keys, and the idle cutoff of a TTL sweep.
 
 use std::borrow::Borrow;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::CheckpointError;
-use crate::id::CheckpointId;
+use crate::id::{CheckpointId, ThreadKey};
 use crate::types::{
     ChannelChain, ChannelDelta, ChannelVersion, CheckpointMetadata, PendingWrite, PutRequest,
 };
@@ -113,6 +113,106 @@ pub fn referenced_versions(request: &PutRequest) -> Vec<(&str, &ChannelVersion)>
         .filter(|(_, v)| v.writer != request.checkpoint.id)
         .map(|(channel, v)| (channel.as_str(), v));
     bases.chain(carried).collect()
+}
+
+/// The channel versions of the newest checkpoint a saver put in each namespace, so a
+/// put that carries them over need not have storage look each of them up again.
+///
+/// A put may refer only to stored deltas ([`referenced_versions`]). Most refer to the
+/// versions of the head they extend, and those are stored: they were checked (or
+/// inserted) when that head was put, and nothing deletes a delta the head reaches
+/// while it is the head (`prune` keeps the newest checkpoints' chains; deleting a
+/// thread removes its head). So a reference equal to the remembered head's version of
+/// its channel needs no lookup, **provided the backend confirms, in the put's own
+/// transaction, that the thread's head is `expected_head`** (as the fencing check
+/// does). Anything else (another writer moved the head, a fork from an older
+/// checkpoint) is checked as usual.
+///
+/// Bounded: past `capacity` namespaces it starts over (a miss only costs the lookups
+/// it would have saved).
+///
+/// ```
+/// use keel_checkpoint::support::{HeadVersions, referenced_versions};
+/// use keel_checkpoint::*;
+/// use serde_json::json;
+///
+/// // A step writing `channel`, after `parent`.
+/// let step = |parent: Option<&Checkpoint>, channel: &str| {
+///     let mut checkpoint = match parent {
+///         Some(p) => p.successor(),
+///         None => Checkpoint::new(None),
+///     };
+///     let version = ChannelVersion::new(1, checkpoint.id.clone());
+///     checkpoint.channel_versions.insert(channel.into(), version.clone());
+///     let delta = ChannelDelta {
+///         channel: channel.into(),
+///         version,
+///         base: None,
+///         updates: vec![json!(1)],
+///         snapshot: None,
+///     };
+///     PutRequest {
+///         thread: ThreadKey::new("t"),
+///         checkpoint,
+///         metadata: CheckpointMetadata::new(CheckpointSource::Loop, 0),
+///         deltas: vec![delta],
+///         expected_head: parent.map(|p| p.id.clone()),
+///     }
+/// };
+/// let mut heads = HeadVersions::new(1024);
+/// let first = step(None, "a");
+/// heads.remember(&first); // once it committed
+/// let second = step(Some(&first.checkpoint), "b");
+/// assert_eq!(referenced_versions(&second).len(), 1, "`a` is carried over");
+/// assert!(heads.to_check(&second).is_empty(), "and known to be stored");
+/// ```
+#[derive(Debug, Clone)]
+pub struct HeadVersions {
+    heads: HashMap<ThreadKey, (CheckpointId, BTreeMap<String, ChannelVersion>)>,
+    capacity: usize,
+}
+
+impl HeadVersions {
+    /// Remembers the heads of up to `capacity` namespaces.
+    pub fn new(capacity: usize) -> Self {
+        HeadVersions {
+            heads: HashMap::new(),
+            capacity,
+        }
+    }
+
+    /// The references of `request` ([`referenced_versions`]) storage must still
+    /// check: all but those equal to the remembered versions of its `expected_head`.
+    pub fn to_check<'r>(&self, request: &'r PutRequest) -> Vec<(&'r str, &'r ChannelVersion)> {
+        let known = request.expected_head.as_ref().and_then(|head| {
+            self.heads
+                .get(&request.thread)
+                .filter(|(id, _)| id == head)
+                .map(|(_, versions)| versions)
+        });
+        let mut refs = referenced_versions(request);
+        if let Some(known) = known {
+            refs.retain(|(channel, version)| known.get(*channel) != Some(*version));
+        }
+        refs
+    }
+
+    /// Records `request`'s checkpoint as its namespace's head. Call it only after the
+    /// put committed.
+    pub fn remember(&mut self, request: &PutRequest) {
+        if self.heads.len() >= self.capacity && !self.heads.contains_key(&request.thread) {
+            self.heads.clear();
+        }
+        if self.capacity > 0 {
+            self.heads.insert(
+                request.thread.clone(),
+                (
+                    request.checkpoint.id.clone(),
+                    request.checkpoint.channel_versions.clone(),
+                ),
+            );
+        }
+    }
 }
 
 /// Rebuilds the chain of `channel` at version `head`.
