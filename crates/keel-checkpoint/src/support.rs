@@ -1,6 +1,7 @@
 //! Pieces of the [`Checkpointer`](crate::Checkpointer) contract that every backend
 //! needs, written once so backends agree: request validation, chain rebuilding,
-//! pending-write keys, and the idle cutoff of a TTL sweep.
+//! pending-write keys, the idle cutoff of a TTL sweep, and the head versions a saver
+//! need not look up again ([`HeadVersions`]).
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
