@@ -158,7 +158,10 @@ impl Statements {
                      WHERE c.thread_id = $1 AND c.ns = $2 AND c.checkpoint_id = x.checkpoint_id)"
             ),
             // Keeps every delta a remaining checkpoint's chain reaches (the same walk as
-            // `get`: back along base links to the newest snapshot).
+            // `get`: back along base links to the newest snapshot). Only deltas written
+            // before the oldest remaining checkpoint can go (a checkpoint's own deltas are
+            // on its chain); `NOT IN` over the walk is one hashed lookup a row, where
+            // `NOT EXISTS` was planned as a nested loop over it (rows x walk).
             prune_deltas: format!(
                 "WITH RECURSIVE
                  tips AS (
@@ -186,10 +189,16 @@ impl Statements {
                            AND x.seq < n.seq
                          LIMIT 1) d
                      WHERE NOT n.snap
+                 ),
+                 oldest AS (
+                     SELECT (SELECT c.checkpoint_id FROM {s}.keel_checkpoints c
+                             WHERE c.thread_id = $1 AND c.ns = $2
+                             ORDER BY c.checkpoint_id LIMIT 1) AS id
                  )
-                 DELETE FROM {s}.keel_deltas d
-                 WHERE d.thread_id = $1 AND d.ns = $2 AND NOT EXISTS (
-                     SELECT 1 FROM needed n WHERE n.channel = d.channel AND n.writer = d.writer)"
+                 DELETE FROM {s}.keel_deltas d USING oldest
+                 WHERE d.thread_id = $1 AND d.ns = $2
+                   AND (oldest.id IS NULL OR d.writer < oldest.id)
+                   AND (d.channel, d.writer) NOT IN (SELECT n.channel, n.writer FROM needed n)"
             ),
             prune_head: format!(
                 "DELETE FROM {s}.keel_heads h
