@@ -813,17 +813,20 @@ impl Checkpointer for PostgresSaver {
         let key: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&thread.thread_id, &thread.ns];
         let err = |e| query_error(&self.inner.schema, e);
         let tx = client.transaction().await.map_err(err)?;
-        // The head row lock orders prune after (or before) any put in flight.
-        tx.query(&lock, &key).await.map_err(err)?;
-        let removed = tx
-            .execute(&checkpoints, &[&thread.thread_id, &thread.ns, &keep])
-            .await
-            .map_err(err)?;
-        if removed > 0 {
-            tx.execute(&writes, &key).await.map_err(err)?;
-            tx.execute(&deltas, &key).await.map_err(err)?;
-            tx.execute(&head, &key).await.map_err(err)?;
-        }
+        // Sent together (tokio-postgres pipelines them on the connection) and run in
+        // this order: the head row lock first orders the prune after (or before) any put
+        // in flight, and each later statement's snapshot is taken after it. With nothing
+        // removed the last three find nothing to delete.
+        let keep_args: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&thread.thread_id, &thread.ns, &keep];
+        let (_, removed, _, _, _) = futures::try_join!(
+            tx.query(&lock, &key),
+            tx.execute(&checkpoints, &keep_args),
+            tx.execute(&writes, &key),
+            tx.execute(&deltas, &key),
+            tx.execute(&head, &key),
+        )
+        .map_err(err)?;
         tx.commit().await.map_err(err)?;
         Ok(usize::try_from(removed).unwrap_or(usize::MAX))
     }
