@@ -63,11 +63,19 @@ const THREADS: usize = 50;
 const PROCESSES: usize = 3;
 const SLOTS: usize = 3;
 const KILLS: usize = 20;
-/// Each echo call's sleep.
-const DELAY: Duration = Duration::from_millis(10);
-/// The wait before each kill, in milliseconds: uniform in this range, so the 20 kills
-/// (about 20 s) land well before the fleet can finish.
-const KILL_GAP: std::ops::RangeInclusive<u64> = 200..=1_800;
+/// Each echo call's sleep, in milliseconds. The sleeps alone keep the fleet busy for
+/// `THREADS * (STEPS - 1) * DELAY_MS / (PROCESSES * SLOTS)` = 11 s however fast the
+/// runtime is (it used to be the runtime's slowness that left time for the kills).
+const DELAY_MS: u64 = 20;
+const DELAY: Duration = Duration::from_millis(DELAY_MS);
+/// The wait before each kill, in milliseconds: uniform in this range, so all 20 kills
+/// (at most 9 s) land before the fleet can possibly finish (checked below).
+const KILL_GAP: std::ops::RangeInclusive<u64> = 100..=450;
+const _: () = assert!(
+    (KILLS as u64) * *KILL_GAP.end()
+        < THREADS as u64 * (STEPS - 1) * DELAY_MS / (PROCESSES * SLOTS) as u64,
+    "the kills must all land before the tools' sleeps alone could end the fleet"
+);
 const DEADLINE: Duration = Duration::from_secs(300);
 
 /// The two fleet tests run one after the other: each has the two cores (and the
