@@ -12,6 +12,7 @@
 //! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
 //! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
+//! `KEEL_BENCH_AGENT_DURABILITIES` (e.g. `sync`) the durabilities,
 //! `KEEL_PGBENCH_SECS` pgbench's duration (10 s).
 //! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
 //! without one, the PostgreSQL rows and pgbench are skipped and the reason printed.
@@ -108,17 +109,22 @@ pub fn run() -> Result<Vec<Row>> {
     let mut keel_rows: Vec<Value> = Vec::new();
     let mut keel_errors: BTreeMap<String, Vec<String>> = BTreeMap::new();
     // KEEL_BENCH_AGENT_BACKENDS=postgres,sqlite runs only those backends.
-    let only: Option<Vec<String>> = std::env::var("KEEL_BENCH_AGENT_BACKENDS")
-        .ok()
-        .map(|v| v.split(',').map(|b| b.trim().to_owned()).collect());
+    let list = |var: &str| -> Option<Vec<String>> {
+        std::env::var(var)
+            .ok()
+            .map(|v| v.split(',').map(|b| b.trim().to_owned()).collect())
+    };
+    let only = list("KEEL_BENCH_AGENT_BACKENDS");
+    // KEEL_BENCH_AGENT_DURABILITIES=sync runs only that durability.
+    let only_durability = list("KEEL_BENCH_AGENT_DURABILITIES");
+    let excluded = |only: &Option<Vec<String>>, name: &str| {
+        only.as_ref().is_some_and(|o| !o.iter().any(|b| b == name))
+    };
     for &(backend, durability) in CONFIGS {
         if backend == "postgres" && url.is_none() {
             continue;
         }
-        if only
-            .as_ref()
-            .is_some_and(|o| !o.iter().any(|b| b == backend))
-        {
+        if excluded(&only, backend) || excluded(&only_durability, durability) {
             continue;
         }
         // Wall seconds of the last size run, per side, to judge whether the next fits.
