@@ -34,6 +34,11 @@
 //! [`Agent::delete_thread`] and [`Agent::sweep_idle`] remove checkpoints with the
 //! offloaded files only they saw.
 //!
+//! An agent runs on Tokio: [`Agent::run`], [`Agent::run_from`] and [`Agent::stream`]
+//! drive the graph on a task of their own and each tool call gets one, so call them
+//! inside a Tokio runtime (a multi-threaded one runs tool calls and file work in
+//! parallel).
+//!
 //! The tools follow the [`keel_message::Tool`] contract. The offload retrieval tools
 //! (`ls`, `read_file`, `grep` over what left the context) are registered by default;
 //! with the `fs` feature, [`tools::FileTools`] adds file tools rooted in one directory
