@@ -29,7 +29,9 @@
 //! thread resumes from an earlier checkpoint), never the file's consistency.
 //! [`Synchronous::Full`] flushes every commit to the disk instead; each step then waits
 //! for an `fsync`, which is typically an order of magnitude slower (`cargo xtask bench
-//! sqlite` measures both). See [`SqliteOptions`].
+//! sqlite` measures both). The log is copied back into the file (a WAL checkpoint) on a
+//! thread of its own as it grows, so no put waits for that either
+//! ([`SqliteOptions::checkpoint_pages`]). See [`SqliteOptions`].
 //!
 //! Input is always bound as parameters, never spliced into SQL: thread ids, namespaces,
 //! channel names and metadata are stored verbatim, whatever quotes, Unicode or NUL bytes
@@ -105,6 +107,7 @@ mod options;
 mod saver;
 mod schema;
 mod store;
+mod wal;
 mod worker;
 
 pub use error::SqliteError;

@@ -67,6 +67,14 @@ pub struct SqliteOptions {
     /// with SQLite's "database or disk is full" and writes nothing (default: no limit
     /// beyond the disk's).
     pub max_size: Option<u64>,
+    /// Write-ahead log pages (of 4 KiB) after which the log is copied into the database
+    /// file (a checkpoint; default 1,000, SQLite's own default). The copy runs on a
+    /// thread and connection of its own, so no put waits for it; should commits keep it
+    /// from ever catching up, the writer does it itself at four times this many pages,
+    /// so the log stays bounded. `0` turns automatic checkpoints off: the log then
+    /// grows until [`SqliteSaver::wal_checkpoint`] or the last connection closing
+    /// copies it. Ignored in memory.
+    pub checkpoint_pages: u32,
 }
 
 impl Default for SqliteOptions {
@@ -76,6 +84,7 @@ impl Default for SqliteOptions {
             busy_timeout: Duration::from_secs(5),
             readers: 2,
             max_size: None,
+            checkpoint_pages: 1_000,
         }
     }
 }
@@ -102,6 +111,13 @@ impl SqliteOptions {
     /// Caps the database size in bytes.
     pub fn max_size(mut self, bytes: u64) -> Self {
         self.max_size = Some(bytes);
+        self
+    }
+
+    /// Sets the write-ahead log pages after which a checkpoint runs in the background
+    /// (`0`: never on its own).
+    pub fn checkpoint_pages(mut self, pages: u32) -> Self {
+        self.checkpoint_pages = pages;
         self
     }
 

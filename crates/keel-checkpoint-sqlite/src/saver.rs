@@ -17,7 +17,8 @@ use crate::error::SqliteError;
 use crate::options::SqliteOptions;
 use crate::schema;
 use crate::store::{self, ListQuery};
-use crate::worker::Lane;
+use crate::wal::{self, Checkpoints};
+use crate::worker::{AfterJob, Lane};
 
 /// How many checkpoints one `list` query reads at most.
 const LIST_PAGE: usize = 128;
@@ -55,6 +56,10 @@ struct Inner {
     /// Reader connections; `None` when the writer does everything (memory, `readers(0)`).
     /// Declared first so readers close before the writer, which then cleans up the WAL.
     readers: Option<Lane>,
+    /// Copies the write-ahead log into the file in the background (`None` in memory,
+    /// or with `checkpoint_pages(0)`). Stops before the writer closes, so the writer is
+    /// the last connection and removes the log. Held only to be dropped there.
+    _checkpoints: Option<Checkpoints>,
     writer: Lane,
     /// The versions of the newest checkpoint this saver put in each namespace, so a
     /// put that carries them over need not read their deltas back.
@@ -109,12 +114,31 @@ impl SqliteSaver {
         options: SqliteOptions,
     ) -> Result<Self, SqliteError> {
         let path = path.as_ref().to_owned();
+        let trigger = Checkpoints::trigger(options.checkpoint_pages);
         let writer = {
             let (path, options) = (path.clone(), options.clone());
-            Lane::start("keel-sqlite-writer", 1, move || {
-                schema::open_writer(&path, &options)
-            })
-            .await?
+            let after: AfterJob = {
+                let trigger = trigger.clone();
+                Arc::new(move |conn| trigger.after_job(conn))
+            };
+            let open = move || {
+                let conn = schema::open_writer(&path, &options)?;
+                wal::watch_log(&conn);
+                Ok(conn)
+            };
+            Lane::start_with("keel-sqlite-writer", 1, open, Some(after)).await?
+        };
+        let checkpoints = match options.checkpoint_pages {
+            0 => None,
+            _ => {
+                let (path, options) = (path.clone(), options.clone());
+                Some(
+                    Checkpoints::start(&trigger, move || {
+                        schema::open_checkpointer(&path, &options)
+                    })
+                    .await?,
+                )
+            }
         };
         let readers = match options.readers {
             0 => None,
@@ -132,6 +156,7 @@ impl SqliteSaver {
             inner: Arc::new(Inner {
                 path: Some(path),
                 readers,
+                _checkpoints: checkpoints,
                 writer,
                 heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
@@ -155,6 +180,7 @@ impl SqliteSaver {
             inner: Arc::new(Inner {
                 path: None,
                 readers: None,
+                _checkpoints: None,
                 writer,
                 heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
@@ -172,8 +198,10 @@ impl SqliteSaver {
     }
 
     /// Copies the write-ahead log into the database file and truncates it
-    /// (`PRAGMA wal_checkpoint(TRUNCATE)`), so the file alone holds everything. SQLite
-    /// also does this on its own as the log grows and when the last connection closes.
+    /// (`PRAGMA wal_checkpoint(TRUNCATE)`), so the file alone holds everything. The
+    /// saver also copies the log on its own as it grows (in the background, see
+    /// [`SqliteOptions::checkpoint_pages`]), and SQLite does when the last connection
+    /// closes.
     /// Returns `false` if a reader (possibly another process) kept it from finishing.
     pub async fn wal_checkpoint(&self) -> Result<bool, CheckpointError> {
         self.write(|conn| store::wal_checkpoint(conn).map(|busy| !busy))

@@ -137,6 +137,20 @@ pub(crate) fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connec
     Ok(conn)
 }
 
+/// Opens the connection that copies the write-ahead log into the file in the background
+/// (`crate::wal`), on a file the writer has opened.
+pub(crate) fn open_checkpointer(
+    path: &Path,
+    options: &SqliteOptions,
+) -> Result<Connection, SqliteError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    configure(&conn, options)?;
+    Ok(conn)
+}
+
 /// Opens a private in-memory database (no WAL: one connection does everything).
 pub(crate) fn open_memory(options: &SqliteOptions) -> Result<Connection, SqliteError> {
     let mut conn = Connection::open_in_memory()?;

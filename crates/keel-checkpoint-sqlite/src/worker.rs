@@ -19,6 +19,9 @@ use crate::error::SqliteError;
 
 type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 
+/// What a lane's thread runs after each job, with the same connection.
+pub(crate) type AfterJob = Arc<dyn Fn(&mut Connection) + Send + Sync>;
+
 /// A job queue and the threads that serve it.
 pub(crate) struct Lane {
     tx: Option<mpsc::Sender<Job>>,
@@ -30,6 +33,20 @@ impl Lane {
     /// (called on that thread). Returns once every connection is open, or with the
     /// first error (the threads started so far then stop).
     pub(crate) async fn start<F>(name: &str, count: usize, open: F) -> Result<Self, SqliteError>
+    where
+        F: Fn() -> Result<Connection, SqliteError> + Send + Sync + 'static,
+    {
+        Self::start_with(name, count, open, None).await
+    }
+
+    /// [`Lane::start`], with `after` run on the job's thread after each job (a panic in
+    /// it is caught, as a job's is).
+    pub(crate) async fn start_with<F>(
+        name: &str,
+        count: usize,
+        open: F,
+        after: Option<AfterJob>,
+    ) -> Result<Self, SqliteError>
     where
         F: Fn() -> Result<Connection, SqliteError> + Send + Sync + 'static,
     {
@@ -45,6 +62,7 @@ impl Lane {
             let (ready_tx, ready_rx) = oneshot::channel::<Result<(), SqliteError>>();
             let rx = Arc::clone(&rx);
             let open = Arc::clone(&open);
+            let after = after.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("{name}-{i}"))
                 .spawn(move || {
@@ -56,7 +74,7 @@ impl Lane {
                         }
                     };
                     let _ = ready_tx.send(Ok(()));
-                    serve(&rx, &mut conn);
+                    serve(&rx, &mut conn, after.as_deref());
                 })
                 .map_err(SqliteError::Thread)?;
             lane.threads.push(thread);
@@ -100,7 +118,11 @@ impl Lane {
 /// Serves jobs until the queue closes. A job that panics loses its reply (its caller
 /// gets [`SqliteError::WorkerStopped`]) but not the thread; an open transaction is
 /// rolled back as the panic unwinds.
-fn serve(rx: &Mutex<mpsc::Receiver<Job>>, conn: &mut Connection) {
+fn serve(
+    rx: &Mutex<mpsc::Receiver<Job>>,
+    conn: &mut Connection,
+    after: Option<&(dyn Fn(&mut Connection) + Send + Sync)>,
+) {
     loop {
         let job = {
             let rx = rx.lock().unwrap_or_else(PoisonError::into_inner);
@@ -110,6 +132,9 @@ fn serve(rx: &Mutex<mpsc::Receiver<Job>>, conn: &mut Connection) {
             return;
         };
         let _ = catch_unwind(AssertUnwindSafe(|| job(conn)));
+        if let Some(after) = after {
+            let _ = catch_unwind(AssertUnwindSafe(|| after(conn)));
+        }
     }
 }
 

@@ -117,7 +117,13 @@ fn child() {
     match role.as_str() {
         "graph" => rt.block_on(async {
             let n: u64 = env("KEEL_SQLITE_STEPS").parse().unwrap();
-            let saver = SqliteSaver::open(&path).await.unwrap();
+            // Write-ahead log checkpoints every few steps (in the background, or on
+            // the writer at four times this), so kills land in them too.
+            let saver = SqliteOptions::default()
+                .checkpoint_pages(8)
+                .open(&path)
+                .await
+                .unwrap();
             let g = graph(n, Arc::new(saver.clone()));
             let config = RunConfig::thread(thread.clone()).with_recursion_limit(usize::MAX);
             let started = saver.get(&ThreadKey::new(thread), None).await.unwrap();
@@ -133,6 +139,7 @@ fn child() {
             let steps: usize = env("KEEL_SQLITE_STEPS").parse().unwrap();
             let saver = SqliteOptions::default()
                 .busy_timeout(Duration::from_secs(30))
+                .checkpoint_pages(8)
                 .open(&path)
                 .await
                 .unwrap();

@@ -139,3 +139,67 @@ async fn a_put_waiting_for_the_disk_does_not_block_the_runtime() {
     let head = saver.get(&thread, None).await.unwrap().unwrap();
     assert_eq!(head.checkpoint, next.checkpoint);
 }
+
+/// Puts `steps` one-item steps of `size` bytes with `options` into a new file and
+/// returns (the largest size the log file had after a put, the database file's size
+/// before the saver closes); the history reads back whole.
+async fn log_sizes(options: SqliteOptions, steps: usize, size: usize) -> (u64, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wal.db");
+    let wal = dir.path().join("wal.db-wal");
+    let saver = options.open(&path).await.unwrap();
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    let mut largest_log = 0;
+    for i in 0..steps {
+        let request = step(
+            &thread,
+            parent.as_ref(),
+            "log",
+            items(&format!("{i:04}"), 1, size),
+        );
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+        largest_log = largest_log.max(std::fs::metadata(&wal).map_or(0, |m| m.len()));
+    }
+    let tuple = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(fold(&tuple.channels["log"]).len(), steps);
+    let database = std::fs::metadata(&path).unwrap().len();
+    (largest_log, database)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_copied_into_the_file_as_it_grows_and_stays_bounded() {
+    // A log frame is a 4 KiB page and a 24-byte header; the log file has a 32-byte one.
+    let frames = |bytes: u64| bytes.saturating_sub(32) / (4096 + 24);
+    // 400 steps of 3 KB write well over a thousand pages to the log.
+    let (steps, size) = (400, 3000);
+
+    // Checkpoints after 16 pages: the background thread, or the writer itself at 64
+    // pages, copies the log into the file, and the log starts over.
+    let (log, database) =
+        log_sizes(SqliteOptions::default().checkpoint_pages(16), steps, size).await;
+    assert!(
+        frames(log) <= 64 + 16,
+        "the log grew to {} frames with checkpoints every 16 pages",
+        frames(log)
+    );
+    assert!(
+        database > (steps * size) as u64,
+        "the history ({} bytes of items) reached the file: it has {database} bytes",
+        steps * size
+    );
+
+    // Without automatic checkpoints the log holds everything until the saver closes.
+    let (log, database) =
+        log_sizes(SqliteOptions::default().checkpoint_pages(0), steps, size).await;
+    assert!(
+        frames(log) > 4 * (64 + 16),
+        "the log has {} frames without checkpoints",
+        frames(log)
+    );
+    assert!(
+        database < (steps * size) as u64 / 4,
+        "without checkpoints the file keeps only the schema: it has {database} bytes"
+    );
+}
