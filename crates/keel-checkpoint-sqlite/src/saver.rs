@@ -17,7 +17,7 @@ use crate::error::SqliteError;
 use crate::options::SqliteOptions;
 use crate::schema;
 use crate::store::{self, ListQuery};
-use crate::wal::{self, Checkpoints};
+use crate::wal::{self, Checkpoints, Trigger};
 use crate::worker::{AfterJob, Lane};
 
 /// How many checkpoints one `list` query reads at most.
@@ -60,6 +60,8 @@ struct Inner {
     /// or with `checkpoint_pages(0)`). Stops before the writer closes, so the writer is
     /// the last connection and removes the log. Held only to be dropped there.
     _checkpoints: Option<Checkpoints>,
+    /// The writer's side of the background checkpoints (`None` in memory).
+    trigger: Option<Trigger>,
     writer: Lane,
     /// The versions of the newest checkpoint this saver put in each namespace, so a
     /// put that carries them over need not read their deltas back.
@@ -157,6 +159,7 @@ impl SqliteSaver {
                 path: Some(path),
                 readers,
                 _checkpoints: checkpoints,
+                trigger: Some(trigger),
                 writer,
                 heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
@@ -181,6 +184,7 @@ impl SqliteSaver {
                 path: None,
                 readers: None,
                 _checkpoints: None,
+                trigger: None,
                 writer,
                 heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
             }),
@@ -204,8 +208,15 @@ impl SqliteSaver {
     /// closes.
     /// Returns `false` if a reader (possibly another process) kept it from finishing.
     pub async fn wal_checkpoint(&self) -> Result<bool, CheckpointError> {
-        self.write(|conn| store::wal_checkpoint(conn).map(|busy| !busy))
-            .await
+        let trigger = self.inner.trigger.clone();
+        self.write(move |conn| {
+            // A background pass holding the checkpoint lock would make this one busy.
+            if let Some(trigger) = &trigger {
+                trigger.wait_idle();
+            }
+            store::wal_checkpoint(conn).map(|busy| !busy)
+        })
+        .await
     }
 
     async fn read<T, F>(&self, f: F) -> Result<T, CheckpointError>

@@ -115,29 +115,38 @@ impl Trigger {
             return;
         }
         let behind = pages.saturating_sub(self.signal.copied.load(Ordering::Relaxed));
-        let mut state = self.signal.lock();
         if pages >= self.threshold.saturating_mul(BACKSTOP_FACTOR) {
-            // The backstop: wait for a running pass (its copy is the writer's too),
-            // start no other, and copy the rest here, so the log stops growing.
-            state.wanted = false;
-            while state.running {
-                state = self
-                    .signal
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
+            // The backstop: copy the rest here, so the log stops growing.
+            self.wait_idle();
+        } else {
+            let mut state = self.signal.lock();
+            let catch_up = (self.threshold / CATCH_UP_DIVISOR).max(CATCH_UP_MIN);
+            if state.running || behind > catch_up {
+                state.wanted = true;
+                drop(state);
+                self.signal.changed.notify_all();
+                return;
             }
-        } else if state.running || behind > (self.threshold / CATCH_UP_DIVISOR).max(CATCH_UP_MIN) {
-            state.wanted = true;
-            drop(state);
-            self.signal.changed.notify_all();
-            return;
         }
-        drop(state);
         // The last few pages (or, at the backstop, all that is left), so that the next
         // write finds the log copied and starts it over. The put that committed has its
         // answer already. A failure leaves the pages in the log for the next try.
         let _ = passive_checkpoint(conn);
+    }
+
+    /// On the writer's thread: waits for a running background pass to end and starts
+    /// no other until the writer's next job has run, so a checkpoint the writer runs
+    /// now finds the checkpoint lock free.
+    pub(crate) fn wait_idle(&self) {
+        let mut state = self.signal.lock();
+        state.wanted = false;
+        while state.running {
+            state = self
+                .signal
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
     }
 }
 

@@ -203,3 +203,32 @@ async fn the_log_is_copied_into_the_file_as_it_grows_and_stays_bounded() {
         "without checkpoints the file keeps only the schema: it has {database} bytes"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_checkpoint_call_is_not_kept_from_finishing_by_a_background_pass() {
+    // Checkpoints every 4 pages: a background pass runs after almost every put.
+    let dir = tempfile::tempdir().unwrap();
+    let saver = SqliteOptions::default()
+        .checkpoint_pages(4)
+        .open(dir.path().join("truncate.db"))
+        .await
+        .unwrap();
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    for i in 0..200 {
+        let request = step(
+            &thread,
+            parent.as_ref(),
+            "log",
+            items(&format!("{i}"), 1, 3000),
+        );
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+        assert!(
+            saver.wal_checkpoint().await.unwrap(),
+            "wal_checkpoint after put {i} did not finish"
+        );
+        let log = std::fs::metadata(dir.path().join("truncate.db-wal")).map_or(0, |m| m.len());
+        assert_eq!(log, 0, "the log is truncated after put {i}");
+    }
+}
