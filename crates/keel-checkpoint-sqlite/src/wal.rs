@@ -13,10 +13,12 @@
 //! [`SqliteOptions::checkpoint_pages`](crate::SqliteOptions::checkpoint_pages). A passive
 //! checkpoint never blocks the writer or the readers; it copies what no reader still
 //! needs. The log starts over at the first write after a checkpoint that copied all of
-//! it. Should a steady stream of commits keep that from happening, the writer runs the
-//! checkpoint itself once the log reaches four times the threshold, as SQLite would
-//! have (cheaply by then: the background passes have copied and flushed most of it), so
-//! the log stays bounded.
+//! it, which a background pass racing the writer's commits seldom leaves; so once a
+//! pass has left only a few pages uncopied, the writer copies them itself after its
+//! next commit (a short pass, after the put's answer has gone out). Should a steady
+//! stream of commits keep even that from happening, the writer waits for the running
+//! pass and copies the rest once the log reaches four times the threshold, so the log
+//! stays bounded.
 
 use std::cell::Cell;
 use std::ffi::c_int;
