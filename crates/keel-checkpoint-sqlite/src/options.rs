@@ -67,13 +67,13 @@ pub struct SqliteOptions {
     /// with SQLite's "database or disk is full" and writes nothing (default: no limit
     /// beyond the disk's).
     pub max_size: Option<u64>,
-    /// Write-ahead log pages (of 4 KiB) after which the log is copied into the database
-    /// file (a checkpoint; default 1,000, SQLite's own default). The copy runs on a
-    /// thread and connection of its own, so no put waits for it; should commits keep it
-    /// from ever catching up, the writer does it itself at four times this many pages,
-    /// so the log stays bounded. `0` turns automatic checkpoints off: the log then
-    /// grows until [`SqliteSaver::wal_checkpoint`] or the last connection closing
-    /// copies it. Ignored in memory.
+    /// Write-ahead log pages (4 KiB each in a file keel made) after which the log is
+    /// copied into the database file (a checkpoint; default 1,000, SQLite's own
+    /// default). The copy runs on a thread and connection of its own, so no put waits
+    /// for it; should commits keep it from ever catching up, the writer does it itself
+    /// at four times this many pages, so the log stays bounded. `0` turns automatic
+    /// checkpoints off: the log then grows until [`SqliteSaver::wal_checkpoint`] or the
+    /// last connection closing copies it. Ignored in memory.
     pub checkpoint_pages: u32,
 }
 
