@@ -116,7 +116,7 @@ impl SqliteSaver {
         options: SqliteOptions,
     ) -> Result<Self, SqliteError> {
         let path = path.as_ref().to_owned();
-        let trigger = Checkpoints::trigger(options.checkpoint_pages);
+        let trigger = Trigger::new(options.checkpoint_pages);
         let writer = {
             let (path, options) = (path.clone(), options.clone());
             let after: AfterJob = {

@@ -128,17 +128,13 @@ fn try_open_writer(path: &Path, options: &SqliteOptions) -> Result<Connection, S
 
 /// Opens a reader connection on a file the writer has opened.
 pub(crate) fn open_reader(path: &Path, options: &SqliteOptions) -> Result<Connection, SqliteError> {
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
-        | OpenFlags::SQLITE_OPEN_URI
-        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags)?;
-    configure(&conn, options)?;
+    let conn = open_checkpointer(path, options)?;
     conn.pragma_update(None, "query_only", true)?;
     Ok(conn)
 }
 
 /// Opens the connection that copies the write-ahead log into the file in the background
-/// (`crate::wal`), on a file the writer has opened.
+/// (`crate::wal`), on a file the writer has opened: a reader's, writes allowed.
 pub(crate) fn open_checkpointer(
     path: &Path,
     options: &SqliteOptions,

@@ -27,12 +27,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
-use futures::channel::oneshot;
-
 use rusqlite::Connection;
 use rusqlite::hooks::Wal;
 
 use crate::error::SqliteError;
+use crate::worker::spawn_connection;
 
 /// Past `checkpoint_pages` times this, the writer checkpoints itself.
 const BACKSTOP_FACTOR: u32 = 4;
@@ -104,6 +103,15 @@ pub(crate) struct Trigger {
 }
 
 impl Trigger {
+    /// The writer's side for a log `threshold` in pages (`0`: no automatic
+    /// checkpoints); [`Checkpoints::start`] takes it to share its state.
+    pub(crate) fn new(threshold: u32) -> Self {
+        Self {
+            signal: Arc::default(),
+            threshold,
+        }
+    }
+
     /// Called on the writer's thread after each job: wakes the checkpoint thread when
     /// the job committed and the log has reached the threshold, and checkpoints on the
     /// writer itself when it has reached the backstop.
@@ -160,15 +168,6 @@ pub(crate) struct Checkpoints {
 }
 
 impl Checkpoints {
-    /// The writer's [`Trigger`] for a log `threshold` in pages (`0`: no automatic
-    /// checkpoints), and what [`Checkpoints::start`] needs.
-    pub(crate) fn trigger(threshold: u32) -> Trigger {
-        Trigger {
-            signal: Arc::default(),
-            threshold,
-        }
-    }
-
     /// Starts the checkpoint thread for `trigger` with the connection `open` makes (on
     /// that thread). Returns once the connection is open.
     pub(crate) async fn start<F>(trigger: &Trigger, open: F) -> Result<Self, SqliteError>
@@ -176,33 +175,19 @@ impl Checkpoints {
         F: FnOnce() -> Result<Connection, SqliteError> + Send + 'static,
     {
         let signal = Arc::clone(&trigger.signal);
-        let (ready_tx, ready_rx) = oneshot::channel::<Result<(), SqliteError>>();
-        let thread = {
+        let (thread, opened) = {
             let signal = Arc::clone(&signal);
-            std::thread::Builder::new()
-                .name("keel-sqlite-checkpoint".into())
-                .spawn(move || {
-                    let conn = match open() {
-                        Ok(conn) => conn,
-                        Err(err) => {
-                            let _ = ready_tx.send(Err(err));
-                            return;
-                        }
-                    };
-                    let _ = ready_tx.send(Ok(()));
-                    serve(&signal, &conn);
-                })
-                .map_err(SqliteError::Thread)?
+            spawn_connection("keel-sqlite-checkpoint".into(), open, move |conn| {
+                serve(&signal, &conn);
+            })?
         };
+        // Built first, so a failed open still stops and joins the thread.
         let checkpoints = Self {
             signal,
             thread: Some(thread),
         };
-        match ready_rx.await {
-            Ok(Ok(())) => Ok(checkpoints),
-            Ok(Err(err)) => Err(err),
-            Err(oneshot::Canceled) => Err(SqliteError::WorkerStopped),
-        }
+        opened.wait().await?;
+        Ok(checkpoints)
     }
 }
 
@@ -220,9 +205,7 @@ fn serve(signal: &Signal, conn: &Connection) {
             // A failed pass loses nothing: the log keeps the pages for the next pass
             // or the writer's backstop. A panic must not leave `running` set, or the
             // writer's backstop would wait for ever.
-            let copied = catch_unwind(AssertUnwindSafe(|| {
-                conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get::<_, i64>(2))
-            }));
+            let copied = catch_unwind(AssertUnwindSafe(|| passive_checkpoint(conn)));
             if let Ok(Ok(copied)) = copied {
                 let copied = u32::try_from(copied).unwrap_or(0);
                 signal.copied.store(copied, Ordering::Relaxed);
@@ -239,9 +222,10 @@ fn serve(signal: &Signal, conn: &Connection) {
     }
 }
 
-/// `PRAGMA wal_checkpoint(PASSIVE)`: copies what it can without waiting for anyone.
-fn passive_checkpoint(conn: &Connection) -> rusqlite::Result<()> {
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+/// `PRAGMA wal_checkpoint(PASSIVE)`: copies what it can without waiting for anyone;
+/// returns the log pages copied so far.
+fn passive_checkpoint(conn: &Connection) -> rusqlite::Result<i64> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get(2))
 }
 
 impl Drop for Checkpoints {

@@ -22,6 +22,46 @@ type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 /// What a lane's thread runs after each job, with the same connection.
 pub(crate) type AfterJob = Arc<dyn Fn(&mut Connection) + Send + Sync>;
 
+/// Whether a thread of [`spawn_connection`] opened its connection.
+pub(crate) struct Opened(oneshot::Receiver<Result<(), SqliteError>>);
+
+impl Opened {
+    /// Waits for the connection: the error `open` returned, if any.
+    pub(crate) async fn wait(self) -> Result<(), SqliteError> {
+        match self.0.await {
+            Ok(result) => result,
+            Err(oneshot::Canceled) => Err(SqliteError::WorkerStopped),
+        }
+    }
+}
+
+/// Starts a thread named `name` that opens its connection with `open` and then runs
+/// `serve` with it (neither blocks the caller, which awaits [`Opened::wait`]).
+pub(crate) fn spawn_connection<O, S>(
+    name: String,
+    open: O,
+    serve: S,
+) -> Result<(JoinHandle<()>, Opened), SqliteError>
+where
+    O: FnOnce() -> Result<Connection, SqliteError> + Send + 'static,
+    S: FnOnce(Connection) + Send + 'static,
+{
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || match open() {
+            Ok(conn) => {
+                let _ = ready_tx.send(Ok(()));
+                serve(conn);
+            }
+            Err(err) => {
+                let _ = ready_tx.send(Err(err));
+            }
+        })
+        .map_err(SqliteError::Thread)?;
+    Ok((thread, Opened(ready_rx)))
+}
+
 /// A job queue and the threads that serve it.
 pub(crate) struct Lane {
     tx: Option<mpsc::Sender<Job>>,
@@ -59,33 +99,17 @@ impl Lane {
         };
         let mut ready = Vec::with_capacity(count);
         for i in 0..count {
-            let (ready_tx, ready_rx) = oneshot::channel::<Result<(), SqliteError>>();
-            let rx = Arc::clone(&rx);
-            let open = Arc::clone(&open);
-            let after = after.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || {
-                    let mut conn = match open() {
-                        Ok(conn) => conn,
-                        Err(err) => {
-                            let _ = ready_tx.send(Err(err));
-                            return;
-                        }
-                    };
-                    let _ = ready_tx.send(Ok(()));
-                    serve(&rx, &mut conn, after.as_deref());
-                })
-                .map_err(SqliteError::Thread)?;
+            let (rx, open, after) = (Arc::clone(&rx), Arc::clone(&open), after.clone());
+            let (thread, opened) = spawn_connection(
+                format!("{name}-{i}"),
+                move || open(),
+                move |mut conn| serve(&rx, &mut conn, after.as_deref()),
+            )?;
             lane.threads.push(thread);
-            ready.push(ready_rx);
+            ready.push(opened);
         }
-        for ready in ready {
-            match ready.await {
-                Ok(Ok(())) => {}
-                Ok(Err(err)) => return Err(err),
-                Err(oneshot::Canceled) => return Err(SqliteError::WorkerStopped),
-            }
+        for opened in ready {
+            opened.wait().await?;
         }
         Ok(lane)
     }

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{fold, items, step};
+use common::{fold, items, put_log_step, step};
 use futures::TryStreamExt;
 use keel_checkpoint::{CheckpointError, Checkpointer, ListOptions, PendingWrite, ThreadKey};
 use keel_checkpoint_sqlite::rusqlite::{Connection, ErrorCode};
@@ -97,14 +97,7 @@ async fn reopening_the_file_gives_the_same_state() {
     let saver = SqliteSaver::open(&path).await.unwrap();
     let mut parent = None;
     for i in 0..30 {
-        let request = step(
-            &thread,
-            parent.as_ref(),
-            "log",
-            items(&format!("s{i}"), 3, 50),
-        );
-        saver.put(request.clone()).await.unwrap();
-        parent = Some(request.checkpoint);
+        put_log_step(&saver, &thread, &mut parent, items(&format!("s{i}"), 3, 50)).await;
     }
     let head_id = parent.as_ref().unwrap().id.clone();
     saver

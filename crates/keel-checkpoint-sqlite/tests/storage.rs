@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fold, items, step};
+use common::{fold, items, put_log_step, step};
 use keel_checkpoint::{ChannelDelta, ChannelVersion, Checkpointer, ThreadKey};
 use keel_checkpoint_sqlite::rusqlite::Connection;
 use keel_checkpoint_sqlite::{SqliteOptions, SqliteSaver};
@@ -23,14 +23,13 @@ async fn storage_grows_with_each_steps_writes_not_with_the_state() {
     let mut sizes = Vec::new();
     for i in 0..600 {
         // One 1 KB item per step; the channel's value grows to 600 KB.
-        let request = step(
+        put_log_step(
+            &saver,
             &thread,
-            parent.as_ref(),
-            "log",
+            &mut parent,
             items(&format!("{i:04}"), 1, 1000),
-        );
-        saver.put(request.clone()).await.unwrap();
-        parent = Some(request.checkpoint);
+        )
+        .await;
         if i % 200 == 199 {
             saver.wal_checkpoint().await.unwrap();
             sizes.push(saver.stats().await.unwrap());
@@ -152,14 +151,13 @@ async fn log_sizes(options: SqliteOptions, steps: usize, size: usize) -> (u64, u
     let mut parent = None;
     let mut largest_log = 0;
     for i in 0..steps {
-        let request = step(
+        put_log_step(
+            &saver,
             &thread,
-            parent.as_ref(),
-            "log",
+            &mut parent,
             items(&format!("{i:04}"), 1, size),
-        );
-        saver.put(request.clone()).await.unwrap();
-        parent = Some(request.checkpoint);
+        )
+        .await;
         largest_log = largest_log.max(std::fs::metadata(&wal).map_or(0, |m| m.len()));
     }
     let tuple = saver.get(&thread, None).await.unwrap().unwrap();
@@ -216,14 +214,13 @@ async fn a_wal_checkpoint_call_is_not_kept_from_finishing_by_a_background_pass()
     let thread = ThreadKey::new("t");
     let mut parent = None;
     for i in 0..200 {
-        let request = step(
+        put_log_step(
+            &saver,
             &thread,
-            parent.as_ref(),
-            "log",
+            &mut parent,
             items(&format!("{i}"), 1, 3000),
-        );
-        saver.put(request.clone()).await.unwrap();
-        parent = Some(request.checkpoint);
+        )
+        .await;
         assert!(
             saver.wal_checkpoint().await.unwrap(),
             "wal_checkpoint after put {i} did not finish"

@@ -3,9 +3,22 @@
 
 use keel_checkpoint::{
     ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata,
-    CheckpointSource, PutRequest, ThreadKey,
+    CheckpointSource, Checkpointer, PutRequest, ThreadKey,
 };
 use serde_json::{Value, json};
+
+/// Puts the step on top of `parent` (a fresh thread when `None`) that appends `items`
+/// to the "log" channel, and makes it the new `parent`.
+pub async fn put_log_step(
+    saver: &impl Checkpointer,
+    thread: &ThreadKey,
+    parent: &mut Option<Checkpoint>,
+    items: Vec<Value>,
+) {
+    let request = step(thread, parent.as_ref(), "log", items);
+    saver.put(request.clone()).await.unwrap();
+    *parent = Some(request.checkpoint);
+}
 
 /// A put of one step on top of `parent` (a fresh thread when `None`) appending `items`
 /// to `channel`, expecting `parent` to be the head.
