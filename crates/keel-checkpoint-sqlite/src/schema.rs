@@ -86,6 +86,13 @@ const MIGRATIONS: &[&str] = &[
         SELECT thread_id, ns, max(checkpoint_id) FROM checkpoints GROUP BY thread_id, ns;
     CREATE INDEX heads_by_head ON heads (head);
     "#,
+    // 3: checkpoints' `versions` list each writer once (see `store::VersionsRef`).
+    // Nothing to change in the tables: rows written before stay readable as they are,
+    // and the version number keeps an older build, which cannot read the new rows,
+    // from opening the file (`SqliteError::NewerSchema`).
+    r#"
+    -- no table changes
+    "#,
 ];
 
 /// Opens the writer connection: creates the file if needed, switches it to WAL mode,

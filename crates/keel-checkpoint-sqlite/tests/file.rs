@@ -528,3 +528,136 @@ async fn sweep_idle_in_batches() {
     let stats = saver.stats().await.unwrap();
     assert_eq!((stats.threads, stats.checkpoints, stats.deltas), (5, 5, 5));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_written_before_schema_3_stay_readable_and_new_ones_list_each_writer_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("versions.sqlite");
+    let thread = ThreadKey::new("t");
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    // Steps alternating between two channels: later checkpoints name several writers.
+    let mut parent = None;
+    for i in 0..6 {
+        let channel = if i % 2 == 0 { "log" } else { "notes" };
+        let request = step(&thread, parent.as_ref(), channel, vec![json!(i)]);
+        saver.put(request.clone()).await.unwrap();
+        parent = Some(request.checkpoint);
+    }
+    let before = saver.get(&thread, None).await.unwrap().unwrap();
+    let listed: Vec<_> = saver
+        .list(&thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap();
+    drop(saver);
+
+    // New rows list each writer once.
+    let conn = Connection::open(&path).unwrap();
+    let (writers, distinct): (i64, i64) = conn
+        .query_row(
+            "SELECT json_array_length(versions, '$.writers'), \
+             (SELECT count(DISTINCT value) FROM json_each(versions, '$.writers')) \
+             FROM checkpoints ORDER BY checkpoint_id DESC LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((writers, distinct), (2, 2));
+
+    // Rewrite every row in the form schemas 1 and 2 wrote, as an older build left it.
+    conn.execute_batch(
+        "UPDATE checkpoints SET versions = json_object(
+             'channels', (SELECT json_group_object(v.key, json_object(
+                 'seq', json_extract(v.value, '$[1]'),
+                 'writer', json_extract(checkpoints.versions,
+                     '$.writers[' || json_extract(v.value, '$[0]') || ']')))
+                 FROM json_each(checkpoints.versions, '$.versions') v),
+             'seen', json(json_extract(versions, '$.seen')),
+             'sends', json(json_extract(versions, '$.sends')));
+         PRAGMA user_version = 2;",
+    )
+    .unwrap();
+    let old_form: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM checkpoints WHERE json_type(versions, '$.channels') = 'object' \
+             AND json_type(versions, '$.writers') IS NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(old_form, 6);
+    drop(conn);
+
+    // Opened by this build: migrated, and the old rows read back as they were.
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let after = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(after.checkpoint, before.checkpoint);
+    assert_eq!(fold(&after.channels["log"]), [json!(0), json!(2), json!(4)]);
+    assert_eq!(
+        fold(&after.channels["notes"]),
+        [json!(1), json!(3), json!(5)]
+    );
+    let relisted: Vec<_> = saver
+        .list(&thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(relisted.len(), listed.len());
+    for (a, b) in relisted.iter().zip(&listed) {
+        assert_eq!(a.checkpoint, b.checkpoint);
+    }
+
+    // The thread goes on in the new form, and a prune walks old and new rows alike.
+    let request = step(&thread, Some(&after.checkpoint), "log", vec![json!(6)]);
+    saver.put(request.clone()).await.unwrap();
+    assert_eq!(saver.prune(&thread, 2).await.unwrap(), 5);
+    let last = saver.get(&thread, None).await.unwrap().unwrap();
+    assert_eq!(
+        fold(&last.channels["log"]),
+        [json!(0), json!(2), json!(4), json!(6)]
+    );
+    assert_eq!(
+        fold(&last.channels["notes"]),
+        [json!(1), json!(3), json!(5)]
+    );
+    drop(saver);
+    let conn = Connection::open(&path).unwrap();
+    let forms: Vec<(bool, bool)> = conn
+        .prepare(
+            "SELECT json_type(versions, '$.writers') IS 'array', \
+             json_type(versions, '$.channels') IS NOT NULL \
+             FROM checkpoints ORDER BY checkpoint_id",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(forms, [(false, true), (true, false)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_versions_column_naming_a_writer_it_does_not_list_is_reported_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corrupt.sqlite");
+    let thread = ThreadKey::new("t");
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    saver
+        .put(step(&thread, None, "log", vec![json!(1)]))
+        .await
+        .unwrap();
+    drop(saver);
+    let conn = Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE checkpoints SET versions = json_set(versions, '$.versions.log[0]', 7)",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let saver = SqliteSaver::open(&path).await.unwrap();
+    let err = saver.get(&thread, None).await.unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Corrupt { what } if what.contains("names writer 7 of 1")),
+        "{err:?}"
+    );
+}
