@@ -117,7 +117,9 @@ impl AgentInput {
         Self::default()
     }
 
-    /// The goal of a new thread (a thread's goal is written once).
+    /// The goal of a new thread. A thread's goal is written once: running a thread
+    /// that has one with any goal here, even the same text, fails with
+    /// [`AgentError::GoalAlreadySet`]; continue it without a goal.
     #[must_use]
     pub fn goal(mut self, goal: impl Into<GoalAnchor>) -> Self {
         self.goal = Some(goal.into());
@@ -977,7 +979,11 @@ impl AgentBuilder {
     }
 
     /// Where large results and the archive go (default: in memory, for this process
-    /// only; give a `keel_offload::FsStore` for a durable agent).
+    /// only). A durable agent needs a durable store, shared by every run of a thread:
+    /// `keel_offload::SqliteStore` (it can share the `SqliteSaver`'s file),
+    /// `keel_offload::FsStore` or `keel_offload::PostgresStore`. A thread resumed
+    /// without the store its checkpoints archived into cannot compact any more: each
+    /// compaction fails and says so in its [`CompactionEvent`](keel_compaction::CompactionEvent)`::error`.
     pub fn offload_store(mut self, store: Arc<dyn OffloadStore>) -> Self {
         self.store = Some(store);
         self

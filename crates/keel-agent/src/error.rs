@@ -41,7 +41,7 @@ pub enum AgentError {
     },
     /// The thread already has a goal, and the goal is written once.
     #[error(
-        "thread `{thread_id}` already has a goal and a goal is written once; start a new thread for a new goal"
+        "thread `{thread_id}` already has a goal and a goal is written once; run it without a goal to continue it, or start a new thread for another goal"
     )]
     GoalAlreadySet {
         /// The thread.

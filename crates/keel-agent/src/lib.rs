@@ -25,7 +25,8 @@
 //! Every step is checkpointed as deltas ([`AgentState`] is designed for it), so a
 //! thread resumes after a crash from its last checkpoint. Another worker can resume
 //! it when it shares the checkpointer and the offload store (the default store is in
-//! memory, for one process; an `FsStore` is for one machine).
+//! memory, for one process: a durable agent needs a durable store, `SqliteStore` in
+//! the saver's file, an `FsStore` for one machine, a `PostgresStore` for a fleet).
 //!
 //! A run stops at the thread's step ceiling
 //! ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)) or

@@ -48,9 +48,13 @@ pub struct AgentState {
     /// Milestones since the epoch summary, oldest first.
     #[reducer(Milestones)]
     pub milestones: Vec<Layer>,
-    /// The top summary (the era, with keel-compaction's default three tiers).
+    /// The top summary: everything older than the kept summaries, folded into one.
+    /// With keel-compaction's default three tiers this is the era, made only once
+    /// more epoch summaries exist than `keep_summaries`; until then it is `None` and
+    /// the epoch summaries are in [`epochs`](Self::epochs).
     pub epoch: Option<Layer>,
-    /// The kept summaries between the top and the milestones (the last epochs).
+    /// The kept summaries between the top and the milestones: with three tiers, the
+    /// latest epoch summaries (each folds `epoch_every` milestones), oldest first.
     pub epochs: Vec<Layer>,
     /// Model calls so far.
     pub step: u64,
@@ -209,7 +213,7 @@ impl<T: Clone + Send + Sync + 'static> Reducer for WriteOnce<T> {
         if current.is_some() || updates.len() > 1 {
             return Err(ReduceError::Custom(
                 "this channel is written once: it already holds a value (the goal of a thread \
-                 cannot be replaced; start a new thread for a new goal)"
+                 cannot be replaced; continue the thread without a goal, or start a new thread for another goal)"
                     .to_owned(),
             ));
         }

@@ -1016,3 +1016,54 @@ async fn dropping_a_run_stops_it_although_it_runs_on_a_task_of_its_own() {
     let run = agent.run("dropped", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("The slow tool answered."));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
+    // The checkpoints survive a restart, the default in-memory offload store does not.
+    let saver = Arc::new(MemorySaver::new());
+    let config = || {
+        CompactionConfig::default()
+            .with_every_steps(Some(4))
+            .with_keep_recent_tokens(20)
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let first = builder(counting_model(30, seen.clone()))
+        .compaction(config())
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = first
+        .run("restarted", AgentInput::new().max_steps(10))
+        .await
+        .unwrap();
+    assert!(
+        run.state.milestones_made >= 1,
+        "{:?}",
+        run.state.compactions
+    );
+    drop(first);
+
+    let second = builder(counting_model(30, seen))
+        .compaction(config())
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    let run = second
+        .run("restarted", AgentInput::new().max_steps(10))
+        .await
+        .unwrap();
+    let failed: Vec<&str> = run
+        .state
+        .compactions
+        .iter()
+        .filter_map(|e| e.error.as_deref())
+        .collect();
+    assert!(!failed.is_empty(), "{:?}", run.state.compactions);
+    assert!(
+        failed
+            .iter()
+            .all(|e| e.contains("keeps nothing past its process")
+                && e.contains("the same durable store")),
+        "{failed:?}"
+    );
+}

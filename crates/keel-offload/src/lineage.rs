@@ -214,12 +214,17 @@ fn problem(key: impl std::fmt::Display, reason: impl Into<String>) -> OffloadErr
     }
 }
 
+/// What a reader is told when the store lost what a checkpoint saw.
+const LOST: &str = " (an in-memory store, the agent's default, keeps nothing past its \
+                    process: give every run of a thread the same durable store, such as \
+                    SqliteStore, FsStore or PostgresStore)";
+
 fn shorter(key: &Key, seen: u64, size: u64) -> OffloadError {
     problem(
         key,
         format!(
             "the stored file has {size} bytes but this lineage has seen {seen}: it was cut or \
-             deleted under a checkpoint that still refers to it"
+             deleted under a checkpoint that still refers to it{LOST}"
         ),
     )
 }
@@ -735,7 +740,9 @@ impl Read for Parts<'_> {
                 if n == 0 {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
-                        format!("{key}: the stored file is shorter than this lineage has seen"),
+                        format!(
+                            "{key}: the stored file is shorter than this lineage has seen{LOST}"
+                        ),
                     ));
                 }
                 *left -= n as u64;
@@ -748,7 +755,13 @@ impl Read for Parts<'_> {
             if seen == 0 {
                 continue;
             }
-            let reader = self.store.open(&key).map_err(io::Error::other)?;
+            let reader = match self.store.open(&key) {
+                Ok(reader) => reader,
+                Err(OffloadError::NotFound { .. }) => {
+                    return Err(io::Error::other(shorter(&key, seen, 0)));
+                }
+                Err(e) => return Err(io::Error::other(e)),
+            };
             self.current = Some((key, reader, seen));
         }
     }

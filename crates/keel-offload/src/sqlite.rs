@@ -141,10 +141,9 @@ impl SqliteOptions {
 /// * **Connections**: one writer behind a lock, and up to four idle reader connections
 ///   (WAL mode), so reads do not wait for writes. A private in-memory database
 ///   ([`SqliteStore::in_memory`]) has one connection for both.
-/// * **Sharing a file with the checkpointer**: open the `SqliteSaver` first. The saver
-///   refuses a file that has tables but no checkpoint schema yet, so a store opened
-///   first on a new file makes a later saver fail; a sibling file
-///   (`agent.offload.db`) avoids the question.
+/// * **Sharing a file with the checkpointer**: the store's tables (`keel_offload_*`)
+///   and keel-checkpoint-sqlite's `SqliteSaver` live side by side in one file, opened
+///   in either order; each migrates only its own tables.
 ///
 /// Every method blocks the calling thread; async code calls it from a blocking thread
 /// (see [`OffloadStore`]).
