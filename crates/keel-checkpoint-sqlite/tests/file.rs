@@ -7,9 +7,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{fold, items, put_log_step, step};
-use futures::TryStreamExt;
-use keel_checkpoint::{CheckpointError, Checkpointer, ListOptions, PendingWrite, ThreadKey};
+use common::{fold, items, list_all, put_log_step, step};
+use keel_checkpoint::{CheckpointError, Checkpointer, PendingWrite, ThreadKey};
 use keel_checkpoint_sqlite::rusqlite::{Connection, ErrorCode};
 use keel_checkpoint_sqlite::{SCHEMA_VERSION, SqliteError, SqliteOptions, SqliteSaver};
 use serde_json::json;
@@ -75,11 +74,7 @@ async fn two_savers_on_one_file_race_and_exactly_one_wins_each_step() {
         head = winner.checkpoint;
     }
     assert_eq!(wins_a + wins_b, 40);
-    let listed: Vec<_> = b
-        .list(&thread, ListOptions::default())
-        .try_collect()
-        .await
-        .unwrap();
+    let listed = list_all(&b, &thread).await;
     assert_eq!(listed.len(), 41);
     let stats = a.stats().await.unwrap();
     assert_eq!(
@@ -109,11 +104,7 @@ async fn reopening_the_file_gives_the_same_state() {
         .await
         .unwrap();
     let before = saver.get(&thread, None).await.unwrap().unwrap();
-    let listed: Vec<_> = saver
-        .list(&thread, ListOptions::default())
-        .try_collect()
-        .await
-        .unwrap();
+    let listed = list_all(&saver, &thread).await;
     drop(saver);
     assert!(
         !dir.path().join("reopen.db-wal").exists(),
@@ -122,11 +113,7 @@ async fn reopening_the_file_gives_the_same_state() {
 
     let saver = SqliteSaver::open(&path).await.unwrap();
     assert_eq!(saver.get(&thread, None).await.unwrap().unwrap(), before);
-    let relisted: Vec<_> = saver
-        .list(&thread, ListOptions::default())
-        .try_collect()
-        .await
-        .unwrap();
+    let relisted = list_all(&saver, &thread).await;
     assert_eq!(relisted, listed);
     assert_eq!(fold(&before.channels["log"]).len(), 90);
     // ... and the thread goes on from its head.
@@ -544,11 +531,7 @@ async fn checkpoints_written_before_schema_3_stay_readable_and_new_ones_list_eac
         parent = Some(request.checkpoint);
     }
     let before = saver.get(&thread, None).await.unwrap().unwrap();
-    let listed: Vec<_> = saver
-        .list(&thread, ListOptions::default())
-        .try_collect()
-        .await
-        .unwrap();
+    let listed = list_all(&saver, &thread).await;
     drop(saver);
 
     // New rows list each writer once.
@@ -597,11 +580,7 @@ async fn checkpoints_written_before_schema_3_stay_readable_and_new_ones_list_eac
         fold(&after.channels["notes"]),
         [json!(1), json!(3), json!(5)]
     );
-    let relisted: Vec<_> = saver
-        .list(&thread, ListOptions::default())
-        .try_collect()
-        .await
-        .unwrap();
+    let relisted = list_all(&saver, &thread).await;
     assert_eq!(relisted.len(), listed.len());
     for (a, b) in relisted.iter().zip(&listed) {
         assert_eq!(a.checkpoint, b.checkpoint);

@@ -1,9 +1,10 @@
 //! Helpers shared by the integration tests: steps on "append" channels.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use futures::TryStreamExt;
 use keel_checkpoint::{
     ChannelChain, ChannelDelta, ChannelVersion, Checkpoint, CheckpointId, CheckpointMetadata,
-    CheckpointSource, Checkpointer, PutRequest, ThreadKey,
+    CheckpointSource, CheckpointSummary, Checkpointer, ListOptions, PutRequest, ThreadKey,
 };
 use serde_json::{Value, json};
 
@@ -58,6 +59,15 @@ pub fn step(
         expected_head: parent.map(|p| p.id.clone()),
         checkpoint,
     }
+}
+
+/// Every checkpoint of `thread`, newest first.
+pub async fn list_all(saver: &impl Checkpointer, thread: &ThreadKey) -> Vec<CheckpointSummary> {
+    saver
+        .list(thread, ListOptions::default())
+        .try_collect()
+        .await
+        .unwrap()
 }
 
 /// The value of an append channel.
