@@ -30,7 +30,9 @@
 //!
 //! A run stops at the thread's step ceiling
 //! ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)) or
-//! at its own budget ([`AgentInput::max_steps`]), both with a resumable [`Stop`].
+//! at its own budget ([`AgentInput::max_steps`]), both with a resumable [`Stop`], and
+//! after [`MAX_FAILED_COMPACTIONS`] compactions fail in a row (nothing is removed from
+//! a context whose compaction fails, so it would only grow).
 //! [`Agent::run_from`] forks a thread from a past checkpoint; [`Agent::prune`],
 //! [`Agent::delete_thread`] and [`Agent::sweep_idle`] remove checkpoints with the
 //! offloaded files only they saw.
@@ -84,6 +86,6 @@ pub use error::{AgentError, BuildError, CleanupError};
 pub use event::AgentEvent;
 pub use nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS};
 pub use state::{
-    AgentState, AgentStateUpdate, MilestoneOp, Milestones, RECENT_COMPACTIONS, RECENT_EVENTS, Stop,
-    WriteOnce,
+    AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Milestones,
+    RECENT_COMPACTIONS, RECENT_EVENTS, Stop, WriteOnce,
 };

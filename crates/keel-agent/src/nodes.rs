@@ -21,7 +21,7 @@ use tracing::Instrument;
 use crate::agent::RunBudget;
 use crate::error::CleanupError;
 use crate::event::AgentEvent;
-use crate::state::{AgentState, AgentStateUpdate, MilestoneOp, Stop};
+use crate::state::{AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Stop};
 use crate::tools::Toolbox;
 
 /// The agent node's name.
@@ -243,6 +243,10 @@ impl AgentNodes {
             tool_calls = tracing::field::Empty,
         );
         async move {
+            if s.stop.is_some() {
+                // A compaction step stopped the run (`route_after_agent` ends it).
+                return Ok(AgentStateUpdate::default());
+            }
             let p = &self.parts;
             let mut c = context(&s)?;
             let mut events = Vec::new();
@@ -633,6 +637,19 @@ impl AgentNodes {
         if !events.is_empty() {
             update.events = Some(events.iter().cloned().map(AgentEvent::Compaction).collect());
             update.compactions = Some(events);
+        }
+        if let Err(e) = &result {
+            let before = s.compactions.iter().rev().take_while(|e| e.error.is_some());
+            let failures = u32::try_from(before.count())
+                .unwrap_or(u32::MAX)
+                .saturating_add(1);
+            if failures >= MAX_FAILED_COMPACTIONS {
+                tracing::warn!(failures, error = %e, "compactions keep failing; the run stops");
+                update.stop = Some(Some(Stop::CompactionFailing {
+                    failures,
+                    error: e.to_string(),
+                }));
+            }
         }
         if result.is_ok() {
             self.prune_after_compaction(ctx, &c.lineage).await;

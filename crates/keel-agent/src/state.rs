@@ -147,7 +147,21 @@ pub enum Stop {
         /// The run's budget.
         max: u64,
     },
+    /// [`MAX_FAILED_COMPACTIONS`] compactions failed in a row, so the context could no
+    /// longer shrink. Nothing was removed from it; fix the cause (the summarizer's
+    /// server, the offload store) and run the thread again.
+    CompactionFailing {
+        /// Failed compactions in a row.
+        failures: u32,
+        /// The last one's error.
+        error: String,
+    },
 }
+
+/// Compactions that may fail in a row before the run stops with
+/// [`Stop::CompactionFailing`]: past a passing outage, a run that cannot compact only
+/// grows its prompt.
+pub const MAX_FAILED_COMPACTIONS: u32 = 3;
 
 /// A sentence for people: `the step ceiling of 100 model calls was reached`.
 impl std::fmt::Display for Stop {
@@ -164,6 +178,11 @@ impl std::fmt::Display for Stop {
             Self::RunBudget { steps, max } => write!(
                 f,
                 "this run's budget of {max} model calls was used ({steps} made)"
+            ),
+            Self::CompactionFailing { failures, error } => write!(
+                f,
+                "{failures} compactions failed in a row, so the context could not shrink; \
+                 the last one: {error}"
             ),
         }
     }

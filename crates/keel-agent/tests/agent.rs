@@ -618,8 +618,10 @@ async fn a_context_overflow_compacts_and_retries_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
-    // One model drives the whole run; the ceiling is raised 100 steps at a time.
+    // One model and one offload store (the archive) drive the whole run; the ceiling
+    // is raised 100 steps at a time.
     let model = Arc::new(counting_model(1_000, Arc::default()));
+    let store = Arc::new(keel_offload::MemoryStore::new());
     let mut per_block = Vec::new();
     let mut last = saver.stats().await.unwrap().delta_bytes;
     for ceiling in (100..=1_000).step_by(100) {
@@ -636,10 +638,16 @@ async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
             )
             .keep_checkpoints(None)
             .checkpointer(saver.clone())
+            .offload_store(store.clone())
             .build()
             .unwrap();
         let run = agent.run("flat", AgentInput::new()).await.unwrap();
         assert_eq!(run.state.step, ceiling);
+        assert!(
+            run.state.compactions.iter().all(|e| e.error.is_none()),
+            "{:?}",
+            run.state.compactions
+        );
         let now = saver.stats().await.unwrap().delta_bytes;
         per_block.push((now - last) as f64 / 100.0);
         last = now;
@@ -1065,5 +1073,78 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
             .all(|e| e.contains("keeps nothing past its process")
                 && e.contains("the same durable store")),
         "{failed:?}"
+    );
+}
+
+/// The extractive summarizer, failing like a server that is down while `down` is set.
+struct Flaky {
+    down: std::sync::atomic::AtomicBool,
+    inner: keel_summarize::ExtractiveSummarizer,
+}
+
+#[async_trait::async_trait]
+impl keel_summarize::Summarizer for Flaky {
+    async fn summarize(
+        &self,
+        request: &keel_summarize::SummaryRequest<'_>,
+    ) -> Result<keel_summarize::Summary, keel_summarize::SummarizeError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(ModelError::Connection("connection refused".to_owned()).into());
+        }
+        self.inner.summarize(request).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost() {
+    let summarizer = Arc::new(Flaky {
+        down: std::sync::atomic::AtomicBool::new(true),
+        inner: keel_summarize::ExtractiveSummarizer::new(),
+    });
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(40, seen))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(4))
+                .with_keep_recent_tokens(20),
+        )
+        .summarizer(summarizer.clone())
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("flaky", AgentInput::new()).await.unwrap();
+    let Some(Stop::CompactionFailing { failures, error }) = &run.stop else {
+        panic!("{:?}", run.stop);
+    };
+    assert_eq!(*failures, keel_agent::MAX_FAILED_COMPACTIONS);
+    assert!(error.contains("connection refused"), "{error}");
+    assert!(
+        run.stop
+            .as_ref()
+            .unwrap()
+            .to_string()
+            .contains("3 compactions failed in a row"),
+        "{:?}",
+        run.stop
+    );
+    // Nothing left the context: every tool result so far is still in the raw buffer.
+    assert_eq!(run.state.milestones_made, 0);
+    let results = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .count();
+    assert_eq!(u64::try_from(results).unwrap(), run.state.step);
+
+    // The summarizer is back: the thread continues, compacts and finishes.
+    summarizer.down.store(false, Ordering::SeqCst);
+    let run = agent.run("flaky", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, None);
+    assert_eq!(run.answer.as_deref(), Some("The last number was 39."));
+    assert!(
+        run.state.milestones_made >= 2,
+        "{}",
+        run.state.milestones_made
     );
 }
