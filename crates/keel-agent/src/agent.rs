@@ -513,6 +513,59 @@ impl Agent {
         Ok(self.snapshot(thread_id).await?.map(|s| s.values))
     }
 
+    /// The thread's checkpoints, newest first, as a stream of snapshots (each with its
+    /// state, metadata and the nodes due next); `options` pages and filters them
+    /// (`limit`, `before`, `written_by`). Empty without a checkpointer. Read it with
+    /// `futures`' `TryStreamExt` (the facade re-exports it as `keel::futures`).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use futures::TryStreamExt;
+    /// use keel_agent::{Agent, AgentInput, COMPACT};
+    /// use keel_checkpoint::{ListOptions, MemorySaver};
+    /// use keel_compaction::CompactionConfig;
+    /// use keel_message::ToolCall;
+    /// use keel_model::{ScriptedModel, Turn};
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let mut turns: Vec<Turn> = (0..6)
+    ///     .map(|i| Turn::tool_calls("", vec![ToolCall::new(format!("c{i}"), "ls", json!({}))]))
+    ///     .collect();
+    /// turns.push(Turn::text("done"));
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::new(turns)))
+    ///     .goal("List the archive.")
+    ///     .compaction(CompactionConfig::default().with_every_steps(Some(3)))
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .build()?;
+    /// agent.run("t", AgentInput::new()).await?;
+    /// let newest: Vec<_> = agent.history("t", ListOptions::default().limit(3)).try_collect().await?;
+    /// assert_eq!(newest.len(), 3);
+    /// assert_eq!(newest[0].values.answer().as_deref(), Some("done"));
+    /// let compactions = agent.history("t", ListOptions::default().written_by(COMPACT));
+    /// assert!(!compactions.try_collect::<Vec<_>>().await?.is_empty());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn history(
+        &self,
+        thread_id: &str,
+        options: ListOptions,
+    ) -> futures::stream::BoxStream<
+        'static,
+        Result<keel_graph::StateSnapshot<AgentState>, AgentError>,
+    > {
+        if self.checkpointer.is_none() {
+            return futures::stream::empty().boxed();
+        }
+        self.graph
+            .state_history(&RunConfig::thread(thread_id), options)
+            .map(|item| item.map_err(AgentError::from))
+            .boxed()
+    }
+
     /// Keeps the newest `keep` checkpoints of a thread and removes the offloaded files
     /// (archive records, large results) only the removed checkpoints saw — an
     /// abandoned fork's, say — never what a kept one reads; returns how many
@@ -909,13 +962,16 @@ impl AgentBuilder {
         self
     }
 
-    /// Adds tools.
+    /// Adds tools. Names are unique: a name given twice, here or by the
+    /// [file tools](Self::file_tools), fails [`build`](Self::build) with
+    /// [`BuildError::DuplicateTool`]. Only the default retrieval tools yield: a tool of
+    /// yours named `ls`, `read_file` or `grep` takes the place of that one.
     pub fn tools(mut self, tools: impl IntoIterator<Item = Arc<dyn Tool>>) -> Self {
         self.tools.extend(tools);
         self
     }
 
-    /// Adds one tool.
+    /// Adds one tool (see [`tools`](Self::tools) for names given twice).
     pub fn tool(mut self, tool: Arc<dyn Tool>) -> Self {
         self.tools.push(tool);
         self

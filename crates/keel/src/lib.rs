@@ -68,6 +68,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+/// The `futures` crate keel's streams come from (`Checkpointer::list`,
+/// `CompiledGraph::state_history`, `Agent::history`, `Agent::stream`): read them with
+/// `use keel::futures::{StreamExt, TryStreamExt};`, no dependency of your own needed.
+pub use futures;
 pub use keel_checkpoint as checkpoint;
 pub use keel_compaction as compaction;
 pub use keel_graph as graph;
