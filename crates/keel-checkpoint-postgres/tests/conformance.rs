@@ -33,6 +33,7 @@ checks!(
     stale_writes_refused,
     racing_writers,
     invalid_puts_refused,
+    put_many_in_order,
     namespaces_isolated,
 );
 

@@ -323,6 +323,27 @@ impl Checkpointer for SqliteSaver {
         .await
     }
 
+    /// The batch in one write transaction (one commit for all of it).
+    async fn put_many(&self, mut requests: Vec<PutRequest>) -> Result<(), CheckpointError> {
+        // The requests before an invalid one are stored, as one by one.
+        let invalid = requests
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| support::validate_put(r).err().map(|e| (i, e)));
+        if let Some((i, _)) = &invalid {
+            requests.truncate(*i);
+        }
+        if !requests.is_empty() {
+            let heads = Arc::clone(&self.inner.heads);
+            self.write(move |conn| {
+                let mut heads = heads.lock().unwrap_or_else(PoisonError::into_inner);
+                store::put_many(conn, &requests, &mut heads, HEAD_VERSIONS)
+            })
+            .await?;
+        }
+        invalid.map_or(Ok(()), |(_, e)| Err(e))
+    }
+
     async fn put_writes(
         &self,
         thread: &ThreadKey,

@@ -217,6 +217,60 @@ pub(crate) fn put(
     request: &PutRequest,
     heads: &mut support::HeadVersions,
 ) -> OpResult<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    put_in(&tx, request, heads)?;
+    tx.commit()?;
+    heads.remember(request);
+    Ok(())
+}
+
+/// `Checkpointer::put_many`: the batch in one `BEGIN IMMEDIATE` transaction, so its
+/// checkpoints share one commit (and the pages they all touch are written once).
+///
+/// If any request fails, the transaction rolls back and the batch is stored again one
+/// put at a time, so the requests before the failing one are stored and its own error
+/// is returned, as the trait asks.
+pub(crate) fn put_many(
+    conn: &mut Connection,
+    requests: &[PutRequest],
+    heads: &mut support::HeadVersions,
+    heads_capacity: usize,
+) -> OpResult<()> {
+    if let [request] = requests {
+        return put(conn, request, heads);
+    }
+    if put_batch(conn, requests, heads).is_ok() {
+        return Ok(());
+    }
+    // Rolled back: what the batch remembered was never stored.
+    *heads = support::HeadVersions::new(heads_capacity);
+    for request in requests {
+        put(conn, request, heads)?;
+    }
+    Ok(())
+}
+
+fn put_batch(
+    conn: &mut Connection,
+    requests: &[PutRequest],
+    heads: &mut support::HeadVersions,
+) -> OpResult<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    for request in requests {
+        put_in(&tx, request, heads)?;
+        // Not committed yet: the caller forgets it if the batch fails.
+        heads.remember(request);
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// One put's statements inside `tx` (the caller commits, then remembers the head).
+fn put_in(
+    tx: &rusqlite::Transaction<'_>,
+    request: &PutRequest,
+    heads: &support::HeadVersions,
+) -> OpResult<()> {
     let PutRequest {
         thread,
         checkpoint,
@@ -224,8 +278,7 @@ pub(crate) fn put(
         deltas,
         expected_head,
     } = request;
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let current = head(&tx, thread)?;
+    let current = head(tx, thread)?;
     if current != *expected_head {
         return Err(CheckpointError::Conflict {
             expected: expected_head.clone(),
@@ -324,8 +377,6 @@ pub(crate) fn put(
         )?
         .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
     }
-    tx.commit()?;
-    heads.remember(request);
     Ok(())
 }
 

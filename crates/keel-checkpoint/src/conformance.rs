@@ -63,6 +63,7 @@ where
     stale_writes_refused(&make().await).await;
     racing_writers(&make().await).await;
     invalid_puts_refused(&make().await).await;
+    put_many_in_order(&make().await).await;
     namespaces_isolated(&make().await).await;
 }
 
@@ -233,6 +234,19 @@ impl<'s, C: Checkpointer + ?Sized> Driver<'s, C> {
         self.stored.insert(id.clone(), expected);
         self.head = Some(id.clone());
         id
+    }
+
+    /// Builds a `loop` step on top of `parent` and records it as stored and as the head,
+    /// without putting it (for a batch of [`Checkpointer::put_many`]).
+    fn stage(&mut self, parent: &CheckpointId, writes: &[(&str, Write)]) -> PutRequest {
+        let step = self.stored[parent].1.step + 1;
+        let metadata = CheckpointMetadata::new(CheckpointSource::Loop, step);
+        let (request, state) = self.request(Some(parent), writes, metadata);
+        let id = request.checkpoint.id.clone();
+        let expected = (request.checkpoint.clone(), request.metadata.clone(), state);
+        self.stored.insert(id.clone(), expected);
+        self.head = Some(id);
+        request
     }
 
     /// A `loop` step numbered after its parent.
@@ -1720,6 +1734,106 @@ pub async fn invalid_puts_refused<C: Checkpointer + ?Sized>(saver: &C) {
     assert_eq!(d.list(ListOptions::default()).await, vec![first.clone()]);
     let second = d.step(Some(&first), &[("log", append(&["b"]))]).await;
     d.assert_stored(&second).await;
+}
+
+/// `put_many`: a batch is stored in order, each request building on the one before it
+/// (across threads too); an empty batch does nothing; a request that fails (a stale
+/// `expected_head`, an invalid request) leaves the requests before it stored, itself
+/// and the later ones not, and returns its error; the saver then goes on normally.
+pub async fn put_many_in_order<C: Checkpointer + ?Sized>(saver: &C) {
+    const CHECK: &str = "put_many_in_order";
+    let mut d = Driver::new(CHECK, saver);
+    let mut other = Driver::new(CHECK, saver);
+    let first = d.step(None, &[("log", append(&["a"]))]).await;
+    let other_first = other.step(None, &[("log", append(&["x"]))]).await;
+
+    let s1 = d.stage(&first, &[("log", append(&["b"]))]);
+    let e1 = other.stage(&other_first, &[("log", append(&["y"]))]);
+    let s2 = d.stage(
+        &s1.checkpoint.id.clone(),
+        &[("log", append_snapshot(&["c"])), ("aux", append(&["1"]))],
+    );
+    let s3 = d.stage(&s2.checkpoint.id.clone(), &[("log", reset(&["d"]))]);
+    let ids: Vec<CheckpointId> = [&s1, &s2, &s3]
+        .iter()
+        .map(|r| r.checkpoint.id.clone())
+        .collect();
+    let e1_id = e1.checkpoint.id.clone();
+    if let Err(err) = saver.put_many(vec![s1, e1, s2, s3]).await {
+        panic!("[conformance::{CHECK}] a valid batch failed: {err}");
+    }
+    for id in &ids {
+        d.assert_stored(id).await;
+    }
+    d.assert_head(Some(&ids[2])).await;
+    other.assert_stored(&e1_id).await;
+    other.assert_head(Some(&e1_id)).await;
+    let listed = d.list(ListOptions::default()).await;
+    assert_eq!(
+        listed,
+        vec![
+            ids[2].clone(),
+            ids[1].clone(),
+            ids[0].clone(),
+            first.clone()
+        ],
+        "[conformance::{CHECK}] list after a batch"
+    );
+
+    if let Err(err) = saver.put_many(Vec::new()).await {
+        panic!("[conformance::{CHECK}] an empty batch failed: {err}");
+    }
+    d.assert_head(Some(&ids[2])).await;
+
+    // A stale expected head in the middle of a batch.
+    let t1 = d.stage(&ids[2], &[("log", append(&["e"]))]);
+    let t1_id = t1.checkpoint.id.clone();
+    let meta = CheckpointMetadata::new(CheckpointSource::Loop, 9);
+    let (mut stale, _) = d.request(Some(&t1_id), &[("log", append(&["f"]))], meta.clone());
+    stale.expected_head = Some(ids[2].clone());
+    let (after, _) = d.request(Some(&t1_id), &[("log", append(&["g"]))], meta.clone());
+    let refused = [stale.checkpoint.id.clone(), after.checkpoint.id.clone()];
+    match saver.put_many(vec![t1, stale, after]).await {
+        Err(CheckpointError::Conflict { .. }) => {}
+        other => {
+            panic!("[conformance::{CHECK}] stale head in a batch: expected Conflict, got {other:?}")
+        }
+    }
+    d.assert_stored(&t1_id).await;
+    d.assert_head(Some(&t1_id)).await;
+    for id in &refused {
+        assert!(
+            d.get(Some(id)).await.is_none(),
+            "[conformance::{CHECK}] a request at or after the conflict was stored"
+        );
+    }
+
+    // An invalid request in the middle of a batch.
+    let u1 = d.stage(&t1_id, &[("log", append(&["h"]))]);
+    let u1_id = u1.checkpoint.id.clone();
+    let (mut invalid, _) = d.request(Some(&u1_id), &[("log", append(&["i"]))], meta.clone());
+    invalid.deltas.clear();
+    let (after, _) = d.request(Some(&u1_id), &[("log", append(&["j"]))], meta);
+    let refused = [invalid.checkpoint.id.clone(), after.checkpoint.id.clone()];
+    match saver.put_many(vec![u1, invalid, after]).await {
+        Err(CheckpointError::Invalid { .. }) => {}
+        other => panic!(
+            "[conformance::{CHECK}] invalid request in a batch: expected Invalid, got {other:?}"
+        ),
+    }
+    d.assert_stored(&u1_id).await;
+    d.assert_head(Some(&u1_id)).await;
+    for id in &refused {
+        assert!(
+            d.get(Some(id)).await.is_none(),
+            "[conformance::{CHECK}] a request at or after the invalid one was stored"
+        );
+    }
+
+    // The saver goes on from the stored prefix.
+    let next = d.step(Some(&u1_id), &[("log", append(&["k"]))]).await;
+    d.assert_stored(&next).await;
+    d.assert_head(Some(&next)).await;
 }
 
 /// Namespaces of one thread are separate histories: heads, lists, fencing, writes and

@@ -20,6 +20,8 @@ use crate::types::{
 ///
 /// * [`put`](Self::put) stores a checkpoint and the deltas its step wrote, atomically,
 ///   if and only if the writer's `expected_head` is still the thread's newest checkpoint;
+/// * [`put_many`](Self::put_many) stores several in order (one transaction where
+///   the backend can);
 /// * [`get`](Self::get) returns a checkpoint with one [`ChannelChain`](crate::ChannelChain)
 ///   per channel and the writes stored against it;
 /// * [`put_writes`](Self::put_writes) saves a task's writes before the step's checkpoint;
@@ -59,6 +61,49 @@ pub trait Checkpointer: Send + Sync + 'static {
     /// that does not sort after the current head; a base version, or an unchanged
     /// channel version, whose delta is not stored.
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError>;
+
+    /// Stores `requests` in order, each as [`put`](Self::put) would (same fencing, same
+    /// checks), so a request may build on the one before it in the batch.
+    ///
+    /// On the first request that fails, returns its error: the requests before it are
+    /// stored, it and those after it are not. An empty batch does nothing.
+    ///
+    /// A backend may commit the whole batch at once (keel's SQLite backend does: one
+    /// transaction instead of one per checkpoint), so a crash during the call stores a
+    /// prefix of the batch, possibly none of it. Graphs run with
+    /// `Durability::Async` hand their queued checkpoints to this method. The default
+    /// implementation calls `put` for each request.
+    ///
+    /// ```
+    /// use keel_checkpoint::*;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), CheckpointError> {
+    /// let saver = MemorySaver::new();
+    /// let thread = ThreadKey::new("t");
+    /// let first = Checkpoint::new(None);
+    /// let second = first.successor();
+    /// let put = |checkpoint: &Checkpoint, expected_head: Option<CheckpointId>| PutRequest {
+    ///     thread: thread.clone(),
+    ///     checkpoint: checkpoint.clone(),
+    ///     metadata: CheckpointMetadata::new(CheckpointSource::Loop, 0),
+    ///     deltas: vec![],
+    ///     expected_head,
+    /// };
+    /// saver
+    ///     .put_many(vec![put(&first, None), put(&second, Some(first.id.clone()))])
+    ///     .await?;
+    /// let head = saver.get(&thread, None).await?.expect("stored");
+    /// assert_eq!(head.checkpoint.id, second.id);
+    /// # Ok(())
+    /// # }
+    /// ```
+    async fn put_many(&self, requests: Vec<PutRequest>) -> Result<(), CheckpointError> {
+        for request in requests {
+            self.put(request).await?;
+        }
+        Ok(())
+    }
 
     /// Stores writes that tasks made during the step after `checkpoint`.
     ///
@@ -233,6 +278,10 @@ impl<T: Checkpointer + ?Sized> Checkpointer for Arc<T> {
 
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
         (**self).put(request).await
+    }
+
+    async fn put_many(&self, requests: Vec<PutRequest>) -> Result<(), CheckpointError> {
+        (**self).put_many(requests).await
     }
 
     async fn put_writes(

@@ -812,6 +812,43 @@ async fn durability_modes_agree_on_the_result() {
     assert_eq!(n_exit, 1, "exit durability stores only the end");
 }
 
+/// With `Durability::Async`, checkpoints queued behind a slow write reach the
+/// checkpointer as one `put_many` batch, in order, and every one is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_durability_hands_queued_checkpoints_over_as_one_batch() {
+    let counting = Arc::new(CountingSaver::new(Duration::from_millis(200)));
+    let cp: Arc<dyn Checkpointer> = counting.clone();
+    let g = StateGraph::<S>::new()
+        .add_node("inc", |s: Arc<S>, _c| async move {
+            Ok(SUpdate::default()
+                .count(s.count + 1)
+                .log(vec![format!("{}", s.count)]))
+        })
+        .add_edge(START, "inc")
+        .add_conditional_edges("inc", |s: &S| if s.count < 20 { "inc" } else { END }, None)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("batched").with_durability(Durability::Async);
+    let run = g.invoke(SUpdate::default(), &config).await.unwrap();
+    assert_eq!(run.state.count, 20);
+
+    let batches = counting.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches.iter().sum::<usize>(),
+        21,
+        "every checkpoint was put once: {batches:?}"
+    );
+    assert!(
+        batches.iter().any(|&n| n > 1),
+        "checkpoints queued behind a put came as a batch: {batches:?}"
+    );
+    let history = full_history(&g, &config).await;
+    let steps: Vec<i64> = history.iter().rev().map(|s| s.metadata.step).collect();
+    assert_eq!(steps, (-1..20).collect::<Vec<_>>(), "stored in order");
+    assert_eq!(history[0].values.log.len(), 20);
+}
+
 #[tokio::test]
 async fn a_schema_change_is_a_typed_error_naming_the_channel() {
     #[derive(Clone, Debug, State)]
@@ -1022,10 +1059,24 @@ async fn nodes_see_the_thread_namespace_and_configurable_of_their_invocation() {
     );
 }
 
-/// A checkpointer that counts `get`s (each loads a checkpoint's channel data).
+/// A checkpointer that counts `get`s (each loads a checkpoint's channel data) and
+/// records the size of each `put_many` batch; its first put takes `first_put_delay`.
 struct CountingSaver {
     inner: MemorySaver,
     gets: AtomicUsize,
+    batches: std::sync::Mutex<Vec<usize>>,
+    first_put_delay: Duration,
+}
+
+impl CountingSaver {
+    fn new(first_put_delay: Duration) -> Self {
+        CountingSaver {
+            inner: MemorySaver::new(),
+            gets: AtomicUsize::new(0),
+            batches: std::sync::Mutex::new(Vec::new()),
+            first_put_delay,
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -1054,7 +1105,30 @@ impl Checkpointer for CountingSaver {
         &self,
         request: keel_checkpoint::PutRequest,
     ) -> Result<(), keel_checkpoint::CheckpointError> {
+        let first = {
+            let mut batches = self.batches.lock().unwrap();
+            batches.push(1);
+            batches.len() == 1
+        };
+        if first {
+            tokio::time::sleep(self.first_put_delay).await;
+        }
         self.inner.put(request).await
+    }
+
+    async fn put_many(
+        &self,
+        requests: Vec<keel_checkpoint::PutRequest>,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        let first = {
+            let mut batches = self.batches.lock().unwrap();
+            batches.push(requests.len());
+            batches.len() == 1
+        };
+        if first {
+            tokio::time::sleep(self.first_put_delay).await;
+        }
+        self.inner.put_many(requests).await
     }
 
     async fn put_writes(
@@ -1175,10 +1249,7 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
 
 #[tokio::test]
 async fn last_checkpoint_by_finds_a_nodes_newest_checkpoint_from_metadata() {
-    let counting = Arc::new(CountingSaver {
-        inner: MemorySaver::new(),
-        gets: AtomicUsize::new(0),
-    });
+    let counting = Arc::new(CountingSaver::new(Duration::ZERO));
     let cp: Arc<dyn Checkpointer> = counting.clone();
     let g = fan_graph(Arc::clone(&cp));
     let config = RunConfig::thread("by-node");

@@ -297,10 +297,29 @@ impl Writer {
             Durability::Async => {
                 let (tx, mut rx) = mpsc::channel::<WriteOp>(ASYNC_QUEUE);
                 let handle = tokio::spawn(async move {
-                    while let Some(op) = rx.recv().await {
+                    // Checkpoints queued while the last write ran go to the
+                    // checkpointer as one batch (`put_many`: one transaction on SQLite).
+                    let mut next = rx.recv().await;
+                    while let Some(op) = next.take() {
                         match op {
-                            WriteOp::Put(r) => cp.put(*r).await?,
+                            WriteOp::Put(r) => {
+                                let mut batch = vec![*r];
+                                while batch.len() < ASYNC_QUEUE {
+                                    match rx.try_recv() {
+                                        Ok(WriteOp::Put(r)) => batch.push(*r),
+                                        Ok(other) => {
+                                            next = Some(other);
+                                            break;
+                                        }
+                                        Err(_) => break,
+                                    }
+                                }
+                                cp.put_many(batch).await?;
+                            }
                             WriteOp::Writes(t, id, w) => cp.put_writes(&t, &id, w).await?,
+                        }
+                        if next.is_none() {
+                            next = rx.recv().await;
                         }
                     }
                     Ok(())
