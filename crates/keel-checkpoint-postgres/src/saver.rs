@@ -516,6 +516,195 @@ struct ListState {
     done: bool,
 }
 
+impl PostgresSaver {
+    /// `put_many`'s one transaction. On an error nothing of the batch is stored and the
+    /// head versions it remembered are forgotten.
+    async fn put_batch(&self, requests: &[PutRequest]) -> Result<(), CheckpointError> {
+        for request in requests {
+            support::validate_put(request)?;
+        }
+        let mut client = self.client().await?;
+        let stmt = self.prepare(&client, &self.inner.sql.put).await?;
+        let result = async {
+            let tx = client
+                .transaction()
+                .await
+                .map_err(|e| self.query_error(e))?;
+            for request in requests {
+                let args = {
+                    let heads = self
+                        .inner
+                        .heads
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    PutArgs::encode(request, &heads)?
+                };
+                args.execute(&*tx, &stmt)
+                    .await
+                    .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
+                // Not committed yet: forgotten below if the batch fails.
+                self.inner
+                    .heads
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remember(request);
+            }
+            tx.commit().await.map_err(|e| self.query_error(e))
+        }
+        .await;
+        if result.is_err() {
+            *self
+                .inner
+                .heads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) =
+                support::HeadVersions::new(HEAD_VERSIONS);
+        }
+        result
+    }
+}
+
+/// A put's arguments to `keel_put`, encoded and checked (no I/O).
+struct PutArgs<'r> {
+    request: &'r PutRequest,
+    metadata: String,
+    versions: String,
+    versions_seen: Option<String>,
+    pending_sends: Option<String>,
+    id: Uuid,
+    parent: Option<Uuid>,
+    expected: Option<Uuid>,
+    created_at: i64,
+    d_channel: Vec<&'r str>,
+    d_seq: Vec<i64>,
+    d_base_writer: Vec<Option<Uuid>>,
+    d_base_seq: Vec<Option<i64>>,
+    d_updates: Vec<String>,
+    d_snapshot: Vec<Option<String>>,
+    r_channel: Vec<&'r str>,
+    r_writer: Vec<Uuid>,
+    r_seq: Vec<i64>,
+}
+
+impl<'r> PutArgs<'r> {
+    /// Checks and encodes `request` (already through `validate_put`); `heads` decides
+    /// which references `keel_put` must look up.
+    fn encode(
+        request: &'r PutRequest,
+        heads: &support::HeadVersions,
+    ) -> Result<Self, CheckpointError> {
+        let PutRequest {
+            thread,
+            checkpoint,
+            metadata,
+            deltas,
+            expected_head,
+        } = request;
+        check_thread(&thread.thread_id, &thread.ns)?;
+        for channel in checkpoint.channel_versions.keys() {
+            check_text("channel name", channel, Some(MAX_NAME_BYTES))?;
+        }
+        check_jsonb_map("checkpoint metadata", &metadata.extra)?;
+        for node in &metadata.writes {
+            check_text("checkpoint metadata writes", node, None)?;
+        }
+        let n = deltas.len();
+        let mut args = PutArgs {
+            request,
+            metadata: to_json(metadata, "checkpoint metadata")?,
+            versions: encode_versions(checkpoint)?,
+            versions_seen: (!checkpoint.versions_seen.is_empty())
+                .then(|| to_json(&checkpoint.versions_seen, "versions seen"))
+                .transpose()?,
+            pending_sends: (!checkpoint.pending_sends.is_empty())
+                .then(|| to_json(&checkpoint.pending_sends, "pending sends"))
+                .transpose()?,
+            id: uuid_of(&checkpoint.id)?,
+            parent: checkpoint.parent.as_ref().map(uuid_of).transpose()?,
+            expected: expected_head.as_ref().map(uuid_of).transpose()?,
+            created_at: i64::try_from(checkpoint.created_at).unwrap_or(i64::MAX),
+            d_channel: Vec::with_capacity(n),
+            d_seq: Vec::with_capacity(n),
+            d_base_writer: Vec::with_capacity(n),
+            d_base_seq: Vec::with_capacity(n),
+            d_updates: Vec::with_capacity(n),
+            d_snapshot: Vec::with_capacity(n),
+            r_channel: Vec::new(),
+            r_writer: Vec::new(),
+            r_seq: Vec::new(),
+        };
+        for delta in deltas {
+            args.d_channel.push(delta.channel.as_str());
+            args.d_seq.push(seq_to_sql(delta.version.seq)?);
+            args.d_base_writer.push(
+                delta
+                    .base
+                    .as_ref()
+                    .map(|b| uuid_of(&b.writer))
+                    .transpose()?,
+            );
+            args.d_base_seq
+                .push(delta.base.as_ref().map(|b| seq_to_sql(b.seq)).transpose()?);
+            args.d_updates
+                .push(to_json(&delta.updates, "delta updates")?);
+            args.d_snapshot.push(
+                delta
+                    .snapshot
+                    .as_ref()
+                    .map(|s| to_json(s, "snapshot"))
+                    .transpose()?,
+            );
+        }
+        for (channel, version) in heads.to_check(request) {
+            args.r_channel.push(channel);
+            args.r_writer.push(uuid_of(&version.writer)?);
+            args.r_seq.push(seq_to_sql(version.seq)?);
+        }
+        Ok(args)
+    }
+
+    /// Runs `keel_put` (statement `stmt`) on `client`.
+    async fn execute(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        stmt: &tokio_postgres::Statement,
+    ) -> Result<u64, tokio_postgres::Error> {
+        let thread = &self.request.thread;
+        let d_updates: Vec<JsonText<'_>> = self.d_updates.iter().map(|s| JsonText(s)).collect();
+        let d_snapshot: Vec<Option<JsonText<'_>>> = self
+            .d_snapshot
+            .iter()
+            .map(|s| s.as_deref().map(JsonText))
+            .collect();
+        client
+            .execute(
+                stmt,
+                &[
+                    &thread.thread_id,
+                    &thread.ns,
+                    &self.id,
+                    &self.parent,
+                    &self.created_at,
+                    &JsonText(&self.metadata),
+                    &JsonText(&self.versions),
+                    &self.versions_seen.as_deref().map(JsonText),
+                    &self.pending_sends.as_deref().map(JsonText),
+                    &self.expected,
+                    &self.d_channel,
+                    &self.d_seq,
+                    &self.d_base_writer,
+                    &self.d_base_seq,
+                    &d_updates,
+                    &d_snapshot,
+                    &self.r_channel,
+                    &self.r_writer,
+                    &self.r_seq,
+                ],
+            )
+            .await
+    }
+}
+
 #[async_trait]
 impl Checkpointer for PostgresSaver {
     async fn get(
@@ -626,117 +815,38 @@ impl Checkpointer for PostgresSaver {
 
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
         support::validate_put(&request)?;
-        let PutRequest {
-            thread,
-            checkpoint,
-            metadata,
-            deltas,
-            expected_head,
-        } = &request;
-        check_thread(&thread.thread_id, &thread.ns)?;
-        for channel in checkpoint.channel_versions.keys() {
-            check_text("channel name", channel, Some(MAX_NAME_BYTES))?;
-        }
-        check_jsonb_map("checkpoint metadata", &metadata.extra)?;
-        for node in &metadata.writes {
-            check_text("checkpoint metadata writes", node, None)?;
-        }
-
-        let metadata_json = to_json(metadata, "checkpoint metadata")?;
-        let versions = encode_versions(checkpoint)?;
-        let versions_seen = (!checkpoint.versions_seen.is_empty())
-            .then(|| to_json(&checkpoint.versions_seen, "versions seen"))
-            .transpose()?;
-        let pending_sends = (!checkpoint.pending_sends.is_empty())
-            .then(|| to_json(&checkpoint.pending_sends, "pending sends"))
-            .transpose()?;
-        let id = uuid_of(&checkpoint.id)?;
-        let parent = checkpoint.parent.as_ref().map(uuid_of).transpose()?;
-        let expected = expected_head.as_ref().map(uuid_of).transpose()?;
-        let created_at = i64::try_from(checkpoint.created_at).unwrap_or(i64::MAX);
-
-        let n = deltas.len();
-        let mut d_channel = Vec::with_capacity(n);
-        let mut d_seq = Vec::with_capacity(n);
-        let mut d_base_writer = Vec::with_capacity(n);
-        let mut d_base_seq = Vec::with_capacity(n);
-        let mut d_updates = Vec::with_capacity(n);
-        let mut d_snapshot = Vec::with_capacity(n);
-        for delta in deltas {
-            d_channel.push(delta.channel.as_str());
-            d_seq.push(seq_to_sql(delta.version.seq)?);
-            d_base_writer.push(
-                delta
-                    .base
-                    .as_ref()
-                    .map(|b| uuid_of(&b.writer))
-                    .transpose()?,
-            );
-            d_base_seq.push(delta.base.as_ref().map(|b| seq_to_sql(b.seq)).transpose()?);
-            d_updates.push(to_json(&delta.updates, "delta updates")?);
-            d_snapshot.push(
-                delta
-                    .snapshot
-                    .as_ref()
-                    .map(|s| to_json(s, "snapshot"))
-                    .transpose()?,
-            );
-        }
-        let d_updates: Vec<JsonText<'_>> = d_updates.iter().map(|s| JsonText(s)).collect();
-        let d_snapshot: Vec<Option<JsonText<'_>>> = d_snapshot
-            .iter()
-            .map(|s| s.as_deref().map(JsonText))
-            .collect();
         // `keel_put` checks that the head is `expected_head` before these references.
-        let refs = self
-            .inner
-            .heads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .to_check(&request);
-        let mut r_channel = Vec::with_capacity(refs.len());
-        let mut r_writer = Vec::with_capacity(refs.len());
-        let mut r_seq = Vec::with_capacity(refs.len());
-        for (channel, version) in refs {
-            r_channel.push(channel);
-            r_writer.push(uuid_of(&version.writer)?);
-            r_seq.push(seq_to_sql(version.seq)?);
-        }
-
+        let args = {
+            let heads = self
+                .inner
+                .heads
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            PutArgs::encode(&request, &heads)?
+        };
         let client = self.client().await?;
         let stmt = self.prepare(&client, &self.inner.sql.put).await?;
-        client
-            .execute(
-                &stmt,
-                &[
-                    &thread.thread_id,
-                    &thread.ns,
-                    &id,
-                    &parent,
-                    &created_at,
-                    &JsonText(&metadata_json),
-                    &JsonText(&versions),
-                    &versions_seen.as_deref().map(JsonText),
-                    &pending_sends.as_deref().map(JsonText),
-                    &expected,
-                    &d_channel,
-                    &d_seq,
-                    &d_base_writer,
-                    &d_base_seq,
-                    &d_updates,
-                    &d_snapshot,
-                    &r_channel,
-                    &r_writer,
-                    &r_seq,
-                ],
-            )
+        args.execute(&**client, &stmt)
             .await
-            .map_err(|e| put_error(&self.inner.schema, expected_head, e))?;
+            .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
         self.inner
             .heads
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remember(&request);
+        Ok(())
+    }
+
+    /// The batch in one transaction: one commit (one WAL flush) for all of it. If a
+    /// request fails, the transaction rolls back and the batch is put again one by one,
+    /// so the requests before the failing one are stored and its error is returned.
+    async fn put_many(&self, requests: Vec<PutRequest>) -> Result<(), CheckpointError> {
+        if requests.len() > 1 && self.put_batch(&requests).await.is_ok() {
+            return Ok(());
+        }
+        for request in requests {
+            self.put(request).await?;
+        }
         Ok(())
     }
 
