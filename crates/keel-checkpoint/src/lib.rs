@@ -19,6 +19,9 @@
 //! One writer per thread (invariant 7): every [`PutRequest`] names the head it
 //! expects, and a put against any other head fails with [`CheckpointError::Conflict`]
 //! having written nothing. A stale worker cannot fork a thread's history by accident.
+//! [`Checkpointer::put_many`] stores several checkpoints in order, as one commit where
+//! the backend can (SQLite and Postgres do); a graph run with async durability hands it
+//! the checkpoints that queued up while the last write ran.
 //!
 //! Tasks' writes during a step are saved as they finish with
 //! [`Checkpointer::put_writes`] against the checkpoint the step started from, and come
