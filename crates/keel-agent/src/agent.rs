@@ -733,6 +733,9 @@ impl Agent {
             }
             _ => None,
         };
+        if let Some(snap) = &existing {
+            self.check_archive(thread_id, &snap.values.lineage).await?;
+        }
         // The budget counts from the calls the thread has made when this run starts.
         let budget = input.max_steps.map(|max| RunBudget {
             start: existing.as_ref().map_or(0, |s| s.values.step),
@@ -740,6 +743,31 @@ impl Agent {
         });
         let command = self.command_for(thread_id, input, existing.as_ref())?;
         Ok((command, budget))
+    }
+
+    /// Fails with [`AgentError::ArchiveUnavailable`] when the offload store lacks what
+    /// `lineage` (a stored checkpoint's) has seen: a few size queries, off the runtime.
+    async fn check_archive(&self, thread_id: &str, lineage: &Lineage) -> Result<(), AgentError> {
+        if !lineage.is_scoped() {
+            return Ok(());
+        }
+        let unavailable = |source| AgentError::ArchiveUnavailable {
+            thread_id: thread_id.to_owned(),
+            source,
+        };
+        let thread = ThreadId::new(thread_id).map_err(unavailable)?;
+        let store = self.nodes.parts.store.clone();
+        let lineage = lineage.clone();
+        let checked =
+            tokio::task::spawn_blocking(move || lineage.check_stored(&*store, &thread)).await;
+        match checked {
+            Ok(result) => result.map_err(unavailable),
+            Err(e) => Err(unavailable(keel_offload::OffloadError::Io {
+                op: "check what the thread archived",
+                key: thread_id.to_owned(),
+                source: std::io::Error::other(e),
+            })),
+        }
     }
 
     fn command_for(
@@ -1038,8 +1066,9 @@ impl AgentBuilder {
     /// only). A durable agent needs a durable store, shared by every run of a thread:
     /// `keel_offload::SqliteStore` (it can share the `SqliteSaver`'s file),
     /// `keel_offload::FsStore` or `keel_offload::PostgresStore`. A thread resumed
-    /// without the store its checkpoints archived into cannot compact any more: each
-    /// compaction fails and says so in its [`CompactionEvent`](keel_compaction::CompactionEvent)`::error`.
+    /// without the store its checkpoints archived into cannot compact any more, so
+    /// [`Agent::run`] checks first (a few size queries) and fails with
+    /// [`AgentError::ArchiveUnavailable`], leaving the thread as it was.
     pub fn offload_store(mut self, store: Arc<dyn OffloadStore>) -> Self {
         self.store = Some(store);
         self

@@ -82,6 +82,19 @@ pub enum AgentError {
         #[source]
         source: CleanupError,
     },
+    /// The offload store does not give back what the thread's checkpoint archived
+    /// into it, so the run did not start (its compactions could not read the archive).
+    /// Usually the thread is resumed with another store than the one it wrote to, such
+    /// as the in-memory default in a new process: give every run of the thread the same
+    /// durable store (`AgentBuilder::offload_store`). Nothing was written.
+    #[error("thread `{thread_id}` cannot continue: {source}")]
+    ArchiveUnavailable {
+        /// The thread.
+        thread_id: String,
+        /// What the store is missing, or how it failed.
+        #[source]
+        source: keel_offload::OffloadError,
+    },
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),

@@ -367,6 +367,53 @@ impl Lineage {
         Ok(true)
     }
 
+    /// Checks that the store still holds everything this lineage has seen of
+    /// `thread`'s files: each segment's record and each appended file (the archive
+    /// among them) at least as long as seen. A few size queries; an unscoped lineage
+    /// checks nothing.
+    ///
+    /// The error ([`OffloadError::Lineage`]) names the first file that is missing or
+    /// shorter and what usually causes it: a thread resumed with another store than
+    /// the one its checkpoints wrote to, such as the in-memory default after a restart.
+    ///
+    /// ```
+    /// use keel_offload::{Key, Lineage, LineageStore, MemoryStore, OffloadStore, ThreadId};
+    /// use std::sync::Arc;
+    ///
+    /// let thread = ThreadId::new("t")?;
+    /// let store = Arc::new(MemoryStore::new());
+    /// let view = LineageStore::new(store.clone(), thread.clone(), Lineage::new());
+    /// view.append(&Key::new("t", "notes.md")?, "seen by the lineage\n")?;
+    /// let lineage = view.lineage();
+    /// lineage.check_stored(&*store, &thread)?;
+    ///
+    /// // A new process with a new in-memory store has none of it.
+    /// let err = lineage.check_stored(&MemoryStore::new(), &thread).unwrap_err();
+    /// assert!(err.to_string().contains("in-memory store"), "{err}");
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    pub fn check_stored(
+        &self,
+        store: &dyn OffloadStore,
+        thread: &ThreadId,
+    ) -> Result<(), OffloadError> {
+        for seg in &self.segments {
+            let record = seg.record_key(thread)?;
+            let size = size_or_zero(store, &record)?;
+            if size < seg.files {
+                return Err(shorter(&record, seg.files, size));
+            }
+            for (path, &seen) in &seg.logs {
+                let key = seg.data_key(thread, &StorePath::new(path.as_str())?)?;
+                let size = size_or_zero(store, &key)?;
+                if size < seen {
+                    return Err(shorter(&key, seen, size));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A hash of everything but the last segment's sizes: two lineages with the same
     /// fingerprint read prefixes of the same bytes (0 for the thread's own paths).
     pub(crate) fn fingerprint(&self) -> u64 {
