@@ -51,6 +51,9 @@ pub struct SqliteSaver {
 /// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
 const HEAD_VERSIONS: usize = 4096;
 
+/// Delta links a saver remembers for its prunes (about 150 bytes each).
+const DELTA_LINKS: usize = 65_536;
+
 struct Inner {
     path: Option<PathBuf>,
     /// Reader connections; `None` when the writer does everything (memory, `readers(0)`).
@@ -64,8 +67,9 @@ struct Inner {
     trigger: Option<Trigger>,
     writer: Lane,
     /// The versions of the newest checkpoint this saver put in each namespace, so a
-    /// put that carries them over need not read their deltas back.
-    heads: Arc<Mutex<support::HeadVersions>>,
+    /// put that carries them over need not read their deltas back, and the links of
+    /// the deltas it put, so a prune need not either.
+    memo: Arc<Mutex<store::Memo>>,
 }
 
 impl std::fmt::Debug for SqliteSaver {
@@ -161,7 +165,7 @@ impl SqliteSaver {
                 _checkpoints: checkpoints,
                 trigger: Some(trigger),
                 writer,
-                heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
+                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, DELTA_LINKS))),
             }),
         })
     }
@@ -186,7 +190,7 @@ impl SqliteSaver {
                 _checkpoints: None,
                 trigger: None,
                 writer,
-                heads: Arc::new(Mutex::new(support::HeadVersions::new(HEAD_VERSIONS))),
+                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, DELTA_LINKS))),
             }),
         })
     }
@@ -315,10 +319,10 @@ impl Checkpointer for SqliteSaver {
 
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
         support::validate_put(&request)?;
-        let heads = Arc::clone(&self.inner.heads);
+        let memo = Arc::clone(&self.inner.memo);
         self.write(move |conn| {
-            let mut heads = heads.lock().unwrap_or_else(PoisonError::into_inner);
-            store::put(conn, &request, &mut heads)
+            let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+            store::put(conn, &request, &mut memo)
         })
         .await
     }
@@ -334,10 +338,10 @@ impl Checkpointer for SqliteSaver {
             requests.truncate(*i);
         }
         if !requests.is_empty() {
-            let heads = Arc::clone(&self.inner.heads);
+            let memo = Arc::clone(&self.inner.memo);
             self.write(move |conn| {
-                let mut heads = heads.lock().unwrap_or_else(PoisonError::into_inner);
-                store::put_many(conn, &requests, &mut heads, HEAD_VERSIONS)
+                let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+                store::put_many(conn, &requests, &mut memo)
             })
             .await?;
         }
@@ -357,14 +361,24 @@ impl Checkpointer for SqliteSaver {
 
     async fn delete_thread(&self, thread_id: &str) -> Result<(), CheckpointError> {
         let thread_id = thread_id.to_owned();
-        self.write(move |conn| store::delete_thread(conn, &thread_id))
-            .await
+        let memo = Arc::clone(&self.inner.memo);
+        self.write(move |conn| {
+            store::delete_thread(conn, &thread_id)?;
+            let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+            memo.links.forget_thread(&thread_id);
+            Ok(())
+        })
+        .await
     }
 
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
         let thread = thread.clone();
-        self.write(move |conn| store::prune(conn, &thread, keep_last))
-            .await
+        let memo = Arc::clone(&self.inner.memo);
+        self.write(move |conn| {
+            let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+            store::prune(conn, &thread, keep_last, &mut memo.links)
+        })
+        .await
     }
 
     /// One write transaction on the writer thread: a range scan of the heads index
@@ -379,8 +393,16 @@ impl Checkpointer for SqliteSaver {
             return Ok(Vec::new());
         }
         let cutoff = support::idle_cutoff(idle_for);
-        self.write(move |conn| store::sweep_idle(conn, &cutoff, limit))
-            .await
+        let memo = Arc::clone(&self.inner.memo);
+        self.write(move |conn| {
+            let swept = store::sweep_idle(conn, &cutoff, limit)?;
+            let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
+            for thread_id in &swept {
+                memo.links.forget_thread(thread_id);
+            }
+            Ok(swept)
+        })
+        .await
     }
 
     async fn list_threads(

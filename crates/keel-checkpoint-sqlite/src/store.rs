@@ -1,7 +1,7 @@
 //! The SQL behind each [`Checkpointer`](keel_checkpoint::Checkpointer) method. Every
 //! function here runs on a database thread; all values are bound as parameters.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use keel_checkpoint::support;
 use keel_checkpoint::{
@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{OpResult, corrupt, invalid};
+use crate::links::{DeltaLinks, Link};
 
 /// The checkpoint fields stored as one JSON column, as written since schema 3: each
 /// writer listed once, and each channel's version as `[writer index, seq]`.
@@ -210,17 +211,37 @@ fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>>
     }
 }
 
+/// What the writer remembers of what it stored (it alone writes through this saver):
+/// the head versions of each namespace, so a put need not look up what they carry,
+/// and the delta links, so a prune need not read chains back.
+pub(crate) struct Memo {
+    pub(crate) heads: support::HeadVersions,
+    pub(crate) links: DeltaLinks,
+    heads_capacity: usize,
+}
+
+impl Memo {
+    pub(crate) fn new(heads: usize, links: usize) -> Self {
+        Memo {
+            heads: support::HeadVersions::new(heads),
+            links: DeltaLinks::new(links),
+            heads_capacity: heads,
+        }
+    }
+
+    fn remember(&mut self, request: &PutRequest) {
+        self.heads.remember(request);
+        self.links.remember(request);
+    }
+}
+
 /// `Checkpointer::put`: fencing, reference checks and every insert in one
 /// `BEGIN IMMEDIATE` transaction. Any refusal or failure rolls it all back.
-pub(crate) fn put(
-    conn: &mut Connection,
-    request: &PutRequest,
-    heads: &mut support::HeadVersions,
-) -> OpResult<()> {
+pub(crate) fn put(conn: &mut Connection, request: &PutRequest, memo: &mut Memo) -> OpResult<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    put_in(&tx, request, heads)?;
+    put_in(&tx, request, &memo.heads)?;
     tx.commit()?;
-    heads.remember(request);
+    memo.remember(request);
     Ok(())
 }
 
@@ -233,19 +254,21 @@ pub(crate) fn put(
 pub(crate) fn put_many(
     conn: &mut Connection,
     requests: &[PutRequest],
-    heads: &mut support::HeadVersions,
-    heads_capacity: usize,
+    memo: &mut Memo,
 ) -> OpResult<()> {
     if let [request] = requests {
-        return put(conn, request, heads);
+        return put(conn, request, memo);
     }
-    if put_batch(conn, requests, heads).is_ok() {
+    if put_batch(conn, requests, &mut memo.heads).is_ok() {
+        for request in requests {
+            memo.links.remember(request);
+        }
         return Ok(());
     }
-    // Rolled back: what the batch remembered was never stored.
-    *heads = support::HeadVersions::new(heads_capacity);
+    // Rolled back: the head versions the batch remembered were never stored.
+    memo.heads = support::HeadVersions::new(memo.heads_capacity);
     for request in requests {
-        put(conn, request, heads)?;
+        put(conn, request, memo)?;
     }
     Ok(())
 }
@@ -684,6 +707,7 @@ pub(crate) fn prune(
     conn: &mut Connection,
     thread: &ThreadKey,
     keep_last: usize,
+    links: &mut DeltaLinks,
 ) -> OpResult<usize> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let cutoff: Option<String> = match keep_last {
@@ -724,6 +748,8 @@ pub(crate) fn prune(
     // then delete the unmarked ones. Only deltas written before the cutoff can go: a
     // kept checkpoint's own deltas are on its chain. Each (channel, writer) is read
     // once, however many kept checkpoints share it.
+    // Walked writers per channel: as many as the kept chains have deltas.
+    let mut walked: HashMap<String, HashSet<String>> = HashMap::new();
     tx.execute_batch(
         "CREATE TEMP TABLE IF NOT EXISTS prune_keep \
          (channel TEXT NOT NULL, writer TEXT NOT NULL, PRIMARY KEY (channel, writer)) WITHOUT ROWID; \
@@ -739,41 +765,52 @@ pub(crate) fn prune(
             "SELECT seq, snapshot IS NULL, base_writer, base_seq FROM deltas \
              WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
         )?;
-        // Walked (channel, writer) pairs: as many as the kept chains have deltas.
-        let mut walked: HashSet<(String, String)> = HashSet::new();
         let mut rows = kept.query(params![thread.thread_id, thread.ns])?;
         while let Some(row) = rows.next()? {
             let mut versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
             for (channel, version) in versions.channels()? {
                 let mut writer = version.writer.as_str().to_owned();
                 loop {
-                    let key = (channel.clone(), writer);
-                    if walked.contains(&key) {
+                    let seen = walked.entry(channel.clone()).or_default();
+                    if seen.contains(&writer) {
                         break; // already walked from here
                     }
-                    let found = step
-                        .query_row(params![thread.thread_id, thread.ns, key.0, key.1], |r| {
-                            Ok((
-                                r.get::<_, i64>(0)?,
-                                r.get::<_, bool>(1)?,
-                                r.get::<_, Option<String>>(2)?,
-                                r.get::<_, Option<i64>>(3)?,
-                            ))
-                        })
-                        .optional()?;
+                    // The link this saver remembers, else the stored delta's.
+                    let found = match links.get(thread, &channel, &writer) {
+                        Some(link) => Some(link.clone()),
+                        None => step
+                            .query_row(params![thread.thread_id, thread.ns, channel, writer], |r| {
+                                Ok((
+                                    r.get::<_, i64>(0)?,
+                                    r.get::<_, bool>(1)?,
+                                    r.get::<_, Option<String>>(2)?,
+                                    r.get::<_, Option<i64>>(3)?,
+                                ))
+                            })
+                            .optional()?
+                            .map(|(seq, no_snapshot, base_writer, base_seq)| Link {
+                                seq: u64::try_from(seq).unwrap_or(0),
+                                snapshot: !no_snapshot,
+                                base: base_writer.zip(base_seq.and_then(|s| u64::try_from(s).ok())),
+                            }),
+                    };
                     // A missing delta ends the walk (`get` reports it as corrupt).
-                    let Some((seq, no_snapshot, base_writer, base_seq)) = found else {
+                    let Some(link) = found else {
                         break;
                     };
                     if cutoff
                         .as_deref()
-                        .is_some_and(|cutoff| key.1.as_str() < cutoff)
+                        .is_some_and(|cutoff| writer.as_str() < cutoff)
                     {
-                        mark.execute(params![key.0, key.1])?;
+                        mark.execute(params![channel, writer])?;
                     }
-                    walked.insert(key);
-                    match (no_snapshot, base_writer, base_seq) {
-                        (true, Some(base), Some(base_seq)) if base_seq < seq => writer = base,
+                    seen.insert(writer);
+                    match link {
+                        Link {
+                            snapshot: false,
+                            base: Some((base, base_seq)),
+                            seq,
+                        } if base_seq < seq => writer = base,
                         _ => break,
                     }
                 }
@@ -788,6 +825,13 @@ pub(crate) fn prune(
     .execute(params![thread.thread_id, thread.ns, cutoff])?;
     tx.execute_batch("DELETE FROM temp.prune_keep")?;
     tx.commit()?;
+    // The links of the deltas just deleted: before the cutoff and on no kept chain.
+    match cutoff.as_deref() {
+        None => links.forget(thread),
+        Some(cutoff) => links.retain(thread, |channel, writer| {
+            writer >= cutoff || walked.get(channel).is_some_and(|w| w.contains(writer))
+        }),
+    }
     Ok(removed)
 }
 

@@ -640,3 +640,105 @@ async fn a_versions_column_naming_a_writer_it_does_not_list_is_reported_corrupt(
         "{err:?}"
     );
 }
+
+/// Steps alternating channels "a" and "b", each appending one item, with a snapshot of
+/// "a" every fourth time it is written, so prunes have deltas to delete.
+fn alternating_steps(
+    thread: &ThreadKey,
+    from: usize,
+    to: usize,
+    parent: &mut Option<keel_checkpoint::Checkpoint>,
+    values: &mut std::collections::BTreeMap<&'static str, Vec<serde_json::Value>>,
+) -> Vec<keel_checkpoint::PutRequest> {
+    let mut out = Vec::new();
+    for i in from..to {
+        let channel = if i % 2 == 0 { "a" } else { "b" };
+        let item = json!(format!("{channel}{i}"));
+        let value = values.entry(channel).or_default();
+        value.push(item.clone());
+        let mut request = step(thread, parent.as_ref(), channel, vec![item]);
+        if channel == "a" && value.len() % 4 == 0 {
+            request.deltas[0].snapshot = Some(json!(value.clone()));
+        }
+        *parent = Some(request.checkpoint.clone());
+        out.push(request);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writers_prune_from_memory_and_a_fresh_savers_prune_leave_the_same_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    let mut values = std::collections::BTreeMap::new();
+    let early = alternating_steps(&thread, 0, 40, &mut parent, &mut values);
+    let late = alternating_steps(&thread, 40, 60, &mut parent, &mut values);
+
+    // `fresh`: every prune by a saver that put nothing (it reads the chains back);
+    // `writer`: every prune by the saver that put the steps (it walks what it
+    // remembers, including links of deltas another saver's prune deleted).
+    let mut results = Vec::new();
+    for (name, fresh) in [("fresh", true), ("writer", false)] {
+        let path = dir.path().join(format!("{name}.db"));
+        let writer = SqliteSaver::open(&path).await.unwrap();
+        let prune = |keep| {
+            let (path, writer, thread) = (path.clone(), writer.clone(), thread.clone());
+            async move {
+                if fresh {
+                    let other = SqliteSaver::open(&path).await.unwrap();
+                    other.prune(&thread, keep).await.unwrap()
+                } else {
+                    writer.prune(&thread, keep).await.unwrap()
+                }
+            }
+        };
+        writer.put_many(early.clone()).await.unwrap();
+        // Another saver prunes behind the writer's back in both files.
+        let removed = SqliteSaver::open(&path)
+            .await
+            .unwrap()
+            .prune(&thread, 20)
+            .await
+            .unwrap();
+        assert_eq!(removed, 20);
+        assert_eq!(prune(5).await, 15);
+        writer.put_many(late.clone()).await.unwrap();
+        assert_eq!(prune(5).await, 20);
+
+        let reader = SqliteSaver::open(&path).await.unwrap();
+        let listed = list_all(&reader, &thread).await;
+        assert_eq!(listed.len(), 5);
+        let mut tuples = Vec::new();
+        for summary in &listed {
+            tuples.push(
+                reader
+                    .get(&thread, Some(&summary.checkpoint.id))
+                    .await
+                    .unwrap()
+                    .unwrap(),
+            );
+        }
+        results.push((reader.stats().await.unwrap(), tuples));
+    }
+    let (fresh, writer) = (&results[0], &results[1]);
+    assert_eq!(fresh.1, writer.1, "the kept checkpoints rebuild alike");
+    let rows = |s: &keel_checkpoint_sqlite::SqliteStats| {
+        (
+            s.checkpoints,
+            s.deltas,
+            s.snapshots,
+            s.pending_writes,
+            s.delta_bytes,
+        )
+    };
+    assert_eq!(rows(&fresh.0), rows(&writer.0), "the same rows are left");
+    assert!(
+        fresh.0.deltas < 60 && fresh.0.deltas > 5,
+        "the prunes deleted deltas but kept the chains: {:?}",
+        fresh.0
+    );
+    let head = &fresh.1[0];
+    assert_eq!(fold(&head.channels["a"]), values["a"]);
+    assert_eq!(fold(&head.channels["b"]), values["b"]);
+}
