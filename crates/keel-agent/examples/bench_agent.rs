@@ -278,6 +278,8 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
         .keep_checkpoints(Some(5))
         .durability(durability)
         .checkpointer(backend.checkpointer())
+        // The archive in memory, as the peer keeps none: only the checkpointer varies.
+        .offload_store(Arc::new(keel_offload::MemoryStore::new()))
         .build()?;
     let thread = format!(
         "bench-{}-{}-{}-{tag}-{}",

@@ -1063,7 +1063,9 @@ impl AgentBuilder {
     }
 
     /// Where large results and the archive go (default: in memory, for this process
-    /// only). A durable agent needs a durable store, shared by every run of a thread:
+    /// only; with a durable [`checkpointer`](Self::checkpointer) there is no default and
+    /// [`build`](Self::build) fails with [`BuildError::EphemeralOffloadStore`]). A
+    /// durable agent needs a durable store, shared by every run of a thread:
     /// `keel_offload::SqliteStore` (it can share the `SqliteSaver`'s file),
     /// `keel_offload::FsStore` or `keel_offload::PostgresStore`. A thread resumed
     /// without the store its checkpoints archived into cannot compact any more, so
@@ -1184,6 +1186,9 @@ impl AgentBuilder {
                 }
             })?)),
         };
+        if self.store.is_none() && self.checkpointer.as_ref().is_some_and(|c| c.is_durable()) {
+            return Err(BuildError::EphemeralOffloadStore);
+        }
         let store: Arc<dyn OffloadStore> =
             self.store.unwrap_or_else(|| Arc::new(MemoryStore::new()));
         let mut toolbox = Toolbox::new();

@@ -21,6 +21,15 @@ pub enum BuildError {
         /// Why.
         reason: String,
     },
+    /// The checkpointer outlives the process but the offload store, left at its
+    /// in-memory default, would not: a thread resumed in another process would find
+    /// its checkpoints but not the archive they point into, and could never compact
+    /// again. Give [`AgentBuilder::offload_store`](crate::AgentBuilder::offload_store)
+    /// a durable store, or a `MemoryStore` explicitly if the archive may be lost.
+    #[error(
+        "the checkpointer is durable but the offload store is the in-memory default, which would lose the thread's archive when the process ends: give `.offload_store(..)` a durable store (SqliteStore in the saver's file, FsStore, PostgresStore), or `MemoryStore` explicitly if losing it is fine"
+    )]
+    EphemeralOffloadStore,
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),

@@ -27,8 +27,10 @@
 //! it when it shares the checkpointer and the offload store (the default store is in
 //! memory, for one process: a durable agent needs a durable store, `SqliteStore` in
 //! the saver's file, an `FsStore` for one machine, a `PostgresStore` for a fleet).
-//! A run of a stored thread first checks that the store still holds what the thread's
-//! checkpoint archived, and fails with [`AgentError::ArchiveUnavailable`] if not.
+//! With a durable checkpointer and no store, [`AgentBuilder::build`] fails with
+//! [`BuildError::EphemeralOffloadStore`]. A run of a stored thread first checks that
+//! the store still holds what the thread's checkpoint archived, and fails with
+//! [`AgentError::ArchiveUnavailable`] if not.
 //!
 //! A run stops at the thread's step ceiling
 //! ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)) or

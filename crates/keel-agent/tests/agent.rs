@@ -1097,6 +1097,62 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
     );
 }
 
+#[tokio::test]
+async fn a_durable_checkpointer_without_an_offload_store_is_refused_at_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = Arc::new(
+        SqliteSaver::open(dir.path().join("a.sqlite"))
+            .await
+            .unwrap(),
+    );
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let model = || counting_model(3, seen.clone());
+
+    let err = builder(model())
+        .checkpointer(file.clone())
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, keel_agent::BuildError::EphemeralOffloadStore),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(".offload_store(..)"), "{err}");
+    // The same for the nodes of a custom graph.
+    assert!(matches!(
+        builder(model()).checkpointer(file.clone()).build_nodes(),
+        Err(keel_agent::BuildError::EphemeralOffloadStore)
+    ));
+
+    // A durable store, or the in-memory one chosen explicitly, is accepted; so is the
+    // default store with checkpointers that do not outlive the process either.
+    let store = Arc::new(keel_offload::SqliteStore::open(dir.path().join("a.sqlite")).unwrap());
+    assert!(
+        builder(model())
+            .checkpointer(file.clone())
+            .offload_store(store)
+            .build()
+            .is_ok()
+    );
+    let memory_store = Arc::new(keel_offload::MemoryStore::new());
+    assert!(
+        builder(model())
+            .checkpointer(file)
+            .offload_store(memory_store)
+            .build()
+            .is_ok()
+    );
+    assert!(
+        builder(model())
+            .checkpointer(Arc::new(MemorySaver::new()))
+            .build()
+            .is_ok()
+    );
+    let in_memory = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
+    assert!(!in_memory.is_durable());
+    assert!(builder(model()).checkpointer(in_memory).build().is_ok());
+    assert!(builder(model()).build().is_ok());
+}
+
 /// The extractive summarizer, failing like a server that is down while `down` is set.
 struct Flaky {
     down: std::sync::atomic::AtomicBool,

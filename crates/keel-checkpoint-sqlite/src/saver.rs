@@ -247,6 +247,11 @@ impl SqliteSaver {
 
 #[async_trait]
 impl Checkpointer for SqliteSaver {
+    /// A file is; an in-memory database is not.
+    fn is_durable(&self) -> bool {
+        self.inner.path.is_some()
+    }
+
     async fn get(
         &self,
         thread: &ThreadKey,

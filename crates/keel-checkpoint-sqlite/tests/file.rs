@@ -657,7 +657,7 @@ fn alternating_steps(
         let value = values.entry(channel).or_default();
         value.push(item.clone());
         let mut request = step(thread, parent.as_ref(), channel, vec![item]);
-        if channel == "a" && value.len() % 4 == 0 {
+        if channel == "a" && value.len().is_multiple_of(4) {
             request.deltas[0].snapshot = Some(json!(value.clone()));
         }
         *parent = Some(request.checkpoint.clone());

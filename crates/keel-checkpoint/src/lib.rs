@@ -114,6 +114,8 @@ mod types;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+/// The attribute [`Checkpointer`] implementations put on their `impl` block.
+pub use async_trait::async_trait;
 pub use error::CheckpointError;
 pub use id::{CheckpointId, ParseCheckpointIdError, ThreadKey};
 pub use memory::{MemorySaver, MemoryStats};

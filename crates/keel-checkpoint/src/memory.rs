@@ -255,6 +255,11 @@ fn space<'m>(
 
 #[async_trait]
 impl Checkpointer for MemorySaver {
+    /// In memory: gone with the process.
+    fn is_durable(&self) -> bool {
+        false
+    }
+
     async fn get(
         &self,
         thread: &ThreadKey,

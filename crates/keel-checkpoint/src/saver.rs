@@ -31,8 +31,29 @@ use crate::types::{
 ///
 /// "Newest" means greatest [`CheckpointId`]; `put` refuses an id that does not sort
 /// after the current head, so id order and put order agree.
+///
+/// An implementation puts [`#[async_trait]`](crate::async_trait) (re-exported here) on
+/// its `impl` block; a wrapper that forwards to another checkpointer should forward
+/// [`is_durable`](Self::is_durable) too.
 #[async_trait]
 pub trait Checkpointer: Send + Sync + 'static {
+    /// Whether what this checkpointer stores outlives the process: true for a file or
+    /// a database server, false for [`MemorySaver`](crate::MemorySaver) and an
+    /// in-memory SQLite database. The default is true.
+    ///
+    /// keel-agent reads it to refuse a durable agent whose offload store is the
+    /// in-memory default: a thread resumed in another process would find its
+    /// checkpoints but not what they archived.
+    ///
+    /// ```
+    /// use keel_checkpoint::{Checkpointer, MemorySaver};
+    ///
+    /// assert!(!MemorySaver::new().is_durable());
+    /// ```
+    fn is_durable(&self) -> bool {
+        true
+    }
+
     /// The newest checkpoint of `thread` (`id` = `None`) or exactly checkpoint `id`,
     /// with its channel chains and pending writes; `Ok(None)` if absent.
     async fn get(
@@ -282,6 +303,10 @@ impl<T: Checkpointer + ?Sized> Checkpointer for Arc<T> {
 
     async fn put_many(&self, requests: Vec<PutRequest>) -> Result<(), CheckpointError> {
         (**self).put_many(requests).await
+    }
+
+    fn is_durable(&self) -> bool {
+        (**self).is_durable()
     }
 
     async fn put_writes(

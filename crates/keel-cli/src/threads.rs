@@ -230,6 +230,8 @@ fn reader(saver: Arc<dyn Checkpointer>) -> anyhow::Result<Agent> {
         .model(Arc::new(model))
         .retrieval_tools(false)
         .checkpointer(saver)
+        // It only reads states: it never archives.
+        .offload_store(Arc::new(keel::offload::MemoryStore::new()))
         .build()
         .context("cannot set up the thread reader")
 }

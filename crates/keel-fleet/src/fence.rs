@@ -291,6 +291,10 @@ pub(crate) fn is_refusal(e: &CheckpointError) -> bool {
 
 #[async_trait]
 impl Checkpointer for Fence {
+    fn is_durable(&self) -> bool {
+        self.inner.is_durable()
+    }
+
     async fn get(
         &self,
         thread: &ThreadKey,

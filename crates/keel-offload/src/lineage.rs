@@ -219,6 +219,17 @@ const LOST: &str = " (an in-memory store, the agent's default, keeps nothing pas
                     process: give every run of a thread the same durable store, such as \
                     SqliteStore, FsStore or PostgresStore)";
 
+fn not_held(key: &Key, what: &str, seen: u64, size: u64) -> OffloadError {
+    problem(
+        key,
+        format!(
+            "the offload store holds {size} of the {seen} bytes the thread's checkpoint has \
+             seen of this file ({what}): it is not the store the thread wrote to, or it lost \
+             them{LOST}"
+        ),
+    )
+}
+
 fn shorter(key: &Key, seen: u64, size: u64) -> OffloadError {
     problem(
         key,
@@ -401,13 +412,18 @@ impl Lineage {
             let record = seg.record_key(thread)?;
             let size = size_or_zero(store, &record)?;
             if size < seg.files {
-                return Err(shorter(&record, seg.files, size));
+                return Err(not_held(
+                    &record,
+                    "the thread's record of its files",
+                    seg.files,
+                    size,
+                ));
             }
             for (path, &seen) in &seg.logs {
                 let key = seg.data_key(thread, &StorePath::new(path.as_str())?)?;
                 let size = size_or_zero(store, &key)?;
                 if size < seen {
-                    return Err(shorter(&key, seen, size));
+                    return Err(not_held(&key, "an appended file", seen, size));
                 }
             }
         }

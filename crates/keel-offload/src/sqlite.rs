@@ -225,6 +225,7 @@ impl SqliteStore {
     /// A private in-memory database: for tests, and agents whose offloaded data may
     /// die with the process. Without a [`SqliteOptions::max_size`] it grows without
     /// bound, as [`MemoryStore::new`](crate::MemoryStore::new) does.
+    #[doc(alias = "open_in_memory")]
     pub fn in_memory() -> Result<Self, OffloadError> {
         Self::in_memory_with(SqliteOptions::default())
     }
