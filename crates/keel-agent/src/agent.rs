@@ -708,7 +708,7 @@ impl Agent {
         at: Option<&CheckpointId>,
         input: AgentInput,
     ) -> Result<(Command<AgentState>, Option<RunBudget>), AgentError> {
-        ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
+        let thread = ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
             thread_id: thread_id.to_owned(),
             reason: e.to_string(),
         })?;
@@ -734,7 +734,7 @@ impl Agent {
             _ => None,
         };
         if let Some(snap) = &existing {
-            self.check_archive(thread_id, &snap.values.lineage).await?;
+            self.check_archive(thread, &snap.values.lineage).await?;
         }
         // The budget counts from the calls the thread has made when this run starts.
         let budget = input.max_steps.map(|max| RunBudget {
@@ -747,15 +747,15 @@ impl Agent {
 
     /// Fails with [`AgentError::ArchiveUnavailable`] when the offload store lacks what
     /// `lineage` (a stored checkpoint's) has seen: a few size queries, off the runtime.
-    async fn check_archive(&self, thread_id: &str, lineage: &Lineage) -> Result<(), AgentError> {
+    async fn check_archive(&self, thread: ThreadId, lineage: &Lineage) -> Result<(), AgentError> {
         if !lineage.is_scoped() {
             return Ok(());
         }
+        let thread_id = thread.as_str().to_owned();
         let unavailable = |source| AgentError::ArchiveUnavailable {
-            thread_id: thread_id.to_owned(),
+            thread_id: thread_id.clone(),
             source,
         };
-        let thread = ThreadId::new(thread_id).map_err(unavailable)?;
         let store = self.nodes.parts.store.clone();
         let lineage = lineage.clone();
         let checked =
@@ -764,7 +764,7 @@ impl Agent {
             Ok(result) => result.map_err(unavailable),
             Err(e) => Err(unavailable(keel_offload::OffloadError::Io {
                 op: "check what the thread archived",
-                key: thread_id.to_owned(),
+                key: thread_id.clone(),
                 source: std::io::Error::other(e),
             })),
         }

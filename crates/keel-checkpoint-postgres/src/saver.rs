@@ -517,6 +517,35 @@ struct ListState {
 }
 
 impl PostgresSaver {
+    fn heads(&self) -> std::sync::MutexGuard<'_, support::HeadVersions> {
+        self.inner
+            .heads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Checks and encodes a put (no I/O). `keel_put` checks that the head is
+    /// `expected_head` before the references the head versions cannot vouch for.
+    fn encode_put<'r>(&self, request: &'r PutRequest) -> Result<PutArgs<'r>, CheckpointError> {
+        PutArgs::encode(request, &self.heads())
+    }
+
+    /// Runs `keel_put` with `args` on `client` (a pooled connection or a transaction),
+    /// then remembers the request's head versions.
+    async fn run_put(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        stmt: &tokio_postgres::Statement,
+        request: &PutRequest,
+        args: PutArgs<'_>,
+    ) -> Result<(), CheckpointError> {
+        args.execute(client, stmt)
+            .await
+            .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
+        self.heads().remember(request);
+        Ok(())
+    }
+
     /// `put_many`'s one transaction. On an error nothing of the batch is stored and the
     /// head versions it remembered are forgotten.
     async fn put_batch(&self, requests: &[PutRequest]) -> Result<(), CheckpointError> {
@@ -531,34 +560,15 @@ impl PostgresSaver {
                 .await
                 .map_err(|e| self.query_error(e))?;
             for request in requests {
-                let args = {
-                    let heads = self
-                        .inner
-                        .heads
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    PutArgs::encode(request, &heads)?
-                };
-                args.execute(&*tx, &stmt)
-                    .await
-                    .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
-                // Not committed yet: forgotten below if the batch fails.
-                self.inner
-                    .heads
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remember(request);
+                // Remembered before the commit: forgotten below if the batch fails.
+                self.run_put(&*tx, &stmt, request, self.encode_put(request)?)
+                    .await?;
             }
             tx.commit().await.map_err(|e| self.query_error(e))
         }
         .await;
         if result.is_err() {
-            *self
-                .inner
-                .heads
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) =
-                support::HeadVersions::new(HEAD_VERSIONS);
+            self.heads().clear();
         }
         result
     }
@@ -815,26 +825,10 @@ impl Checkpointer for PostgresSaver {
 
     async fn put(&self, request: PutRequest) -> Result<(), CheckpointError> {
         support::validate_put(&request)?;
-        // `keel_put` checks that the head is `expected_head` before these references.
-        let args = {
-            let heads = self
-                .inner
-                .heads
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            PutArgs::encode(&request, &heads)?
-        };
+        let args = self.encode_put(&request)?;
         let client = self.client().await?;
         let stmt = self.prepare(&client, &self.inner.sql.put).await?;
-        args.execute(&**client, &stmt)
-            .await
-            .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
-        self.inner
-            .heads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remember(&request);
-        Ok(())
+        self.run_put(&**client, &stmt, &request, args).await
     }
 
     /// The batch in one transaction: one commit (one WAL flush) for all of it. If a

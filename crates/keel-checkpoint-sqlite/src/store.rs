@@ -217,7 +217,6 @@ fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>>
 pub(crate) struct Memo {
     pub(crate) heads: support::HeadVersions,
     pub(crate) links: DeltaLinks,
-    heads_capacity: usize,
 }
 
 impl Memo {
@@ -225,7 +224,6 @@ impl Memo {
         Memo {
             heads: support::HeadVersions::new(heads),
             links: DeltaLinks::new(links),
-            heads_capacity: heads,
         }
     }
 
@@ -266,7 +264,7 @@ pub(crate) fn put_many(
         return Ok(());
     }
     // Rolled back: the head versions the batch remembered were never stored.
-    memo.heads = support::HeadVersions::new(memo.heads_capacity);
+    memo.heads.clear();
     for request in requests {
         put(conn, request, memo)?;
     }
@@ -770,8 +768,8 @@ pub(crate) fn prune(
             let mut versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
             for (channel, version) in versions.channels()? {
                 let mut writer = version.writer.as_str().to_owned();
+                let seen = walked.entry(channel.clone()).or_default();
                 loop {
-                    let seen = walked.entry(channel.clone()).or_default();
                     if seen.contains(&writer) {
                         break; // already walked from here
                     }

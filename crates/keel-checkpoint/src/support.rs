@@ -198,6 +198,12 @@ impl HeadVersions {
         refs
     }
 
+    /// Forgets every namespace (say, after a transaction that remembered puts rolled
+    /// back): their references are looked up again.
+    pub fn clear(&mut self) {
+        self.heads.clear();
+    }
+
     /// Records `request`'s checkpoint as its namespace's head. Call it only after the
     /// put committed.
     pub fn remember(&mut self, request: &PutRequest) {

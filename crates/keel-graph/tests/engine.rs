@@ -780,21 +780,26 @@ async fn time_travel_history_update_state_and_fork() {
     assert_eq!(run.state.log, ["in", "a", "edited", "b"]);
 }
 
+/// A node `inc` that logs and bumps `count`, looping until it is 20 (21 checkpoints).
+fn counting_to_20(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("inc", |s: Arc<S>, _c| async move {
+            Ok(SUpdate::default()
+                .count(s.count + 1)
+                .log(vec![format!("{}", s.count)]))
+        })
+        .add_edge(START, "inc")
+        .add_conditional_edges("inc", |s: &S| if s.count < 20 { "inc" } else { END }, None)
+        .with_checkpointer(cp)
+        .compile()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn durability_modes_agree_on_the_result() {
     async fn run(d: Durability) -> (Vec<String>, usize) {
         let cp = saver();
-        let g = StateGraph::<S>::new()
-            .add_node("inc", |s: Arc<S>, _c| async move {
-                Ok(SUpdate::default()
-                    .count(s.count + 1)
-                    .log(vec![format!("{}", s.count)]))
-            })
-            .add_edge(START, "inc")
-            .add_conditional_edges("inc", |s: &S| if s.count < 20 { "inc" } else { END }, None)
-            .with_checkpointer(Arc::clone(&cp))
-            .compile()
-            .unwrap();
+        let g = counting_to_20(Arc::clone(&cp));
         let config = RunConfig::thread("d").with_durability(d);
         g.invoke(SUpdate::default(), &config).await.unwrap();
         let stored = g.get_state(&config).await.unwrap().unwrap();
@@ -818,17 +823,7 @@ async fn durability_modes_agree_on_the_result() {
 async fn async_durability_hands_queued_checkpoints_over_as_one_batch() {
     let counting = Arc::new(CountingSaver::new(Duration::from_millis(200)));
     let cp: Arc<dyn Checkpointer> = counting.clone();
-    let g = StateGraph::<S>::new()
-        .add_node("inc", |s: Arc<S>, _c| async move {
-            Ok(SUpdate::default()
-                .count(s.count + 1)
-                .log(vec![format!("{}", s.count)]))
-        })
-        .add_edge(START, "inc")
-        .add_conditional_edges("inc", |s: &S| if s.count < 20 { "inc" } else { END }, None)
-        .with_checkpointer(Arc::clone(&cp))
-        .compile()
-        .unwrap();
+    let g = counting_to_20(Arc::clone(&cp));
     let config = RunConfig::thread("batched").with_durability(Durability::Async);
     let run = g.invoke(SUpdate::default(), &config).await.unwrap();
     assert_eq!(run.state.count, 20);

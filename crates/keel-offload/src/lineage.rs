@@ -364,15 +364,9 @@ impl Lineage {
         {
             return Ok(false);
         }
-        for seg in &self.segments {
-            if size_or_zero(store, &seg.record_key(thread)?)? != seg.files {
+        for (key, _, seen) in self.seen_files(thread)? {
+            if size_or_zero(store, &key)? != seen {
                 return Ok(false);
-            }
-            for (path, &seen) in &seg.logs {
-                let key = seg.data_key(thread, &StorePath::new(path.as_str())?)?;
-                if size_or_zero(store, &key)? != seen {
-                    return Ok(false);
-                }
             }
         }
         Ok(true)
@@ -408,26 +402,31 @@ impl Lineage {
         store: &dyn OffloadStore,
         thread: &ThreadId,
     ) -> Result<(), OffloadError> {
-        for seg in &self.segments {
-            let record = seg.record_key(thread)?;
-            let size = size_or_zero(store, &record)?;
-            if size < seg.files {
-                return Err(not_held(
-                    &record,
-                    "the thread's record of its files",
-                    seg.files,
-                    size,
-                ));
-            }
-            for (path, &seen) in &seg.logs {
-                let key = seg.data_key(thread, &StorePath::new(path.as_str())?)?;
-                let size = size_or_zero(store, &key)?;
-                if size < seen {
-                    return Err(not_held(&key, "an appended file", seen, size));
-                }
+        for (key, what, seen) in self.seen_files(thread)? {
+            let size = size_or_zero(store, &key)?;
+            if size < seen {
+                return Err(not_held(&key, what, seen, size));
             }
         }
         Ok(())
+    }
+
+    /// Every stored file whose size this lineage records, with what it is and the
+    /// bytes seen: each segment's record, then its appended files.
+    fn seen_files(&self, thread: &ThreadId) -> Result<Vec<(Key, &'static str, u64)>, OffloadError> {
+        let mut files = Vec::new();
+        for seg in &self.segments {
+            files.push((
+                seg.record_key(thread)?,
+                "the thread's record of its files",
+                seg.files,
+            ));
+            for (path, &seen) in &seg.logs {
+                let key = seg.data_key(thread, &StorePath::new(path.as_str())?)?;
+                files.push((key, "an appended file", seen));
+            }
+        }
+        Ok(files)
     }
 
     /// A hash of everything but the last segment's sizes: two lineages with the same
