@@ -7,9 +7,10 @@
 //!
 //! ```sh
 //! cargo run --release -p keel-agent --example bench_agent -- \
-//!     memory|sqlite|postgres sync|async STEPS REPS REPO_DIR SCRATCH_DIR
+//!     memory|sqlite|postgres sync|async|exit STEPS REPS REPO_DIR SCRATCH_DIR
 //! ```
-//! (`DATABASE_URL` for postgres). Prints one JSON line per repetition.
+//! (`DATABASE_URL` for postgres; `KEEL_BENCH_AGENT_RUNTIME=current_thread` for tokio's
+//! one-thread scheduler). Prints one JSON line per repetition.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -46,7 +47,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [backend, durability, steps, reps, repo, scratch] = args.as_slice() else {
         return Err(
-            "usage: bench_agent memory|sqlite|postgres sync|async STEPS REPS REPO SCRATCH".into(),
+            "usage: bench_agent memory|sqlite|postgres sync|async|exit STEPS REPS REPO SCRATCH"
+                .into(),
         );
     };
     let config = Config {
@@ -66,9 +68,14 @@ fn main() -> Result<()> {
 
 /// Runs keel's compacting agent loop for `config`, `config.reps` times.
 fn run(config: &Config) -> Result<Vec<Value>> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    // KEEL_BENCH_AGENT_RUNTIME=current_thread: tokio's one-thread scheduler instead of
+    // the multi-thread one `#[tokio::main]` builds (blocking work still goes to its pool).
+    let rt = match runtime_flavor()? {
+        "current_thread" => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    }
+    .enable_all()
+    .build()?;
     rt.block_on(async {
         let mut out = Vec::new();
         // An untimed warm-up, as the peer does.
@@ -82,6 +89,18 @@ fn run(config: &Config) -> Result<Vec<Value>> {
         }
         Ok(out)
     })
+}
+
+/// The tokio scheduler the run uses: `multi_thread` (the default) or `current_thread`.
+fn runtime_flavor() -> Result<&'static str> {
+    match std::env::var("KEEL_BENCH_AGENT_RUNTIME").as_deref() {
+        Err(_) | Ok("" | "multi_thread") => Ok("multi_thread"),
+        Ok("current_thread") => Ok("current_thread"),
+        Ok(other) => Err(format!(
+            "KEEL_BENCH_AGENT_RUNTIME is `{other}`: use multi_thread or current_thread"
+        )
+        .into()),
+    }
 }
 
 /// Time spent outside keel's runtime: the fake model's and the tools' bodies.
@@ -250,7 +269,9 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
         .collect();
     let durability = match config.durability.as_str() {
         "async" => Durability::Async,
-        _ => Durability::Sync,
+        "exit" => Durability::Exit,
+        "sync" => Durability::Sync,
+        other => return Err(format!("unknown durability `{other}`").into()),
     };
     let agent = Agent::builder()
         .model(Arc::new(model(config.steps, work.clone())))
@@ -313,6 +334,7 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
     Ok(json!({
         "backend": config.backend,
         "durability": config.durability,
+        "runtime": runtime_flavor()?,
         "steps": steps,
         "wall_s": wall_s,
         "steps_per_s": steps as f64 / wall_s,

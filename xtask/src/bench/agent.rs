@@ -13,7 +13,9 @@
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
 //! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
 //! `KEEL_BENCH_AGENT_DURABILITIES` (e.g. `sync`) the durabilities,
-//! `KEEL_PGBENCH_SECS` pgbench's duration (10 s).
+//! `KEEL_PGBENCH_SECS` pgbench's duration (10 s); `KEEL_BENCH_AGENT_RUNTIME=current_thread`
+//! runs keel's side on tokio's one-thread scheduler instead of the multi-thread one
+//! `#[tokio::main]` builds (the peer, on Node.js, is single-threaded either way).
 //! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
 //! without one, the PostgreSQL rows and pgbench are skipped and the reason printed.
 //!
@@ -452,6 +454,9 @@ impl Report<'_> {
         println!(
             "agent loop (fake model, real tools, compaction every 10 steps, epoch every 5 milestones): medians"
         );
+        if let Ok(flavor) = std::env::var("KEEL_BENCH_AGENT_RUNTIME") {
+            println!("keel's side on tokio's {flavor} scheduler (KEEL_BENCH_AGENT_RUNTIME)");
+        }
         println!(
             "{:<8} {:<5} {:>6} {:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "backend",
