@@ -28,10 +28,10 @@
 //!
 //! # Fencing
 //!
-//! `put` runs one statement, the `keel_put` function: it locks the thread's head row
-//! (`SELECT … FOR UPDATE`), compares it with the writer's expected head, checks that
-//! every version the request refers to is stored, then inserts the deltas and the
-//! checkpoint and moves the head. A writer whose expected head is stale gets
+//! `put` runs one statement, the `keel_put` function: it moves the thread's head row to
+//! the new checkpoint only if the head is still the writer's expected one (the `UPDATE`
+//! locks the row until the put commits), checks that every version the request refers
+//! to is stored, then inserts the deltas and the checkpoint. A writer whose expected head is stale gets
 //! [`CheckpointError::Conflict`](keel_checkpoint::CheckpointError::Conflict) and nothing
 //! of its step is written (invariant 7). Only that row is locked, only for the put:
 //! there is no saver-wide lock, so throughput scales with the pool.

@@ -39,9 +39,68 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "keel_heads indexed by head, for the TTL sweep",
         sql: MIGRATION_2,
     },
+    Migration {
+        version: 3,
+        name: "keel_put moves the head with the UPDATE that checks it",
+        sql: MIGRATION_3,
+    },
 ];
 
-const MIGRATION_1: &str = r#"
+/// `keel_put`'s signature and its first step, the same in every version: a thread's
+/// first put (no expected head) makes its head row.
+macro_rules! keel_put_signature {
+    () => {
+        r#"{s}.keel_put(
+    p_thread text, p_ns text, p_id uuid, p_parent uuid, p_created_at bigint,
+    p_metadata jsonb, p_versions json, p_versions_seen json, p_pending_sends json,
+    p_expected uuid,
+    d_channel text[], d_seq bigint[], d_base_writer uuid[], d_base_seq bigint[],
+    d_updates json[], d_snapshot json[],
+    r_channel text[], r_writer uuid[], r_seq bigint[]
+) RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_head uuid;
+BEGIN
+    IF p_expected IS NULL THEN
+        INSERT INTO {s}.keel_heads (thread_id, ns, head) VALUES (p_thread, p_ns, NULL)
+        ON CONFLICT (thread_id, ns) DO NOTHING;
+    END IF;
+"#
+    };
+}
+
+/// `keel_put`'s checks of the versions the request refers to, and its inserts: the same
+/// in every version.
+macro_rules! keel_put_inserts {
+    () => {
+        r#"    -- One primary-key lookup per referenced version (a join could be planned as a
+    -- scan of the whole thread's deltas).
+    FOR i IN 1 .. coalesce(cardinality(r_channel), 0) LOOP
+        PERFORM 1 FROM {s}.keel_deltas d
+        WHERE d.thread_id = p_thread AND d.ns = p_ns
+          AND d.channel = r_channel[i] AND d.writer = r_writer[i] AND d.seq = r_seq[i];
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = 'KL422',
+                MESSAGE = format('channel %s: version %s by %s is not stored',
+                                 to_json(r_channel[i]), r_seq[i], r_writer[i]);
+        END IF;
+    END LOOP;
+    INSERT INTO {s}.keel_deltas
+        (thread_id, ns, channel, writer, seq, base_writer, base_seq, updates, snapshot)
+    SELECT p_thread, p_ns, d.channel, p_id, d.seq, d.base_writer, d.base_seq, d.updates, d.snapshot
+    FROM unnest(d_channel, d_seq, d_base_writer, d_base_seq, d_updates, d_snapshot)
+        AS d(channel, seq, base_writer, base_seq, updates, snapshot);
+    INSERT INTO {s}.keel_checkpoints
+        (thread_id, ns, checkpoint_id, parent, created_at, metadata, versions,
+         versions_seen, pending_sends)
+    VALUES (p_thread, p_ns, p_id, p_parent, p_created_at, p_metadata, p_versions,
+            p_versions_seen, p_pending_sends);
+"#
+    };
+}
+
+const MIGRATION_1: &str = concat!(
+    r#"
 -- One row per (thread, namespace): its newest checkpoint. `put` locks this row and
 -- compares `head` with the writer's expected head (fencing).
 CREATE TABLE {s}.keel_heads (
@@ -100,22 +159,9 @@ CREATE TABLE {s}.keel_writes (
 -- Stores one checkpoint and its deltas if the thread's head is still p_expected.
 -- Runs as one statement: everything or nothing. Each query inside sees a fresh
 -- snapshot, taken after the head row is locked.
-CREATE FUNCTION {s}.keel_put(
-    p_thread text, p_ns text, p_id uuid, p_parent uuid, p_created_at bigint,
-    p_metadata jsonb, p_versions json, p_versions_seen json, p_pending_sends json,
-    p_expected uuid,
-    d_channel text[], d_seq bigint[], d_base_writer uuid[], d_base_seq bigint[],
-    d_updates json[], d_snapshot json[],
-    r_channel text[], r_writer uuid[], r_seq bigint[]
-) RETURNS void LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_head uuid;
-BEGIN
-    IF p_expected IS NULL THEN
-        INSERT INTO {s}.keel_heads (thread_id, ns, head) VALUES (p_thread, p_ns, NULL)
-        ON CONFLICT (thread_id, ns) DO NOTHING;
-    END IF;
-    SELECT h.head INTO v_head FROM {s}.keel_heads h
+CREATE FUNCTION "#,
+    keel_put_signature!(),
+    r#"    SELECT h.head INTO v_head FROM {s}.keel_heads h
     WHERE h.thread_id = p_thread AND h.ns = p_ns
     FOR UPDATE;
     IF v_head IS DISTINCT FROM p_expected THEN
@@ -127,33 +173,14 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'KL422',
             MESSAGE = format('checkpoint id %s does not sort after the head %s', p_id, v_head);
     END IF;
-    -- One primary-key lookup per referenced version (a join could be planned as a
-    -- scan of the whole thread's deltas).
-    FOR i IN 1 .. coalesce(cardinality(r_channel), 0) LOOP
-        PERFORM 1 FROM {s}.keel_deltas d
-        WHERE d.thread_id = p_thread AND d.ns = p_ns
-          AND d.channel = r_channel[i] AND d.writer = r_writer[i] AND d.seq = r_seq[i];
-        IF NOT FOUND THEN
-            RAISE EXCEPTION USING ERRCODE = 'KL422',
-                MESSAGE = format('channel %s: version %s by %s is not stored',
-                                 to_json(r_channel[i]), r_seq[i], r_writer[i]);
-        END IF;
-    END LOOP;
-    INSERT INTO {s}.keel_deltas
-        (thread_id, ns, channel, writer, seq, base_writer, base_seq, updates, snapshot)
-    SELECT p_thread, p_ns, d.channel, p_id, d.seq, d.base_writer, d.base_seq, d.updates, d.snapshot
-    FROM unnest(d_channel, d_seq, d_base_writer, d_base_seq, d_updates, d_snapshot)
-        AS d(channel, seq, base_writer, base_seq, updates, snapshot);
-    INSERT INTO {s}.keel_checkpoints
-        (thread_id, ns, checkpoint_id, parent, created_at, metadata, versions,
-         versions_seen, pending_sends)
-    VALUES (p_thread, p_ns, p_id, p_parent, p_created_at, p_metadata, p_versions,
-            p_versions_seen, p_pending_sends);
-    UPDATE {s}.keel_heads SET head = p_id, updated_at = now()
+"#,
+    keel_put_inserts!(),
+    r#"    UPDATE {s}.keel_heads SET head = p_id, updated_at = now()
     WHERE thread_id = p_thread AND ns = p_ns;
 END
 $fn$;
-"#;
+"#
+);
 
 const MIGRATION_2: &str = r#"
 -- `sweep_idle` reads the heads older than its cutoff as a range of this index (head
@@ -163,18 +190,55 @@ const MIGRATION_2: &str = r#"
 CREATE INDEX keel_heads_head ON {s}.keel_heads (head);
 "#;
 
+const MIGRATION_3: &str = concat!(
+    r#"
+-- keel_put moves the head with the UPDATE that checks it, instead of locking the row
+-- with SELECT ... FOR UPDATE first and updating it last: one statement and one
+-- row-lock WAL record less per put. The UPDATE locks the row as the SELECT did, a
+-- concurrent put waits for it and then finds the head moved, and an error later in the
+-- function undoes the UPDATE with everything else.
+CREATE OR REPLACE FUNCTION "#,
+    keel_put_signature!(),
+    r#"    UPDATE {s}.keel_heads h SET head = p_id, updated_at = now()
+    WHERE h.thread_id = p_thread AND h.ns = p_ns
+      AND h.head IS NOT DISTINCT FROM p_expected
+      AND (p_expected IS NULL OR p_id > p_expected);
+    IF NOT FOUND THEN
+        SELECT h.head INTO v_head FROM {s}.keel_heads h
+        WHERE h.thread_id = p_thread AND h.ns = p_ns;
+        IF v_head IS DISTINCT FROM p_expected THEN
+            RAISE EXCEPTION USING ERRCODE = 'KL409',
+                MESSAGE = 'stale writer: the thread''s head is not the expected one',
+                DETAIL = coalesce(v_head::text, '');
+        END IF;
+        RAISE EXCEPTION USING ERRCODE = 'KL422',
+            MESSAGE = format('checkpoint id %s does not sort after the head %s', p_id, v_head);
+    END IF;
+"#,
+    keel_put_inserts!(),
+    r#"END
+$fn$;
+"#
+);
+
 /// The advisory lock key that serializes migrations of one schema across processes.
 fn lock_key(schema: &str) -> i64 {
-    // FNV-1a: stable across builds and processes, unlike std's hasher.
+    let hash = fnv1a(
+        "keel-checkpoint-postgres/migrations/"
+            .bytes()
+            .chain(schema.bytes()),
+    );
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+/// FNV-1a: stable across builds and processes, unlike std's hasher.
+fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in "keel-checkpoint-postgres/migrations/"
-        .bytes()
-        .chain(schema.bytes())
-    {
+    for byte in bytes {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
-    i64::from_ne_bytes(hash.to_ne_bytes())
+    hash
 }
 
 /// Applies every migration `schema` lacks, in order, and records each in
@@ -279,6 +343,25 @@ mod tests {
         let sql = MIGRATIONS[0].sql(r#"odd"name"#);
         assert!(sql.contains(r#""odd""name".keel_checkpoints"#));
         assert!(!sql.contains("{s}"));
+    }
+
+    /// A schema that applied a migration never runs it again, so a migration's text is
+    /// history: a change belongs in a new migration. Checksums of each migration's SQL
+    /// for the schema `public`.
+    #[test]
+    fn applied_migrations_never_change() {
+        let sums: Vec<(i32, u64)> = MIGRATIONS
+            .iter()
+            .map(|m| (m.version, fnv1a(m.sql("public").bytes())))
+            .collect();
+        assert_eq!(
+            sums,
+            [
+                (1, 0x5b36_ff98_b03f_908a),
+                (2, 0xdf5c_0ce5_02ec_8f88),
+                (3, 0x808d_1b94_97f6_ef4a),
+            ]
+        );
     }
 
     #[test]

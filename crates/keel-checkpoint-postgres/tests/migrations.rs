@@ -186,7 +186,7 @@ async fn a_version_1_schema_gets_the_heads_index() {
         ))
         .await
         .unwrap();
-    assert_eq!(db.saver.setup().await.unwrap(), vec![2]);
+    assert_eq!(db.saver.setup().await.unwrap(), vec![2, 3]);
     assert_eq!(versions(&client, &db.schema).await, all());
     let index: Option<String> = client
         .query_opt(
@@ -200,5 +200,59 @@ async fn a_version_1_schema_gets_the_heads_index() {
         index.as_deref().is_some_and(|d| d.ends_with("(head)")),
         "{index:?}"
     );
+    db.drop_schema().await;
+}
+
+/// The definition of the schema's `keel_put`.
+async fn keel_put_definition(client: &tokio_postgres::Client, schema: &str) -> String {
+    client
+        .query_one(
+            "SELECT pg_get_functiondef(p.oid) FROM pg_proc p \
+             JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = $1 AND p.proname = 'keel_put'",
+            &[&schema],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A schema with version 1's `keel_put` (the head row locked with `SELECT ... FOR
+/// UPDATE` and moved last) gets migration 3's, and the whole conformance suite
+/// (fencing, racing writers, invalid puts, batches) passes on the upgraded schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_2_schema_gets_the_new_keel_put_and_passes_the_suite() {
+    let Some(db) = common::saver("migrate_v2").await else {
+        return;
+    };
+    let client = db.client().await;
+    let v1 = MIGRATIONS[0].sql(&db.schema);
+    let function = v1
+        .find("CREATE FUNCTION")
+        .map(|at| v1[at..].replacen("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1))
+        .unwrap();
+    client
+        .batch_execute(&format!(
+            "{function}\nDELETE FROM \"{}\".keel_migrations WHERE version > 2",
+            db.schema
+        ))
+        .await
+        .unwrap();
+    assert!(
+        keel_put_definition(&client, &db.schema)
+            .await
+            .contains("FOR UPDATE")
+    );
+    assert_eq!(db.saver.setup().await.unwrap(), vec![3]);
+    assert_eq!(versions(&client, &db.schema).await, all());
+    let upgraded = keel_put_definition(&client, &db.schema).await;
+    assert!(!upgraded.contains("FOR UPDATE"), "{upgraded}");
+    assert!(upgraded.contains("IF NOT FOUND"), "{upgraded}");
+    let shared: std::sync::Arc<dyn Checkpointer> = std::sync::Arc::new(db.saver.clone());
+    keel_checkpoint::conformance::run_all(|| {
+        let shared = std::sync::Arc::clone(&shared);
+        async move { shared }
+    })
+    .await;
     db.drop_schema().await;
 }
