@@ -60,6 +60,7 @@ fn main() -> Result<()> {
         database_url: std::env::var("DATABASE_URL").ok(),
         scratch: scratch.into(),
     };
+    std::fs::create_dir_all(&config.scratch)?;
     for m in run(&config)? {
         println!("{m}");
     }
