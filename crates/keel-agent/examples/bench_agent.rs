@@ -60,6 +60,22 @@ fn main() -> Result<()> {
         database_url: std::env::var("DATABASE_URL").ok(),
         scratch: scratch.into(),
     };
+    // Everything checked before anything is made: a typo costs no stray files.
+    durability_of(&config.durability)?;
+    if !["memory", "sqlite", "postgres"].contains(&config.backend.as_str()) {
+        return Err(format!("unknown backend `{}`", config.backend).into());
+    }
+    // The fake model's calls read these; elsewhere every call would fail and the run
+    // would measure error messages instead of the tools.
+    for needed in ["Cargo.toml", "crates/keel-message"] {
+        if !config.repo.join(needed).exists() {
+            return Err(format!(
+                "REPO {} has no {needed}: give the keel repository's root",
+                config.repo.display()
+            )
+            .into());
+        }
+    }
     std::fs::create_dir_all(&config.scratch)?;
     for m in run(&config)? {
         println!("{m}");
@@ -90,6 +106,16 @@ fn run(config: &Config) -> Result<Vec<Value>> {
         }
         Ok(out)
     })
+}
+
+/// The durability named `name`.
+fn durability_of(name: &str) -> Result<Durability> {
+    match name {
+        "async" => Ok(Durability::Async),
+        "exit" => Ok(Durability::Exit),
+        "sync" => Ok(Durability::Sync),
+        other => Err(format!("unknown durability `{other}`: use sync, async or exit").into()),
+    }
 }
 
 /// The tokio scheduler the run uses: `multi_thread` (the default) or `current_thread`.
@@ -268,12 +294,7 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
             }) as Arc<dyn Tool>
         })
         .collect();
-    let durability = match config.durability.as_str() {
-        "async" => Durability::Async,
-        "exit" => Durability::Exit,
-        "sync" => Durability::Sync,
-        other => return Err(format!("unknown durability `{other}`").into()),
-    };
+    let durability = durability_of(&config.durability)?;
     let agent = Agent::builder()
         .model(Arc::new(model(config.steps, work.clone())))
         .profile(ModelProfile::new(
