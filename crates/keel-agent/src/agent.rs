@@ -1051,6 +1051,9 @@ impl AgentBuilder {
     }
 
     /// How tokens are counted (default: the profile's counter, memoized per message).
+    /// A counter given here is used as it is, each step counting the whole context
+    /// again; wrap a costly one in [`keel_token::MemoCounter`] (a counter whose counts
+    /// change over time, as a calibrated one, must not be memoized).
     pub fn counter(mut self, counter: Arc<dyn TokenCounter>) -> Self {
         self.counter = Some(counter);
         self
