@@ -1036,12 +1036,19 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
             .with_keep_recent_tokens(20)
     };
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let first = builder(counting_model(30, seen.clone()))
-        .compaction(config())
-        .checkpointer(saver.clone())
-        .offload_store(store.clone())
+    // An agent over the shared checkpoints, with `store` or the default one.
+    let agent = |store: Option<Arc<keel_offload::MemoryStore>>| {
+        let b = builder(counting_model(30, seen.clone()))
+            .compaction(config())
+            .checkpointer(saver.clone());
+        match store {
+            Some(s) => b.offload_store(s),
+            None => b,
+        }
         .build()
-        .unwrap();
+        .unwrap()
+    };
+    let first = agent(Some(store.clone()));
     let run = first
         .run("restarted", AgentInput::new().max_steps(10))
         .await
@@ -1057,11 +1064,7 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
     drop(first);
 
     // "Restarted" with the default store, which holds nothing: the run does not start.
-    let second = builder(counting_model(30, seen.clone()))
-        .compaction(config())
-        .checkpointer(saver.clone())
-        .build()
-        .unwrap();
+    let second = agent(None);
     let err = second
         .run("restarted", AgentInput::new().max_steps(10))
         .await
@@ -1079,12 +1082,7 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
     assert_eq!(after, head_id, "nothing was written");
 
     // With the store the thread wrote to, it continues and compacts.
-    let third = builder(counting_model(30, seen))
-        .compaction(config())
-        .checkpointer(saver)
-        .offload_store(store)
-        .build()
-        .unwrap();
+    let third = agent(Some(store));
     let run = third
         .run("restarted", AgentInput::new().max_steps(10))
         .await
