@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
-use keel_checkpoint::support;
+use keel_checkpoint::support::{self, DeltaLink, DeltaLinks};
 use keel_checkpoint::{
     ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
     CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions, PendingWrite, PutRequest,
@@ -52,10 +52,16 @@ struct Inner {
     /// The versions of the newest checkpoint this saver put in each namespace: `keel_put`
     /// confirms the head under its lock, so references to them need no lookup.
     heads: Mutex<support::HeadVersions>,
+    /// The links of the deltas this saver put, so a prune need not read the kept
+    /// chains back.
+    links: Mutex<DeltaLinks>,
 }
 
 /// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
 const HEAD_VERSIONS: usize = 4096;
+
+/// Delta links a saver remembers for its prunes (about 150 bytes each).
+const DELTA_LINKS: usize = 65_536;
 
 impl std::fmt::Debug for PostgresSaver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -129,6 +135,7 @@ impl PostgresSaver {
                 schema: schema.to_owned(),
                 sql: Statements::new(schema),
                 heads: Mutex::new(support::HeadVersions::new(HEAD_VERSIONS)),
+                links: Mutex::new(DeltaLinks::new(DELTA_LINKS)),
             }),
         })
     }
@@ -301,6 +308,7 @@ impl PostgresSaver {
                 .map_err(|e| self.query_error(e))?;
         }
         tx.commit().await.map_err(|e| self.query_error(e))?;
+        self.links().forget_thread(thread_id);
         Ok(true)
     }
 
@@ -368,6 +376,25 @@ fn corrupt(error: tokio_postgres::Error) -> CheckpointError {
     CheckpointError::Corrupt {
         what: format!("unexpected column value: {error}"),
     }
+}
+
+/// A row of `prune_chains`: channel, writer id and the delta's link.
+fn link_of(row: &Row) -> Result<(String, String, DeltaLink), CheckpointError> {
+    let channel: String = row.try_get(0).map_err(corrupt)?;
+    let writer: Uuid = row.try_get(1).map_err(corrupt)?;
+    let seq = seq_from_sql(row.try_get(2).map_err(corrupt)?)?;
+    let snapshot: bool = row.try_get(3).map_err(corrupt)?;
+    let base_writer: Option<Uuid> = row.try_get(4).map_err(corrupt)?;
+    let base_seq: Option<i64> = row.try_get(5).map_err(corrupt)?;
+    let base = match (base_writer, base_seq) {
+        (Some(w), Some(s)) => Some((id_of(w)?.as_str().to_owned(), seq_from_sql(s)?)),
+        _ => None,
+    };
+    Ok((
+        channel,
+        id_of(writer)?.as_str().to_owned(),
+        DeltaLink::new(seq, snapshot, base),
+    ))
 }
 
 fn tuple_of(thread: &ThreadKey, row: &Row) -> Result<CheckpointTuple, CheckpointError> {
@@ -517,6 +544,13 @@ struct ListState {
 }
 
 impl PostgresSaver {
+    fn links(&self) -> std::sync::MutexGuard<'_, DeltaLinks> {
+        self.inner
+            .links
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn heads(&self) -> std::sync::MutexGuard<'_, support::HeadVersions> {
         self.inner
             .heads
@@ -543,6 +577,7 @@ impl PostgresSaver {
             .await
             .map_err(|e| put_error(&self.inner.schema, &request.expected_head, e))?;
         self.heads().remember(request);
+        self.links().remember(request);
         Ok(())
     }
 
@@ -904,6 +939,13 @@ impl Checkpointer for PostgresSaver {
         self.delete(thread_id, None).await.map(|_| ())
     }
 
+    /// One transaction in two round trips. The first locks the head row, deletes all
+    /// but the newest `keep_last` checkpoints with their writes (and the head row when
+    /// none is kept), and reads the kept checkpoints' versions. The saver then walks
+    /// their delta chains in the links it remembers, and the second deletes every
+    /// delta written before the oldest kept checkpoint that no chain reaches. When a
+    /// link is not remembered (a delta another saver put, or this one forgot), one
+    /// more round trip reads the links of the kept chains from the database first.
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
         check_thread(&thread.thread_id, &thread.ns)?;
         let sql = &self.inner.sql;
@@ -911,27 +953,104 @@ impl Checkpointer for PostgresSaver {
         let lock = self.prepare(&client, &sql.lock_thread).await?;
         let checkpoints = self.prepare(&client, &sql.prune_checkpoints).await?;
         let writes = self.prepare(&client, &sql.prune_writes).await?;
-        let deltas = self.prepare(&client, &sql.prune_deltas).await?;
         let head = self.prepare(&client, &sql.prune_head).await?;
+        let kept = self.prepare(&client, &sql.prune_kept).await?;
+        let chains = self.prepare(&client, &sql.prune_chains).await?;
+        let deltas = self.prepare(&client, &sql.prune_deltas).await?;
         let keep = i64::try_from(keep_last).unwrap_or(i64::MAX);
         let key: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&thread.thread_id, &thread.ns];
         let err = |e| query_error(&self.inner.schema, e);
         let tx = client.transaction().await.map_err(err)?;
         // Sent together (tokio-postgres pipelines them on the connection) and run in
         // this order: the head row lock first orders the prune after (or before) any put
-        // in flight, and each later statement's snapshot is taken after it. With nothing
-        // removed the last three find nothing to delete.
+        // in flight, and each later statement's snapshot is taken after it.
         let keep_args: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
             [&thread.thread_id, &thread.ns, &keep];
-        let (_, removed, _, _, _) = futures::try_join!(
+        let (_, removed, _, _, kept) = futures::try_join!(
             tx.query(&lock, &key),
             tx.execute(&checkpoints, &keep_args),
             tx.execute(&writes, &key),
-            tx.execute(&deltas, &key),
             tx.execute(&head, &key),
+            tx.query(&kept, &key),
         )
         .map_err(err)?;
+        if removed == 0 {
+            // The oldest kept checkpoint did not move: no delta became prunable.
+            tx.commit().await.map_err(err)?;
+            return Ok(0);
+        }
+        let mut tips = Vec::new();
+        let mut oldest: Option<Uuid> = None;
+        for row in &kept {
+            let id: Uuid = row.try_get(0).map_err(corrupt)?;
+            oldest = Some(oldest.map_or(id, |o| o.min(id)));
+            let versions = decode_versions(&id_of(id)?, row.try_get(1).map_err(corrupt)?)?;
+            for (channel, version) in versions {
+                tips.push((channel, version.writer.as_str().to_owned()));
+            }
+        }
+        let walk = |links: &DeltaLinks, tips| {
+            support::walk_chains(tips, |channel, writer| {
+                links
+                    .get(thread, channel, writer)
+                    .cloned()
+                    .map(Some)
+                    .ok_or(())
+            })
+        };
+        let known = walk(&self.links(), tips.clone());
+        let reached = match known {
+            Ok(reached) => reached,
+            Err(()) => {
+                let rows = tx.query(&chains, &key).await.map_err(err)?;
+                let mut read = HashMap::with_capacity(rows.len());
+                for row in &rows {
+                    let (channel, writer, link) = link_of(row)?;
+                    read.insert((channel, writer), link);
+                }
+                // A delta the database did not find ends its chain, as in `get`.
+                let reached = support::walk_chains(tips, |channel, writer| {
+                    Ok::<_, ()>(read.get(&(channel.to_owned(), writer.to_owned())).cloned())
+                })
+                .unwrap_or_default();
+                let mut links = self.links();
+                for ((channel, writer), link) in read {
+                    links.learn(thread, channel, writer, link);
+                }
+                reached
+            }
+        };
+        let cutoff = oldest.map(|o| o.to_string());
+        let (mut channels, mut writers) = (Vec::new(), Vec::new());
+        for (channel, ids) in &reached {
+            for writer in ids {
+                if cutoff.as_deref().is_some_and(|c| writer.as_str() < c) {
+                    channels.push(channel.as_str());
+                    writers.push(Uuid::parse_str(writer).map_err(|_| {
+                        CheckpointError::Corrupt {
+                            what: format!("remembered writer id {writer:?}"),
+                        }
+                    })?);
+                }
+            }
+        }
+        tx.execute(
+            &deltas,
+            &[&thread.thread_id, &thread.ns, &oldest, &channels, &writers],
+        )
+        .await
+        .map_err(err)?;
         tx.commit().await.map_err(err)?;
+        // Forget the links of the deltas just deleted: before the oldest kept
+        // checkpoint and on no kept chain (all of them when none is kept).
+        let mut links = self.links();
+        match cutoff {
+            None => links.forget(thread),
+            Some(cutoff) => links.retain(thread, |channel, writer| {
+                writer >= cutoff.as_str()
+                    || reached.get(channel).is_some_and(|w| w.contains(writer))
+            }),
+        }
         Ok(usize::try_from(removed).unwrap_or(usize::MAX))
     }
 

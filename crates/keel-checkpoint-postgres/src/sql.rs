@@ -16,6 +16,8 @@ pub(crate) struct Statements {
     pub delete: [String; 4],
     pub prune_checkpoints: String,
     pub prune_writes: String,
+    pub prune_kept: String,
+    pub prune_chains: String,
     pub prune_deltas: String,
     pub prune_head: String,
     pub idle_threads: String,
@@ -157,12 +159,10 @@ impl Statements {
                      SELECT 1 FROM {s}.keel_checkpoints c
                      WHERE c.thread_id = $1 AND c.ns = $2 AND c.checkpoint_id = x.checkpoint_id)"
             ),
-            // Keeps every delta a remaining checkpoint's chain reaches (the same walk as
-            // `get`: back along base links to the newest snapshot). Only deltas written
-            // before the oldest remaining checkpoint can go (a checkpoint's own deltas are
-            // on its chain); `NOT IN` over the walk is one hashed lookup a row, where
-            // `NOT EXISTS` was planned as a nested loop over it (rows x walk).
-            prune_deltas: format!(
+            // The links of every delta a remaining checkpoint's chain reaches (the same
+            // walk as `get`: back along base links to the newest snapshot), for a prune
+            // whose saver does not remember them all.
+            prune_chains: format!(
                 "WITH RECURSIVE
                  tips AS (
                      SELECT DISTINCT v.key AS channel, {writer} AS writer
@@ -170,18 +170,18 @@ impl Statements {
                      WHERE c.thread_id = $1 AND c.ns = $2
                  ),
                  needed AS (
-                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snap
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq, d.snap
                      FROM tips t CROSS JOIN LATERAL (
-                         SELECT x.channel, x.writer, x.seq, x.base_writer,
+                         SELECT x.channel, x.writer, x.seq, x.base_writer, x.base_seq,
                                 x.snapshot IS NOT NULL AS snap
                          FROM {s}.keel_deltas x
                          WHERE x.thread_id = $1 AND x.ns = $2
                            AND x.writer = t.writer AND x.channel = t.channel
                          LIMIT 1) d
                      UNION
-                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.snap
+                     SELECT d.channel, d.writer, d.seq, d.base_writer, d.base_seq, d.snap
                      FROM needed n CROSS JOIN LATERAL (
-                         SELECT x.channel, x.writer, x.seq, x.base_writer,
+                         SELECT x.channel, x.writer, x.seq, x.base_writer, x.base_seq,
                                 x.snapshot IS NOT NULL AS snap
                          FROM {s}.keel_deltas x
                          WHERE x.thread_id = $1 AND x.ns = $2
@@ -189,16 +189,24 @@ impl Statements {
                            AND x.seq < n.seq
                          LIMIT 1) d
                      WHERE NOT n.snap
-                 ),
-                 oldest AS (
-                     SELECT (SELECT c.checkpoint_id FROM {s}.keel_checkpoints c
-                             WHERE c.thread_id = $1 AND c.ns = $2
-                             ORDER BY c.checkpoint_id LIMIT 1) AS id
                  )
-                 DELETE FROM {s}.keel_deltas d USING oldest
-                 WHERE d.thread_id = $1 AND d.ns = $2
-                   AND (oldest.id IS NULL OR d.writer < oldest.id)
-                   AND (d.channel, d.writer) NOT IN (SELECT n.channel, n.writer FROM needed n)"
+                 SELECT channel, writer, seq, snap, base_writer, base_seq FROM needed"
+            ),
+            // The checkpoints a prune keeps, read after it deleted the others.
+            prune_kept: format!(
+                "SELECT checkpoint_id, versions FROM {s}.keel_checkpoints
+                 WHERE thread_id = $1 AND ns = $2"
+            ),
+            // Deletes the deltas written before the oldest kept checkpoint `$3` (all of
+            // them when it is NULL) but those the kept chains reach, `$4`/`$5` as
+            // (channel, writer) pairs. A kept checkpoint's own deltas are on its chain,
+            // so only older ones can go. `NOT IN` over the pairs is one hashed lookup
+            // a row.
+            prune_deltas: format!(
+                "DELETE FROM {s}.keel_deltas d
+                 WHERE d.thread_id = $1 AND d.ns = $2 AND ($3::uuid IS NULL OR d.writer < $3)
+                   AND (d.channel, d.writer) NOT IN (
+                       SELECT k.channel, k.writer FROM unnest($4::text[], $5::uuid[]) AS k(channel, writer))"
             ),
             prune_head: format!(
                 "DELETE FROM {s}.keel_heads h

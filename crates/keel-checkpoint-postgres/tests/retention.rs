@@ -252,3 +252,118 @@ async fn a_thread_written_while_the_sweep_waits_for_it_is_kept() {
     );
     db.drop_schema().await;
 }
+
+/// Steps alternating channels "a" and "b", each appending one item, with a snapshot of
+/// "a" every fourth time it is written, so prunes have deltas to delete.
+fn alternating_steps(
+    thread: &ThreadKey,
+    steps: std::ops::Range<usize>,
+    parent: &mut Option<Checkpoint>,
+    values: &mut std::collections::BTreeMap<&'static str, Vec<serde_json::Value>>,
+) -> Vec<PutRequest> {
+    let mut out = Vec::new();
+    for i in steps {
+        let channel = if i % 2 == 0 { "a" } else { "b" };
+        let item = json!(format!("{channel}{i}"));
+        let value = values.entry(channel).or_default();
+        value.push(item.clone());
+        let mut checkpoint = parent
+            .as_ref()
+            .map_or_else(|| Checkpoint::new(None), Checkpoint::successor);
+        let base = checkpoint.channel_versions.get(channel).cloned();
+        let version = ChannelVersion::new(
+            base.as_ref().map_or(1, |b| b.seq + 1),
+            checkpoint.id.clone(),
+        );
+        checkpoint
+            .channel_versions
+            .insert(channel.into(), version.clone());
+        let snapshot =
+            (channel == "a" && value.len().is_multiple_of(4)).then(|| json!(value.clone()));
+        out.push(PutRequest {
+            thread: thread.clone(),
+            checkpoint: checkpoint.clone(),
+            metadata: CheckpointMetadata::new(CheckpointSource::Loop, i as i64),
+            deltas: vec![ChannelDelta {
+                channel: channel.into(),
+                version,
+                base,
+                updates: vec![item],
+                snapshot,
+            }],
+            expected_head: parent.as_ref().map(|p| p.id.clone()),
+        });
+        *parent = Some(checkpoint);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writers_prune_from_memory_and_a_fresh_savers_prune_leave_the_same_rows() {
+    let thread = ThreadKey::new("t");
+    let mut parent = None;
+    let mut values = std::collections::BTreeMap::new();
+    let early = alternating_steps(&thread, 0..40, &mut parent, &mut values);
+    let late = alternating_steps(&thread, 40..60, &mut parent, &mut values);
+
+    // `fresh`: every prune by a saver that put nothing (it reads the chains back);
+    // `writer`: every prune by the saver that put the steps (it walks the links it
+    // remembers, including links of deltas another saver's prune deleted).
+    let mut results = Vec::new();
+    for (name, fresh) in [("prune_fresh", true), ("prune_writer", false)] {
+        let Some(db) = common::saver(name).await else {
+            return;
+        };
+        let other = || keel_checkpoint_postgres::PostgresSaver::connect(&db.config).unwrap();
+        let writer = &db.saver;
+        writer.put_many(early.clone()).await.unwrap();
+        // Another saver prunes behind the writer's back in both schemas.
+        assert_eq!(other().prune(&thread, 20).await.unwrap(), 20);
+        let pruner = |fresh| if fresh { other() } else { writer.clone() };
+        assert_eq!(pruner(fresh).prune(&thread, 5).await.unwrap(), 15);
+        writer.put_many(late.clone()).await.unwrap();
+        assert_eq!(pruner(fresh).prune(&thread, 5).await.unwrap(), 20);
+
+        let mut tuples = Vec::new();
+        let mut cursor = None;
+        while let Some(t) = other().get(&thread, cursor.as_ref()).await.unwrap() {
+            cursor = t.checkpoint.parent.clone();
+            tuples.push(t);
+            if tuples.len() == 5 {
+                break;
+            }
+        }
+        assert_eq!(tuples.len(), 5);
+        results.push((writer.thread_storage("t").await.unwrap(), tuples));
+        db.drop_schema().await;
+    }
+    let [fresh, writer] = results.as_slice() else {
+        panic!("both runs measured");
+    };
+    assert_eq!(fresh.1, writer.1, "the kept checkpoints rebuild alike");
+    assert_eq!(
+        fresh.0.checkpoint_bytes + fresh.0.delta_bytes,
+        writer.0.checkpoint_bytes + writer.0.delta_bytes,
+        "the same rows are left: {fresh:?} {writer:?}"
+    );
+    assert_eq!(
+        (fresh.0.checkpoints, fresh.0.deltas, fresh.0.snapshots),
+        (writer.0.checkpoints, writer.0.deltas, writer.0.snapshots)
+    );
+    assert!(
+        fresh.0.deltas < 60 && fresh.0.deltas > 5,
+        "the prunes deleted deltas but kept the chains: {:?}",
+        fresh.0
+    );
+    let head = &fresh.1[0];
+    for channel in ["a", "b"] {
+        let chain = &head.channels[channel];
+        let mut items = match &chain.snapshot {
+            Some(serde_json::Value::Array(items)) => items.clone(),
+            Some(other) => panic!("snapshot is not an array: {other}"),
+            None => Vec::new(),
+        };
+        items.extend(chain.updates().cloned());
+        assert_eq!(items, values[channel], "{channel}");
+    }
+}

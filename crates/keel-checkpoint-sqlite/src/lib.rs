@@ -103,7 +103,6 @@
 //! `Arc`); every superstep of a run with a thread id is then stored in the file.
 
 mod error;
-mod links;
 mod options;
 mod saver;
 mod schema;

@@ -1,9 +1,9 @@
 //! The SQL behind each [`Checkpointer`](keel_checkpoint::Checkpointer) method. Every
 //! function here runs on a database thread; all values are bound as parameters.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 
-use keel_checkpoint::support;
+use keel_checkpoint::support::{self, DeltaLink, DeltaLinks};
 use keel_checkpoint::{
     ChannelDelta, ChannelVersion, Checkpoint, CheckpointError, CheckpointId, CheckpointMetadata,
     CheckpointSource, CheckpointSummary, CheckpointTuple, ListOptions, PendingWrite, PutRequest,
@@ -15,7 +15,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{OpResult, corrupt, invalid};
-use crate::links::{DeltaLinks, Link};
 
 /// The checkpoint fields stored as one JSON column, as written since schema 3: each
 /// writer listed once, and each channel's version as `[writer index, seq]`.
@@ -741,76 +740,67 @@ pub(crate) fn prune(
             .execute(params![thread.thread_id, thread.ns])?;
     }
 
-    // Mark every delta a kept checkpoint's chain reaches (the same walk as
-    // `support::build_chain`: back to the newest snapshot or a delta without base),
-    // then delete the unmarked ones. Only deltas written before the cutoff can go: a
-    // kept checkpoint's own deltas are on its chain. Each (channel, writer) is read
-    // once, however many kept checkpoints share it.
-    // Walked writers per channel: as many as the kept chains have deltas.
-    let mut walked: HashMap<String, HashSet<String>> = HashMap::new();
+    // Mark every delta a kept checkpoint's chain reaches (the walk of
+    // `support::build_chain`), then delete the unmarked ones. Only deltas written
+    // before the cutoff can go: a kept checkpoint's own deltas are on its chain. Each
+    // link comes from what this saver remembers, else from the stored delta, and each
+    // (channel, writer) is read once however many kept checkpoints share it.
+    let mut tips = Vec::new();
+    {
+        let mut kept =
+            tx.prepare_cached("SELECT versions FROM checkpoints WHERE thread_id = ?1 AND ns = ?2")?;
+        let mut rows = kept.query(params![thread.thread_id, thread.ns])?;
+        while let Some(row) = rows.next()? {
+            let mut versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
+            for (channel, version) in versions.channels()? {
+                tips.push((channel, version.writer.as_str().to_owned()));
+            }
+        }
+    }
+    let walked = {
+        let mut step = tx.prepare_cached(
+            "SELECT seq, snapshot IS NULL, base_writer, base_seq FROM deltas \
+             WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
+        )?;
+        support::walk_chains(tips, |channel, writer| {
+            if let Some(link) = links.get(thread, channel, writer) {
+                return Ok(Some(link.clone()));
+            }
+            let found = step
+                .query_row(params![thread.thread_id, thread.ns, channel, writer], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, bool>(1)?,
+                        r.get::<_, Option<String>>(2)?,
+                        r.get::<_, Option<i64>>(3)?,
+                    ))
+                })
+                .optional()?;
+            Ok::<_, rusqlite::Error>(found.map(|(seq, no_snapshot, base_writer, base_seq)| {
+                DeltaLink::new(
+                    u64::try_from(seq).unwrap_or(0),
+                    !no_snapshot,
+                    base_writer.zip(base_seq.and_then(|s| u64::try_from(s).ok())),
+                )
+            }))
+        })?
+    };
     tx.execute_batch(
         "CREATE TEMP TABLE IF NOT EXISTS prune_keep \
          (channel TEXT NOT NULL, writer TEXT NOT NULL, PRIMARY KEY (channel, writer)) WITHOUT ROWID; \
          DELETE FROM temp.prune_keep;",
     )?;
     {
-        let mut kept =
-            tx.prepare_cached("SELECT versions FROM checkpoints WHERE thread_id = ?1 AND ns = ?2")?;
         let mut mark = tx.prepare_cached(
             "INSERT OR IGNORE INTO temp.prune_keep (channel, writer) VALUES (?1, ?2)",
         )?;
-        let mut step = tx.prepare_cached(
-            "SELECT seq, snapshot IS NULL, base_writer, base_seq FROM deltas \
-             WHERE thread_id = ?1 AND ns = ?2 AND channel = ?3 AND writer = ?4",
-        )?;
-        let mut rows = kept.query(params![thread.thread_id, thread.ns])?;
-        while let Some(row) = rows.next()? {
-            let mut versions: Versions = json(row.get_ref(0)?, "checkpoint versions")?;
-            for (channel, version) in versions.channels()? {
-                let mut writer = version.writer.as_str().to_owned();
-                let seen = walked.entry(channel.clone()).or_default();
-                loop {
-                    if seen.contains(&writer) {
-                        break; // already walked from here
-                    }
-                    // The link this saver remembers, else the stored delta's.
-                    let found = match links.get(thread, &channel, &writer) {
-                        Some(link) => Some(link.clone()),
-                        None => step
-                            .query_row(params![thread.thread_id, thread.ns, channel, writer], |r| {
-                                Ok((
-                                    r.get::<_, i64>(0)?,
-                                    r.get::<_, bool>(1)?,
-                                    r.get::<_, Option<String>>(2)?,
-                                    r.get::<_, Option<i64>>(3)?,
-                                ))
-                            })
-                            .optional()?
-                            .map(|(seq, no_snapshot, base_writer, base_seq)| Link {
-                                seq: u64::try_from(seq).unwrap_or(0),
-                                snapshot: !no_snapshot,
-                                base: base_writer.zip(base_seq.and_then(|s| u64::try_from(s).ok())),
-                            }),
-                    };
-                    // A missing delta ends the walk (`get` reports it as corrupt).
-                    let Some(link) = found else {
-                        break;
-                    };
-                    if cutoff
-                        .as_deref()
-                        .is_some_and(|cutoff| writer.as_str() < cutoff)
-                    {
-                        mark.execute(params![channel, writer])?;
-                    }
-                    seen.insert(writer);
-                    match link {
-                        Link {
-                            snapshot: false,
-                            base: Some((base, base_seq)),
-                            seq,
-                        } if base_seq < seq => writer = base,
-                        _ => break,
-                    }
+        for (channel, writers) in &walked {
+            for writer in writers {
+                if cutoff
+                    .as_deref()
+                    .is_some_and(|cutoff| writer.as_str() < cutoff)
+                {
+                    mark.execute(params![channel, writer])?;
                 }
             }
         }

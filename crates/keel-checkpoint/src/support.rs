@@ -1,10 +1,11 @@
 //! Pieces of the [`Checkpointer`](crate::Checkpointer) contract that every backend
 //! needs, written once so backends agree: request validation, chain rebuilding,
-//! pending-write keys, the idle cutoff of a TTL sweep, and the head versions a saver
-//! need not look up again ([`HeadVersions`]).
+//! pending-write keys, the idle cutoff of a TTL sweep, the head versions a saver
+//! need not look up again ([`HeadVersions`]), and the delta links a prune need not
+//! read back ([`DeltaLinks`], [`walk_chains`]).
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::CheckpointError;
@@ -408,6 +409,248 @@ pub fn idle_cutoff(idle_for: Duration) -> CheckpointId {
     CheckpointId::floor_at(u64::try_from(millis).unwrap_or(u64::MAX))
 }
 
+/// Where a stored delta's chain goes next: its version's `seq`, whether it holds a
+/// snapshot (its chain starts there), and the version it applies to (writer id and
+/// `seq`).
+///
+/// A delta's link never changes once it is stored, and its key (namespace, channel,
+/// writer id) is never reused, since checkpoint ids are fresh. So a remembered link is
+/// either right or about a delta that is gone; see [`DeltaLinks`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeltaLink {
+    /// The delta's version `seq`.
+    pub seq: u64,
+    /// Whether the delta holds a snapshot.
+    pub snapshot: bool,
+    /// The version it applies to: writer id and `seq`.
+    pub base: Option<(String, u64)>,
+}
+
+impl DeltaLink {
+    /// A link.
+    pub fn new(seq: u64, snapshot: bool, base: Option<(String, u64)>) -> Self {
+        DeltaLink {
+            seq,
+            snapshot,
+            base,
+        }
+    }
+
+    /// The link of `delta`.
+    pub fn of(delta: &ChannelDelta) -> Self {
+        DeltaLink {
+            seq: delta.version.seq,
+            snapshot: delta.snapshot.is_some(),
+            base: delta
+                .base
+                .as_ref()
+                .map(|b| (b.writer.as_str().to_owned(), b.seq)),
+        }
+    }
+}
+
+/// What a saver remembers of the delta chains it stored, so that a prune can walk the
+/// chains of the checkpoints it keeps ([`walk_chains`]) without reading each delta's
+/// base back from storage.
+///
+/// Per namespace, channel and writer id: the [`DeltaLink`] of each delta this saver
+/// put, at most `capacity` in all; past that every link is forgotten (a prune then
+/// reads what it needs from storage, as without this memory). A prune follows links
+/// only from the checkpoints it keeps, whose deltas are stored, so links of deltas
+/// that another process deleted are never reached. Drop the links of the deltas a
+/// prune deletes ([`retain`](Self::retain)) and of deleted threads
+/// ([`forget_thread`](Self::forget_thread)) to keep the memory to what is stored.
+///
+/// ```
+/// use keel_checkpoint::support::{DeltaLinks, walk_chains};
+/// use keel_checkpoint::*;
+/// use serde_json::json;
+///
+/// let thread = ThreadKey::new("t");
+/// let first = Checkpoint::new(None);
+/// let second = Checkpoint::successor(&first);
+/// let v1 = ChannelVersion::new(1, first.id.clone());
+/// let v2 = ChannelVersion::new(2, second.id.clone());
+/// let put = |checkpoint: &Checkpoint, version: &ChannelVersion, base: Option<ChannelVersion>| {
+///     let mut checkpoint = checkpoint.clone();
+///     checkpoint.channel_versions.insert("log".into(), version.clone());
+///     PutRequest {
+///         thread: thread.clone(),
+///         checkpoint,
+///         metadata: CheckpointMetadata::new(CheckpointSource::Loop, 0),
+///         deltas: vec![ChannelDelta {
+///             channel: "log".into(),
+///             version: version.clone(),
+///             base,
+///             updates: vec![json!("x")],
+///             snapshot: None,
+///         }],
+///         expected_head: None,
+///     }
+/// };
+/// let mut links = DeltaLinks::new(65_536);
+/// links.remember(&put(&first, &v1, None)); // once each put committed
+/// links.remember(&put(&second, &v2, Some(v1.clone())));
+///
+/// // The newest checkpoint's chain of `log` reaches both deltas.
+/// let tips = [("log".to_owned(), second.id.as_str().to_owned())];
+/// let reached = walk_chains(tips, |channel, writer| {
+///     links.get(&thread, channel, writer).cloned().map(Some).ok_or("not remembered")
+/// })?;
+/// assert_eq!(reached["log"].len(), 2);
+/// # Ok::<(), &str>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct DeltaLinks {
+    threads: HashMap<ThreadKey, HashMap<String, HashMap<String, DeltaLink>>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl DeltaLinks {
+    /// Remembers up to `capacity` links.
+    pub fn new(capacity: usize) -> Self {
+        DeltaLinks {
+            threads: HashMap::new(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Records the links of `request`'s deltas, once it is stored or being stored in a
+    /// transaction. Links of a put that then rolls back are harmless: no stored delta's
+    /// base names a delta that was never stored, so no walk reaches them.
+    pub fn remember(&mut self, request: &PutRequest) {
+        if self.len + request.deltas.len() > self.capacity {
+            self.threads.clear();
+            self.len = 0;
+        }
+        if request.deltas.len() > self.capacity {
+            return;
+        }
+        let channels = self.threads.entry(request.thread.clone()).or_default();
+        for delta in &request.deltas {
+            let writers = channels.entry(delta.channel.clone()).or_default();
+            if writers
+                .insert(
+                    delta.version.writer.as_str().to_owned(),
+                    DeltaLink::of(delta),
+                )
+                .is_none()
+            {
+                self.len += 1;
+            }
+        }
+    }
+
+    /// Records the link of one stored delta, say one read back from storage.
+    pub fn learn(&mut self, thread: &ThreadKey, channel: String, writer: String, link: DeltaLink) {
+        if self.len >= self.capacity {
+            self.threads.clear();
+            self.len = 0;
+        }
+        if self.capacity == 0 {
+            return;
+        }
+        let known = self
+            .threads
+            .entry(thread.clone())
+            .or_default()
+            .entry(channel)
+            .or_default()
+            .insert(writer, link);
+        if known.is_none() {
+            self.len += 1;
+        }
+    }
+
+    /// The link of the delta of `channel` written by `writer` in `thread`, if known.
+    pub fn get(&self, thread: &ThreadKey, channel: &str, writer: &str) -> Option<&DeltaLink> {
+        self.threads.get(thread)?.get(channel)?.get(writer)
+    }
+
+    /// Keeps, of `thread`'s links, those for which `keep(channel, writer)` holds.
+    pub fn retain(&mut self, thread: &ThreadKey, keep: impl Fn(&str, &str) -> bool) {
+        let Some(channels) = self.threads.get_mut(thread) else {
+            return;
+        };
+        let mut removed = 0;
+        for (channel, writers) in channels.iter_mut() {
+            let before = writers.len();
+            writers.retain(|writer, _| keep(channel, writer));
+            removed += before - writers.len();
+        }
+        channels.retain(|_, writers| !writers.is_empty());
+        if channels.is_empty() {
+            self.threads.remove(thread);
+        }
+        self.len -= removed;
+    }
+
+    /// Forgets one namespace's links.
+    pub fn forget(&mut self, thread: &ThreadKey) {
+        self.retain(thread, |_, _| false);
+    }
+
+    /// Forgets the links of every namespace of `thread_id`.
+    pub fn forget_thread(&mut self, thread_id: &str) {
+        let keys: Vec<ThreadKey> = self
+            .threads
+            .keys()
+            .filter(|k| k.thread_id == thread_id)
+            .cloned()
+            .collect();
+        for key in keys {
+            self.forget(&key);
+        }
+    }
+
+    /// Links remembered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no link is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The deltas the chains starting at `tips` reach, as writer ids per channel: the
+/// walk of [`build_chain`], back along base links to the newest snapshot or a delta
+/// without a base, each `(channel, writer)` visited once however many tips share it.
+///
+/// `tips` are `(channel, writer id)` pairs, say every channel version of the
+/// checkpoints a prune keeps. `link(channel, writer)` gives a delta's link; `None`
+/// (a missing delta) ends that chain, and an error ends the walk. A base whose `seq`
+/// is not below its delta's ends the chain too ([`build_chain`] reports both as
+/// corrupt).
+pub fn walk_chains<E>(
+    tips: impl IntoIterator<Item = (String, String)>,
+    mut link: impl FnMut(&str, &str) -> Result<Option<DeltaLink>, E>,
+) -> Result<HashMap<String, HashSet<String>>, E> {
+    let mut reached: HashMap<String, HashSet<String>> = HashMap::new();
+    for (channel, mut writer) in tips {
+        let seen = reached.entry(channel.clone()).or_default();
+        while !seen.contains(&writer) {
+            let Some(found) = link(&channel, &writer)? else {
+                break; // a missing delta ends the chain
+            };
+            seen.insert(writer);
+            match found {
+                DeltaLink {
+                    snapshot: false,
+                    base: Some((base, base_seq)),
+                    seq,
+                } if base_seq < seq => writer = base,
+                _ => break,
+            }
+        }
+    }
+    Ok(reached)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -415,6 +658,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::types::{Checkpoint, CheckpointSource};
 
     fn delta(
         writer: &CheckpointId,
@@ -500,5 +744,137 @@ mod tests {
         );
         let values: Vec<_> = stored.iter().map(|(_, w)| w.value.clone()).collect();
         assert_eq!(values, vec![json!(1), json!("boom again"), json!(2)]);
+    }
+
+    fn links_request(
+        thread: &ThreadKey,
+        parent: Option<&Checkpoint>,
+        channels: &[&str],
+    ) -> PutRequest {
+        let mut checkpoint = parent.map_or_else(|| Checkpoint::new(None), Checkpoint::successor);
+        let mut deltas = Vec::new();
+        for channel in channels {
+            let base = checkpoint.channel_versions.get(*channel).cloned();
+            let version = ChannelVersion::new(
+                base.as_ref().map_or(1, |b| b.seq + 1),
+                checkpoint.id.clone(),
+            );
+            checkpoint
+                .channel_versions
+                .insert((*channel).to_owned(), version.clone());
+            deltas.push(ChannelDelta {
+                channel: (*channel).to_owned(),
+                version,
+                base,
+                updates: vec![json!(1)],
+                snapshot: None,
+            });
+        }
+        PutRequest {
+            thread: thread.clone(),
+            checkpoint,
+            metadata: CheckpointMetadata::new(CheckpointSource::Loop, 0),
+            deltas,
+            expected_head: parent.map(|p| p.id.clone()),
+        }
+    }
+
+    #[test]
+    fn links_follow_bases_and_are_forgotten_with_their_deltas() {
+        let t = ThreadKey::new("t");
+        let mut links = DeltaLinks::new(100);
+        let first = links_request(&t, None, &["a", "b"]);
+        let second = links_request(&t, Some(&first.checkpoint), &["a"]);
+        links.remember(&first);
+        links.remember(&second);
+        assert_eq!(links.len(), 3);
+        let a2 = links
+            .get(&t, "a", second.checkpoint.id.as_str())
+            .unwrap()
+            .clone();
+        assert_eq!(
+            a2,
+            DeltaLink {
+                seq: 2,
+                snapshot: false,
+                base: Some((first.checkpoint.id.as_str().to_owned(), 1)),
+            }
+        );
+        assert!(links.get(&t, "b", second.checkpoint.id.as_str()).is_none());
+        assert!(
+            links
+                .get(
+                    &ThreadKey::new("t").with_ns("sub"),
+                    "a",
+                    second.checkpoint.id.as_str()
+                )
+                .is_none()
+        );
+
+        let keep = second.checkpoint.id.as_str().to_owned();
+        links.retain(&t, |_, writer| writer == keep);
+        assert_eq!(links.len(), 1);
+        assert!(links.get(&t, "a", first.checkpoint.id.as_str()).is_none());
+        links.forget_thread("t");
+        assert_eq!(links.len(), 0);
+        assert!(links.threads.is_empty());
+    }
+
+    #[test]
+    fn over_capacity_everything_is_forgotten() {
+        let mut links = DeltaLinks::new(3);
+        let t = ThreadKey::new("t");
+        let first = links_request(&t, None, &["a", "b"]);
+        links.remember(&first);
+        let second = links_request(&t, Some(&first.checkpoint), &["a", "b"]);
+        links.remember(&second);
+        assert_eq!(links.len(), 2, "the first two were dropped to make room");
+        assert!(links.get(&t, "a", first.checkpoint.id.as_str()).is_none());
+        assert!(links.get(&t, "a", second.checkpoint.id.as_str()).is_some());
+        let mut none = DeltaLinks::new(0);
+        none.remember(&second);
+        assert_eq!(none.len(), 0);
+    }
+
+    #[test]
+    fn a_walk_stops_at_snapshots_missing_deltas_and_bad_seqs_and_visits_each_delta_once() {
+        let link = |seq, snapshot, base: Option<(&str, u64)>| {
+            DeltaLink::new(seq, snapshot, base.map(|(w, s)| (w.to_owned(), s)))
+        };
+        // log: d <- c <- b(snapshot) <- a; x: q <- p (missing); y: r claims base s at seq 9.
+        let stored: HashMap<(&str, &str), DeltaLink> = [
+            (("log", "a"), link(1, false, None)),
+            (("log", "b"), link(2, true, Some(("a", 1)))),
+            (("log", "c"), link(3, false, Some(("b", 2)))),
+            (("log", "d"), link(4, false, Some(("c", 3)))),
+            (("x", "q"), link(2, false, Some(("p", 1)))),
+            (("y", "r"), link(5, false, Some(("s", 9)))),
+            (("y", "s"), link(9, false, None)),
+        ]
+        .into_iter()
+        .collect();
+        let mut lookups = Vec::new();
+        let tips = [("log", "d"), ("log", "c"), ("x", "q"), ("y", "r")]
+            .map(|(c, w)| (c.to_owned(), w.to_owned()));
+        let reached = walk_chains(tips, |channel, writer| {
+            lookups.push(format!("{channel}/{writer}"));
+            Ok::<_, ()>(stored.get(&(channel, writer)).cloned())
+        })
+        .unwrap();
+        let names = |c: &str| {
+            let mut w: Vec<&str> = reached[c].iter().map(String::as_str).collect();
+            w.sort_unstable();
+            w
+        };
+        assert_eq!(names("log"), ["b", "c", "d"], "the snapshot ends the chain");
+        assert_eq!(names("x"), ["q"], "a missing base ends the chain");
+        assert_eq!(names("y"), ["r"], "a base seq not below ends the chain");
+        assert_eq!(
+            lookups,
+            ["log/d", "log/c", "log/b", "x/q", "x/p", "y/r"],
+            "the second tip of `log` was walked already"
+        );
+        let failed = walk_chains([("log".to_owned(), "d".to_owned())], |_, _| Err("gone"));
+        assert_eq!(failed, Err("gone"));
     }
 }

@@ -1912,8 +1912,11 @@ fn looks_structured(text: &str) -> bool {
 /// left out.
 fn facts_of(text: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
+    // First occurrences in order; the set makes a long listing linear, not quadratic.
+    let mut seen: HashSet<String> = HashSet::new();
     let mut push = |s: String| {
-        if !out.contains(&s) {
+        if !seen.contains(&s) {
+            seen.insert(s.clone());
             out.push(s);
         }
     };
