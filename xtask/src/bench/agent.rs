@@ -561,6 +561,18 @@ impl Report<'_> {
                 None => println!("  [ -- ] {what}: {}", missing(k, p)),
             }
         }
+        // Runtime overhead under 300 µs per agent step on SQLite at 1,000 steps.
+        for key in keys {
+            let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
+            if backend != "sqlite" || key.1 != 1_000 {
+                continue;
+            }
+            let what = format!("{backend}/{durability} N=1000: keel's runtime < 300 µs per step");
+            match self.keel.get(key).and_then(|k| k.overhead_us) {
+                Some(us) => println!("  [{}] {what}: {us:.0} µs", verdict(us < 300.0)),
+                None => println!("  [ -- ] {what}: keel not measured"),
+            }
+        }
         // Postgres (sync) within 2x of what pgbench allows.
         for key in keys {
             let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
