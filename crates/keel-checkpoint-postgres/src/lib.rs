@@ -62,7 +62,10 @@
 //! # Retention
 //!
 //! [`prune`](keel_checkpoint::Checkpointer::prune) keeps a thread's newest checkpoints
-//! and the deltas and snapshots they need;
+//! and the deltas and snapshots they need. The saver walks the kept delta chains in
+//! what it remembers of its own puts (up to 65,536 links, about 150 bytes each), so a
+//! prune of a thread it wrote is two round trips in one transaction; chains it did not
+//! write cost one more, a recursive query that reads their links back;
 //! [`delete_thread`](keel_checkpoint::Checkpointer::delete_thread) removes a thread;
 //! [`sweep_idle`](keel_checkpoint::Checkpointer::sweep_idle) deletes up to `limit`
 //! threads whose newest checkpoint (by its id's time) is older than an age, found by a
