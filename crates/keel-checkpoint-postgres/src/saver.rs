@@ -989,8 +989,10 @@ impl Checkpointer for PostgresSaver {
                 tips.push((channel, version.writer.as_str().to_owned()));
             }
         }
-        let walk = |links: &DeltaLinks, tips| {
-            support::walk_chains(tips, |channel, writer| {
+        // Every link from memory, else (`Err`) the links the database reads back.
+        let known = {
+            let links = self.links();
+            support::walk_chains(tips.clone(), |channel, writer| {
                 links
                     .get(thread, channel, writer)
                     .cloned()
@@ -998,7 +1000,6 @@ impl Checkpointer for PostgresSaver {
                     .ok_or(())
             })
         };
-        let known = walk(&self.links(), tips.clone());
         let reached = match known {
             Ok(reached) => reached,
             Err(()) => {
@@ -1041,16 +1042,8 @@ impl Checkpointer for PostgresSaver {
         .await
         .map_err(err)?;
         tx.commit().await.map_err(err)?;
-        // Forget the links of the deltas just deleted: before the oldest kept
-        // checkpoint and on no kept chain (all of them when none is kept).
-        let mut links = self.links();
-        match cutoff {
-            None => links.forget(thread),
-            Some(cutoff) => links.retain(thread, |channel, writer| {
-                writer >= cutoff.as_str()
-                    || reached.get(channel).is_some_and(|w| w.contains(writer))
-            }),
-        }
+        self.links()
+            .forget_pruned(thread, cutoff.as_deref(), &reached);
         Ok(usize::try_from(removed).unwrap_or(usize::MAX))
     }
 

@@ -813,13 +813,7 @@ pub(crate) fn prune(
     .execute(params![thread.thread_id, thread.ns, cutoff])?;
     tx.execute_batch("DELETE FROM temp.prune_keep")?;
     tx.commit()?;
-    // The links of the deltas just deleted: before the cutoff and on no kept chain.
-    match cutoff.as_deref() {
-        None => links.forget(thread),
-        Some(cutoff) => links.retain(thread, |channel, writer| {
-            writer >= cutoff || walked.get(channel).is_some_and(|w| w.contains(writer))
-        }),
-    }
+    links.forget_pruned(thread, cutoff.as_deref(), &walked);
     Ok(removed)
 }
 

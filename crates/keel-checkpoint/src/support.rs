@@ -588,6 +588,23 @@ impl DeltaLinks {
         self.len -= removed;
     }
 
+    /// After a prune of `thread` committed: forgets the links of the deltas it deleted,
+    /// those written before `cutoff` (the oldest kept checkpoint's id; `None` when
+    /// none is kept, and every link goes) that no kept chain reached ([`walk_chains`]).
+    pub fn forget_pruned(
+        &mut self,
+        thread: &ThreadKey,
+        cutoff: Option<&str>,
+        reached: &HashMap<String, HashSet<String>>,
+    ) {
+        match cutoff {
+            None => self.forget(thread),
+            Some(cutoff) => self.retain(thread, |channel, writer| {
+                writer >= cutoff || reached.get(channel).is_some_and(|w| w.contains(writer))
+            }),
+        }
+    }
+
     /// Forgets one namespace's links.
     pub fn forget(&mut self, thread: &ThreadKey) {
         self.retain(thread, |_, _| false);
