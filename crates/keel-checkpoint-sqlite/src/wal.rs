@@ -15,7 +15,9 @@
 //! needs. The log starts over at the first write after a checkpoint that copied all of
 //! it, which a background pass racing the writer's commits seldom leaves; so once a
 //! pass has left only a few pages uncopied, the writer copies them itself after its
-//! next commit (a short pass, after the put's answer has gone out). Should a steady
+//! next commit (a short pass, after the put's answer has gone out). While a pass runs
+//! the writer asks for no other: the first commit after it ends decides, so the thread
+//! does not chase the writer with pass after pass (each with its two flushes). Should a steady
 //! stream of commits keep even that from happening, the writer waits for the running
 //! pass and copies the rest once the log reaches four times the threshold, so the log
 //! stays bounded.
@@ -130,8 +132,14 @@ impl Trigger {
             self.wait_idle();
         } else {
             let mut state = self.signal.lock();
+            if state.running {
+                // The pass copies up to where the log was when it began; the first
+                // commit after it ends decides what comes next (asking for another
+                // pass now would have the thread chase the writer, pass after pass).
+                return;
+            }
             let catch_up = (self.threshold / CATCH_UP_DIVISOR).max(CATCH_UP_MIN);
-            if state.running || behind > catch_up {
+            if behind > catch_up {
                 state.wanted = true;
                 drop(state);
                 self.signal.changed.notify_all();
