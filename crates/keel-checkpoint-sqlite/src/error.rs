@@ -65,8 +65,8 @@ pub enum SqliteError {
     /// A database thread could not be started.
     #[error("could not start a database thread: {0}")]
     Thread(#[source] std::io::Error),
-    /// The database thread is gone (it stopped after a panic), so the request was not
-    /// run.
+    /// The request did not finish: the database thread is gone, or the request
+    /// panicked (a bug; its transaction was rolled back).
     #[error("the database thread stopped")]
     WorkerStopped,
 }

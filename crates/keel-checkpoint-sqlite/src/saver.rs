@@ -233,7 +233,22 @@ impl SqliteSaver {
             .await
     }
 
+    /// A write its caller waits on: on the caller's thread when that saves the two
+    /// hand-offs to the writer thread and back ([`Lane::run_on_caller`]).
     async fn write<T, F>(&self, f: F) -> Result<T, CheckpointError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut rusqlite::Connection) -> crate::error::OpResult<T> + Send + 'static,
+    {
+        self.inner
+            .writer
+            .run_on_caller(move |conn| f(conn).map_err(CheckpointError::from))
+            .await
+    }
+
+    /// A write on the writer thread, always: for batches, which a background writer
+    /// (`Durability::Async`) sends while its run goes on.
+    async fn write_queued<T, F>(&self, f: F) -> Result<T, CheckpointError>
     where
         T: Send + 'static,
         F: FnOnce(&mut rusqlite::Connection) -> crate::error::OpResult<T> + Send + 'static,
@@ -344,7 +359,7 @@ impl Checkpointer for SqliteSaver {
         }
         if !requests.is_empty() {
             let memo = Arc::clone(&self.inner.memo);
-            self.write(move |conn| {
+            self.write_queued(move |conn| {
                 let mut memo = memo.lock().unwrap_or_else(PoisonError::into_inner);
                 store::put_many(conn, &requests, &mut memo)
             })
