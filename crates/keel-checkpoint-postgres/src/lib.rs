@@ -65,7 +65,10 @@
 //! and the deltas and snapshots they need. The saver walks the kept delta chains in
 //! what it remembers of its own puts (up to 65,536 links, about 150 bytes each), so a
 //! prune of a thread it wrote is two round trips in one transaction; chains it did not
-//! write cost one more, a recursive query that reads their links back;
+//! write cost one more, a recursive query that reads their links back. A prune's commit
+//! does not wait for the server's WAL flush (`synchronous_commit` off for that
+//! transaction only): a crash can undo it, which loses nothing, as the next prune
+//! deletes the same rows;
 //! [`delete_thread`](keel_checkpoint::Checkpointer::delete_thread) removes a thread;
 //! [`sweep_idle`](keel_checkpoint::Checkpointer::sweep_idle) deletes up to `limit`
 //! threads whose newest checkpoint (by its id's time) is older than an age, found by a

@@ -950,6 +950,7 @@ impl Checkpointer for PostgresSaver {
         check_thread(&thread.thread_id, &thread.ns)?;
         let sql = &self.inner.sql;
         let mut client = self.client().await?;
+        let no_flush = self.prepare(&client, &sql.prune_no_flush).await?;
         let lock = self.prepare(&client, &sql.lock_thread).await?;
         let checkpoints = self.prepare(&client, &sql.prune_checkpoints).await?;
         let writes = self.prepare(&client, &sql.prune_writes).await?;
@@ -966,7 +967,8 @@ impl Checkpointer for PostgresSaver {
         // in flight, and each later statement's snapshot is taken after it.
         let keep_args: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
             [&thread.thread_id, &thread.ns, &keep];
-        let (_, removed, _, _, kept) = futures::try_join!(
+        let (_, _, removed, _, _, kept) = futures::try_join!(
+            tx.query(&no_flush, &[]),
             tx.query(&lock, &key),
             tx.execute(&checkpoints, &keep_args),
             tx.execute(&writes, &key),

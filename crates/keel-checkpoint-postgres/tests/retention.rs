@@ -367,3 +367,28 @@ async fn the_writers_prune_from_memory_and_a_fresh_savers_prune_leave_the_same_r
         assert_eq!(items, values[channel], "{channel}");
     }
 }
+
+/// A prune commits without waiting for the WAL flush (losing it to a crash loses
+/// nothing: the next prune deletes the same rows), and only the prune: the connection
+/// it used goes back to the pool with every later commit flushed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prunes_unflushed_commit_does_not_outlive_the_prune() {
+    let Some(db) = common::saver_with("prune_no_flush", |c| c.pool_size(1)).await else {
+        return;
+    };
+    let thread = ThreadKey::new("t");
+    let (mut parent, mut values) = (None, std::collections::BTreeMap::new());
+    let steps = alternating_steps(&thread, 0..12, &mut parent, &mut values);
+    db.saver.put_many(steps).await.unwrap();
+    assert_eq!(db.saver.prune(&thread, 5).await.unwrap(), 7);
+    // The pool's one connection, the one the prune ran on.
+    let client = db.saver.pool().get().await.unwrap();
+    let row = client
+        .query_one("SHOW synchronous_commit", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "on");
+    drop(client);
+    assert_eq!(db.saver.thread_storage("t").await.unwrap().checkpoints, 5);
+    db.drop_schema().await;
+}
