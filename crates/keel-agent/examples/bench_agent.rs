@@ -22,7 +22,7 @@ use keel_agent::tools::FileTools;
 use keel_agent::{Agent, AgentInput};
 use keel_checkpoint::{Checkpointer, MemorySaver};
 use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
-use keel_checkpoint_sqlite::SqliteSaver;
+use keel_checkpoint_sqlite::{SqliteOptions, SqliteSaver};
 use keel_compaction::CompactionConfig;
 use keel_graph::Durability;
 use keel_message::{Message, Tool, ToolCall, ToolContext, ToolFuture, ToolSpec};
@@ -257,7 +257,11 @@ async fn backend(config: &Config, tag: &str) -> Result<Backend> {
             for suffix in ["", "-wal", "-shm"] {
                 let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
             }
-            Backend::Sqlite(Arc::new(SqliteSaver::open(&path).await?))
+            // KEEL_BENCH_SQLITE_IN_PLACE=1: awaited writes run on the caller's worker
+            // (`SqliteOptions::block_in_place`, off by default).
+            let options = SqliteOptions::default()
+                .block_in_place(std::env::var("KEEL_BENCH_SQLITE_IN_PLACE").is_ok());
+            Backend::Sqlite(Arc::new(SqliteSaver::open_with(&path, options).await?))
         }
         "postgres" => {
             let url = config

@@ -22,15 +22,12 @@
 //! the async methods only wait for the answer; the async runtime's threads never block on
 //! the disk. There is one writer connection and, for a file, a few reader connections
 //! (WAL mode lets `get` and `list` run while a put commits). Statements are prepared
-//! once per connection and cached. One shortcut: a write awaited on a worker of tokio's
-//! multi-thread runtime (a `put`, `put_writes`, `prune`, ...) runs on that worker inside
-//! [`tokio::task::block_in_place`], which first hands the worker's other tasks to
-//! another thread, when nothing is queued for the writer and its connection is free.
-//! That saves the two thread hand-offs (about 70 µs of a 150 µs put on the benchmark
-//! machine; an agent step on SQLite with `Durability::Sync` went from 688 to 609 µs).
-//! `put_many`, the batch a background writer (`Durability::Async`) sends while its run
-//! goes on, always runs on the writer thread, beside the run. Anywhere else (tokio's
-//! current-thread runtime, another executor) every call goes to the threads.
+//! once per connection and cached. A program on tokio's multi-thread runtime that
+//! awaits the saver in no `LocalSet` can save each awaited write the two thread
+//! hand-offs with [`SqliteOptions::block_in_place`]: the write then runs on the
+//! caller's worker inside [`tokio::task::block_in_place`], which first hands the
+//! worker's other tasks to another thread (an agent step on SQLite with
+//! `Durability::Sync`: 688 → 609 µs).
 //!
 //! **Durability**: WAL mode with `synchronous=NORMAL` by default: a stored checkpoint
 //! survives the process being killed; on power loss the newest steps may be lost (the

@@ -121,6 +121,7 @@ impl SqliteSaver {
     ) -> Result<Self, SqliteError> {
         let path = path.as_ref().to_owned();
         let trigger = Trigger::new(options.checkpoint_pages);
+        let in_place = options.block_in_place;
         let writer = {
             let (path, options) = (path.clone(), options.clone());
             let after: AfterJob = {
@@ -132,7 +133,7 @@ impl SqliteSaver {
                 wal::watch_log(&conn);
                 Ok(conn)
             };
-            Lane::start_with("keel-sqlite-writer", 1, open, Some(after)).await?
+            Lane::start_with("keel-sqlite-writer", 1, open, Some(after), in_place).await?
         };
         let checkpoints = match options.checkpoint_pages {
             0 => None,
@@ -234,7 +235,8 @@ impl SqliteSaver {
     }
 
     /// A write its caller waits on: on the caller's thread when that saves the two
-    /// hand-offs to the writer thread and back ([`Lane::run_on_caller`]).
+    /// hand-offs to the writer thread and back and the options allow it
+    /// ([`Lane::run_on_caller`]).
     async fn write<T, F>(&self, f: F) -> Result<T, CheckpointError>
     where
         T: Send + 'static,

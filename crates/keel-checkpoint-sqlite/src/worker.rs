@@ -8,13 +8,15 @@
 //! oneshot channel, so awaiting it needs no particular async runtime.
 //!
 //! A job someone is waiting for pays two thread hand-offs: to the lane's thread and
-//! back (about 70 µs of an 150 µs put on the benchmark machine). So a one-thread lane
-//! can also run a job on the caller's thread ([`Lane::run_on_caller`]): when the caller
-//! is a worker of tokio's multi-thread runtime, nothing is queued, and the connection
-//! is free, the job runs there inside `tokio::task::block_in_place`, which hands the
-//! worker's other tasks to another thread first, so the runtime is never blocked.
-//! Anywhere else (another runtime, tokio's current-thread one, a queue in front) the
-//! job is queued as usual.
+//! back (about 70 µs of a 150 µs put on the benchmark machine). So a one-thread lane
+//! started with `in_place` can also run a job on the caller's thread
+//! ([`Lane::run_on_caller`]): when the caller is a worker of tokio's multi-thread
+//! runtime, nothing is queued, and the connection is free, the job runs there inside
+//! `tokio::task::block_in_place`, which hands the worker's other tasks to another
+//! thread first, so the runtime is never blocked. Anywhere else (another runtime,
+//! tokio's current-thread one, a queue in front) the job is queued as usual. It is the
+//! user's choice ([`SqliteOptions::block_in_place`](crate::SqliteOptions::block_in_place)):
+//! `block_in_place` panics inside a `LocalSet`, which cannot be detected.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,14 +49,14 @@ impl Opened {
 
 /// Starts a thread named `name` that opens its connection with `open` and then runs
 /// `serve` with it (neither blocks the caller, which awaits [`Opened::wait`]).
-pub(crate) fn spawn_connection<O, S>(
+pub(crate) fn spawn_connection<C, O, S>(
     name: String,
     open: O,
     serve: S,
 ) -> Result<(JoinHandle<()>, Opened), SqliteError>
 where
-    O: FnOnce() -> Result<Connection, SqliteError> + Send + 'static,
-    S: FnOnce(Connection) + Send + 'static,
+    O: FnOnce() -> Result<C, SqliteError> + Send + 'static,
+    S: FnOnce(C) + Send + 'static,
 {
     let (ready_tx, ready_rx) = oneshot::channel();
     let thread = std::thread::Builder::new()
@@ -94,16 +96,18 @@ impl Lane {
     where
         F: Fn() -> Result<Connection, SqliteError> + Send + Sync + 'static,
     {
-        Self::start_with(name, count, open, None).await
+        Self::start_with(name, count, open, None, false).await
     }
 
     /// [`Lane::start`], with `after` run on the job's thread after each job (a panic in
-    /// it is caught, as a job's is).
+    /// it is caught, as a job's is), and with `in_place`, a one-thread lane whose
+    /// [`Lane::run_on_caller`] may run jobs on the caller's thread.
     pub(crate) async fn start_with<F>(
         name: &str,
         count: usize,
         open: F,
         after: Option<AfterJob>,
+        in_place: bool,
     ) -> Result<Self, SqliteError>
     where
         F: Fn() -> Result<Connection, SqliteError> + Send + Sync + 'static,
@@ -123,16 +127,18 @@ impl Lane {
         for i in 0..count {
             let (rx, open, after) = (Arc::clone(&rx), Arc::clone(&open), after.clone());
             let (slot, queued) = (Slot::default(), Arc::clone(&queued));
-            if count == 1 {
+            if count == 1 && in_place {
                 lane.only = Some(Arc::clone(&slot));
             }
+            let opened_slot = Arc::clone(&slot);
             let (thread, opened) = spawn_connection(
                 format!("{name}-{i}"),
-                move || open(),
-                move |conn| {
-                    *lock(&slot) = Some(conn);
-                    serve(&rx, &slot, &queued, after.as_deref());
+                // In its slot before the lane reports it open.
+                move || {
+                    *lock(&opened_slot) = Some(open()?);
+                    Ok(())
                 },
+                move |()| serve(&rx, &slot, &queued, after.as_deref()),
             )?;
             lane.threads.push(thread);
             ready.push(opened);
@@ -170,8 +176,8 @@ impl Lane {
     }
 
     /// Runs `f` as [`Lane::run`] does, or on the calling thread when that saves the two
-    /// hand-offs (see the module docs): a one-thread lane, a worker of tokio's
-    /// multi-thread runtime, no job queued, the connection free. For a job its caller
+    /// hand-offs (see the module docs): a one-thread lane started `in_place`, a worker
+    /// of tokio's multi-thread runtime, no job queued, the connection free. For a job its caller
     /// waits on; a throughput-bound batch does better on the lane's thread, where it
     /// runs beside the caller's next work.
     ///
@@ -203,9 +209,8 @@ impl Lane {
     }
 }
 
-/// Whether this thread is a worker of a tokio multi-thread runtime (where
-/// `block_in_place` may be called). A `LocalSet` on such a runtime runs on its worker
-/// threads or in its `block_on`, both of which allow it.
+/// Whether this thread is in a tokio multi-thread runtime, where `block_in_place` may
+/// be called (unless a `LocalSet` is running: the lane's owner vouches for that).
 fn on_multi_thread_worker() -> bool {
     tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
@@ -267,9 +272,13 @@ mod tests {
     use super::*;
 
     async fn lane(threads: usize) -> Lane {
-        Lane::start("keel-test-lane", threads, || {
-            Connection::open_in_memory().map_err(SqliteError::from)
-        })
+        Lane::start_with(
+            "keel-test-lane",
+            threads,
+            || Connection::open_in_memory().map_err(SqliteError::from),
+            None,
+            true,
+        )
         .await
         .unwrap()
     }
@@ -287,6 +296,13 @@ mod tests {
         // A lane of several threads has no one connection to borrow.
         let readers = self::lane(2).await;
         assert_ne!(readers.run_on_caller(here).await.unwrap(), caller);
+        // Nor does a lane started without `in_place`.
+        let plain = Lane::start("keel-test-lane", 1, || {
+            Connection::open_in_memory().map_err(SqliteError::from)
+        })
+        .await
+        .unwrap();
+        assert_ne!(plain.run_on_caller(here).await.unwrap(), caller);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -1,7 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! SqliteSaver passes keel_checkpoint's conformance suite: on a file (fresh per check, and
-//! shared by every check), in memory, with no reader connections, and through
-//! `Arc<dyn Checkpointer>`.
+//! shared by every check), with writes run in place, in memory, with no reader
+//! connections, and through `Arc<dyn Checkpointer>`.
 
 use std::sync::Arc;
 
@@ -16,6 +16,24 @@ async fn conformance_on_fresh_files() {
         let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let path = dir.path().join(format!("check-{n}.db"));
         async move { SqliteSaver::open(path).await.unwrap() }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_with_writes_run_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let counter = std::sync::atomic::AtomicUsize::new(0);
+    conformance::run_all(|| {
+        let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let path = dir.path().join(format!("check-{n}.db"));
+        async move {
+            SqliteOptions::default()
+                .block_in_place(true)
+                .open(path)
+                .await
+                .unwrap()
+        }
     })
     .await;
 }

@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use keel::checkpoint::Checkpointer;
 use keel::offload::{FsStore, OffloadStore, PostgresStore};
 use keel::postgres::{PostgresConfig, PostgresSaver};
-use keel::sqlite::SqliteSaver;
+use keel::sqlite::SqliteOptions;
 
 /// An opened checkpointer, and a sentence saying which.
 pub struct Storage {
@@ -60,7 +60,11 @@ pub async fn open(
         std::fs::create_dir_all(home)
             .with_context(|| format!("cannot create the home directory {}", home.display()))?;
     }
-    let saver = SqliteSaver::open(&path)
+    // The CLI's runtime is tokio's multi-thread one and runs no `LocalSet`: awaited
+    // writes may run in place, skipping the hand-offs to the writer thread.
+    let saver = SqliteOptions::default()
+        .block_in_place(true)
+        .open(&path)
         .await
         .with_context(|| format!("cannot open the SQLite file {}", path.display()))?;
     Ok(Storage {
