@@ -220,9 +220,14 @@ impl AgentNodes {
     /// when compacting would move something out of the raw buffer (or it is the step
     /// ceiling), so a compaction step is never scheduled for nothing.
     pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
-        let mut c = state.context()?;
         let compactor = &self.parts.compactor;
         let specs = self.parts.tools.specs();
+        // Most steps fire nothing: learn that from the state's parts as they are,
+        // before copying them into a context.
+        if !compactor.may_trigger(state.context_parts()?, specs) {
+            return None;
+        }
+        let mut c = state.context()?;
         match compactor.check(&mut c, specs)? {
             Trigger::StepCeiling => Some(Trigger::StepCeiling),
             t if compactor.would_compact(&mut c, t, specs) => Some(t),

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 
-use keel_compaction::{CompactionEvent, ContextState, GoalAnchor, Layer};
+use keel_compaction::{CompactionEvent, ContextParts, ContextState, GoalAnchor, Layer};
 use keel_graph::State;
 use keel_graph::reducer::{AddMessages, KeepLast, Messages, ReduceError, Reducer};
 use keel_message::Message;
@@ -100,6 +100,18 @@ impl AgentState {
             .rev()
             .find(|m| m.role == keel_message::Role::Assistant && m.tool_calls.is_empty())
             .map(|m| m.text().into_owned())
+    }
+
+    /// The compaction engine's view of this state, borrowed: what
+    /// [`Compactor::may_trigger`](keel_compaction::Compactor::may_trigger) reads.
+    pub fn context_parts(&self) -> Option<ContextParts<'_>> {
+        let goal = self.goal.as_ref()?;
+        Some(
+            ContextParts::new(goal, self.messages.as_slice())
+                .with_system(self.system.as_ref())
+                .with_layers(self.epoch.as_ref(), &self.epochs, &self.milestones)
+                .with_steps(self.step, self.step_at_compaction),
+        )
     }
 
     /// The compaction engine's view of this state (a copy; token counts are taken

@@ -16,9 +16,10 @@ use crate::config::{CompactionConfig, StepTrigger, Strategy};
 use crate::cut::safe_cut_at_or_before;
 use crate::error::{CallError, CompactionError};
 use crate::event::{CompactionEvent, EventKind, Trigger};
+use crate::goal::GoalAnchor;
 use crate::prefix::PrefixSummarizer;
 use crate::state::{
-    ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
+    ContextParts, ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
     OBSERVATION_METADATA_KEY,
 };
 
@@ -422,11 +423,7 @@ impl Compactor {
         let c = &*self.counter;
         let ledger = &mut state.ledger;
         if ledger.fixed.is_none() {
-            ledger.fixed = Some((
-                state.system.as_ref().map_or(0, |m| c.count_message(m)),
-                c.count_message(state.goal.message()),
-                c.count_messages(&[]),
-            ));
+            ledger.fixed = Some(self.fixed_tokens(state.system.as_ref(), &state.goal));
         }
         while ledger.raw.len() < state.raw.len() {
             let n = c.count_message(&state.raw[ledger.raw.len()]);
@@ -439,12 +436,24 @@ impl Compactor {
             ledger.raw_total = 0;
             return self.tokens(state, tools);
         }
-        let (system, goal, priming) = ledger.fixed.unwrap_or_default();
-        let epoch = state.epoch.as_ref().map_or(0, |l| l.tokens)
-            + state.epochs.iter().map(|l| l.tokens).sum::<usize>();
-        let milestones = state.milestones.iter().map(|l| l.tokens).sum();
-        let tools = self.count_tools(tools);
+        let fixed = ledger.fixed.unwrap_or_default();
         let raw = ledger.raw_total;
+        self.layer_tokens(fixed, state.parts(), raw, tools)
+    }
+
+    /// The counts of [`LayerTokens`] from the fixed parts' (system, goal, reply
+    /// priming), the summary layers of `parts`, and the raw buffer's total.
+    fn layer_tokens(
+        &self,
+        (system, goal, priming): (usize, usize, usize),
+        parts: ContextParts<'_>,
+        raw: usize,
+        tools: &[ToolSpec],
+    ) -> LayerTokens {
+        let epoch = parts.epoch.map_or(0, |l| l.tokens)
+            + parts.epochs.iter().map(|l| l.tokens).sum::<usize>();
+        let milestones = parts.milestones.iter().map(|l| l.tokens).sum();
+        let tools = self.count_tools(tools);
         LayerTokens {
             system,
             goal,
@@ -454,6 +463,73 @@ impl Compactor {
             tools,
             total: system + goal + epoch + milestones + raw + tools + priming,
         }
+    }
+
+    /// Whether [`check`](Self::check) could fire for a context with these parts, without
+    /// a [`ContextState`]: `false` means `check` would answer `None`; `true` means call
+    /// it. The cheap tests come first; the token count goes through the counter (a
+    /// profile's counter remembers each message it counted, so only new messages cost
+    /// a count). Keep it in step with `check`: every trigger `check` can report must
+    /// make this `true`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_compaction::{CompactionConfig, Compactor, ContextParts, GoalAnchor};
+    /// use keel_message::Message;
+    /// use keel_offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_summarize::ExtractiveSummarizer;
+    /// use keel_token::{ApproxCounter, Encoding, ModelProfile};
+    ///
+    /// let compactor = Compactor::new(
+    ///     Arc::new(ExtractiveSummarizer::new()),
+    ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+    ///     ThreadId::new("t1")?,
+    ///     Arc::new(ApproxCounter::new()),
+    ///     ModelProfile::new("large", 128_000, 16_000, Encoding::Approximate),
+    /// )
+    /// .with_config(CompactionConfig::default().with_every_steps(Some(10)));
+    /// let goal = GoalAnchor::new("Fix the build.");
+    /// let raw = vec![Message::user("go"), Message::assistant("on it")];
+    /// let quiet = ContextParts::new(&goal, &raw).with_steps(3, 0);
+    /// assert!(!compactor.may_trigger(quiet, &[]));
+    /// let due = ContextParts::new(&goal, &raw).with_steps(10, 0);
+    /// assert!(compactor.may_trigger(due, &[]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn may_trigger(&self, parts: ContextParts<'_>, tools: &[ToolSpec]) -> bool {
+        let c = &self.config;
+        if parts.step >= c.max_steps
+            || (c.force && !parts.raw.is_empty())
+            || (c.strategy == Strategy::Hierarchical
+                && c.every_steps.is_some_and(|n| {
+                    parts.step.saturating_sub(parts.step_at_compaction) >= n as u64
+                }))
+        {
+            return true;
+        }
+        parts.raw.len() > 1 && self.tokens_of(parts, tools).total >= self.threshold()
+    }
+
+    /// The tokens of each layer of a prompt with these parts: as
+    /// [`tokens`](Self::tokens), with every message through the counter (no ledger).
+    pub fn tokens_of(&self, parts: ContextParts<'_>, tools: &[ToolSpec]) -> LayerTokens {
+        let fixed = self.fixed_tokens(parts.system, parts.goal);
+        let raw = parts
+            .raw
+            .iter()
+            .map(|m| self.counter.count_message(m))
+            .sum();
+        self.layer_tokens(fixed, parts, raw, tools)
+    }
+
+    /// The tokens of the system prompt, the goal, and the reply's priming.
+    fn fixed_tokens(&self, system: Option<&Message>, goal: &GoalAnchor) -> (usize, usize, usize) {
+        let c = &*self.counter;
+        (
+            system.map_or(0, |m| c.count_message(m)),
+            c.count_message(goal.message()),
+            c.count_messages(&[]),
+        )
     }
 
     /// Whether to compact now, and why.

@@ -50,6 +50,6 @@ pub use event::{CompactionEvent, EventKind, Trigger};
 pub use goal::{GOAL_ID, GoalAnchor};
 pub use prefix::{PREFIX_VERSION, PrefixSummarizer};
 pub use state::{
-    ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
+    ContextParts, ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
     OBSERVATION_METADATA_KEY,
 };

@@ -122,6 +122,93 @@ pub struct ContextState {
     pub(crate) ledger: Ledger,
 }
 
+/// What [`Compactor::may_trigger`](crate::Compactor::may_trigger) reads of a context,
+/// borrowed: for a runtime that keeps the context's parts in its own state and would
+/// otherwise copy them into a [`ContextState`] only to learn that nothing fires.
+///
+/// ```
+/// use keel_compaction::{ContextParts, GoalAnchor};
+/// use keel_message::Message;
+///
+/// let goal = GoalAnchor::new("Summarize the logs.");
+/// let raw = vec![Message::user("start")];
+/// let parts = ContextParts::new(&goal, &raw).with_steps(1, 0);
+/// assert_eq!(parts.raw.len(), 1);
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct ContextParts<'a> {
+    /// The system prompt, if any.
+    pub system: Option<&'a Message>,
+    /// The goal anchor.
+    pub goal: &'a GoalAnchor,
+    /// The top summary.
+    pub epoch: Option<&'a Layer>,
+    /// The kept summaries between the top and the milestones.
+    pub epochs: &'a [Layer],
+    /// Milestones since the last epoch summary.
+    pub milestones: &'a [Layer],
+    /// The raw buffer.
+    pub raw: &'a [Message],
+    /// Model calls so far.
+    pub step: u64,
+    /// `step` at the last milestone (or masking move).
+    pub step_at_compaction: u64,
+}
+
+impl<'a> ContextParts<'a> {
+    /// The parts of a context with `goal` and `raw` and nothing else, at step 0.
+    pub fn new(goal: &'a GoalAnchor, raw: &'a [Message]) -> Self {
+        Self {
+            system: None,
+            goal,
+            epoch: None,
+            epochs: &[],
+            milestones: &[],
+            raw,
+            step: 0,
+            step_at_compaction: 0,
+        }
+    }
+
+    /// Sets the system prompt.
+    #[must_use]
+    pub fn with_system(mut self, system: Option<&'a Message>) -> Self {
+        self.system = system;
+        self
+    }
+
+    /// Sets the summary layers: the top one, the kept ones, the milestones.
+    #[must_use]
+    pub fn with_layers(
+        mut self,
+        epoch: Option<&'a Layer>,
+        epochs: &'a [Layer],
+        milestones: &'a [Layer],
+    ) -> Self {
+        self.epoch = epoch;
+        self.epochs = epochs;
+        self.milestones = milestones;
+        self
+    }
+
+    /// Sets the model calls so far and the step of the last compaction.
+    #[must_use]
+    pub fn with_steps(mut self, step: u64, step_at_compaction: u64) -> Self {
+        self.step = step;
+        self.step_at_compaction = step_at_compaction;
+        self
+    }
+
+    /// The summary layers in prompt order, as [`ContextState::layers`].
+    pub fn layers(&self) -> impl Iterator<Item = &'a Layer> + use<'a> {
+        self.epoch
+            .into_iter()
+            .chain(self.epochs)
+            .chain(self.milestones)
+    }
+}
+
 /// Token counts kept beside the state so a step costs O(new messages).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Ledger {
@@ -210,6 +297,14 @@ impl ContextState {
                 }
             }
         }
+    }
+
+    /// This context's parts, borrowed (see [`ContextParts`]).
+    pub fn parts(&self) -> ContextParts<'_> {
+        ContextParts::new(&self.goal, &self.raw)
+            .with_system(self.system.as_ref())
+            .with_layers(self.epoch.as_ref(), &self.epochs, &self.milestones)
+            .with_steps(self.step, self.step_at_compaction)
     }
 
     /// Steps since the last compaction.

@@ -309,3 +309,43 @@ fn a_current_thread_runtime_keeps_serving_tasks_while_the_archive_writes() {
     );
     assert!(archive.len(&thread).unwrap() > 0);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// `may_trigger` on a state's parts answers `false` only when `check` on the state
+    /// fires nothing, and `tokens_of` counts what `tokens` does, over windows from tiny
+    /// to large, every strategy, forced or not, with and without a step trigger.
+    #[test]
+    fn may_trigger_is_false_only_when_check_fires_nothing(
+        window in proptest::sample::select(vec![600usize, 2_000, 8_000, 200_000]),
+        strategy in proptest::sample::select(vec![Strategy::Hierarchical, Strategy::masking(), Strategy::hybrid()]),
+        every in proptest::option::of(1usize..6),
+        force in proptest::bool::ANY,
+        max_steps in 1u64..12,
+        steps in proptest::collection::vec(0usize..40, 0..10),
+        compacted_at in 0u64..4,
+    ) {
+        let mut config = CompactionConfig::default()
+            .with_strategy(strategy)
+            .with_every_steps(every)
+            .with_max_steps(max_steps);
+        if force {
+            config = config.forced();
+        }
+        let (c, _, _) = compactor(config, window);
+        let mut state = ContextState::new(GoalAnchor::new("Keep the build green."))
+            .with_system(Message::system("You fix builds."));
+        for (i, lines) in steps.iter().enumerate() {
+            let (reply, results) = step(i, *lines);
+            c.push_step(&mut state, reply, results);
+        }
+        state.step_at_compaction = compacted_at.min(state.step);
+        let parts = state.parts();
+        let may = c.may_trigger(parts, &[]);
+        let of = c.tokens_of(parts, &[]);
+        let fired = c.check(&mut state, &[]);
+        proptest::prop_assert_eq!(of, c.tokens(&mut state, &[]));
+        proptest::prop_assert!(may || fired.is_none(), "may_trigger said no, check fired {:?}", fired);
+    }
+}
