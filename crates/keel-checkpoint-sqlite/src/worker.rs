@@ -191,18 +191,14 @@ impl Lane {
         F: FnOnce(&mut Connection) -> Result<T, E> + Send + 'static,
     {
         if let Some(slot) = &self.only
-            && on_multi_thread_worker()
+            && in_multi_thread_runtime()
             && self.queued.load(Ordering::Acquire) == 0
             && let Ok(mut conn) = slot.try_lock()
             && let Some(conn) = conn.as_mut()
         {
             let after = self.after.as_deref();
             return tokio::task::block_in_place(|| {
-                let result = catch_unwind(AssertUnwindSafe(|| f(conn)));
-                if let Some(after) = after {
-                    let _ = catch_unwind(AssertUnwindSafe(|| after(conn)));
-                }
-                result.unwrap_or_else(|_| Err(SqliteError::WorkerStopped.into()))
+                run_job(conn, f, after).unwrap_or_else(|_| Err(SqliteError::WorkerStopped.into()))
             });
         }
         self.run(f).await
@@ -211,9 +207,23 @@ impl Lane {
 
 /// Whether this thread is in a tokio multi-thread runtime, where `block_in_place` may
 /// be called (unless a `LocalSet` is running: the lane's owner vouches for that).
-fn on_multi_thread_worker() -> bool {
+fn in_multi_thread_runtime() -> bool {
     tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// Runs `job` and then `after` on `conn`, each with its panic caught (an open
+/// transaction rolls back as the panic unwinds); `Err` when the job panicked.
+fn run_job<R>(
+    conn: &mut Connection,
+    job: impl FnOnce(&mut Connection) -> R,
+    after: Option<&(dyn Fn(&mut Connection) + Send + Sync)>,
+) -> std::thread::Result<R> {
+    let result = catch_unwind(AssertUnwindSafe(|| job(conn)));
+    if let Some(after) = after {
+        let _ = catch_unwind(AssertUnwindSafe(|| after(conn)));
+    }
+    result
 }
 
 fn lock(slot: &Mutex<Option<Connection>>) -> std::sync::MutexGuard<'_, Option<Connection>> {
@@ -242,10 +252,7 @@ fn serve(
         {
             let mut conn = lock(slot);
             if let Some(conn) = conn.as_mut() {
-                let _ = catch_unwind(AssertUnwindSafe(|| job(conn)));
-                if let Some(after) = after {
-                    let _ = catch_unwind(AssertUnwindSafe(|| after(conn)));
-                }
+                let _ = run_job(conn, job, after);
             }
         }
         queued.fetch_sub(1, Ordering::AcqRel);

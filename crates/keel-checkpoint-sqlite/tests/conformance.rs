@@ -8,34 +8,27 @@ use std::sync::Arc;
 use keel_checkpoint::{Checkpointer, conformance};
 use keel_checkpoint_sqlite::{SqliteOptions, SqliteSaver, Synchronous};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conformance_on_fresh_files() {
+/// The suite with a fresh file opened with `options` for each check.
+async fn conformance_on_fresh_files_with(options: SqliteOptions) {
     let dir = tempfile::tempdir().unwrap();
     let counter = std::sync::atomic::AtomicUsize::new(0);
     conformance::run_all(|| {
         let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let path = dir.path().join(format!("check-{n}.db"));
-        async move { SqliteSaver::open(path).await.unwrap() }
+        let options = options.clone();
+        async move { SqliteSaver::open_with(path, options).await.unwrap() }
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_on_fresh_files() {
+    conformance_on_fresh_files_with(SqliteOptions::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_with_writes_run_in_place() {
-    let dir = tempfile::tempdir().unwrap();
-    let counter = std::sync::atomic::AtomicUsize::new(0);
-    conformance::run_all(|| {
-        let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let path = dir.path().join(format!("check-{n}.db"));
-        async move {
-            SqliteOptions::default()
-                .block_in_place(true)
-                .open(path)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
+    conformance_on_fresh_files_with(SqliteOptions::default().block_in_place(true)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

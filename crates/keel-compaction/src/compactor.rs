@@ -497,17 +497,35 @@ impl Compactor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn may_trigger(&self, parts: ContextParts<'_>, tools: &[ToolSpec]) -> bool {
-        let c = &self.config;
-        if parts.step >= c.max_steps
-            || (c.force && !parts.raw.is_empty())
-            || (c.strategy == Strategy::Hierarchical
-                && c.every_steps.is_some_and(|n| {
-                    parts.step.saturating_sub(parts.step_at_compaction) >= n as u64
-                }))
-        {
-            return true;
+        self.unconditional_trigger(parts).is_some()
+            || self.steps_due(parts)
+            || self.over_threshold(parts, || self.tokens_of(parts, tools).total)
+    }
+
+    /// The triggers that need no count: the step ceiling, then a forced compaction.
+    fn unconditional_trigger(&self, parts: ContextParts<'_>) -> Option<Trigger> {
+        if parts.step >= self.config.max_steps {
+            Some(Trigger::StepCeiling)
+        } else if self.config.force && !parts.raw.is_empty() {
+            Some(Trigger::Force)
+        } else {
+            None
         }
-        parts.raw.len() > 1 && self.tokens_of(parts, tools).total >= self.threshold()
+    }
+
+    /// Whether the step trigger is due (whether compacting pays is decided apart).
+    fn steps_due(&self, parts: ContextParts<'_>) -> bool {
+        self.config.strategy == Strategy::Hierarchical
+            && self
+                .config
+                .every_steps
+                .is_some_and(|n| parts.step.saturating_sub(parts.step_at_compaction) >= n as u64)
+    }
+
+    /// Whether the token trigger fires, given the prompt's total (counted only when
+    /// the raw buffer holds more than one message).
+    fn over_threshold(&self, parts: ContextParts<'_>, total: impl FnOnce() -> usize) -> bool {
+        parts.raw.len() > 1 && total() >= self.threshold()
     }
 
     /// The tokens of each layer of a prompt with these parts: as
@@ -534,19 +552,14 @@ impl Compactor {
 
     /// Whether to compact now, and why.
     pub fn check(&self, state: &mut ContextState, tools: &[ToolSpec]) -> Option<Trigger> {
-        if state.step >= self.config.max_steps {
-            return Some(Trigger::StepCeiling);
+        if let Some(t) = self.unconditional_trigger(state.parts()) {
+            return Some(t);
         }
-        if self.config.force && !state.raw.is_empty() {
-            return Some(Trigger::Force);
-        }
-        if self.tokens(state, tools).total >= self.threshold() && state.raw.len() > 1 {
+        let total = self.tokens(state, tools).total;
+        if self.over_threshold(state.parts(), || total) {
             return Some(Trigger::Tokens);
         }
-        if self.config.strategy == Strategy::Hierarchical
-            && let Some(n) = self.config.every_steps
-            && state.steps_since_compaction() >= n as u64
-        {
+        if self.steps_due(state.parts()) {
             match self.config.step_trigger {
                 StepTrigger::Always => return Some(Trigger::Steps),
                 StepTrigger::WhenItPays { .. } => {
