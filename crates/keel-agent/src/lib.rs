@@ -19,8 +19,8 @@
 //!   fewer tokens (`CompactionConfig::with_minify_json(false)` keeps them byte-exact).
 //! - `compact` turns older raw steps into a milestone (archived first, so nothing is
 //!   lost) when a trigger fires: the step count, the token fraction of the model's
-//!   window, or an overflow. `epoch` folds milestones into an epoch summary. After each
-//!   compaction old checkpoints are pruned to the last few.
+//!   window, or an overflow. `epoch` folds milestones into an epoch summary. Each
+//!   compaction step prunes old checkpoints to the last few while it summarizes.
 //!
 //! Every step is checkpointed as deltas ([`AgentState`] is designed for it), so a
 //! thread resumes after a crash from its last checkpoint. Another worker can resume

@@ -152,7 +152,7 @@ impl AgentNodes {
     }
 
     /// The `compact` node: archives the older raw steps and summarizes them into a
-    /// milestone, keeping a recent tail; then prunes old checkpoints.
+    /// milestone, keeping a recent tail; prunes old checkpoints meanwhile.
     pub fn compact(
         &self,
     ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
@@ -163,7 +163,7 @@ impl AgentNodes {
     }
 
     /// The `epoch` node: folds the milestones and the previous epoch into a new epoch
-    /// summary; then prunes old checkpoints.
+    /// summary; prunes old checkpoints meanwhile.
     pub fn epoch(
         &self,
     ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
@@ -603,29 +603,36 @@ impl AgentNodes {
             let mut c = context(&s)?;
             let compactor = self.compactor(&thread)?;
             let specs = self.parts.tools.specs();
-            let result = if node == EPOCH {
-                let trigger = s.compactions.back().map_or(Trigger::Steps, |e| e.trigger);
-                compactor.fold_epoch(&mut c, trigger, specs).await
-            } else {
-                let trigger = match compactor.check(&mut c, specs) {
-                    Some(Trigger::StepCeiling) | None => Trigger::Force,
-                    Some(t) => t,
-                };
-                compactor.compact(&mut c, trigger, specs).await
+            let compaction = async {
+                if node == EPOCH {
+                    let trigger = s.compactions.back().map_or(Trigger::Steps, |e| e.trigger);
+                    compactor.fold_epoch(&mut c, trigger, specs).await
+                } else {
+                    let trigger = match compactor.check(&mut c, specs) {
+                        Some(Trigger::StepCeiling) | None => Trigger::Force,
+                        Some(t) => t,
+                    };
+                    compactor.compact(&mut c, trigger, specs).await
+                }
             };
-            self.finish(&s, &ctx, c, result).await
+            // The prune goes to the saver while the summary is written: it only reads
+            // and removes stored checkpoints, none of which this step changes.
+            let (result, pruned) =
+                futures::future::join(compaction, self.prune_checkpoints(&ctx)).await;
+            self.finish(&s, c, result, pruned).await
         }
         .instrument(span)
         .await
     }
 
-    /// Turns a compaction's outcome into the state update; prunes on success.
+    /// Turns a compaction's outcome into the state update; after a successful one that
+    /// pruned (`pruned`: the thread's key), removes what only pruned checkpoints saw.
     async fn finish(
         &self,
         s: &AgentState,
-        ctx: &NodeContext,
         mut c: ContextState,
         result: Result<keel_compaction::CompactionEvent, CompactionError>,
+        pruned: Option<ThreadKey>,
     ) -> NodeResult {
         let mut update = match &result {
             Ok(_) => diff(s, &c),
@@ -656,33 +663,44 @@ impl AgentNodes {
                 }));
             }
         }
-        if result.is_ok() {
-            self.prune_after_compaction(ctx, &c.lineage).await;
+        if let (Ok(_), Some(key)) = (&result, pruned) {
+            self.collect_after_compaction(&key, &c.lineage).await;
         }
         Ok(update)
     }
 
-    /// Prunes the thread to the last checkpoints, then removes the offloaded files
-    /// only pruned checkpoints saw (`running`: the lineage this step will store).
-    async fn prune_after_compaction(&self, ctx: &NodeContext, running: &Lineage) {
+    /// Prunes the thread of a compaction step to the last checkpoints; the thread's
+    /// key when it did.
+    async fn prune_checkpoints(&self, ctx: &NodeContext) -> Option<ThreadKey> {
         let (Some(keep), Some(cp), Some(thread)) = (
             self.parts.keep_checkpoints,
             self.parts.checkpointer.as_ref(),
             ctx.thread_id(),
         ) else {
-            return;
+            return None;
         };
         let key = ThreadKey::new(thread.to_owned()).with_ns(ctx.checkpoint_ns().to_owned());
-        // The step running now has not been stored yet: keep one more than asked, so
-        // the checkpoint this step continues from stays.
+        // The step running now has not been stored yet: the newest `keep` stored
+        // checkpoints include the one it continues from.
         match cp.prune(&key, keep.max(1)).await {
-            Ok(n) => tracing::debug!(removed = n, keep, "pruned checkpoints after compaction"),
+            Ok(n) => {
+                tracing::debug!(removed = n, keep, "pruned checkpoints in a compaction step");
+                Some(key)
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "pruning checkpoints after compaction failed");
-                return;
+                tracing::warn!(error = %e, "pruning checkpoints in a compaction step failed");
+                None
             }
         }
-        match collect_after_prune(&self.parts, cp.as_ref(), &key, Some(running)).await {
+    }
+
+    /// After a prune and a successful compaction: removes the offloaded files only
+    /// pruned checkpoints saw (`running`: the lineage this step will store).
+    async fn collect_after_compaction(&self, key: &ThreadKey, running: &Lineage) {
+        let Some(cp) = self.parts.checkpointer.as_ref() else {
+            return;
+        };
+        match collect_after_prune(&self.parts, cp.as_ref(), key, Some(running)).await {
             Ok(c) if c.files > 0 || c.bytes > 0 => tracing::debug!(
                 files = c.files,
                 bytes = c.bytes,

@@ -1223,3 +1223,124 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
         run.state.milestones_made
     );
 }
+
+/// A MemorySaver that counts its prunes and tells a waiting summarizer of each.
+struct PruneSignal {
+    inner: MemorySaver,
+    pruned: tokio::sync::Notify,
+    prunes: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl Checkpointer for PruneSignal {
+    fn is_durable(&self) -> bool {
+        self.inner.is_durable()
+    }
+
+    async fn get(
+        &self,
+        thread: &ThreadKey,
+        id: Option<&keel_checkpoint::CheckpointId>,
+    ) -> Result<Option<keel_checkpoint::CheckpointTuple>, keel_checkpoint::CheckpointError> {
+        self.inner.get(thread, id).await
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a ThreadKey,
+        options: ListOptions,
+    ) -> futures::stream::BoxStream<
+        'a,
+        Result<keel_checkpoint::CheckpointSummary, keel_checkpoint::CheckpointError>,
+    > {
+        self.inner.list(thread, options)
+    }
+
+    async fn put(
+        &self,
+        request: keel_checkpoint::PutRequest,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.put(request).await
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &ThreadKey,
+        checkpoint: &keel_checkpoint::CheckpointId,
+        writes: Vec<keel_checkpoint::PendingWrite>,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.put_writes(thread, checkpoint, writes).await
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.delete_thread(thread_id).await
+    }
+
+    async fn prune(
+        &self,
+        thread: &ThreadKey,
+        keep_last: usize,
+    ) -> Result<usize, keel_checkpoint::CheckpointError> {
+        let n = self.inner.prune(thread, keep_last).await;
+        self.prunes.fetch_add(1, Ordering::SeqCst);
+        self.pruned.notify_one();
+        n
+    }
+}
+
+/// A summarizer that writes nothing until the saver pruned (or 5 s passed, then fails).
+struct AfterPrune {
+    saver: Arc<PruneSignal>,
+    inner: keel_summarize::ExtractiveSummarizer,
+}
+
+#[async_trait::async_trait]
+impl keel_summarize::Summarizer for AfterPrune {
+    async fn summarize(
+        &self,
+        request: &keel_summarize::SummaryRequest<'_>,
+    ) -> Result<keel_summarize::Summary, keel_summarize::SummarizeError> {
+        if tokio::time::timeout(Duration::from_secs(5), self.saver.pruned.notified())
+            .await
+            .is_err()
+        {
+            return Err(ModelError::Connection("no prune while summarizing".to_owned()).into());
+        }
+        self.inner.summarize(request).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compaction_step_prunes_while_its_summary_is_written() {
+    let saver = Arc::new(PruneSignal {
+        inner: MemorySaver::new(),
+        pruned: tokio::sync::Notify::new(),
+        prunes: AtomicU64::new(0),
+    });
+    let agent = builder(counting_model(12, Arc::default()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_keep_recent_tokens(50),
+        )
+        .summarizer(Arc::new(AfterPrune {
+            saver: saver.clone(),
+            inner: keel_summarize::ExtractiveSummarizer::new(),
+        }))
+        .keep_checkpoints(Some(3))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("overlap", AgentInput::new()).await.unwrap();
+    // Each summary waited for its step's prune, so the prune did not wait for it.
+    assert_eq!(run.state.milestones_made, 2);
+    assert!(
+        run.state.compactions.iter().all(|e| e.error.is_none()),
+        "{:?}",
+        run.state.compactions
+    );
+    assert_eq!(saver.prunes.load(Ordering::SeqCst), 2);
+    // And the prune kept the newest 3 stored before that step, plus the steps since.
+    let n = checkpoints(saver.as_ref(), "overlap").await;
+    assert!(n <= 3 + 2 * 6, "{n} checkpoints");
+}
