@@ -1261,7 +1261,8 @@ impl AgentBuilder {
             profile.clone(),
         )
         .with_config(compaction.clone())
-        .with_evict(None);
+        .with_evict(None)
+        .with_tools(toolbox.shared_specs());
         let parts = Parts {
             model,
             options: self.options,

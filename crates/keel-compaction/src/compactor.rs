@@ -24,7 +24,13 @@ use crate::state::{
 };
 
 /// A tool list and its tokens.
-type ToolsTokens = (Vec<ToolSpec>, usize);
+type ToolsTokens = (Arc<[ToolSpec]>, usize);
+
+/// Whether `a` and `b` are the same memory: a slice of a live, immutable `Arc<[T]>`
+/// cannot share its address with a different list, so equal means the same specs.
+fn same_slice<T>(a: &[T], b: &[T]) -> bool {
+    std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len()
+}
 
 /// Tokens of each layer of an assembled prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -132,8 +138,9 @@ pub struct Compactor {
     truncate: Option<TruncateArguments>,
     evict: Option<EvictLargeResults>,
     /// The last tool list counted and its tokens (tool specs rarely change between
-    /// steps, and counting their schemas costs more than comparing them). Shared by
-    /// the clones [`Compactor::for_thread`] makes.
+    /// steps, and counting their schemas costs more than comparing them; a list given
+    /// with [`Compactor::with_tools`] is not even compared). Shared by the clones
+    /// [`Compactor::for_thread`] makes.
     tools_tokens: Arc<std::sync::Mutex<Option<ToolsTokens>>>,
     /// The summarizer's last reported usage (shared by the clones).
     last_call: LastCall,
@@ -201,13 +208,54 @@ impl Compactor {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((specs, n)) = cache.as_ref()
-            && specs.as_slice() == tools
+            && (same_slice(specs, tools) || **specs == *tools)
         {
             return *n;
         }
         let n = self.counter.count_tools(tools);
-        *cache = Some((tools.to_vec(), n));
+        *cache = Some((Arc::from(tools), n));
         n
+    }
+
+    /// Counts `tools` now. A later call given a slice of this very list (the caller
+    /// keeps a clone of the `Arc`, as keel-agent does for its toolbox) uses the count
+    /// without comparing the specs; any other list is compared, and counted if it
+    /// differs. The count is this compactor's and its clones' from here on.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_compaction::{Compactor, ContextState, GoalAnchor};
+    /// use keel_message::ToolSpec;
+    /// use keel_offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_summarize::ExtractiveSummarizer;
+    /// use keel_token::{ApproxCounter, ModelProfile};
+    ///
+    /// let tools: Arc<[ToolSpec]> = Arc::from(vec![ToolSpec::new(
+    ///     "ls",
+    ///     "Lists a directory.",
+    ///     serde_json::json!({"type": "object"}),
+    /// )]);
+    /// let compactor = Compactor::new(
+    ///     Arc::new(ExtractiveSummarizer::new()),
+    ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+    ///     ThreadId::new("t1")?,
+    ///     Arc::new(ApproxCounter::new()),
+    ///     ModelProfile::new("m", 8_000, 1_000, keel_token::Encoding::Approximate),
+    /// )
+    /// .with_tools(tools.clone());
+    /// let mut state = ContextState::new(GoalAnchor::new("Find the bug."));
+    /// assert!(compactor.tokens(&mut state, &tools).tools > 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn with_tools(mut self, tools: Arc<[ToolSpec]>) -> Self {
+        let n = if tools.is_empty() {
+            0
+        } else {
+            self.counter.count_tools(&tools)
+        };
+        self.tools_tokens = Arc::new(std::sync::Mutex::new(Some((tools, n))));
+        self
     }
 
     /// Replaces the settings.

@@ -8,7 +8,7 @@ use keel_compaction::{
     CompactionConfig, CompactionError, Compactor, ContextState, GoalAnchor, MASKED_METADATA_KEY,
     StepTrigger, Strategy, Trigger,
 };
-use keel_message::{Message, ToolCall};
+use keel_message::{Message, ToolCall, ToolSpec};
 use keel_offload::{Archive, MemoryStore, ThreadId};
 use keel_summarize::ExtractiveSummarizer;
 use keel_token::{ApproxCounter, Encoding, ModelProfile};
@@ -347,5 +347,44 @@ proptest::proptest! {
         let fired = c.check(&mut state, &[]);
         proptest::prop_assert_eq!(of, c.tokens(&mut state, &[]));
         proptest::prop_assert!(may || fired.is_none(), "may_trigger said no, check fired {:?}", fired);
+    }
+}
+
+#[test]
+fn a_shared_tool_list_counts_as_its_copies_and_another_list_is_counted_anew() {
+    let spec = |name: &str| {
+        ToolSpec::new(
+            name,
+            "Reads a file of the repository.",
+            json!({"type": "object", "properties": {"path": {"type": "string"}}}),
+        )
+    };
+    let shared: Arc<[ToolSpec]> = Arc::from(vec![spec("read_file"), spec("grep")]);
+    let fewer = vec![spec("grep")];
+    let fresh = || ContextState::new(GoalAnchor::new("Read the code."));
+    let (plain, ..) = compactor(CompactionConfig::default(), 100_000);
+    let all = plain.tokens(&mut fresh(), &shared).tools;
+    let one = plain.tokens(&mut fresh(), &fewer).tools;
+    assert!(all > one && one > 0, "{all} {one}");
+
+    let (c, ..) = compactor(CompactionConfig::default(), 100_000);
+    let first = plain.tokens(&mut fresh(), &shared[..1]).tools;
+    assert!(first > 0 && first < all, "{first} {all}");
+    for (list, expected) in [
+        (&shared[..], all),
+        // A prefix of the shared list starts at its address: counted as itself.
+        (&shared[..1], first),
+        (&shared[..], all),
+        // The same specs elsewhere in memory, another list, the shared one again.
+        (&shared.to_vec()[..], all),
+        (&fewer[..], one),
+        (&shared[..], all),
+    ] {
+        let c = c.clone().with_tools(shared.clone());
+        assert_eq!(c.tokens(&mut fresh(), list).tools, expected);
+    }
+    let c = c.with_tools(shared.clone());
+    for (list, expected) in [(&shared[..1], first), (&fewer[..], one), (&shared[..], all)] {
+        assert_eq!(c.tokens(&mut fresh(), list).tools, expected);
     }
 }

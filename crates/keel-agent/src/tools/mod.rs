@@ -23,7 +23,8 @@ pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 #[derive(Clone, Default)]
 pub struct Toolbox {
     tools: BTreeMap<String, Arc<dyn Tool>>,
-    specs: Vec<ToolSpec>,
+    /// Shared with the agent's compactor, which then knows the list without comparing.
+    specs: Arc<[ToolSpec]>,
     timeout: Option<Duration>,
 }
 
@@ -65,7 +66,9 @@ impl Toolbox {
             return Err(spec.name);
         }
         self.tools.insert(spec.name.clone(), tool);
-        self.specs.push(spec);
+        let mut specs = self.specs.to_vec();
+        specs.push(spec);
+        self.specs = specs.into();
         Ok(())
     }
 
@@ -82,6 +85,11 @@ impl Toolbox {
     /// The specs sent to the model.
     pub fn specs(&self) -> &[ToolSpec] {
         &self.specs
+    }
+
+    /// The specs as a shared list ([`keel_compaction::Compactor::with_tools`]).
+    pub fn shared_specs(&self) -> Arc<[ToolSpec]> {
+        self.specs.clone()
     }
 
     /// Runs one call to the end, whatever happens: an unknown tool, arguments that are
