@@ -10,7 +10,10 @@
 //!     memory|sqlite|postgres sync|async|exit STEPS REPS REPO_DIR SCRATCH_DIR
 //! ```
 //! (`DATABASE_URL` for postgres; `KEEL_BENCH_AGENT_RUNTIME=current_thread` for tokio's
-//! one-thread scheduler). Prints one JSON line per repetition.
+//! one-thread scheduler; `KEEL_BENCH_TIME_SAVER=1` times each saver call and adds
+//! `saver` to the output: µs a step awaiting puts, prunes and the rest, where with
+//! `async` the puts are awaited by the background writer, off the step's path). Prints
+//! one JSON line per repetition.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -20,7 +23,10 @@ use std::time::Instant;
 
 use keel_agent::tools::FileTools;
 use keel_agent::{Agent, AgentInput};
-use keel_checkpoint::{Checkpointer, MemorySaver};
+use keel_checkpoint::{
+    CheckpointError, CheckpointId, CheckpointSummary, CheckpointTuple, Checkpointer, ListOptions,
+    MemorySaver, PendingWrite, PutRequest, ThreadKey,
+};
 use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 use keel_checkpoint_sqlite::{SqliteOptions, SqliteSaver};
 use keel_compaction::CompactionConfig;
@@ -216,6 +222,118 @@ fn model(steps: u64, work: Arc<Work>) -> PolicyModel {
     })
 }
 
+/// Time awaited on each kind of saver call, in nanoseconds.
+#[derive(Default)]
+struct SaverTimes {
+    put: AtomicU64,
+    puts: AtomicU64,
+    prune: AtomicU64,
+    prunes: AtomicU64,
+    other: AtomicU64,
+}
+
+impl SaverTimes {
+    fn add(counter: &AtomicU64, since: Instant) {
+        let n = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// µs a step for each kind, and the call counts.
+    fn report(&self, steps: u64) -> Value {
+        let per_step = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64 / 1e3 / steps as f64;
+        json!({
+            "put_us_per_step": per_step(&self.put),
+            "puts": self.puts.load(Ordering::Relaxed),
+            "prune_us_per_step": per_step(&self.prune),
+            "prunes": self.prunes.load(Ordering::Relaxed),
+            "other_us_per_step": per_step(&self.other),
+        })
+    }
+}
+
+/// A saver whose calls are timed (`KEEL_BENCH_TIME_SAVER=1`): where a step's waiting goes.
+struct TimedSaver {
+    inner: Arc<dyn Checkpointer>,
+    times: Arc<SaverTimes>,
+}
+
+impl TimedSaver {
+    async fn timed<T>(&self, counter: &AtomicU64, call: impl Future<Output = T>) -> T {
+        let started = Instant::now();
+        let out = call.await;
+        SaverTimes::add(counter, started);
+        out
+    }
+}
+
+#[async_trait::async_trait]
+impl Checkpointer for TimedSaver {
+    fn is_durable(&self) -> bool {
+        self.inner.is_durable()
+    }
+
+    async fn get(
+        &self,
+        thread: &ThreadKey,
+        id: Option<&CheckpointId>,
+    ) -> std::result::Result<Option<CheckpointTuple>, CheckpointError> {
+        self.timed(&self.times.other, self.inner.get(thread, id))
+            .await
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a ThreadKey,
+        options: ListOptions,
+    ) -> futures::stream::BoxStream<'a, std::result::Result<CheckpointSummary, CheckpointError>>
+    {
+        self.inner.list(thread, options)
+    }
+
+    async fn put(&self, request: PutRequest) -> std::result::Result<(), CheckpointError> {
+        self.times.puts.fetch_add(1, Ordering::Relaxed);
+        self.timed(&self.times.put, self.inner.put(request)).await
+    }
+
+    async fn put_many(
+        &self,
+        requests: Vec<PutRequest>,
+    ) -> std::result::Result<(), CheckpointError> {
+        self.times
+            .puts
+            .fetch_add(requests.len() as u64, Ordering::Relaxed);
+        self.timed(&self.times.put, self.inner.put_many(requests))
+            .await
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &ThreadKey,
+        checkpoint: &CheckpointId,
+        writes: Vec<PendingWrite>,
+    ) -> std::result::Result<(), CheckpointError> {
+        self.timed(
+            &self.times.other,
+            self.inner.put_writes(thread, checkpoint, writes),
+        )
+        .await
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> std::result::Result<(), CheckpointError> {
+        self.inner.delete_thread(thread_id).await
+    }
+
+    async fn prune(
+        &self,
+        thread: &ThreadKey,
+        keep_last: usize,
+    ) -> std::result::Result<usize, CheckpointError> {
+        self.times.prunes.fetch_add(1, Ordering::Relaxed);
+        self.timed(&self.times.prune, self.inner.prune(thread, keep_last))
+            .await
+    }
+}
+
 enum Backend {
     Memory(Arc<MemorySaver>),
     Sqlite(Arc<SqliteSaver>),
@@ -299,6 +417,16 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
         })
         .collect();
     let durability = durability_of(&config.durability)?;
+    let times = std::env::var("KEEL_BENCH_TIME_SAVER")
+        .is_ok()
+        .then(|| Arc::new(SaverTimes::default()));
+    let checkpointer = match &times {
+        Some(times) => Arc::new(TimedSaver {
+            inner: backend.checkpointer(),
+            times: times.clone(),
+        }),
+        None => backend.checkpointer(),
+    };
     let agent = Agent::builder()
         .model(Arc::new(model(config.steps, work.clone())))
         .profile(ModelProfile::new(
@@ -324,7 +452,7 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
         )
         .keep_checkpoints(Some(5))
         .durability(durability)
-        .checkpointer(backend.checkpointer())
+        .checkpointer(checkpointer)
         // The archive in memory, as the peer keeps none: only the checkpointer varies.
         .offload_store(Arc::new(keel_offload::MemoryStore::new()))
         .build()?;
@@ -357,7 +485,7 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
     if let Backend::Postgres(s) = &backend {
         s.delete_thread(&thread).await?;
     }
-    Ok(json!({
+    let mut out = json!({
         "backend": config.backend,
         "durability": config.durability,
         "runtime": runtime_flavor()?,
@@ -368,7 +496,11 @@ async fn one(config: &Config, tag: &str) -> Result<Value> {
         "bytes_per_step": bytes.map(|b| b as f64 / steps as f64),
         "peak_rss_bytes": peak_rss(),
         "supersteps": supersteps,
-    }))
+    });
+    if let Some(times) = &times {
+        out["saver"] = times.report(steps);
+    }
+    Ok(out)
 }
 
 /// Resets the kernel's peak-RSS mark of this process (Linux `clear_refs`).
