@@ -194,20 +194,30 @@ fn summary_from_row(
     })
 }
 
-/// The id of the thread's newest checkpoint.
-fn head(conn: &Connection, thread: &ThreadKey) -> OpResult<Option<CheckpointId>> {
+/// The namespace's newest checkpoint id, and its `heads` row's id (which may trail it
+/// by up to `HEAD_REFRESH_MILLIS`), in one statement.
+fn newest_and_recorded(
+    conn: &Connection,
+    thread: &ThreadKey,
+) -> OpResult<(Option<CheckpointId>, Option<String>)> {
     let mut stmt = conn.prepare_cached(
-        "SELECT checkpoint_id FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 \
-         ORDER BY checkpoint_id DESC LIMIT 1",
+        "SELECT (SELECT checkpoint_id FROM checkpoints WHERE thread_id = ?1 AND ns = ?2 \
+                 ORDER BY checkpoint_id DESC LIMIT 1), \
+                (SELECT head FROM heads WHERE thread_id = ?1 AND ns = ?2)",
     )?;
     let mut rows = stmt.query(params![thread.thread_id, thread.ns])?;
-    match rows.next()? {
-        Some(row) => Ok(Some(parse_id(
-            text(row, 0, "checkpoint id")?,
-            "checkpoint id",
-        )?)),
-        None => Ok(None),
-    }
+    let Some(row) = rows.next()? else {
+        return Ok((None, None));
+    };
+    let newest = match row.get_ref(0)? {
+        ValueRef::Null => None,
+        _ => Some(parse_id(text(row, 0, "checkpoint id")?, "checkpoint id")?),
+    };
+    let recorded = match row.get_ref(1)? {
+        ValueRef::Null => None,
+        _ => Some(text(row, 1, "heads head")?.to_owned()),
+    };
+    Ok((newest, recorded))
 }
 
 /// What the writer remembers of what it stored (it alone writes through this saver):
@@ -298,7 +308,7 @@ fn put_in(
         deltas,
         expected_head,
     } = request;
-    let current = head(tx, thread)?;
+    let (current, recorded) = newest_and_recorded(tx, thread)?;
     if current != *expected_head {
         return Err(CheckpointError::Conflict {
             expected: expected_head.clone(),
@@ -390,14 +400,33 @@ fn put_in(
             to_json(&versions)?,
             metadata_to_json(metadata)?,
         ])?;
-        // The id sorts after the old head (checked above), so it is the new head.
-        tx.prepare_cached(
-            "INSERT INTO heads (thread_id, ns, head) VALUES (?1, ?2, ?3) \
-             ON CONFLICT (thread_id, ns) DO UPDATE SET head = excluded.head",
-        )?
-        .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
+        // The id sorts after the old head (checked above), so it is the new head. The
+        // row is rewritten only when it is missing or HEAD_REFRESH_MILLIS old: a read
+        // instead of two pages written on most puts.
+        if head_is_stale(recorded.as_deref(), &checkpoint.id) {
+            tx.prepare_cached(
+                "INSERT INTO heads (thread_id, ns, head) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT (thread_id, ns) DO UPDATE SET head = excluded.head",
+            )?
+            .execute(params![thread.thread_id, thread.ns, checkpoint.id.as_str()])?;
+        }
     }
     Ok(())
+}
+
+/// How far the `heads` row may trail a namespace's newest checkpoint, in milliseconds of
+/// their ids. The row only narrows the TTL sweep and `list_threads` to candidates; both
+/// read the checkpoints themselves for the newest id.
+const HEAD_REFRESH_MILLIS: u64 = 1_000;
+
+/// Whether the `heads` row (`stored`) must be rewritten for the new head `new`.
+fn head_is_stale(stored: Option<&str>, new: &CheckpointId) -> bool {
+    let Some(stored) = stored.and_then(|s| s.parse::<CheckpointId>().ok()) else {
+        return true;
+    };
+    new.timestamp_millis()
+        .saturating_sub(stored.timestamp_millis())
+        >= HEAD_REFRESH_MILLIS
 }
 
 /// `Checkpointer::get`, in one read transaction (a consistent snapshot even while
@@ -625,10 +654,14 @@ fn delete_rows(conn: &Connection, thread_id: &str) -> OpResult<()> {
 }
 
 /// The heads below the cutoff `?1`, oldest first, of threads with no head at or above
-/// it (`INDEXED BY`: preparing fails rather than falling back to a full scan).
+/// it (`INDEXED BY`: preparing fails rather than falling back to a full scan), nor a
+/// checkpoint at or above it in any namespace: a `heads` row may trail its namespace's
+/// newest checkpoint by up to `HEAD_REFRESH_MILLIS`, so the checkpoints decide.
 const SWEEP_IDLE: &str = "SELECT h.thread_id FROM heads h INDEXED BY heads_by_head \
      WHERE h.head < ?1 AND NOT EXISTS \
-         (SELECT 1 FROM heads f WHERE f.thread_id = h.thread_id AND f.head >= ?1) \
+         (SELECT 1 FROM heads f WHERE f.thread_id = h.thread_id AND (f.head >= ?1 OR \
+             EXISTS (SELECT 1 FROM checkpoints c \
+                 WHERE c.thread_id = f.thread_id AND c.ns = f.ns AND c.checkpoint_id >= ?1))) \
      ORDER BY h.head";
 
 /// `Checkpointer::sweep_idle`, in one `BEGIN IMMEDIATE` transaction: finds up to `limit`
@@ -678,10 +711,14 @@ pub(crate) fn list_threads(
         return Ok(Vec::new());
     }
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    // Each namespace's newest checkpoint (a primary-key seek), as its `heads` row may
+    // trail it by up to HEAD_REFRESH_MILLIS.
     let mut stmt = conn.prepare_cached(
-        "SELECT thread_id, max(head), count(*) FROM heads \
-         WHERE ?1 IS NULL OR thread_id > ?1 \
-         GROUP BY thread_id ORDER BY thread_id LIMIT ?2",
+        "SELECT h.thread_id, max(coalesce((SELECT c.checkpoint_id FROM checkpoints c \
+             WHERE c.thread_id = h.thread_id AND c.ns = h.ns \
+             ORDER BY c.checkpoint_id DESC LIMIT 1), h.head)), count(*) \
+         FROM heads h WHERE ?1 IS NULL OR h.thread_id > ?1 \
+         GROUP BY h.thread_id ORDER BY h.thread_id LIMIT ?2",
     )?;
     let mut rows = stmt.query(params![after, limit])?;
     let mut out = Vec::new();
@@ -985,6 +1022,10 @@ mod tests {
             "{plan:?}"
         );
         assert!(has("SEARCH f USING PRIMARY KEY (thread_id=?)"), "{plan:?}");
+        assert!(
+            has("SEARCH c USING PRIMARY KEY (thread_id=? AND ns=? AND checkpoint_id>?)"),
+            "{plan:?}"
+        );
         assert!(!plan.iter().any(|p| p.starts_with("SCAN")), "{plan:?}");
     }
 }

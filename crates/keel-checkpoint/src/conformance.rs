@@ -1368,6 +1368,23 @@ pub async fn sweep_idle<C: Checkpointer + ?Sized>(saver: &C) {
         .put_writes(&h1, vec![write("t", "log", json!(5))])
         .await;
     let hs = half_sub.step(None, &[("log", append(&["hs"]))]).await;
+    // Two steps 0.6 s apart, one on each side of the sweeps' age: the newer keeps the
+    // thread (a saver that records heads lazily must still look at it).
+    let mut close = Driver::new(CHECK, saver);
+    let k1 = close
+        .step_at(
+            &id_at(t0 + DAY_MILLIS - 300),
+            None,
+            &[("log", append(&["k1"]))],
+        )
+        .await;
+    let k2 = close
+        .step_at(
+            &id_at(t0 + DAY_MILLIS + 300),
+            Some(&k1),
+            &[("log", append(&["k2"]))],
+        )
+        .await;
 
     {
         let idle_threads: Vec<(String, Vec<Watched<'_, '_, C>>)> = vec![
@@ -1395,6 +1412,7 @@ pub async fn sweep_idle<C: Checkpointer + ?Sized>(saver: &C) {
             (&revived, vec![(r1.clone(), 0), (r2.clone(), 0)]),
             (&half_root, vec![(h1.clone(), 1)]),
             (&half_sub, vec![(hs.clone(), 0)]),
+            (&close, vec![(k1.clone(), 0), (k2.clone(), 0)]),
         ];
 
         // Nothing is idle that long; a zero limit deletes nothing.
