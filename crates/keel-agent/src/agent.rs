@@ -1088,8 +1088,9 @@ impl AgentBuilder {
     /// Checkpoints kept by each compaction step (default 5; `None` keeps all): the step
     /// prunes the thread to the newest `keep` stored checkpoints while its summary is
     /// written, and once the compaction succeeded removes the offloaded files only the
-    /// pruned checkpoints saw. Pruning goes through the builder's [`AgentBuilder::checkpointer`] (also when the
-    /// nodes are reused in a graph of your own: give the builder the same one).
+    /// pruned checkpoints saw. Pruning goes through the builder's
+    /// [`AgentBuilder::checkpointer`] (also when the nodes are reused in a graph of your
+    /// own: give the builder the same one).
     pub fn keep_checkpoints(mut self, keep: Option<usize>) -> Self {
         self.keep_checkpoints = keep;
         self
