@@ -23,6 +23,8 @@
 //!
 //! Channel values are stored once per step as deltas (invariant 6): `get` follows each
 //! channel's `base` links back to the newest snapshot in one recursive query.
+//! Values over about 2 kB are TOAST-compressed with lz4 where the server has it
+//! (PostgreSQL 14 or newer built with lz4; pglz, the default, otherwise).
 //! Migrations are versioned and recorded in `keel_migrations` ([`migrate`],
 //! [`MIGRATIONS`]).
 //!

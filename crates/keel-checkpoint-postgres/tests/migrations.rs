@@ -186,7 +186,7 @@ async fn a_version_1_schema_gets_the_heads_index() {
         ))
         .await
         .unwrap();
-    assert_eq!(db.saver.setup().await.unwrap(), vec![2, 3]);
+    assert_eq!(db.saver.setup().await.unwrap(), vec![2, 3, 4]);
     assert_eq!(versions(&client, &db.schema).await, all());
     let index: Option<String> = client
         .query_opt(
@@ -243,7 +243,7 @@ async fn a_version_2_schema_gets_the_new_keel_put_and_passes_the_suite() {
             .await
             .contains("FOR UPDATE")
     );
-    assert_eq!(db.saver.setup().await.unwrap(), vec![3]);
+    assert_eq!(db.saver.setup().await.unwrap(), vec![3, 4]);
     assert_eq!(versions(&client, &db.schema).await, all());
     let upgraded = keel_put_definition(&client, &db.schema).await;
     assert!(!upgraded.contains("FOR UPDATE"), "{upgraded}");
@@ -254,5 +254,101 @@ async fn a_version_2_schema_gets_the_new_keel_put_and_passes_the_suite() {
         async move { shared }
     })
     .await;
+    db.drop_schema().await;
+}
+
+/// Whether the server can compress TOAST values with lz4 (PostgreSQL 14 or newer,
+/// built with it).
+async fn server_has_lz4(client: &tokio_postgres::Client) -> bool {
+    client
+        .query_opt(
+            "SELECT 1 FROM pg_settings \
+             WHERE name = 'default_toast_compression' AND 'lz4' = ANY (enumvals)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_some()
+}
+
+/// The compression set on each large value column, as `pg_attribute` spells it
+/// (`l` for lz4, empty for the server's default).
+async fn column_compression(client: &tokio_postgres::Client, schema: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (table, column) in [
+        ("keel_deltas", "updates"),
+        ("keel_deltas", "snapshot"),
+        ("keel_writes", "value"),
+    ] {
+        let row = client
+            .query_one(
+                "SELECT a.attcompression::text FROM pg_attribute a \
+                 JOIN pg_class c ON c.oid = a.attrelid \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = $3",
+                &[&schema, &table, &column],
+            )
+            .await
+            .unwrap();
+        out.push(row.get(0));
+    }
+    out
+}
+
+/// A version-3 schema gets migration 4: its large value columns compress with lz4 when
+/// the server has it (new values are stored so), and stay as they were when it has not,
+/// the migration recorded either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_3_schema_compresses_new_values_with_lz4_where_the_server_can() {
+    let Some(db) = common::saver("migrate_v3").await else {
+        return;
+    };
+    let client = db.client().await;
+    let s = format!("\"{}\"", db.schema);
+    // The schema as version 3 left it.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {s}.keel_deltas
+                 ALTER COLUMN updates SET COMPRESSION DEFAULT,
+                 ALTER COLUMN snapshot SET COMPRESSION DEFAULT;
+             ALTER TABLE {s}.keel_writes ALTER COLUMN value SET COMPRESSION DEFAULT;
+             DELETE FROM {s}.keel_migrations WHERE version > 3"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(column_compression(&client, &db.schema).await, ["", "", ""]);
+    assert_eq!(db.saver.setup().await.unwrap(), vec![4]);
+    assert_eq!(versions(&client, &db.schema).await, all());
+    let lz4 = server_has_lz4(&client).await;
+    let expected = if lz4 { "l" } else { "" };
+    assert_eq!(
+        column_compression(&client, &db.schema).await,
+        [expected; 3],
+        "server has lz4: {lz4}"
+    );
+    // A large value written now is stored compressed with the column's method.
+    let big = serde_json::to_string(&"the same words again ".repeat(500)).unwrap();
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {s}.keel_writes \
+                 (checkpoint_id, idx, thread_id, ns, task_id, channel, task_path, value) \
+                 VALUES (gen_random_uuid(), 0, 't', '', 'task', 'c', 'p', $1::text::json)"
+            ),
+            &[&big],
+        )
+        .await
+        .unwrap();
+    let method: Option<String> = client
+        .query_one(
+            &format!(
+                "SELECT pg_column_compression(value) FROM {s}.keel_writes WHERE thread_id = 't'"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(method.as_deref(), Some(if lz4 { "lz4" } else { "pglz" }));
     db.drop_schema().await;
 }
