@@ -23,11 +23,20 @@ use crate::store::{Entry, OffloadStore};
 /// `keel_offload_schema`).
 pub const POSTGRES_SCHEMA_VERSION: i64 = PG_MIGRATIONS.len() as i64;
 
-/// Migration `i` brings the schema from version `i` to `i + 1`; `{s}` is the quoted
-/// schema name.
-const PG_MIGRATIONS: &[(&str, &str)] = &[(
-    "files and chunks",
-    r#"
+/// One schema migration: its name, its SQL (`{s}` is the quoted schema name), and
+/// whether it needs lz4 (PostgreSQL 14 or newer, built with it); without it the
+/// migration is recorded and changes nothing.
+struct PgMigration {
+    name: &'static str,
+    sql: &'static str,
+    needs_lz4: bool,
+}
+
+/// Migration `i` brings the schema from version `i` to `i + 1`.
+const PG_MIGRATIONS: &[PgMigration] = &[
+    PgMigration {
+        name: "files and chunks",
+        sql: r#"
     -- One row per file: its current generation and size in bytes. Paths compare
     -- byte-wise (COLLATE "C"), so listing order and directory ranges match the other
     -- stores whatever the database's locale.
@@ -47,7 +56,19 @@ const PG_MIGRATIONS: &[(&str, &str)] = &[(
         PRIMARY KEY (thread_id, generation, off)
     );
     "#,
-)];
+        needs_lz4: false,
+    },
+    PgMigration {
+        name: "chunks compressed with lz4 where the server has it",
+        sql: r#"
+    -- Chunks over about 2 kB are compressed when stored; lz4 writes a 1 MiB chunk of
+    -- JSON about 3.5 times faster than pglz, the default, for about 15% more bytes.
+    -- Chunks written before stay as they are and read the same.
+    ALTER TABLE {s}.keel_offload_chunks ALTER COLUMN data SET COMPRESSION lz4;
+    "#,
+        needs_lz4: true,
+    },
+];
 
 /// Pieces of a write a caller may have queued for the connection thread: the memory
 /// a write holds is about this many chunks, whatever the size of the value.
@@ -517,18 +538,32 @@ async fn migrate(pool: &Pool, schema: &str) -> Result<(), OffloadError> {
             supported: POSTGRES_SCHEMA_VERSION,
         });
     }
-    for (i, (name, sql)) in PG_MIGRATIONS
+    for (i, migration) in PG_MIGRATIONS
         .iter()
         .enumerate()
         .skip(usize::try_from(found).unwrap_or(0))
     {
-        tx.batch_execute(&sql.replace("{s}", &s))
-            .await
-            .map_err(err)?;
+        // `default_toast_compression` exists from PostgreSQL 14 on, and lists lz4 among
+        // its values only when the server was built with it.
+        let applies = !migration.needs_lz4
+            || tx
+                .query_opt(
+                    "SELECT 1 FROM pg_catalog.pg_settings \
+                     WHERE name = 'default_toast_compression' AND 'lz4' = ANY (enumvals)",
+                    &[],
+                )
+                .await
+                .map_err(err)?
+                .is_some();
+        if applies {
+            tx.batch_execute(&migration.sql.replace("{s}", &s))
+                .await
+                .map_err(err)?;
+        }
         let version = i32::try_from(i + 1).unwrap_or(i32::MAX);
         tx.execute(
             format!("INSERT INTO {s}.keel_offload_schema (version, name) VALUES ($1, $2)").as_str(),
-            &[&version, name],
+            &[&version, &migration.name],
         )
         .await
         .map_err(err)?;

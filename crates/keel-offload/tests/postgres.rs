@@ -233,7 +233,7 @@ fn a_newer_schema_is_refused_with_its_version() {
     drop(db.store());
     assert_eq!(
         db.query_i64("SELECT count(*) FROM {s}.keel_offload_schema", &[]),
-        1
+        2
     );
     db.execute("INSERT INTO {s}.keel_offload_schema (version, name) VALUES (7, 'from the future')");
     let err = PostgresStore::connect_with(
@@ -246,7 +246,7 @@ fn a_newer_schema_is_refused_with_its_version() {
             err,
             OffloadError::SchemaTooNew {
                 found: 7,
-                supported: 1,
+                supported: 2,
                 ..
             }
         ),
@@ -270,7 +270,7 @@ fn many_workers_set_up_one_schema_at_once() {
     let stores: Vec<PostgresStore> = workers.into_iter().map(|w| w.join().unwrap()).collect();
     assert_eq!(
         db.query_i64("SELECT count(*) FROM {s}.keel_offload_schema", &[]),
-        1
+        2
     );
     // Every worker sees what another wrote.
     let k = Key::new("shared", "archive/messages.jsonl").unwrap();
@@ -426,5 +426,63 @@ fn one_pool_serves_the_checkpointer_and_the_archive() {
     assert!(
         tables >= 7,
         "checkpoint and offload tables side by side: {tables}"
+    );
+}
+
+/// A version-1 schema gets migration 2: new chunks compress with lz4 when the server
+/// has it (PostgreSQL 14 or newer built with it) and as before when it has not, the
+/// migration recorded either way; chunks read back the same.
+#[test]
+fn a_version_1_schema_compresses_new_chunks_with_lz4_where_the_server_can() {
+    let Some(db) = Db::new("lz4") else {
+        return;
+    };
+    drop(db.store());
+    // The schema as version 1 left it.
+    db.execute(
+        "ALTER TABLE {s}.keel_offload_chunks ALTER COLUMN data SET COMPRESSION DEFAULT;
+         DELETE FROM {s}.keel_offload_schema WHERE version > 1",
+    );
+    let column_is_lz4 = || {
+        db.query_i64(
+            "SELECT (a.attcompression = 'l')::int::bigint FROM pg_attribute a \
+             JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = 'keel_offload_chunks' AND a.attname = 'data'",
+            &[&db.schema],
+        )
+    };
+    assert_eq!(column_is_lz4(), 0);
+    let store = db.store();
+    assert_eq!(
+        db.query_i64("SELECT count(*) FROM {s}.keel_offload_schema", &[]),
+        2
+    );
+    let lz4 = db.query_i64(
+        "SELECT count(*) FROM pg_settings \
+         WHERE name = 'default_toast_compression' AND 'lz4' = ANY (enumvals)",
+        &[],
+    );
+    assert_eq!(column_is_lz4(), lz4);
+    let k = Key::new("compressed", "results/big.json").unwrap();
+    let text: String = (0..20_000)
+        .map(|i| format!("{{\"id\": {i}, \"path\": \"src/file_{}.rs\"}}\n", i % 97))
+        .collect();
+    store.put(&k, &text).unwrap();
+    assert_eq!(store.get(&k).unwrap(), text);
+    let method = if lz4 == 1 { "lz4" } else { "pglz" };
+    assert!(
+        db.query_i64(
+            "SELECT count(*) FROM {s}.keel_offload_chunks WHERE thread_id = 'compressed'",
+            &[],
+        ) > 0
+    );
+    assert_eq!(
+        db.query_i64(
+            "SELECT count(*) FROM {s}.keel_offload_chunks \
+             WHERE thread_id = 'compressed' AND pg_column_compression(data) IS DISTINCT FROM $1",
+            &[method],
+        ),
+        0,
+        "every chunk is stored with {method}"
     );
 }
