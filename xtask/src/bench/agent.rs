@@ -13,7 +13,10 @@
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
 //! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
 //! `KEEL_BENCH_AGENT_DURABILITIES` (e.g. `sync`) the durabilities,
-//! `KEEL_PGBENCH_SECS` pgbench's duration (10 s); `KEEL_BENCH_AGENT_RUNTIME=current_thread`
+//! `KEEL_PGBENCH_SECS` pgbench's duration (10 s) at the start, `KEEL_PGBENCH_TURN_SECS`
+//! that of the insert measured again before each of keel's PostgreSQL sync repetitions (3
+//! s; 0 turns it off; the bound uses the median of all of them);
+//! `KEEL_BENCH_AGENT_RUNTIME=current_thread`
 //! runs keel's side on tokio's one-thread scheduler instead of the multi-thread one
 //! `#[tokio::main]` builds (the peer, on Node.js, is single-threaded either way).
 //! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
@@ -92,8 +95,8 @@ pub fn run() -> Result<Vec<Row>> {
         skipped.push(format!("PostgreSQL rows and pgbench: {}", db.describe()));
     }
 
-    let pgbench = match &url {
-        Some(url) => match pgbench(url, env_u64("KEEL_PGBENCH_SECS", 10)) {
+    let probe = match &url {
+        Some(url) => match Pgbench::start(url) {
             Ok(p) => Some(p),
             Err(e) => {
                 skipped.push(format!("pgbench: {e:#}"));
@@ -102,6 +105,17 @@ pub fn run() -> Result<Vec<Row>> {
         },
         None => None,
     };
+    let mut pgbench = match &probe {
+        Some(probe) => match probe.measure(env_u64("KEEL_PGBENCH_SECS", 10)) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                skipped.push(format!("pgbench: {e:#}"));
+                None
+            }
+        },
+        None => None,
+    };
+    let turn_secs = env_u64("KEEL_PGBENCH_TURN_SECS", 3);
 
     let peer = NodePeer::ensure(PEER)?;
     let scratch = root().join("target").join("bench-agent-scratch");
@@ -195,6 +209,17 @@ pub fn run() -> Result<Vec<Row>> {
                     peer_rows.extend(rows);
                 }
                 if run_keel_side {
+                    // The commit rate again, right before keel's repetition.
+                    if let (Some(probe), Some(pg)) = (&probe, &mut pgbench)
+                        && backend == "postgres"
+                        && durability == "sync"
+                        && turn_secs > 0
+                    {
+                        match probe.insert_tps(turn_secs) {
+                            Ok(tps) => pg.turns.push(tps),
+                            Err(e) => eprintln!("pgbench in turns failed: {e:#}"),
+                        }
+                    }
                     start("keel");
                     match agent_keel::run(&config) {
                         Ok(ms) => {
@@ -220,6 +245,7 @@ pub fn run() -> Result<Vec<Row>> {
             }
         }
     }
+    drop(probe);
     drop(db);
 
     let report = Report {
@@ -521,13 +547,22 @@ impl Report<'_> {
                 "; {t:.0} tps on -N (simple update)"
             )),
         );
+        if !pg.turns.is_empty() {
+            let turns: Vec<String> = pg.turns.iter().map(|t| format!("{t:.0}")).collect();
+            println!(
+                "  the insert again before each keel postgres/sync repetition: {} tps; the bound uses the median of all {} measurements, {:.0} tps",
+                turns.join(", "),
+                pg.turns.len() + 1,
+                pg.bound_tps()
+            );
+        }
         for (key, p) in &self.peer {
             let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             if backend != "postgres" {
                 continue;
             }
             if let Some(c) = p.commits_per_step {
-                let allowed = pg.insert_tps / c;
+                let allowed = pg.bound_tps() / c;
                 println!(
                     "  LangGraph.js {backend}/{durability} N={}: {c:.2} saver transactions per step (a put and a putWrites per superstep) \
                      -> pgbench allows {allowed:.0} steps/s; it ran {:.0} ({:.0}% of that)",
@@ -598,11 +633,12 @@ impl Report<'_> {
                 continue;
             };
             let per_step = supersteps / key.1 as f64;
-            let allowed = pg.insert_tps / per_step;
+            let allowed = pg.bound_tps() / per_step;
             let derivation = format!(
                 "one agent step = 2 supersteps (agent, tools) plus its share of compact and epoch ones = {supersteps:.0} supersteps / {} steps \
                  = {per_step:.3} checkpoint commits per step (one commit per superstep), so pgbench's {:.0} tps allows {allowed:.0} steps/s",
-                key.1, pg.insert_tps
+                key.1,
+                pg.bound_tps()
             );
             match k {
                 Some(k) => println!(
@@ -679,6 +715,9 @@ struct PgBench {
     insert_tps: f64,
     /// pgbench's built-in `-N` (simple update) script, when `pgbench -i` worked.
     simple_update_tps: Option<f64>,
+    /// The insert rate measured again before each of keel's PostgreSQL sync
+    /// repetitions, in turns with them (`KEEL_PGBENCH_TURN_SECS` each).
+    turns: Vec<f64>,
 }
 
 impl PgBench {
@@ -688,7 +727,17 @@ impl PgBench {
             "seconds": self.secs,
             "insert_tps": self.insert_tps,
             "simple_update_tps": self.simple_update_tps,
+            "insert_tps_in_turns": self.turns,
+            "bound_tps": self.bound_tps(),
         })
+    }
+
+    /// The commit rate the bound is computed from: the median of every insert
+    /// measurement, the first one and those taken in turns with keel's repetitions (the
+    /// disk's commit rate drifts over a run; the turns measure it when keel runs).
+    fn bound_tps(&self) -> f64 {
+        median(std::iter::once(self.insert_tps).chain(self.turns.iter().copied()))
+            .unwrap_or(self.insert_tps)
     }
 }
 
@@ -739,64 +788,97 @@ fn find_pg_program(name: &str) -> Result<String> {
     }
 }
 
-/// Measures the server's single-client commit rate in a scratch schema, then drops it.
-fn pgbench(url: &str, secs: u64) -> Result<PgBench> {
-    let program = find_pgbench()?;
-    let dir = root().join("target").join("bench-agent-pgbench");
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let schema = format!("keel_pgbench_{}", std::process::id());
-    let script = |name: &str, sql: String| -> Result<PathBuf> {
-        let path = dir.join(name);
-        std::fs::write(&path, sql).with_context(|| format!("writing {}", path.display()))?;
-        Ok(path)
-    };
-    let setup = script(
-        "setup.sql",
-        format!(
-            "DROP SCHEMA IF EXISTS {schema} CASCADE;\nCREATE SCHEMA {schema};\n\
-             CREATE TABLE {schema}.commit_probe (id bigserial PRIMARY KEY, thread text NOT NULL, payload bytea NOT NULL);\n"
-        ),
-    )?;
-    let insert = script(
-        "insert.sql",
-        format!(
-            "INSERT INTO {schema}.commit_probe (thread, payload) VALUES ('bench', convert_to(repeat('x', 1000), 'UTF8'));\n"
-        ),
-    )?;
-    let teardown = script(
-        "teardown.sql",
-        format!("DROP SCHEMA IF EXISTS {schema} CASCADE;\n"),
-    )?;
-    let once = |file: &PathBuf| -> Result<()> {
+/// pgbench measuring the server's single-client commit rate in a scratch schema of its
+/// own, created at `start` and dropped with it.
+struct Pgbench {
+    program: String,
+    url: String,
+    schema: String,
+    insert: PathBuf,
+    teardown: PathBuf,
+}
+
+impl Pgbench {
+    /// Writes the scripts and creates the scratch schema.
+    fn start(url: &str) -> Result<Self> {
+        let program = find_pgbench()?;
+        let dir = root().join("target").join("bench-agent-pgbench");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let schema = format!("keel_pgbench_{}", std::process::id());
+        let script = |name: &str, sql: String| -> Result<PathBuf> {
+            let path = dir.join(name);
+            std::fs::write(&path, sql).with_context(|| format!("writing {}", path.display()))?;
+            Ok(path)
+        };
+        let setup = script(
+            "setup.sql",
+            format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE;\nCREATE SCHEMA {schema};\n\
+                 CREATE TABLE {schema}.commit_probe (id bigserial PRIMARY KEY, thread text NOT NULL, payload bytea NOT NULL);\n"
+            ),
+        )?;
+        let insert = script(
+            "insert.sql",
+            format!(
+                "INSERT INTO {schema}.commit_probe (thread, payload) VALUES ('bench', convert_to(repeat('x', 1000), 'UTF8'));\n"
+            ),
+        )?;
+        let teardown = script(
+            "teardown.sql",
+            format!("DROP SCHEMA IF EXISTS {schema} CASCADE;\n"),
+        )?;
+        let probe = Pgbench {
+            program,
+            url: url.to_owned(),
+            schema,
+            insert,
+            teardown,
+        };
+        probe
+            .once(&setup)
+            .context("pgbench: creating the scratch schema")?;
+        Ok(probe)
+    }
+
+    fn once(&self, file: &PathBuf) -> Result<()> {
         run_capture(
-            Command::new(&program)
+            Command::new(&self.program)
                 .args(["-n", "-t", "1", "-f"])
                 .arg(file)
-                .arg(url),
+                .arg(&self.url),
         )
         .map(drop)
-    };
-    let timed = |args: &[&str], search_path: bool| -> Result<f64> {
-        let mut c = Command::new(&program);
+    }
+
+    fn timed(&self, secs: u64, args: &[&str], search_path: bool) -> Result<f64> {
+        let mut c = Command::new(&self.program);
         c.args(["-n", "-c", "1", "-j", "1", "-T", &secs.to_string()])
             .args(args)
-            .arg(url);
+            .arg(&self.url);
         if search_path {
-            c.env("PGOPTIONS", format!("-c search_path={schema}"));
+            c.env("PGOPTIONS", format!("-c search_path={}", self.schema));
         }
         parse_tps(&run_capture(&mut c)?)
-    };
-    once(&setup).context("pgbench: creating the scratch schema")?;
-    let insert_file = insert.display().to_string();
-    let result = timed(&["-f", &insert_file], false).map(|insert_tps| {
+    }
+
+    /// One small INSERT per transaction for `secs` seconds: transactions per second.
+    fn insert_tps(&self, secs: u64) -> Result<f64> {
+        let file = self.insert.display().to_string();
+        self.timed(secs, &["-f", &file], false)
+    }
+
+    /// The first measurement: the insert rate, then pgbench's own `-N` script.
+    fn measure(&self, secs: u64) -> Result<PgBench> {
+        let insert_tps = self.insert_tps(secs)?;
         let init = run_capture(
-            Command::new(&program)
+            Command::new(&self.program)
                 .args(["-i", "-q", "-s", "1"])
-                .arg(url)
-                .env("PGOPTIONS", format!("-c search_path={schema}")),
+                .arg(&self.url)
+                .env("PGOPTIONS", format!("-c search_path={}", self.schema)),
         );
         let simple_update_tps = match init {
-            Ok(_) => timed(&["-N"], true)
+            Ok(_) => self
+                .timed(secs, &["-N"], true)
                 .map_err(|e| eprintln!("pgbench -N failed: {e:#}"))
                 .ok(),
             Err(e) => {
@@ -804,17 +886,25 @@ fn pgbench(url: &str, secs: u64) -> Result<PgBench> {
                 None
             }
         };
-        PgBench {
-            program: program.clone(),
+        Ok(PgBench {
+            program: self.program.clone(),
             secs,
             insert_tps,
             simple_update_tps,
-        }
-    });
-    if let Err(e) = once(&teardown) {
-        eprintln!("warning: could not drop the pgbench scratch schema {schema}: {e:#}");
+            turns: Vec::new(),
+        })
     }
-    result
+}
+
+impl Drop for Pgbench {
+    fn drop(&mut self) {
+        if let Err(e) = self.once(&self.teardown) {
+            eprintln!(
+                "warning: could not drop the pgbench scratch schema {}: {e:#}",
+                self.schema
+            );
+        }
+    }
 }
 
 fn parse_tps(out: &str) -> Result<f64> {
