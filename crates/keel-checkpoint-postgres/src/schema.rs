@@ -262,8 +262,9 @@ const MIGRATION_4: &str = r#"
 -- Values over about 2 kB are compressed when stored. lz4 compresses them several times
 -- faster than pglz, PostgreSQL's default, and `keel_put` spent about a fifth of its
 -- time in pglz; the price is slightly larger values. This changes how new values are
--- stored: rows written before stay as they are and read the same. Skipped (recorded,
--- nothing changed) on a server without lz4.
+-- stored: rows written before stay as they are and read the same. Only the catalog
+-- changes, under a brief exclusive lock on the two tables (puts and reads wait for
+-- it). Skipped (recorded, nothing changed) on a server without lz4.
 ALTER TABLE {s}.keel_deltas
     ALTER COLUMN updates SET COMPRESSION lz4,
     ALTER COLUMN snapshot SET COMPRESSION lz4;
@@ -419,7 +420,7 @@ mod tests {
                 (1, 0x5b36_ff98_b03f_908a),
                 (2, 0xdf5c_0ce5_02ec_8f88),
                 (3, 0x808d_1b94_97f6_ef4a),
-                (4, 0xbf76_30e5_c53e_d6f7),
+                (4, 0x14dd_dca4_ec32_3e53),
             ]
         );
     }

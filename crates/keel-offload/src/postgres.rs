@@ -63,7 +63,8 @@ const PG_MIGRATIONS: &[PgMigration] = &[
         sql: r#"
     -- Chunks over about 2 kB are compressed when stored; lz4 writes a 1 MiB chunk of
     -- JSON about 3.5 times faster than pglz, the default, for about 15% more bytes.
-    -- Chunks written before stay as they are and read the same.
+    -- Chunks written before stay as they are and read the same. Only the catalog
+    -- changes, under a brief exclusive lock on the table.
     ALTER TABLE {s}.keel_offload_chunks ALTER COLUMN data SET COMPRESSION lz4;
     "#,
         needs_lz4: true,
