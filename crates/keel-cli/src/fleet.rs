@@ -13,9 +13,11 @@ use anyhow::{Context as _, bail};
 use clap::{ArgGroup, Args};
 use keel::agent::Agent;
 use keel::agent::tools::FileTools;
+use keel::checkpoint::{Checkpointer, ThreadKey};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role, ToolCall};
 use keel::model::{ChatModel, ChatOptions, ChatResponse, PolicyModel};
+use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::token::{Encoding, ModelProfile};
 use keel_fleet::{FleetError, Policy, Queue, RunId, RunInput, RunStatus, Worker};
 use serde_json::json;
@@ -126,6 +128,12 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             store::redact(&url)
         )
     })?;
+    if args.goal.is_some() && thread_started(&url, &args.thread).await {
+        bail!(
+            "thread `{}` already has a goal (a goal is written once); continue it with --message \"...\" instead of --goal, or submit to a new thread",
+            args.thread
+        );
+    }
     let mut input = RunInput::new();
     if let Some(goal) = args.goal {
         input = input.goal(goal);
@@ -170,6 +178,19 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             _ => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }
+}
+
+/// Whether `thread` has a checkpoint in the database at `url`, so its goal is set.
+/// Only reads: a database without keel's checkpoint tables, or any error, counts as
+/// no (the worker then reports what is wrong).
+async fn thread_started(url: &str, thread: &str) -> bool {
+    let Ok(config) = PostgresConfig::new(url) else {
+        return false;
+    };
+    let Ok(saver) = PostgresSaver::connect(&config) else {
+        return false;
+    };
+    matches!(saver.get(&ThreadKey::new(thread), None).await, Ok(Some(_)))
 }
 
 /// Runs `keel worker`.

@@ -788,6 +788,20 @@ async fn threads_admin_works_on_postgres() {
             .unwrap()
             .is_empty()
     );
+    // A second goal for the thread is refused before anything is queued.
+    let again = keel()
+        .args(["submit", "--thread", &thread, "--goal", "Something else."])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(!again.status.success(), "{:?}", text(&again));
+    assert!(
+        text(&again).1.contains("already has a goal") && text(&again).1.contains("--message"),
+        "{:?}",
+        text(&again)
+    );
+    let show = admin(&["show", &thread]);
+    assert!(!text(&show).0.contains("queued"), "{:?}", text(&show));
     // A queued run shows in `threads show` and `threads list` (no worker runs it).
     let submitted = keel()
         .args(["submit", "--thread", &thread, "--message", "And the tests?"])
