@@ -128,7 +128,7 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             store::redact(&url)
         )
     })?;
-    if args.goal.is_some() && thread_started(&url, &args.thread).await {
+    if args.goal.is_some() && thread_started(&queue, &url, &args.thread).await {
         bail!(
             "thread `{}` already has a goal (a goal is written once); continue it with --message \"...\" instead of --goal, or submit to a new thread",
             args.thread
@@ -180,14 +180,15 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
     }
 }
 
-/// Whether `thread` has a checkpoint in the database at `url`, so its goal is set.
-/// Only reads: a database without keel's checkpoint tables, or any error, counts as
-/// no (the worker then reports what is wrong).
-async fn thread_started(url: &str, thread: &str) -> bool {
+/// Whether `thread` has a checkpoint in the database at `url` (read over the queue's
+/// pool, in the schema `keel worker` uses), so its goal is set. Only reads: a database
+/// without keel's checkpoint tables, or any error, counts as no (the worker then
+/// reports what is wrong).
+async fn thread_started(queue: &Queue, url: &str, thread: &str) -> bool {
     let Ok(config) = PostgresConfig::new(url) else {
         return false;
     };
-    let Ok(saver) = PostgresSaver::connect(&config) else {
+    let Ok(saver) = PostgresSaver::from_pool(queue.pool().clone(), config.get_schema()) else {
         return false;
     };
     matches!(saver.get(&ThreadKey::new(thread), None).await, Ok(Some(_)))
