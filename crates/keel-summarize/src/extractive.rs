@@ -467,7 +467,13 @@ impl ExtractiveSummarizer {
             .collect();
         // Errors a later call of the same tool with the same arguments got past: the
         // output's index, and the call that succeeded.
-        let resolved = self.resolved_errors(messages, texts);
+        // Each tool output's keyword lines, found once for both uses below.
+        let mut tool_hits: Vec<Option<Vec<Hit>>> = messages
+            .iter()
+            .zip(texts)
+            .map(|(m, t)| (m.role == Role::Tool).then(|| self.hits(t)))
+            .collect();
+        let resolved = self.resolved_errors(messages, texts, &tool_hits);
         let last_summary = (0..messages.len())
             .rev()
             .find(|&i| messages[i].role != Role::Tool && is_summary(&texts[i]));
@@ -605,9 +611,13 @@ impl ExtractiveSummarizer {
             let tail_start = tail_offset(text, 5);
             let mut skip_until = 0usize;
             let mut last_error: Option<usize> = None;
-            self.scan(text, |line_start, line_end, kinds, focus| {
+            let hits = match tool_hits.get_mut(i).and_then(Option::take) {
+                Some(hits) => hits,
+                None => self.hits(text),
+            };
+            for (line_start, line_end, kinds, focus) in hits {
                 if line_start < skip_until {
-                    return;
+                    continue;
                 }
                 let slice = |focus: usize| Src::Slice {
                     msg: i as u32,
@@ -684,7 +694,7 @@ impl ExtractiveSummarizer {
                     };
                     pool.push(p, Sec::Summary, at, slice(focus));
                 }
-            });
+            }
             // The output's last open error names its call.
             if let (Some(tag), Some(k)) = (&tag, last_error)
                 && let Some(c) = pool.cands.get(k).copied()
@@ -815,6 +825,7 @@ impl ExtractiveSummarizer {
         &self,
         messages: &[Message],
         texts: &[Cow<'_, str>],
+        hits: &[Option<Vec<Hit>>],
     ) -> std::collections::HashMap<usize, String> {
         let calls: std::collections::HashMap<&str, &ToolCall> = messages
             .iter()
@@ -829,9 +840,10 @@ impl ExtractiveSummarizer {
             .filter_map(|(i, m)| {
                 let call = calls.get(m.tool_call_id.as_deref()?)?;
                 let text = texts.get(i)?;
-                let failed = text
-                    .lines()
-                    .any(|l| !looks_like_code(l) && !looks_like_listing(l) && self.has_error(l));
+                let failed = match hits.get(i) {
+                    Some(Some(hits)) => reports_error(text, hits),
+                    _ => reports_error(text, &self.hits(text)),
+                };
                 Some((i, call_head(call), failed))
             })
             .collect();
@@ -846,6 +858,15 @@ impl ExtractiveSummarizer {
             }
         }
         resolved
+    }
+
+    /// The lines of `text` with keywords, as [`scan`](Self::scan) reports them.
+    fn hits(&self, text: &str) -> Vec<Hit> {
+        let mut hits = Vec::new();
+        self.scan(text, |start, end, kinds, focus| {
+            hits.push((start, end, kinds, focus))
+        });
+        hits
     }
 
     fn has_error(&self, text: &str) -> bool {
@@ -1661,6 +1682,26 @@ fn tidy(text: Cow<'_, str>) -> Cow<'_, str> {
     }
 }
 
+/// A keyword line: its start and end in the text, the kinds of its keywords (bits),
+/// and where the first one starts.
+type Hit = (usize, usize, u8, usize);
+
+/// Whether a keyword line of `text` (`hits`) that is not code nor a listing reports an
+/// error; the lines as `str::lines` gives them.
+fn reports_error(text: &str, hits: &[Hit]) -> bool {
+    hits.iter().any(|&(start, end, kinds, _)| {
+        if kinds & Kind::Error.bit() == 0 {
+            return false;
+        }
+        let mut line = &text[start..end];
+        // `lines` drops the `\r` of a `\r\n` ending.
+        if end < text.len() {
+            line = line.strip_suffix('\r').unwrap_or(line);
+        }
+        !looks_like_code(line) && !looks_like_listing(line)
+    })
+}
+
 /// A line of source code or of a numbered file listing (`12:`, `cat -n`'s `   12\t`,
 /// `12 |`, `12    code`), rather than a message.
 fn looks_like_code(line: &str) -> bool {
@@ -1910,20 +1951,22 @@ fn looks_structured(text: &str) -> bool {
 /// (three or more digits, letters mixed with digits, emails, paths, upper-case codes of
 /// five or more characters). Clock times and the line numbers and code of listings are
 /// left out.
-fn facts_of(text: &str) -> Vec<String> {
+fn facts_of<'t>(text: &'t str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     // First occurrences in order; the set makes a long listing linear, not quadratic.
-    let mut seen: HashSet<String> = HashSet::new();
-    let mut push = |s: String| {
-        if !seen.contains(&s) {
-            seen.insert(s.clone());
-            out.push(s);
+    // Keyed by the text's own slices: a repeated token costs a lookup, no copy.
+    let mut seen: HashSet<Cow<'t, str>> = HashSet::new();
+    let mut push = |s: Cow<'t, str>| {
+        if !seen.contains(s.as_ref()) {
+            out.push(s.as_ref().to_owned());
+            seen.insert(s);
         }
     };
     if looks_structured(text) {
         structured_facts(text, &mut push);
     } else {
-        let mut literals: Vec<String> = Vec::new();
+        let mut literals: Vec<&str> = Vec::new();
+        let mut literal_set: HashSet<&str> = HashSet::new();
         for line in text.lines() {
             if looks_like_listing(line) {
                 continue;
@@ -1931,20 +1974,20 @@ fn facts_of(text: &str) -> Vec<String> {
             if looks_like_code(line) {
                 // Code: only its string literals, which edits and searches quote.
                 for lit in string_literals(line) {
-                    if !literals.iter().any(|l| l == lit) {
-                        literals.push(lit.to_owned());
+                    if literal_set.insert(lit) {
+                        literals.push(lit);
                     }
                 }
                 continue;
             }
             for t in tokens(line) {
                 if is_identifier(t) && !is_clock_time(t) {
-                    push(t.to_owned());
+                    push(Cow::Borrowed(t));
                 }
             }
         }
         for lit in literals {
-            push(format!("'{lit}'"));
+            push(Cow::Owned(format!("'{lit}'")));
         }
     }
     out
@@ -1981,7 +2024,7 @@ fn string_literals(line: &str) -> impl Iterator<Item = &str> {
 
 /// Walks JSON-like text: quoted strings followed by `:` are keys, other quoted strings
 /// and bare numbers are values.
-fn structured_facts(text: &str, push: &mut impl FnMut(String)) {
+fn structured_facts<'t>(text: &'t str, push: &mut impl FnMut(Cow<'t, str>)) {
     let b = text.as_bytes();
     let mut key: &str = "";
     let mut i = 0;
@@ -2008,12 +2051,12 @@ fn structured_facts(text: &str, push: &mut impl FnMut(String)) {
                 let t = s.trim();
                 if !t.contains(char::is_whitespace) {
                     if (is_identifier(t) || is_short_code(t)) && !is_clock_time(t) {
-                        push(t.to_owned());
+                        push(Cow::Borrowed(t));
                     }
                 } else {
                     for tok in tokens(t) {
                         if is_identifier(tok) && !is_clock_time(tok) {
-                            push(tok.to_owned());
+                            push(Cow::Borrowed(tok));
                         }
                     }
                 }
@@ -2027,9 +2070,9 @@ fn structured_facts(text: &str, push: &mut impl FnMut(String)) {
             let num = text[start..i].trim_end_matches('.');
             if num.bytes().filter(u8::is_ascii_digit).count() >= 3 {
                 if key.is_empty() || key.len() > 24 {
-                    push(num.to_owned());
+                    push(Cow::Borrowed(num));
                 } else {
-                    push(format!("{key}={num}"));
+                    push(Cow::Owned(format!("{key}={num}")));
                 }
             }
         } else {
@@ -2040,62 +2083,75 @@ fn structured_facts(text: &str, push: &mut impl FnMut(String)) {
 
 /// Characters that end a token.
 fn is_separator(c: char) -> bool {
-    c.is_whitespace()
-        || matches!(
-            c,
-            '"' | '\''
-                | '`'
-                | '('
-                | ')'
-                | '['
-                | ']'
-                | '{'
-                | '}'
-                | '<'
-                | '>'
-                | ','
-                | ';'
-                | '='
-                | '|'
-                | ':'
-                | '*'
-                | '!'
-                | '?'
-                | '$'
-                | '#'
-                | '&'
-                | '\\'
-        )
+    if c.is_ascii() {
+        // Lossless: `c` is ASCII.
+        ASCII_SEPARATORS[c as usize]
+    } else {
+        c.is_whitespace()
+    }
 }
+
+/// [`is_separator`] for each ASCII character: whitespace (as `char::is_whitespace`,
+/// which counts the vertical tab) and the punctuation that ends a token.
+const ASCII_SEPARATORS: [bool; 128] = {
+    let mut table = [false; 128];
+    let seps = b" \t\n\x0B\x0C\r\"'`()[]{}<>,;=|:*!?$#&\\";
+    let mut i = 0;
+    while i < seps.len() {
+        table[seps[i] as usize] = true;
+        i += 1;
+    }
+    table
+};
 
 /// The tokens of a line, trailing dots trimmed.
 fn tokens(text: &str) -> impl Iterator<Item = &str> {
-    let mut chars = text.char_indices();
-    let mut start = None;
-    let mut done = false;
-    let spans = std::iter::from_fn(move || {
-        while !done {
-            let Some((i, c)) = chars.next() else {
-                done = true;
-                return start.take().map(|s| (s, text.len()));
-            };
-            let url = c == ':' && text[i + 1..].starts_with("//");
-            if is_separator(c) && !url {
-                if let Some(s) = start.take() {
-                    return Some((s, i));
-                }
-            } else if start.is_none() {
-                start = Some(i);
-            }
-        }
-        None
-    });
-    spans.filter_map(move |(s, e)| {
-        let t = text[s..e]
+    Spans { text, pos: 0 }.filter_map(|t| {
+        let t = t
             .trim_end_matches(['.', '-', '_', '/'])
             .trim_start_matches(['-', '_']);
         (!t.is_empty()).then_some(t)
     })
+}
+
+/// The runs of `text` between separators (a `:` before `//` is not one), untrimmed.
+/// Walks bytes: every separator but non-ASCII whitespace is ASCII, and a multi-byte
+/// character is decoded only to ask whether it is whitespace.
+struct Spans<'t> {
+    text: &'t str,
+    pos: usize,
+}
+
+impl<'t> Iterator for Spans<'t> {
+    type Item = &'t str;
+
+    fn next(&mut self) -> Option<&'t str> {
+        let text = self.text;
+        let bytes = text.as_bytes();
+        let mut start = None;
+        let mut i = self.pos;
+        while let Some(&b) = bytes.get(i) {
+            let (sep, len) = if b.is_ascii() {
+                let url = b == b':' && bytes.get(i + 1..i + 3) == Some(b"//".as_slice());
+                (ASCII_SEPARATORS[usize::from(b)] && !url, 1)
+            } else {
+                // `i` is at a character boundary: only whole characters are skipped.
+                let c = text.get(i..).and_then(|r| r.chars().next());
+                c.map_or((false, 1), |c| (is_separator(c), c.len_utf8()))
+            };
+            if sep {
+                if let Some(s) = start {
+                    self.pos = i + len;
+                    return text.get(s..i);
+                }
+            } else if start.is_none() {
+                start = Some(i);
+            }
+            i += len;
+        }
+        self.pos = bytes.len();
+        start.and_then(|s| text.get(s..))
+    }
 }
 
 /// An identifier token: three or more digits, letters mixed with digits (4+ chars),
@@ -2263,7 +2319,36 @@ mod tests {
     /// The first versions of the tokenizer and the identifier and clock-time tests,
     /// kept as the reference the faster ones must agree with.
     mod reference {
-        use super::super::{MAX_FACT_CHARS, is_path, is_separator};
+        use super::super::{MAX_FACT_CHARS, is_path};
+
+        pub(super) fn is_separator(c: char) -> bool {
+            c.is_whitespace()
+                || matches!(
+                    c,
+                    '"' | '\''
+                        | '`'
+                        | '('
+                        | ')'
+                        | '['
+                        | ']'
+                        | '{'
+                        | '}'
+                        | '<'
+                        | '>'
+                        | ','
+                        | ';'
+                        | '='
+                        | '|'
+                        | ':'
+                        | '*'
+                        | '!'
+                        | '?'
+                        | '$'
+                        | '#'
+                        | '&'
+                        | '\\'
+                )
+        }
 
         pub(super) fn tokens(text: &str) -> Vec<&str> {
             let mut spans = Vec::new();
@@ -2333,10 +2418,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_separator_table_agrees_with_the_reference() {
+        for c in (0..=0x3100u32).filter_map(char::from_u32) {
+            assert_eq!(is_separator(c), reference::is_separator(c), "{c:?}");
+        }
+    }
+
     proptest::proptest! {
         #[test]
+        fn one_scan_finds_the_errors_the_line_by_line_scan_finds(
+            text in "(error|Failed|cannot |not found|error_log.txt|src/errors/|12:|   7\t|def |# |-rw-r--r--|-rw-r--r-- 1 a b 3 x|[a-z ]{1,8}|\r|\r\n|\n){0,24}"
+        ) {
+            let s = ExtractiveSummarizer::new();
+            let by_line = text
+                .lines()
+                .any(|l| !looks_like_code(l) && !looks_like_listing(l) && s.has_error(l));
+            proptest::prop_assert_eq!(reports_error(&text, &s.hits(&text)), by_line);
+        }
+
+        #[test]
         fn tokens_and_identifiers_agree_with_the_reference(
-            text in "([a-zA-Z0-9]{1,12}|[ .:/@_+T\\-]|://|[\"'(){}<>,;=]|é|\n){0,40}"
+            text in "([a-zA-Z0-9]{1,12}|[ .:/@_+T\\-]|://|:/|[\"'(){}<>,;=`|*!?$#&\\[\\]\\\\]|[\t\r\x0B\x0C]|é|日|\u{a0}|\u{3000}|\u{2028}|\n){0,40}"
         ) {
             let fast: Vec<&str> = super::tokens(&text).collect();
             proptest::prop_assert_eq!(&fast, &reference::tokens(&text));
