@@ -347,10 +347,20 @@ impl Agent {
             let run = agent
                 .graph
                 .invoke(command, &agent.config(&thread, &metadata, budget))
-                .await?;
-            Ok(AgentRun::of(run))
+                .await;
+            agent.settle(&thread).await;
+            Ok(AgentRun::of(run?))
         })
         .await
+    }
+
+    /// Waits for the thread's background prune and removes what only the pruned
+    /// checkpoints saw ([`AgentNodes::settle`]), as a run ends; a failure is logged:
+    /// the run's checkpoints are stored, and the next compaction step retries.
+    async fn settle(&self, thread_id: &str) {
+        if let Err(e) = self.nodes.settle(thread_id).await {
+            tracing::warn!(error = %e, "removing what pruned checkpoints saw failed");
+        }
     }
 
     /// Runs a thread from one of its past checkpoints: a fork, as LangGraph's `invoke`
@@ -411,8 +421,9 @@ impl Agent {
             let metadata = input.metadata.clone();
             let (command, budget) = agent.command(&thread, Some(&checkpoint), input).await?;
             let config = agent.config(&thread, &metadata, budget).at(checkpoint);
-            let run = agent.graph.invoke(command, &config).await?;
-            Ok(AgentRun::of(run))
+            let run = agent.graph.invoke(command, &config).await;
+            agent.settle(&thread).await;
+            Ok(AgentRun::of(run?))
         })
         .await
     }
@@ -490,16 +501,25 @@ impl Agent {
                 StreamMode::updates(),
             ));
             let mut ending = Ending::default();
+            let mut settled = false;
             while let Some(e) = events.next().await {
                 let items = match e {
                     Ok(e) => ending.updates_of(e).into_iter().map(Ok).collect::<Vec<_>>(),
                     Err(e) => vec![Err(AgentError::from(e))],
                 };
                 for item in items {
+                    // The run is over: its thread is pruned before the caller hears so.
+                    if !settled && matches!(item, Ok(AgentUpdate::Done { .. }) | Err(_)) {
+                        settled = true;
+                        agent.settle(&thread).await;
+                    }
                     if tx.send(item).await.is_err() {
                         return;
                     }
                 }
+            }
+            if !settled {
+                agent.settle(&thread).await;
             }
         });
         futures::stream::unfold(rx, |mut rx| async move {
@@ -1088,7 +1108,11 @@ impl AgentBuilder {
     /// Checkpoints kept by each compaction step (default 5; `None` keeps all): the step
     /// prunes the thread to the newest `keep` stored checkpoints while its summary is
     /// written, and once the compaction succeeded removes the offloaded files only the
-    /// pruned checkpoints saw. Pruning goes through the builder's
+    /// pruned checkpoints saw. With [`Durability::Sync`] (or an in-memory saver) the
+    /// step waits for the prune; with `Async` or `Exit` the prune goes on in the
+    /// background, as the step's writes do, and the thread's next compaction step, or
+    /// the end of the run, waits for it
+    /// ([`AgentNodes::settle`](crate::AgentNodes::settle)). Pruning goes through the builder's
     /// [`AgentBuilder::checkpointer`] (also when the nodes are reused in a graph of your
     /// own: give the builder the same one).
     pub fn keep_checkpoints(mut self, keep: Option<usize>) -> Self {
@@ -1278,6 +1302,7 @@ impl AgentBuilder {
             checkpointer: self.checkpointer.clone(),
             approve: self.approve,
             compactor,
+            prunes: Default::default(),
         };
         let nodes = AgentNodes {
             parts: Arc::new(parts),

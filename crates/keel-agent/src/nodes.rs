@@ -7,7 +7,7 @@ use std::time::Instant;
 use keel_checkpoint::{CheckpointTuple, Checkpointer, ListOptions, ThreadKey};
 use keel_compaction::{CompactionConfig, CompactionError, Compactor, ContextState, Trigger};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
-use keel_graph::{END, NodeContext, NodeError};
+use keel_graph::{Durability, END, NodeContext, NodeError};
 use keel_message::{Message, Role, ToolCall, ToolContext};
 use keel_model::{ChatModel, ChatOptions};
 use keel_offload::{
@@ -55,6 +55,80 @@ pub(crate) struct Parts {
     pub(crate) approve: BTreeSet<String>,
     /// The compactor every node's is made from (for the thread of the call).
     pub(crate) compactor: Compactor,
+    /// The checkpoint prunes compaction steps started in the background.
+    pub(crate) prunes: Prunes,
+}
+
+/// Checkpoint prunes running in the background, one per thread and namespace. With
+/// asynchronous (or exit) durability and a durable saver, a compaction step starts one
+/// and does not wait for it: steps do not wait for their writes, and a prune waits for every write the
+/// saver queued before it. The thread's next compaction step, or the end of the run
+/// ([`AgentNodes::settle`]), waits for it.
+#[derive(Default)]
+pub(crate) struct Prunes {
+    running: std::sync::Mutex<HashMap<ThreadKey, tokio::task::JoinHandle<bool>>>,
+}
+
+/// Prunes `key` to its newest `keep` stored checkpoints; whether it did (a failure is
+/// logged: the next compaction step prunes again).
+async fn prune(cp: Arc<dyn Checkpointer>, key: ThreadKey, keep: usize) -> bool {
+    match cp.prune(&key, keep).await {
+        Ok(n) => {
+            tracing::debug!(removed = n, keep, "pruned checkpoints in a compaction step");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "pruning checkpoints in a compaction step failed");
+            false
+        }
+    }
+}
+
+/// Past this many threads with a prune not waited for (graphs of your own that never
+/// call [`AgentNodes::settle`]), the finished ones are forgotten: their threads' next
+/// compaction step removes what their prune left to remove.
+const MAX_UNSETTLED_PRUNES: usize = 1024;
+
+impl Prunes {
+    fn running(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<ThreadKey, tokio::task::JoinHandle<bool>>> {
+        self.running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts pruning `key` to its newest `keep` stored checkpoints.
+    fn start(&self, cp: Arc<dyn Checkpointer>, key: ThreadKey, keep: usize) {
+        let handle = tokio::spawn(prune(cp, key.clone(), keep));
+        let mut running = self.running();
+        if running.len() >= MAX_UNSETTLED_PRUNES {
+            running.retain(|_, h| !h.is_finished());
+        }
+        // A prune of the same key still in the map was waited for by the step that
+        // started this one, unless two runs share the thread: it goes on unwatched.
+        running.insert(key, handle);
+    }
+
+    /// Waits for the prunes started for `thread` (every namespace, or only `ns`);
+    /// whether one of them pruned.
+    async fn wait(&self, thread: &str, ns: Option<&str>) -> bool {
+        let handles: Vec<_> = {
+            let mut running = self.running();
+            let keys: Vec<ThreadKey> = running
+                .keys()
+                .filter(|k| k.thread_id == thread && ns.is_none_or(|ns| k.ns == ns))
+                .cloned()
+                .collect();
+            keys.iter().filter_map(|k| running.remove(k)).collect()
+        };
+        let mut pruned = false;
+        for h in handles {
+            // A prune that panicked or was cancelled pruned nothing to collect after.
+            pruned |= h.await.unwrap_or(false);
+        }
+        pruned
+    }
 }
 
 /// The agent's nodes (`agent`, `tools`, `compact`, `epoch`) and its routers, for a
@@ -615,14 +689,78 @@ impl AgentNodes {
                     compactor.compact(&mut c, trigger, specs).await
                 }
             };
-            // The prune goes to the saver while the summary is written: it only reads
-            // and removes stored checkpoints, none of which this step changes.
-            let (result, pruned) =
-                futures::future::join(compaction, self.prune_checkpoints(&ctx)).await;
+            // The prune the thread's last compaction step started (finished by now, as
+            // a rule): what only the checkpoints it removed saw is removed below, once
+            // this step's compaction succeeded.
+            let mut pruned = None;
+            let result = match self.prune_key(&ctx) {
+                Some((k, cp, keep)) => {
+                    if self.parts.prunes.wait(&k.thread_id, Some(&k.ns)).await {
+                        pruned = Some(k.clone());
+                    }
+                    // The prune goes to the saver while the summary is written: it only
+                    // removes stored checkpoints, none of which this step or the next
+                    // ones read. The step running now is not stored yet, so the newest
+                    // `keep` stored include the one it continues from.
+                    if ctx.durability() == Durability::Sync || !cp.is_durable() {
+                        // Each step waits for its writes, and this one for its prune:
+                        // the next step's write would wait for the prune anyway. An
+                        // in-memory saver's prune is work under its lock, done at once.
+                        let (result, done) =
+                            futures::future::join(compaction, prune(cp, k.clone(), keep)).await;
+                        if done {
+                            pruned = Some(k);
+                        }
+                        result
+                    } else {
+                        // Steps do not wait for their writes, nor for this prune (which
+                        // the saver may queue behind them).
+                        self.parts.prunes.start(cp, k, keep);
+                        compaction.await
+                    }
+                }
+                None => compaction.await,
+            };
             self.finish(&s, c, result, pruned).await
         }
         .instrument(span)
         .await
+    }
+
+    /// Waits for the checkpoint prune the thread's last compaction step started in the
+    /// background, then removes the offloaded files only the pruned checkpoints saw.
+    /// [`crate::Agent`]'s runs call it as they end, so a finished run's thread holds
+    /// its newest [`keep_checkpoints`](crate::AgentBuilder::keep_checkpoints)
+    /// checkpoints. A graph of your own that reuses the compaction nodes can call it
+    /// after a run; otherwise the thread's next compaction step does it. Returns what
+    /// was removed from the offload store.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::Agent;
+    /// use keel_model::ScriptedModel;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Done."])))
+    ///     .goal("Say done.")
+    ///     .build()?;
+    /// // Nothing was started for this thread: nothing to wait for or remove.
+    /// let removed = agent.nodes().settle("t").await?;
+    /// assert_eq!(removed.files, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn settle(&self, thread_id: &str) -> Result<Collected, CleanupError> {
+        if !self.parts.prunes.wait(thread_id, None).await {
+            return Ok(Collected::default());
+        }
+        let Some(cp) = self.parts.checkpointer.as_ref() else {
+            return Ok(Collected::default());
+        };
+        let key = ThreadKey::new(thread_id.to_owned());
+        collect_after_prune(&self.parts, cp.as_ref(), &key, None).await
     }
 
     /// Turns a compaction's outcome into the state update; after a successful one that
@@ -669,9 +807,10 @@ impl AgentNodes {
         Ok(update)
     }
 
-    /// Prunes the thread of a compaction step to the last checkpoints; the thread's
-    /// key when it did.
-    async fn prune_checkpoints(&self, ctx: &NodeContext) -> Option<ThreadKey> {
+    /// What a compaction step prunes when it ends: the thread's key, the checkpointer
+    /// and how many checkpoints to keep (none without a checkpointer, a thread, or
+    /// `keep_checkpoints`).
+    fn prune_key(&self, ctx: &NodeContext) -> Option<(ThreadKey, Arc<dyn Checkpointer>, usize)> {
         let (Some(keep), Some(cp), Some(thread)) = (
             self.parts.keep_checkpoints,
             self.parts.checkpointer.as_ref(),
@@ -680,18 +819,7 @@ impl AgentNodes {
             return None;
         };
         let key = ThreadKey::new(thread.to_owned()).with_ns(ctx.checkpoint_ns().to_owned());
-        // The step running now has not been stored yet: the newest `keep` stored
-        // checkpoints include the one it continues from.
-        match cp.prune(&key, keep.max(1)).await {
-            Ok(n) => {
-                tracing::debug!(removed = n, keep, "pruned checkpoints in a compaction step");
-                Some(key)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "pruning checkpoints in a compaction step failed");
-                None
-            }
-        }
+        Some((key, Arc::clone(cp), keep.max(1)))
     }
 
     /// After a prune and a successful compaction: removes the offloaded files only

@@ -1344,3 +1344,141 @@ async fn a_compaction_step_prunes_while_its_summary_is_written() {
     let n = checkpoints(saver.as_ref(), "overlap").await;
     assert!(n <= 3 + 2 * 6, "{n} checkpoints");
 }
+
+/// A MemorySaver posing as a durable saver, whose prunes wait for a gate (at most 10 s,
+/// then fail) and then take a while; it counts the puts made while a prune waits.
+struct GatedPrunes {
+    inner: MemorySaver,
+    gate: tokio::sync::Semaphore,
+    waiting: AtomicU64,
+    puts_while_pruning: AtomicU64,
+    prunes: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl Checkpointer for GatedPrunes {
+    /// Stands for a durable saver (whose prunes wait on I/O), as the agent treats one.
+    fn is_durable(&self) -> bool {
+        true
+    }
+
+    async fn get(
+        &self,
+        thread: &ThreadKey,
+        id: Option<&keel_checkpoint::CheckpointId>,
+    ) -> Result<Option<keel_checkpoint::CheckpointTuple>, keel_checkpoint::CheckpointError> {
+        self.inner.get(thread, id).await
+    }
+
+    fn list<'a>(
+        &'a self,
+        thread: &'a ThreadKey,
+        options: ListOptions,
+    ) -> futures::stream::BoxStream<
+        'a,
+        Result<keel_checkpoint::CheckpointSummary, keel_checkpoint::CheckpointError>,
+    > {
+        self.inner.list(thread, options)
+    }
+
+    async fn put(
+        &self,
+        request: keel_checkpoint::PutRequest,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.puts_while_pruning.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.put(request).await
+    }
+
+    async fn put_writes(
+        &self,
+        thread: &ThreadKey,
+        checkpoint: &keel_checkpoint::CheckpointId,
+        writes: Vec<keel_checkpoint::PendingWrite>,
+    ) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.put_writes(thread, checkpoint, writes).await
+    }
+
+    async fn delete_thread(&self, thread_id: &str) -> Result<(), keel_checkpoint::CheckpointError> {
+        self.inner.delete_thread(thread_id).await
+    }
+
+    async fn prune(
+        &self,
+        thread: &ThreadKey,
+        keep_last: usize,
+    ) -> Result<usize, keel_checkpoint::CheckpointError> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let opened = tokio::time::timeout(Duration::from_secs(10), self.gate.acquire()).await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        if opened.is_err() {
+            return Err(keel_checkpoint::CheckpointError::Backend(
+                "the gate stayed shut".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = self.inner.prune(thread, keep_last).await;
+        self.prunes.fetch_add(1, Ordering::SeqCst);
+        n
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_async_durability_a_compaction_step_prunes_in_the_background_and_the_run_waits_for_it()
+{
+    let saver = Arc::new(GatedPrunes {
+        inner: MemorySaver::new(),
+        gate: tokio::sync::Semaphore::new(0),
+        waiting: AtomicU64::new(0),
+        puts_while_pruning: AtomicU64::new(0),
+        prunes: AtomicU64::new(0),
+    });
+    let gate = saver.clone();
+    let calls = AtomicU64::new(0);
+    // Counts to 11 with the echo tool. The gate opens at the 9th model call, three
+    // steps after the first compaction (step 5): only a run that went on while that
+    // prune waited gets there.
+    let model = PolicyModel::new("gated", move |_messages, _tools| {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        if n == 8 {
+            gate.gate.add_permits(100);
+        }
+        let reply = if n < 12 {
+            Message::assistant(format!("Next I will echo {n}.")).with_tool_calls(vec![
+                ToolCall::new(format!("call-{n}"), "echo", json!({"i": n})),
+            ])
+        } else {
+            Message::assistant("The last number was 11.")
+        };
+        Ok(ChatResponse::new(reply, "gated"))
+    });
+    let agent = builder(model)
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_keep_recent_tokens(50),
+        )
+        .keep_checkpoints(Some(3))
+        .checkpointer(saver.clone())
+        .offload_store(Arc::new(keel_offload::MemoryStore::new()))
+        .durability(keel_graph::Durability::Async)
+        .build()
+        .unwrap();
+    let run = agent.run("overlap", AgentInput::new()).await.unwrap();
+    assert_eq!(run.state.milestones_made, 2);
+    assert!(
+        run.state.compactions.iter().all(|e| e.error.is_none()),
+        "{:?}",
+        run.state.compactions
+    );
+    assert!(
+        saver.puts_while_pruning.load(Ordering::SeqCst) > 0,
+        "the steps after a compaction waited for its prune"
+    );
+    // Both prunes finished before the run returned (each takes 200 ms after the gate).
+    assert_eq!(saver.prunes.load(Ordering::SeqCst), 2);
+    // The last kept the newest 3 stored when it ran, plus the steps since.
+    let n = checkpoints(saver.as_ref(), "overlap").await;
+    assert!(n <= 3 + 2 * 6, "{n} checkpoints");
+}

@@ -20,8 +20,8 @@ use keel_checkpoint::{CheckpointId, Checkpointer, ListOptions, MemorySaver, Thre
 use keel_checkpoint_postgres::PostgresSaver;
 use keel_checkpoint_sqlite::SqliteSaver;
 use keel_compaction::CompactionConfig;
-use keel_graph::RunConfig;
 use keel_graph::reducer::AddMessagesUpdate;
+use keel_graph::{Durability, RunConfig};
 use keel_message::{Message, Role, ToolCall, ToolSpec, tool_fn};
 use keel_model::{ChatResponse, PolicyModel};
 use keel_offload::{
@@ -128,7 +128,17 @@ fn echo() -> Arc<dyn keel_message::Tool> {
 }
 
 fn agent(store: Arc<dyn OffloadStore>, checkpointer: Arc<dyn Checkpointer>, keep: usize) -> Agent {
+    agent_with(store, checkpointer, keep, Durability::Sync)
+}
+
+fn agent_with(
+    store: Arc<dyn OffloadStore>,
+    checkpointer: Arc<dyn Checkpointer>,
+    keep: usize,
+    durability: Durability,
+) -> Agent {
     Agent::builder()
+        .durability(durability)
         .model(Arc::new(model()))
         .profile(ModelProfile::new(
             "fork-model",
@@ -324,10 +334,11 @@ async fn fork_prune_delete_sweep(
     store: Arc<dyn OffloadStore>,
     cp: Arc<dyn Checkpointer>,
     rows: Rows<'_>,
+    durability: Durability,
 ) {
     // Branch A keeps every checkpoint; the fork point is before its second-to-last
     // compaction, so A archived messages made after it.
-    let keep_all = agent(store.clone(), cp.clone(), 1_000);
+    let keep_all = agent_with(store.clone(), cp.clone(), 1_000, durability);
     let a = keep_all
         .run("forked", AgentInput::new())
         .await
@@ -351,7 +362,7 @@ async fn fork_prune_delete_sweep(
     );
 
     // An agent that prunes to the last 3 checkpoints after each compaction.
-    let agent = agent(store.clone(), cp.clone(), 3);
+    let agent = agent_with(store.clone(), cp.clone(), 3, durability);
     // Fork B: the same call ids, other content; it compacts and prunes A away.
     let b = run_fork(&agent, "forked", fork_point, format!("{BRANCH}B")).await;
     assert_eq!(b.answer().as_deref(), Some("Done echoing."));
@@ -440,7 +451,7 @@ async fn fork_prune_delete_sweep(
     }
 
     // The TTL sweep takes a forked thread whole too.
-    let agent = self::agent(store.clone(), cp.clone(), 1_000);
+    let agent = self::agent_with(store.clone(), cp.clone(), 1_000, durability);
     agent.run("swept", AgentInput::new()).await.unwrap();
     let first = checkpoints(cp.as_ref(), "swept").await;
     run_fork(
@@ -469,9 +480,12 @@ async fn fork_prune_delete_sweep(
 #[tokio::test(flavor = "multi_thread")]
 async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothing_in_memory() {
     let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
-    fork_prune_delete_sweep(store, Arc::new(MemorySaver::new()), &|_| {
-        Box::pin(async { None })
-    })
+    fork_prune_delete_sweep(
+        store,
+        Arc::new(MemorySaver::new()),
+        &|_| Box::pin(async { None }),
+        Durability::Sync,
+    )
     .await;
 }
 
@@ -484,7 +498,31 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
     let store: Arc<dyn OffloadStore> = Arc::new(SqliteStore::open(&file).unwrap());
     // One row per stored file: the store's listing is its rows (chunks go with them, as
     // keel-offload's `delete_thread_leaves_no_rows` counts with SQL).
-    fork_prune_delete_sweep(store, saver, &|_| Box::pin(async { None })).await;
+    fork_prune_delete_sweep(
+        store,
+        saver,
+        &|_| Box::pin(async { None }),
+        Durability::Sync,
+    )
+    .await;
+}
+
+/// The same with asynchronous durability: each compaction step's prune goes on in the
+/// background, and what only pruned checkpoints saw is removed at the thread's next
+/// compaction step or as the run ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn pruning_in_the_background_keeps_what_the_surviving_branch_sees_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("agent.db");
+    let saver = Arc::new(SqliteSaver::open(&file).await.unwrap());
+    let store: Arc<dyn OffloadStore> = Arc::new(SqliteStore::open(&file).unwrap());
+    fork_prune_delete_sweep(
+        store,
+        saver,
+        &|_| Box::pin(async { None }),
+        Durability::Async,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -540,7 +578,13 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
             Some((file_rows, if file_rows == 0 { all_chunks } else { orphans }))
         })
     };
-    fork_prune_delete_sweep(Arc::new(store.clone()), saver.clone(), &rows).await;
+    fork_prune_delete_sweep(
+        Arc::new(store.clone()),
+        saver.clone(),
+        &rows,
+        Durability::Sync,
+    )
+    .await;
     let client = saver.pool().get().await.unwrap();
     client
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))

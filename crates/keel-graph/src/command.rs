@@ -187,6 +187,7 @@ pub(crate) struct InvocationInfo {
     pub(crate) thread_id: Option<String>,
     pub(crate) checkpoint_ns: String,
     pub(crate) configurable: Map<String, Value>,
+    pub(crate) durability: crate::Durability,
 }
 
 impl InvocationInfo {
@@ -195,6 +196,7 @@ impl InvocationInfo {
             thread_id: config.thread_id.clone(),
             checkpoint_ns: config.checkpoint_ns.clone(),
             configurable: config.configurable.clone(),
+            durability: config.durability,
         }
     }
 }
@@ -205,8 +207,9 @@ impl InvocationInfo {
 /// Besides the task ([`node`](Self::node), [`step`](Self::step),
 /// [`task_id`](Self::task_id), [`payload`](Self::payload)) a node sees what LangGraph
 /// passes as `config`: the invocation's [`thread_id`](Self::thread_id),
-/// [`checkpoint_ns`](Self::checkpoint_ns) and user configuration
-/// ([`config`](Self::config), from [`RunConfig::with_configurable`](crate::RunConfig::with_configurable)).
+/// [`checkpoint_ns`](Self::checkpoint_ns), [`durability`](Self::durability) and user
+/// configuration ([`config`](Self::config), from
+/// [`RunConfig::with_configurable`](crate::RunConfig::with_configurable)).
 ///
 /// ```
 /// use keel_graph::{END, NodeContext, RunConfig, START, State, StateGraph};
@@ -285,6 +288,36 @@ impl NodeContext {
     /// the state should not hold. Not stored with checkpoints. Empty unless set.
     pub fn config(&self) -> &Map<String, Value> {
         &self.invocation.configurable
+    }
+
+    /// The invocation's durability ([`RunConfig::durability`](crate::RunConfig::durability)):
+    /// whether the run waits for each step's checkpoint to be stored, so a node can
+    /// decide whether its own bookkeeping writes should make the run wait too.
+    ///
+    /// ```
+    /// use keel_graph::{Durability, END, NodeContext, RunConfig, START, State, StateGraph};
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Probe {
+    ///     waits: bool,
+    /// }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Probe>::new()
+    ///     .add_node("probe", |_state, ctx: NodeContext| async move {
+    ///         Ok(ProbeUpdate::default().waits(ctx.durability() == Durability::Sync))
+    ///     })
+    ///     .add_edge(START, "probe")
+    ///     .add_edge("probe", END)
+    ///     .compile()?;
+    /// let config = RunConfig::default().with_durability(Durability::Async);
+    /// assert!(!graph.invoke(ProbeUpdate::default(), &config).await?.state.waits);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn durability(&self) -> crate::Durability {
+        self.invocation.durability
     }
 
     /// Pauses the thread and asks for a value, or returns the value if the thread was
