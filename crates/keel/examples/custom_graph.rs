@@ -150,6 +150,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
             _ => {}
         }
     }
+    // With asynchronous durability and a durable saver the compaction nodes prune in
+    // the background; `settle` waits for that and removes what only pruned checkpoints
+    // saw, as `Agent::run` does when a run ends (here, in memory, there is nothing left).
+    nodes.settle(THREAD).await?;
 
     let state = graph
         .get_state(&RunConfig::thread(THREAD))
