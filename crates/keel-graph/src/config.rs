@@ -16,7 +16,10 @@ pub enum Durability {
     Sync,
     /// Checkpoints are stored by a background writer while the next step runs, through
     /// a bounded queue (the run waits when the queue is full). `invoke` returns only
-    /// after every write is stored.
+    /// after every write is stored. A checkpointer that is not durable
+    /// ([`Checkpointer::is_durable`](keel_checkpoint::Checkpointer::is_durable), as the
+    /// in-memory one) stores each at once instead, as with `Sync`: its put costs less
+    /// than the hand-off.
     Async,
     /// Only the final state (or the state at an interrupt) is stored.
     Exit,

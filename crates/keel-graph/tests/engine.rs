@@ -817,6 +817,36 @@ async fn durability_modes_agree_on_the_result() {
     assert_eq!(n_exit, 1, "exit durability stores only the end");
 }
 
+/// With `Durability::Async` and an in-memory checkpointer each checkpoint is stored at
+/// once, before the next step runs: handing it to a background writer would cost more
+/// than the put. On this one-thread runtime a background writer would not have run yet
+/// when the next step looks.
+#[tokio::test]
+async fn async_durability_stores_at_once_in_memory() {
+    let memory = Arc::new(MemorySaver::new());
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (m, log) = (Arc::clone(&memory), Arc::clone(&seen));
+    let g = StateGraph::<S>::new()
+        .add_node("inc", move |s: Arc<S>, _c| {
+            let (m, log) = (Arc::clone(&m), Arc::clone(&log));
+            async move {
+                let key = keel_checkpoint::ThreadKey::new("at-once".to_owned());
+                let stored = m.list(&key, ListOptions::default()).count().await;
+                log.lock().unwrap().push(stored);
+                Ok(SUpdate::default().count(s.count + 1))
+            }
+        })
+        .add_edge(START, "inc")
+        .add_conditional_edges("inc", |s: &S| if s.count < 3 { "inc" } else { END }, None)
+        .with_checkpointer(memory.clone())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("at-once").with_durability(Durability::Async);
+    g.invoke(SUpdate::default(), &config).await.unwrap();
+    // The input's checkpoint, then one more before each later step.
+    assert_eq!(*seen.lock().unwrap(), [1, 2, 3]);
+}
+
 /// With `Durability::Async`, checkpoints queued behind a slow write reach the
 /// checkpointer as one `put_many` batch, in order, and every one is stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

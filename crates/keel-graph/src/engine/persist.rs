@@ -294,6 +294,10 @@ impl Writer {
         match config.durability {
             Durability::Sync => Writer::Sync(cp),
             Durability::Exit => Writer::Exit(cp),
+            // A checkpointer that is not durable (in memory) stores a checkpoint at once,
+            // under a lock: handing it to a background writer would cost more than the
+            // put, and storing it before the next step is what async promises at least.
+            Durability::Async if !cp.is_durable() => Writer::Sync(cp),
             Durability::Async => {
                 let (tx, mut rx) = mpsc::channel::<WriteOp>(ASYNC_QUEUE);
                 let handle = tokio::spawn(async move {
