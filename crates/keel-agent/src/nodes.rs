@@ -61,9 +61,9 @@ pub(crate) struct Parts {
 
 /// Checkpoint prunes running in the background, one per thread and namespace. With
 /// asynchronous (or exit) durability and a durable saver, a compaction step starts one
-/// and does not wait for it: steps do not wait for their writes, and a prune waits for every write the
-/// saver queued before it. The thread's next compaction step, or the end of the run
-/// ([`AgentNodes::settle`]), waits for it.
+/// and does not wait for it: steps do not wait for their writes, and a prune waits for
+/// every write the saver queued before it. The thread's next compaction step, or the
+/// end of the run ([`AgentNodes::settle`]), waits for it.
 #[derive(Default)]
 pub(crate) struct Prunes {
     running: std::sync::Mutex<HashMap<ThreadKey, tokio::task::JoinHandle<bool>>>,
@@ -763,8 +763,9 @@ impl AgentNodes {
         collect_after_prune(&self.parts, cp.as_ref(), &key, None).await
     }
 
-    /// Turns a compaction's outcome into the state update; after a successful one that
-    /// pruned (`pruned`: the thread's key), removes what only pruned checkpoints saw.
+    /// Turns a compaction's outcome into the state update; after a successful one, when
+    /// a prune finished (`pruned`: the thread's key; this step's, or with a prune in the
+    /// background the last one's), removes what only pruned checkpoints saw.
     async fn finish(
         &self,
         s: &AgentState,
@@ -807,8 +808,8 @@ impl AgentNodes {
         Ok(update)
     }
 
-    /// What a compaction step prunes when it ends: the thread's key, the checkpointer
-    /// and how many checkpoints to keep (none without a checkpointer, a thread, or
+    /// What a compaction step prunes: the thread's key, the checkpointer and how many
+    /// checkpoints to keep (none without a checkpointer, a thread, or
     /// `keep_checkpoints`).
     fn prune_key(&self, ctx: &NodeContext) -> Option<(ThreadKey, Arc<dyn Checkpointer>, usize)> {
         let (Some(keep), Some(cp), Some(thread)) = (

@@ -1224,73 +1224,9 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
     );
 }
 
-/// A MemorySaver that counts its prunes and tells a waiting summarizer of each.
-struct PruneSignal {
-    inner: MemorySaver,
-    pruned: tokio::sync::Notify,
-    prunes: AtomicU64,
-}
-
-#[async_trait::async_trait]
-impl Checkpointer for PruneSignal {
-    fn is_durable(&self) -> bool {
-        self.inner.is_durable()
-    }
-
-    async fn get(
-        &self,
-        thread: &ThreadKey,
-        id: Option<&keel_checkpoint::CheckpointId>,
-    ) -> Result<Option<keel_checkpoint::CheckpointTuple>, keel_checkpoint::CheckpointError> {
-        self.inner.get(thread, id).await
-    }
-
-    fn list<'a>(
-        &'a self,
-        thread: &'a ThreadKey,
-        options: ListOptions,
-    ) -> futures::stream::BoxStream<
-        'a,
-        Result<keel_checkpoint::CheckpointSummary, keel_checkpoint::CheckpointError>,
-    > {
-        self.inner.list(thread, options)
-    }
-
-    async fn put(
-        &self,
-        request: keel_checkpoint::PutRequest,
-    ) -> Result<(), keel_checkpoint::CheckpointError> {
-        self.inner.put(request).await
-    }
-
-    async fn put_writes(
-        &self,
-        thread: &ThreadKey,
-        checkpoint: &keel_checkpoint::CheckpointId,
-        writes: Vec<keel_checkpoint::PendingWrite>,
-    ) -> Result<(), keel_checkpoint::CheckpointError> {
-        self.inner.put_writes(thread, checkpoint, writes).await
-    }
-
-    async fn delete_thread(&self, thread_id: &str) -> Result<(), keel_checkpoint::CheckpointError> {
-        self.inner.delete_thread(thread_id).await
-    }
-
-    async fn prune(
-        &self,
-        thread: &ThreadKey,
-        keep_last: usize,
-    ) -> Result<usize, keel_checkpoint::CheckpointError> {
-        let n = self.inner.prune(thread, keep_last).await;
-        self.prunes.fetch_add(1, Ordering::SeqCst);
-        self.pruned.notify_one();
-        n
-    }
-}
-
 /// A summarizer that writes nothing until the saver pruned (or 5 s passed, then fails).
 struct AfterPrune {
-    saver: Arc<PruneSignal>,
+    saver: Arc<ObservedPrunes>,
     inner: keel_summarize::ExtractiveSummarizer,
 }
 
@@ -1312,11 +1248,7 @@ impl keel_summarize::Summarizer for AfterPrune {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_compaction_step_prunes_while_its_summary_is_written() {
-    let saver = Arc::new(PruneSignal {
-        inner: MemorySaver::new(),
-        pruned: tokio::sync::Notify::new(),
-        prunes: AtomicU64::new(0),
-    });
+    let saver = Arc::new(ObservedPrunes::new(false));
     let agent = builder(counting_model(12, Arc::default()))
         .compaction(
             CompactionConfig::default()
@@ -1345,21 +1277,38 @@ async fn a_compaction_step_prunes_while_its_summary_is_written() {
     assert!(n <= 3 + 2 * 6, "{n} checkpoints");
 }
 
-/// A MemorySaver posing as a durable saver, whose prunes wait for a gate (at most 10 s,
-/// then fail) and then take a while; it counts the puts made while a prune waits.
-struct GatedPrunes {
+/// A MemorySaver that counts its prunes and tells a waiting summarizer of each. Gated,
+/// it poses as a durable saver whose prunes wait for a gate (at most 10 s, then fail)
+/// and then take a while, and counts the puts made while a prune waits.
+struct ObservedPrunes {
     inner: MemorySaver,
+    gated: bool,
     gate: tokio::sync::Semaphore,
+    pruned: tokio::sync::Notify,
     waiting: AtomicU64,
     puts_while_pruning: AtomicU64,
     prunes: AtomicU64,
 }
 
+impl ObservedPrunes {
+    fn new(gated: bool) -> Self {
+        ObservedPrunes {
+            inner: MemorySaver::new(),
+            gated,
+            gate: tokio::sync::Semaphore::new(0),
+            pruned: tokio::sync::Notify::new(),
+            waiting: AtomicU64::new(0),
+            puts_while_pruning: AtomicU64::new(0),
+            prunes: AtomicU64::new(0),
+        }
+    }
+}
+
 #[async_trait::async_trait]
-impl Checkpointer for GatedPrunes {
-    /// Stands for a durable saver (whose prunes wait on I/O), as the agent treats one.
+impl Checkpointer for ObservedPrunes {
+    /// Gated, it stands for a durable saver (whose prunes wait on I/O).
     fn is_durable(&self) -> bool {
-        true
+        self.gated
     }
 
     async fn get(
@@ -1409,17 +1358,20 @@ impl Checkpointer for GatedPrunes {
         thread: &ThreadKey,
         keep_last: usize,
     ) -> Result<usize, keel_checkpoint::CheckpointError> {
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let opened = tokio::time::timeout(Duration::from_secs(10), self.gate.acquire()).await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        if opened.is_err() {
-            return Err(keel_checkpoint::CheckpointError::Backend(
-                "the gate stayed shut".into(),
-            ));
+        if self.gated {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            let opened = tokio::time::timeout(Duration::from_secs(10), self.gate.acquire()).await;
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            if opened.is_err() {
+                return Err(keel_checkpoint::CheckpointError::Backend(
+                    "the gate stayed shut".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
         let n = self.inner.prune(thread, keep_last).await;
         self.prunes.fetch_add(1, Ordering::SeqCst);
+        self.pruned.notify_one();
         n
     }
 }
@@ -1427,13 +1379,7 @@ impl Checkpointer for GatedPrunes {
 #[tokio::test(flavor = "multi_thread")]
 async fn with_async_durability_a_compaction_step_prunes_in_the_background_and_the_run_waits_for_it()
 {
-    let saver = Arc::new(GatedPrunes {
-        inner: MemorySaver::new(),
-        gate: tokio::sync::Semaphore::new(0),
-        waiting: AtomicU64::new(0),
-        puts_while_pruning: AtomicU64::new(0),
-        prunes: AtomicU64::new(0),
-    });
+    let saver = Arc::new(ObservedPrunes::new(true));
     let gate = saver.clone();
     let calls = AtomicU64::new(0);
     // Counts to 11 with the echo tool. The gate opens at the 9th model call, three

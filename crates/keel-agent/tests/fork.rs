@@ -489,8 +489,8 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothing_on_sqlite() {
+/// [`fork_prune_delete_sweep`] on one SQLite file holding the checkpoints and the store.
+async fn fork_prune_delete_sweep_on_sqlite(durability: Durability) {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("agent.db");
     // The checkpointer first: it refuses a file with tables but no checkpoint schema.
@@ -498,13 +498,12 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
     let store: Arc<dyn OffloadStore> = Arc::new(SqliteStore::open(&file).unwrap());
     // One row per stored file: the store's listing is its rows (chunks go with them, as
     // keel-offload's `delete_thread_leaves_no_rows` counts with SQL).
-    fork_prune_delete_sweep(
-        store,
-        saver,
-        &|_| Box::pin(async { None }),
-        Durability::Sync,
-    )
-    .await;
+    fork_prune_delete_sweep(store, saver, &|_| Box::pin(async { None }), durability).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothing_on_sqlite() {
+    fork_prune_delete_sweep_on_sqlite(Durability::Sync).await;
 }
 
 /// The same with asynchronous durability: each compaction step's prune goes on in the
@@ -512,17 +511,7 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
 /// compaction step or as the run ends.
 #[tokio::test(flavor = "multi_thread")]
 async fn pruning_in_the_background_keeps_what_the_surviving_branch_sees_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("agent.db");
-    let saver = Arc::new(SqliteSaver::open(&file).await.unwrap());
-    let store: Arc<dyn OffloadStore> = Arc::new(SqliteStore::open(&file).unwrap());
-    fork_prune_delete_sweep(
-        store,
-        saver,
-        &|_| Box::pin(async { None }),
-        Durability::Async,
-    )
-    .await;
+    fork_prune_delete_sweep_on_sqlite(Durability::Async).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

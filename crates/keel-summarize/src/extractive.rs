@@ -839,11 +839,8 @@ impl ExtractiveSummarizer {
             .filter(|(_, m)| m.role == Role::Tool)
             .filter_map(|(i, m)| {
                 let call = calls.get(m.tool_call_id.as_deref()?)?;
-                let text = texts.get(i)?;
-                let failed = match hits.get(i) {
-                    Some(Some(hits)) => reports_error(text, hits),
-                    _ => reports_error(text, &self.hits(text)),
-                };
+                // Every tool output's lines were scanned (`hits`).
+                let failed = reports_error(texts.get(i)?, hits.get(i)?.as_deref()?);
                 Some((i, call_head(call), failed))
             })
             .collect();
@@ -2321,33 +2318,9 @@ mod tests {
     mod reference {
         use super::super::{MAX_FACT_CHARS, is_path};
 
+        /// The separators as first written: whitespace and a list of punctuation.
         pub(super) fn is_separator(c: char) -> bool {
-            c.is_whitespace()
-                || matches!(
-                    c,
-                    '"' | '\''
-                        | '`'
-                        | '('
-                        | ')'
-                        | '['
-                        | ']'
-                        | '{'
-                        | '}'
-                        | '<'
-                        | '>'
-                        | ','
-                        | ';'
-                        | '='
-                        | '|'
-                        | ':'
-                        | '*'
-                        | '!'
-                        | '?'
-                        | '$'
-                        | '#'
-                        | '&'
-                        | '\\'
-                )
+            c.is_whitespace() || "\"'`()[]{}<>,;=|:*!?$#&\\".contains(c)
         }
 
         pub(super) fn tokens(text: &str) -> Vec<&str> {
