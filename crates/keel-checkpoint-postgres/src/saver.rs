@@ -949,8 +949,7 @@ impl Checkpointer for PostgresSaver {
     async fn prune(&self, thread: &ThreadKey, keep_last: usize) -> Result<usize, CheckpointError> {
         check_thread(&thread.thread_id, &thread.ns)?;
         let sql = &self.inner.sql;
-        let mut client = self.client().await?;
-        let no_flush = self.prepare(&client, &sql.prune_no_flush).await?;
+        let client = self.client().await?;
         let lock = self.prepare(&client, &sql.lock_thread).await?;
         let checkpoints = self.prepare(&client, &sql.prune_checkpoints).await?;
         let writes = self.prepare(&client, &sql.prune_writes).await?;
@@ -961,24 +960,32 @@ impl Checkpointer for PostgresSaver {
         let keep = i64::try_from(keep_last).unwrap_or(i64::MAX);
         let key: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&thread.thread_id, &thread.ns];
         let err = |e| query_error(&self.inner.schema, e);
-        let tx = client.transaction().await.map_err(err)?;
-        // Sent together (tokio-postgres pipelines them on the connection) and run in
-        // this order: the head row lock first orders the prune after (or before) any put
-        // in flight, and each later statement's snapshot is taken after it.
+        // The transaction is opened and ended by statements pipelined with the others:
+        // two round trips in all. Until it has ended, the guard keeps the connection
+        // out of the pool (an error or a cancelled prune closes it, and the server
+        // rolls the transaction back).
+        let tx = OpenTransaction(Some(client));
+        let c = tx.client()?;
+        // Run in this order: the head row lock first orders the prune after (or before)
+        // any put in flight, and each later statement's snapshot is taken after it. Its
+        // commit does not wait for the WAL flush: should the server crash before it, the
+        // prune is undone and the next one deletes the same rows (nothing a prune
+        // deletes is needed, and nothing else changes).
         let keep_args: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
             [&thread.thread_id, &thread.ns, &keep];
         let (_, _, removed, _, _, kept) = futures::try_join!(
-            tx.query(&no_flush, &[]),
-            tx.query(&lock, &key),
-            tx.execute(&checkpoints, &keep_args),
-            tx.execute(&writes, &key),
-            tx.execute(&head, &key),
-            tx.query(&kept, &key),
+            c.batch_execute("BEGIN; SET LOCAL synchronous_commit = off"),
+            c.query(&lock, &key),
+            c.execute(&checkpoints, &keep_args),
+            c.execute(&writes, &key),
+            c.execute(&head, &key),
+            c.query(&kept, &key),
         )
         .map_err(err)?;
         if removed == 0 {
             // The oldest kept checkpoint did not move: no delta became prunable.
-            tx.commit().await.map_err(err)?;
+            c.batch_execute("COMMIT").await.map_err(err)?;
+            tx.ended();
             return Ok(0);
         }
         let mut tips = Vec::new();
@@ -1005,7 +1012,7 @@ impl Checkpointer for PostgresSaver {
         let reached = match known {
             Ok(reached) => reached,
             Err(()) => {
-                let rows = tx.query(&chains, &key).await.map_err(err)?;
+                let rows = c.query(&chains, &key).await.map_err(err)?;
                 let mut read = HashMap::with_capacity(rows.len());
                 for row in &rows {
                     let (channel, writer, link) = link_of(row)?;
@@ -1037,13 +1044,15 @@ impl Checkpointer for PostgresSaver {
                 }
             }
         }
-        tx.execute(
-            &deltas,
-            &[&thread.thread_id, &thread.ns, &oldest, &channels, &writers],
-        )
-        .await
-        .map_err(err)?;
-        tx.commit().await.map_err(err)?;
+        // Pipelined with the COMMIT, which rolls the transaction back should the
+        // DELETE fail; either way the transaction has ended once the COMMIT went through.
+        let args: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&thread.thread_id, &thread.ns, &oldest, &channels, &writers];
+        let (deleted, committed) =
+            futures::join!(c.execute(&deltas, &args), c.batch_execute("COMMIT"));
+        committed.map_err(err)?;
+        tx.ended();
+        deleted.map_err(err)?;
         self.links()
             .forget_pruned(thread, cutoff.as_deref(), &reached);
         Ok(usize::try_from(removed).unwrap_or(usize::MAX))
@@ -1091,5 +1100,33 @@ impl Checkpointer for PostgresSaver {
                 ))
             })
             .collect()
+    }
+}
+
+/// A pooled connection inside a transaction opened by a pipelined `BEGIN`. Goes back
+/// to the pool only through [`ended`](Self::ended), once the transaction has ended;
+/// dropped before that (an error, or the future cancelled), it takes the connection out
+/// of the pool and closes it, so no later caller gets a connection inside a
+/// transaction, and the server rolls the transaction back.
+struct OpenTransaction(Option<deadpool_postgres::Client>);
+
+impl OpenTransaction {
+    fn client(&self) -> Result<&deadpool_postgres::ClientWrapper, CheckpointError> {
+        self.0.as_deref().ok_or_else(|| {
+            CheckpointError::Backend("the transaction's connection was already released".into())
+        })
+    }
+
+    /// Puts the connection back in the pool, once the transaction has ended.
+    fn ended(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl Drop for OpenTransaction {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(deadpool_postgres::Client::take(client));
+        }
     }
 }

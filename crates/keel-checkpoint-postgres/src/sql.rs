@@ -14,7 +14,6 @@ pub(crate) struct Statements {
     pub lock_thread: String,
     pub lock_heads: String,
     pub delete: [String; 4],
-    pub prune_no_flush: String,
     pub prune_checkpoints: String,
     pub prune_writes: String,
     pub prune_kept: String,
@@ -147,10 +146,6 @@ impl Statements {
                 format!("DELETE FROM {s}.keel_checkpoints WHERE thread_id = $1"),
                 format!("DELETE FROM {s}.keel_heads WHERE thread_id = $1"),
             ],
-            // A prune's commit does not wait for the WAL flush: should the server
-            // crash before it, the prune is undone and the next one deletes the same
-            // rows (nothing a prune deletes is needed, and nothing else changes).
-            prune_no_flush: "SELECT set_config('synchronous_commit', 'off', true)".to_owned(),
             prune_checkpoints: format!(
                 "DELETE FROM {s}.keel_checkpoints
                  WHERE thread_id = $1 AND ns = $2 AND checkpoint_id NOT IN (

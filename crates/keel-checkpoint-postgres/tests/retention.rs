@@ -392,3 +392,58 @@ async fn a_prunes_unflushed_commit_does_not_outlive_the_prune() {
     assert_eq!(db.saver.thread_storage("t").await.unwrap().checkpoints, 5);
     db.drop_schema().await;
 }
+
+/// A prune cancelled while it waits (here for the head row, which another transaction
+/// holds) leaves no transaction open on a pooled connection: it deleted nothing, and the
+/// next put on the saver (whose pool has one connection) commits on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_prune_leaves_no_transaction_open() {
+    let Some(db) = common::saver_with("prune_cancelled", |c| c.pool_size(1)).await else {
+        return;
+    };
+    let thread = ThreadKey::new("t");
+    let (mut parent, mut values) = (None, std::collections::BTreeMap::new());
+    let steps = alternating_steps(&thread, 0..12, &mut parent, &mut values);
+    db.saver.put_many(steps).await.unwrap();
+
+    let mut other = db.client().await;
+    let holder = other.transaction().await.unwrap();
+    holder
+        .execute(
+            &format!(
+                "SELECT 1 FROM {}.keel_heads WHERE thread_id = 't' FOR UPDATE",
+                db.schema
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let prune = tokio::time::timeout(Duration::from_millis(300), db.saver.prune(&thread, 5));
+    assert!(
+        prune.await.is_err(),
+        "the prune should wait for the head row"
+    );
+    holder.rollback().await.unwrap();
+
+    let next = alternating_steps(&thread, 12..13, &mut parent, &mut values);
+    db.saver.put_many(next).await.unwrap();
+    // Seen from another connection: the new checkpoint is committed and the cancelled
+    // prune removed nothing.
+    let count = format!(
+        "SELECT count(*) FROM {}.keel_checkpoints WHERE thread_id = 't'",
+        db.schema
+    );
+    let count = async |client: &tokio_postgres::Client| {
+        client
+            .query_one(&count, &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    assert_eq!(count(&other).await, 13);
+    // The saver goes on: a prune now runs to the end.
+    assert_eq!(db.saver.prune(&thread, 5).await.unwrap(), 8);
+    assert_eq!(count(&other).await, 5);
+    drop(other);
+    db.drop_schema().await;
+}
