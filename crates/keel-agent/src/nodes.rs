@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use keel_checkpoint::{CheckpointTuple, Checkpointer, ListOptions, ThreadKey};
-use keel_compaction::{CompactionConfig, CompactionError, Compactor, ContextState, Trigger};
+use keel_compaction::{
+    CompactionConfig, CompactionError, Compactor, ContextState, EventKind, Trigger,
+};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{Durability, END, NodeContext, NodeError};
 use keel_message::{Message, Role, ToolCall, ToolContext};
@@ -67,6 +69,14 @@ pub(crate) struct Parts {
 #[derive(Default)]
 pub(crate) struct Prunes {
     running: std::sync::Mutex<HashMap<ThreadKey, tokio::task::JoinHandle<bool>>>,
+}
+
+/// Whether this agent step's `compact` step made a milestone (and so pruned, when
+/// pruning is on): true in the `epoch` step that follows it.
+fn milestone_pruned_this_step(s: &AgentState) -> bool {
+    s.compactions
+        .back()
+        .is_some_and(|e| e.kind == EventKind::Milestone && e.error.is_none() && e.step == s.step)
 }
 
 /// Prunes `key` to its newest `keep` stored checkpoints; whether it did (a failure is
@@ -237,7 +247,9 @@ impl AgentNodes {
     }
 
     /// The `epoch` node: folds the milestones and the previous epoch into a new epoch
-    /// summary; prunes old checkpoints meanwhile.
+    /// summary. Unlike `compact` it prunes no checkpoints when it runs right after the
+    /// milestone step of the same agent step (as in [`crate::Agent`]'s graph), which
+    /// just pruned; otherwise it prunes old checkpoints meanwhile.
     pub fn epoch(
         &self,
     ) -> impl Fn(Arc<AgentState>, NodeContext) -> futures::future::BoxFuture<'static, NodeResult>
@@ -698,11 +710,16 @@ impl AgentNodes {
                     if self.parts.prunes.wait(&k.thread_id, Some(&k.ns)).await {
                         pruned = Some(k.clone());
                     }
-                    // The prune goes to the saver while the summary is written: it only
-                    // removes stored checkpoints, none of which this step or the next
-                    // ones read. The step running now is not stored yet, so the newest
-                    // `keep` stored include the one it continues from.
-                    if ctx.durability() == Durability::Sync || !cp.is_durable() {
+                    if node == EPOCH && milestone_pruned_this_step(&s) {
+                        // The milestone step just before pruned: a prune now would
+                        // remove that step's predecessor alone. The next compaction
+                        // step prunes.
+                        compaction.await
+                    } else if ctx.durability() == Durability::Sync || !cp.is_durable() {
+                        // The prune goes to the saver while the summary is written: it
+                        // only removes stored checkpoints, none of which this step or
+                        // the next ones read. The step running now is not stored yet,
+                        // so the newest `keep` stored include the one it continues from.
                         // Each step waits for its writes, and this one for its prune:
                         // the next step's write would wait for the prune anyway. An
                         // in-memory saver's prune is work under its lock, done at once.

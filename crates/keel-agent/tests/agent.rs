@@ -1277,6 +1277,39 @@ async fn a_compaction_step_prunes_while_its_summary_is_written() {
     assert!(n <= 3 + 2 * 6, "{n} checkpoints");
 }
 
+/// An epoch step runs right after the milestone step that pruned: it prunes nothing
+/// more (that prune would remove one checkpoint), and the next milestone step prunes.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_epoch_step_right_after_a_pruning_milestone_step_does_not_prune_again() {
+    let saver = Arc::new(ObservedPrunes::new(false));
+    let agent = builder(counting_model(24, Arc::default()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(4))
+                .with_epoch_every(2)
+                .with_keep_recent_tokens(50),
+        )
+        .keep_checkpoints(Some(3))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("epochs", AgentInput::new()).await.unwrap();
+    assert!(run.state.epochs_made >= 2, "{}", run.state.epochs_made);
+    assert!(
+        run.state.compactions.iter().all(|e| e.error.is_none()),
+        "{:?}",
+        run.state.compactions
+    );
+    // One prune per milestone step, none for the epoch steps.
+    assert_eq!(
+        saver.prunes.load(Ordering::SeqCst),
+        run.state.milestones_made
+    );
+    // The newest 3 stored before the last milestone step, plus the steps since.
+    let n = checkpoints(saver.as_ref(), "epochs").await;
+    assert!(n <= 3 + 2 * 5 + 1, "{n} checkpoints");
+}
+
 /// A MemorySaver that counts its prunes and tells a waiting summarizer of each. Gated,
 /// it poses as a durable saver whose prunes wait for a gate (at most 10 s, then fail,
 /// counted) and then take a while.
