@@ -14,7 +14,8 @@
 //!   and retries once; at the step ceiling it stops with a resumable [`Stop`].
 //! - `tools` runs the reply's tool calls concurrently, each with a timeout; an unknown
 //!   tool, bad arguments, a tool error, a panic or a timeout becomes a tool message the
-//!   model can act on. Large results go to the offload store, a stub stays; JSON
+//!   model can act on (a panic still passes through Rust's panic hook, which prints it
+//!   on stderr as it would any caught panic; `std::panic::set_hook` sends it elsewhere). Large results go to the offload store, a stub stays; JSON
 //!   results enter without the whitespace between their tokens, the same values in
 //!   fewer tokens (`CompactionConfig::with_minify_json(false)` keeps them byte-exact).
 //! - `compact` turns older raw steps into a milestone (archived first, so nothing is
@@ -45,6 +46,12 @@
 //! drive the graph on a task of their own and each tool call gets one, so call them
 //! inside a Tokio runtime (a multi-threaded one runs tool calls and file work in
 //! parallel).
+//!
+//! The token trigger needs the model's context window. A model keel-token's profiles
+//! do not know by name (the test models, `scripted` and `policy`, among them) is
+//! counted with a conservative 8,192-token window and an
+//! [`AgentEvent::ProfileFallback`] event: its token trigger can fire before the step
+//! count does. Give the real window with [`AgentBuilder::profile`].
 //!
 //! The tools follow the [`keel_message::Tool`] contract. The offload retrieval tools
 //! (`ls`, `read_file`, `grep` over what left the context) are registered by default;

@@ -208,13 +208,7 @@ impl Tally {
                 if !quiet {
                     say(
                         bar,
-                        format!(
-                            "step {:>4}  {kind}: prompt {} -> {} tokens, {} messages archived",
-                            e.step,
-                            thousands(e.tokens_before as u64),
-                            thousands(e.tokens_after as u64),
-                            e.messages_archived
-                        ),
+                        format!("step {:>4}  {}", e.step, crate::ui::compaction(e)),
                     );
                 }
                 self.compactions.push(CompactionRow {

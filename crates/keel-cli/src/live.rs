@@ -383,11 +383,8 @@ fn print_update(update: &AgentUpdate) {
             );
         }
         AgentUpdate::Event(AgentEvent::Compaction(e)) => outln!(
-            "          {}: prompt {} -> {} tokens, {} messages archived{}",
-            e.kind,
-            thousands(e.tokens_before as u64),
-            thousands(e.tokens_after as u64),
-            e.messages_archived,
+            "          {}{}",
+            crate::ui::compaction(e),
             e.error
                 .as_ref()
                 .map(|x| format!(" (failed: {x})"))

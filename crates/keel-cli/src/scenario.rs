@@ -256,7 +256,7 @@ fn reply_to(
                     ))
                 }
                 None => Message::assistant(format!(
-                    "Survey done: {} tool calls over {files} text files. Findings are in the tool results above and in the archive.",
+                    "Survey done: {} tool calls so far, over {files} text files. Findings are in the tool results above and in the archive.",
                     calls.len()
                 )),
             }

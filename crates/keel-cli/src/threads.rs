@@ -354,7 +354,9 @@ async fn show(
     let goal = state.goal();
     let system_tokens = system.map_or(0, count);
     let goal_tokens = goal.map_or(0, |g| count(g.message()));
-    let epoch_tokens = state.epoch.as_ref().map_or(0, |e| count(&e.message));
+    // The top summary (the era, with three tiers), then the kept epoch summaries.
+    let top_tokens = state.epoch.as_ref().map_or(0, |e| count(&e.message));
+    let epochs_tokens: usize = state.epochs.iter().map(|e| count(&e.message)).sum();
     let milestone_tokens: usize = state.milestones.iter().map(|m| count(&m.message)).sum();
     let raw_tokens: usize = state.messages.iter().map(count).sum();
     if json_out {
@@ -367,7 +369,8 @@ async fn show(
                 "runs": runs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
                 "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
                 "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
-                "epoch": state.epoch.as_ref().map(layer),
+                "top_summary": state.epoch.as_ref().map(layer),
+                "epochs": state.epochs.iter().map(layer).collect::<Vec<_>>(),
                 "milestones": state.milestones.iter().map(layer).collect::<Vec<_>>(),
                 "raw": {"tokens": raw_tokens, "messages": state.messages.iter().map(|m| json!({
                     "role": m.role.as_str(), "tokens": count(m), "text": m.text(),
@@ -376,7 +379,8 @@ async fn show(
         );
         return Ok(());
     }
-    let total = system_tokens + goal_tokens + epoch_tokens + milestone_tokens + raw_tokens;
+    let total =
+        system_tokens + goal_tokens + top_tokens + epochs_tokens + milestone_tokens + raw_tokens;
     crate::outln!(
         "thread `{thread}`: {}, {} and {} made{}",
         crate::ui::count(state.step, "model call"),
@@ -411,32 +415,32 @@ async fn show(
         goal.map(|g| g.text().into_owned())
             .unwrap_or_else(|| "(none)".into())
     );
-    match &state.epoch {
-        Some(e) => {
-            section(
-                &format!("epoch summary, steps {}-{}", e.first_step, e.last_step),
-                epoch_tokens,
-            );
-            crate::outln!("{}\n", e.text);
-        }
-        None => {
-            section("epoch summary", 0);
-            crate::outln!("(none yet)\n");
-        }
+    let layer = |l: &keel::compaction::Layer| {
+        crate::outln!(
+            "-- steps {}-{} ({} tokens)\n{}\n",
+            l.first_step,
+            l.last_step,
+            count(&l.message),
+            l.text
+        );
+    };
+    if let Some(top) = &state.epoch {
+        section("top summary (everything older, folded)", top_tokens);
+        layer(top);
     }
+    section(
+        &format!("epoch summaries ({})", state.epochs.len()),
+        epochs_tokens,
+    );
+    if state.epoch.is_none() && state.epochs.is_empty() {
+        crate::outln!("(none yet)\n");
+    }
+    state.epochs.iter().for_each(layer);
     section(
         &format!("milestones ({})", state.milestones.len()),
         milestone_tokens,
     );
-    for m in &state.milestones {
-        crate::outln!(
-            "-- steps {}-{} ({} tokens)\n{}\n",
-            m.first_step,
-            m.last_step,
-            count(&m.message),
-            m.text
-        );
-    }
+    state.milestones.iter().for_each(layer);
     section(
         &format!("raw tail ({} messages)", state.messages.len()),
         raw_tokens,

@@ -158,6 +158,22 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// `milestone: prompt 4,506 -> 3,021 tokens, 10 messages archived` (an epoch, which
+/// archives no messages, leaves the count out).
+pub fn compaction(e: &keel::compaction::CompactionEvent) -> String {
+    let mut line = format!(
+        "{}: prompt {} -> {} tokens",
+        e.kind.as_str(),
+        thousands(e.tokens_before as u64),
+        thousands(e.tokens_after as u64)
+    );
+    if e.messages_archived > 0 {
+        let _ = write!(line, ", {}", count(e.messages_archived as u64, "message"));
+        line.push_str(" archived");
+    }
+    line
+}
+
 /// `1 model call`, `2 model calls`: a count with its noun, in thousands.
 pub fn count(n: u64, noun: &str) -> String {
     if n == 1 {

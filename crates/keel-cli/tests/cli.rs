@@ -163,12 +163,31 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
     for layer in [
         "== system",
         "== goal (never compacted)",
-        "== epoch summary",
+        "== epoch summaries",
         "== milestones",
         "== raw tail",
     ] {
         assert!(show_out.contains(layer), "{layer} missing:\n{show_out}");
     }
+    // The demo made epoch summaries: the prompt shows each one it keeps.
+    assert!(!show_out.contains("(none yet)"), "{show_out}");
+    let show = keel()
+        .args(["threads", "show", &thread, "--json", "--home"])
+        .arg(home.path())
+        .output()
+        .unwrap();
+    let shown: Value = serde_json::from_slice(&show.stdout).unwrap();
+    let summaries =
+        shown["epochs"].as_array().unwrap().len() + usize::from(!shown["top_summary"].is_null());
+    assert!(summaries >= 1, "{shown:#}");
+    assert!(
+        shown["epochs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["tokens"].as_u64().unwrap() > 0 && !e["text"].as_str().unwrap().is_empty()),
+        "{shown:#}"
+    );
 
     let history = keel()
         .args([
@@ -227,7 +246,7 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
 }
 
 #[test]
-fn the_default_demo_runs_150_steps_over_this_repository() {
+fn the_default_demo_runs_its_160_steps_over_this_repository() {
     let home = tempfile::tempdir().unwrap();
     let out = keel()
         .args(["demo", "--quiet", "--json", "--dir"])
@@ -239,7 +258,7 @@ fn the_default_demo_runs_150_steps_over_this_repository() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     let report: Value = serde_json::from_str(&stdout).unwrap();
-    assert!(report["model_calls"].as_u64().unwrap() >= 150);
+    assert!(report["model_calls"].as_u64().unwrap() >= 160);
     assert!(report["milestones"].as_u64().unwrap() >= 5);
     assert!(report["epochs"].as_u64().unwrap() >= 1);
     assert_eq!(report["question"]["correct"], true);

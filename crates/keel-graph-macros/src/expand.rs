@@ -524,7 +524,9 @@ mod tests {
 
     fn expand_str(src: &str) -> syn::Result<String> {
         let input: syn::DeriveInput = syn::parse_str(src)?;
-        Ok(expand(&parse(&input)?).to_string().replace(' ', ""))
+        Ok(expand(&parse(&input, syn::parse_quote!(::keel_graph))?)
+            .to_string()
+            .replace(' ', ""))
     }
 
     #[test]
@@ -536,7 +538,7 @@ mod tests {
             r#"#[state(crate = "crate::reexport::graph")] struct S { a: u8 }"#,
         ] {
             let input: syn::DeriveInput = syn::parse_str(src)?;
-            let out = expand(&parse(&input)?);
+            let out = expand(&parse(&input, syn::parse_quote!(::keel_graph))?);
             syn::parse2::<syn::File>(out)?;
         }
         Ok(())
@@ -573,6 +575,18 @@ mod tests {
         assert!(
             out.contains("impl::core::convert::From<ChatUpdate>for::keel_graph::Command<Chat>")
         );
+        Ok(())
+    }
+
+    #[test]
+    fn the_facades_default_path_is_keel_graph_through_keel() -> syn::Result<()> {
+        let input: syn::DeriveInput =
+            syn::parse_str("pub struct S { #[reducer(Sum<u8>)] a: u8, b: String }")?;
+        let out = expand(&parse(&input, syn::parse_quote!(::keel::graph))?)
+            .to_string()
+            .replace(' ', "");
+        assert!(!out.contains("keel_graph"), "{out}");
+        assert!(out.contains("::keel::graph::State"), "{out}");
         Ok(())
     }
 

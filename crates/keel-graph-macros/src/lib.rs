@@ -8,9 +8,10 @@
 //!
 //! Use it through `keel_graph`, which re-exports it as `keel_graph::State`. The
 //! generated code names `::keel_graph`, so by default the crate must be a dependency
-//! under that name; with only the facade crate `keel` (which re-exports keel-graph as
-//! `keel::graph`), or under a renamed dependency, say where it is with
-//! `#[state(crate = "keel::graph")]` (see [Attributes](#attributes)). See
+//! under that name. Through the facade crate `keel`, `keel::graph::State` is the same
+//! derive with `::keel::graph` as its default, so a crate that depends on `keel` alone
+//! needs nothing more. Under a renamed dependency, or a re-export of your own, say where
+//! keel-graph is with `#[state(crate = "path")]` (see [Attributes](#attributes)). See
 //! `keel_graph`'s documentation for running graphs; this page is the reference for the
 //! attributes and the generated API.
 //!
@@ -58,17 +59,18 @@
 //!   followed by `Update`).
 //! - `#[state(crate = "path")]` is the path at which keel-graph is reachable from the
 //!   struct's module, used for every keel-graph item in the generated code (default:
-//!   `::keel_graph`), like serde's `#[serde(crate = "..")]`. The path is a string
-//!   literal or written bare (`#[state(crate = keel::graph)]`); it is a module path
-//!   (no generic arguments), relative paths such as `crate::deps::graph` work. With the
-//!   facade crate:
+//!   `::keel_graph`; `::keel::graph` for the facade's `keel::graph::State`), like
+//!   serde's `#[serde(crate = "..")]`. The path is a string literal or written bare
+//!   (`#[state(crate = my_deps::graph)]`); it is a module path (no generic arguments),
+//!   relative paths such as `crate::deps::graph` work. Under a renamed dependency:
 //!
 //! ```ignore
-//! use keel::graph::State;
-//! use keel::graph::reducer::{AddMessages, Messages};
+//! // Cargo.toml: graph = { package = "keel-graph", .. }
+//! use graph::State;
+//! use graph::reducer::{AddMessages, Messages};
 //!
 //! #[derive(Clone, State)]
-//! #[state(crate = "keel::graph")]
+//! #[state(crate = "graph")]
 //! struct Chat {
 //!     #[reducer(AddMessages)]
 //!     messages: Messages,
@@ -134,12 +136,27 @@ use proc_macro::TokenStream;
 /// Fields take `#[reducer(Type)]` or `#[reducer(Type, with = expr)]` (default:
 /// `LastValue<FieldType>`); the struct takes `#[state(update = Name)]` and
 /// `#[state(crate = "path::to::keel_graph")]` (when keel-graph is not a direct
-/// dependency named `keel_graph`, e.g. `"keel::graph"` through the facade crate). See the
+/// dependency named `keel_graph`; through the facade, `keel::graph::State` already
+/// defaults to `keel::graph`). See the
 /// [crate documentation](crate) for the generated API.
 #[proc_macro_derive(State, attributes(reducer, state))]
 pub fn derive_state(input: TokenStream) -> TokenStream {
+    derive(input, syn::parse_quote!(::keel_graph))
+}
+
+/// The same derive as [`State`](derive@State), whose generated code names
+/// `::keel::graph` unless the struct says otherwise: the `keel` facade crate re-exports
+/// it as `keel::graph::State`, so a crate that depends on the facade alone needs no
+/// `#[state(crate = ..)]`.
+#[doc(hidden)]
+#[proc_macro_derive(FacadeState, attributes(reducer, state))]
+pub fn derive_facade_state(input: TokenStream) -> TokenStream {
+    derive(input, syn::parse_quote!(::keel::graph))
+}
+
+fn derive(input: TokenStream, default_crate: syn::Path) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
-    match parse::parse(&input) {
+    match parse::parse(&input, default_crate) {
         Ok(def) => expand::expand(&def).into(),
         Err(e) => e.to_compile_error().into(),
     }

@@ -57,8 +57,9 @@ impl Errors {
     }
 }
 
-/// Validates a derive input.
-pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
+/// Validates a derive input; `default_crate` is the path of keel-graph when the struct
+/// names none (`#[state(crate = ..)]`).
+pub(crate) fn parse(input: &DeriveInput, default_crate: Path) -> syn::Result<StateDef> {
     let mut errors = Errors::default();
 
     let fields = match &input.data {
@@ -126,9 +127,7 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<StateDef> {
             errors.push(e);
         }
     }
-    let krate = options
-        .krate
-        .unwrap_or_else(|| syn::parse_quote!(::keel_graph));
+    let krate = options.krate.unwrap_or(default_crate);
 
     let mut channels = Vec::new();
     for field in fields.into_iter().flat_map(|f| &f.named) {
@@ -304,7 +303,7 @@ mod tests {
 
     fn parse_str(src: &str) -> syn::Result<StateDef> {
         let input: DeriveInput = syn::parse_str(src)?;
-        parse(&input)
+        parse(&input, syn::parse_quote!(::keel_graph))
     }
 
     fn err(src: &str) -> String {

@@ -1,4 +1,4 @@
-//! Chat models for keel: one trait, two HTTP providers, and two offline models.
+//! Chat models for keel: one trait, two HTTP providers, and three offline models.
 //!
 //! The one abstraction is [`ChatModel`]: messages ([`keel_message::Message`]), tool
 //! specs and [`ChatOptions`] in; a [`ChatResponse`] out, holding the assistant message
@@ -17,6 +17,8 @@
 //! * [`ScriptedModel`]: answers from a script of turns and records requests (tests,
 //!   demos, examples like the one below).
 //! * [`ReplayModel`]: answers with the assistant turns of a recorded trajectory.
+//! * [`PolicyModel`]: answers with a function of the request (messages and tools), for
+//!   fakes that react to what they are sent: stop after N steps, read a tool result.
 //! * [`Retrying`] (feature `retry`, on with either provider): retries around any
 //!   `ChatModel`, with keel's one [`RetryPolicy`] (shared with graph nodes and the
 //!   compactor).

@@ -615,7 +615,7 @@ impl Archive {
     /// once that succeeded, removes them from the list.
     ///
     /// On failure every message stays and the error is the outcome's one failure:
-    /// nothing leaves the context unless it is archived (DESIGN.md, invariant 2).
+    /// nothing leaves the context unless it is archived (invariant 2 of `docs/architecture.md`).
     ///
     /// ```
     /// use std::sync::Arc;

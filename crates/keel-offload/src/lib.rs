@@ -19,8 +19,8 @@
 //! thread's rows in one transaction.
 //!
 //! Everything else in the crate is built on a store and used by the compaction engine
-//! and the agent loop (DESIGN.md, invariant 2: whatever leaves the context is stored
-//! first and can be found again):
+//! and the agent loop (invariant 2 of keel's `docs/architecture.md`: whatever leaves the
+//! context is stored first and can be found again):
 //!
 //! * **Policies** — pure steps from messages to edited messages plus a record of what
 //!   was stored ([`PolicyOutcome`]). [`EvictLargeResults`] moves tool results over

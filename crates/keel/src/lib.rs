@@ -46,8 +46,9 @@
 //! use keel::message::Message;
 //! use keel::reducer::{AddMessages, AddMessagesUpdate, Messages};
 //!
+//! // `keel::graph::State` derives code that names `keel::graph`: no `keel-graph`
+//! // dependency of your own, no `#[state(crate = ..)]`.
 //! #[derive(Clone, State)]
-//! #[state(crate = keel::graph)]
 //! struct Chat {
 //!     #[reducer(AddMessages)]
 //!     messages: Messages,
@@ -74,7 +75,17 @@
 pub use futures;
 pub use keel_checkpoint as checkpoint;
 pub use keel_compaction as compaction;
-pub use keel_graph as graph;
+/// keel-graph: `StateGraph`, `#[derive(State)]`, the superstep engine. Everything of
+/// [`keel_graph`], with one difference: the `State` derive here names `keel::graph` in
+/// the code it writes, so a crate that depends on `keel` alone can use it.
+pub mod graph {
+    #[doc(inline)]
+    pub use keel_graph::*;
+    /// Derives [`State`](trait@State) for a struct of reducer-annotated fields: see
+    /// keel-graph-macros for the attributes and the generated API. The generated code
+    /// names `::keel::graph` unless `#[state(crate = "..")]` says otherwise.
+    pub use keel_graph_macros::FacadeState as State;
+}
 pub use keel_message as message;
 pub use keel_model as model;
 pub use keel_offload as offload;
