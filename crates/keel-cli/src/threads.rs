@@ -369,7 +369,7 @@ async fn show(
                 "runs": runs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
                 "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
                 "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
-                "top_summary": state.epoch.as_ref().map(layer),
+                "epoch": state.epoch.as_ref().map(layer),
                 "epochs": state.epochs.iter().map(layer).collect::<Vec<_>>(),
                 "milestones": state.milestones.iter().map(layer).collect::<Vec<_>>(),
                 "raw": {"tokens": raw_tokens, "messages": state.messages.iter().map(|m| json!({

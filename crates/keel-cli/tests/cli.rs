@@ -178,7 +178,7 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
         .unwrap();
     let shown: Value = serde_json::from_slice(&show.stdout).unwrap();
     let summaries =
-        shown["epochs"].as_array().unwrap().len() + usize::from(!shown["top_summary"].is_null());
+        shown["epochs"].as_array().unwrap().len() + usize::from(!shown["epoch"].is_null());
     assert!(summaries >= 1, "{shown:#}");
     assert!(
         shown["epochs"]
