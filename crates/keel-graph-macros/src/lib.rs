@@ -147,8 +147,7 @@ pub fn derive_state(input: TokenStream) -> TokenStream {
 /// The same derive as [`State`](derive@State), whose generated code names
 /// `::keel::graph` unless the struct says otherwise: the `keel` facade crate re-exports
 /// it as `keel::graph::State`, so a crate that depends on the facade alone needs no
-/// `#[state(crate = ..)]`.
-#[doc(hidden)]
+/// `#[state(crate = ..)]`. Use it through the facade, under that name.
 #[proc_macro_derive(FacadeState, attributes(reducer, state))]
 pub fn derive_facade_state(input: TokenStream) -> TokenStream {
     derive(input, syn::parse_quote!(::keel::graph))

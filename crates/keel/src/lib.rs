@@ -81,9 +81,8 @@ pub use keel_compaction as compaction;
 pub mod graph {
     #[doc(inline)]
     pub use keel_graph::*;
-    /// Derives [`State`](trait@State) for a struct of reducer-annotated fields: see
-    /// keel-graph-macros for the attributes and the generated API. The generated code
-    /// names `::keel::graph` unless `#[state(crate = "..")]` says otherwise.
+    // The derive: the one of keel-graph with `::keel::graph` as its default path.
+    #[doc(inline)]
     pub use keel_graph_macros::FacadeState as State;
 }
 pub use keel_message as message;
