@@ -71,14 +71,6 @@ pub(crate) struct Prunes {
     running: std::sync::Mutex<HashMap<ThreadKey, tokio::task::JoinHandle<bool>>>,
 }
 
-/// Whether this agent step's `compact` step made a milestone (and so pruned, when
-/// pruning is on): true in the `epoch` step that follows it.
-fn milestone_pruned_this_step(s: &AgentState) -> bool {
-    s.compactions
-        .back()
-        .is_some_and(|e| e.kind == EventKind::Milestone && e.error.is_none() && e.step == s.step)
-}
-
 /// Prunes `key` to its newest `keep` stored checkpoints; whether it did (a failure is
 /// logged: the next compaction step prunes again).
 async fn prune(cp: Arc<dyn Checkpointer>, key: ThreadKey, keep: usize) -> bool {
@@ -139,6 +131,14 @@ impl Prunes {
         }
         pruned
     }
+}
+
+/// Whether this agent step's `compact` step made a milestone (and so pruned, when
+/// pruning is on): true in the `epoch` step that follows it.
+fn milestone_pruned_this_step(s: &AgentState) -> bool {
+    s.compactions
+        .back()
+        .is_some_and(|e| e.kind == EventKind::Milestone && e.error.is_none() && e.step == s.step)
 }
 
 /// The agent's nodes (`agent`, `tools`, `compact`, `epoch`) and its routers, for a

@@ -84,6 +84,15 @@ fn builder(model: PolicyModel) -> keel_agent::AgentBuilder {
         .tool(Arc::new(Echo))
 }
 
+/// Every compaction event the state keeps reports success.
+fn assert_compactions_succeeded(state: &keel_agent::AgentState) {
+    assert!(
+        state.compactions.iter().all(|e| e.error.is_none()),
+        "{:?}",
+        state.compactions
+    );
+}
+
 async fn checkpoints(cp: &dyn Checkpointer, thread: &str) -> usize {
     cp.list(&ThreadKey::new(thread.to_owned()), ListOptions::default())
         .count()
@@ -643,11 +652,7 @@ async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
             .unwrap();
         let run = agent.run("flat", AgentInput::new()).await.unwrap();
         assert_eq!(run.state.step, ceiling);
-        assert!(
-            run.state.compactions.iter().all(|e| e.error.is_none()),
-            "{:?}",
-            run.state.compactions
-        );
+        assert_compactions_succeeded(&run.state);
         let now = saver.stats().await.unwrap().delta_bytes;
         per_block.push((now - last) as f64 / 100.0);
         last = now;
@@ -1088,11 +1093,7 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
         .await
         .unwrap();
     assert!(run.state.milestones_made > head.milestones_made);
-    assert!(
-        run.state.compactions.iter().all(|e| e.error.is_none()),
-        "{:?}",
-        run.state.compactions
-    );
+    assert_compactions_succeeded(&run.state);
 }
 
 #[tokio::test]
@@ -1266,11 +1267,7 @@ async fn a_compaction_step_prunes_while_its_summary_is_written() {
     let run = agent.run("overlap", AgentInput::new()).await.unwrap();
     // Each summary waited for its step's prune, so the prune did not wait for it.
     assert_eq!(run.state.milestones_made, 2);
-    assert!(
-        run.state.compactions.iter().all(|e| e.error.is_none()),
-        "{:?}",
-        run.state.compactions
-    );
+    assert_compactions_succeeded(&run.state);
     assert_eq!(saver.prunes.load(Ordering::SeqCst), 2);
     // And the prune kept the newest 3 stored before that step, plus the steps since.
     let n = checkpoints(saver.as_ref(), "overlap").await;
@@ -1295,11 +1292,7 @@ async fn an_epoch_step_right_after_a_pruning_milestone_step_does_not_prune_again
         .unwrap();
     let run = agent.run("epochs", AgentInput::new()).await.unwrap();
     assert!(run.state.epochs_made >= 2, "{}", run.state.epochs_made);
-    assert!(
-        run.state.compactions.iter().all(|e| e.error.is_none()),
-        "{:?}",
-        run.state.compactions
-    );
+    assert_compactions_succeeded(&run.state);
     // One prune per milestone step, none for the epoch steps.
     assert_eq!(
         saver.prunes.load(Ordering::SeqCst),
@@ -1440,11 +1433,7 @@ async fn with_async_durability_a_compaction_step_prunes_in_the_background_and_th
         .unwrap();
     let run = agent.run("overlap", AgentInput::new()).await.unwrap();
     assert_eq!(run.state.milestones_made, 2);
-    assert!(
-        run.state.compactions.iter().all(|e| e.error.is_none()),
-        "{:?}",
-        run.state.compactions
-    );
+    assert_compactions_succeeded(&run.state);
     // The first prune waited for the 9th model call: a step that waited for its
     // prune would have made it time out.
     assert_eq!(

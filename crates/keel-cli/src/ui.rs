@@ -168,8 +168,11 @@ pub fn compaction(e: &keel::compaction::CompactionEvent) -> String {
         thousands(e.tokens_after as u64)
     );
     if e.messages_archived > 0 {
-        let _ = write!(line, ", {}", count(e.messages_archived as u64, "message"));
-        line.push_str(" archived");
+        let _ = write!(
+            line,
+            ", {} archived",
+            count(e.messages_archived as u64, "message")
+        );
     }
     line
 }
