@@ -166,19 +166,27 @@ pub(crate) fn jsonb_storable(map: &Map<String, Value>) -> bool {
 /// `channel_versions` as stored: a bare seq for versions this checkpoint wrote,
 /// `[seq, "writer"]` for versions carried over from earlier checkpoints.
 pub(crate) fn encode_versions(checkpoint: &Checkpoint) -> Result<String, CheckpointError> {
-    let mut map = Map::new();
-    for (channel, version) in &checkpoint.channel_versions {
-        let value = if version.writer == checkpoint.id {
-            Value::from(version.seq)
-        } else {
-            Value::Array(vec![
-                Value::from(version.seq),
-                Value::from(version.writer.as_str()),
-            ])
-        };
-        map.insert(channel.clone(), value);
+    to_json(&StoredVersions(checkpoint), "channel versions")
+}
+
+/// A checkpoint's versions as [`encode_versions`] stores them, serialized straight to
+/// text (no JSON tree is built first: a put encodes every channel's version).
+struct StoredVersions<'a>(&'a Checkpoint);
+
+impl serde::Serialize for StoredVersions<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let versions = &self.0.channel_versions;
+        let mut map = serializer.serialize_map(Some(versions.len()))?;
+        for (channel, version) in versions {
+            if version.writer == self.0.id {
+                map.serialize_entry(channel, &version.seq)?;
+            } else {
+                map.serialize_entry(channel, &(version.seq, version.writer.as_str()))?;
+            }
+        }
+        map.end()
     }
-    to_json(&map, "channel versions")
 }
 
 pub(crate) fn decode_versions(

@@ -208,16 +208,29 @@ impl HeadVersions {
     /// Records `request`'s checkpoint as its namespace's head. Call it only after the
     /// put committed.
     pub fn remember(&mut self, request: &PutRequest) {
-        if self.heads.len() >= self.capacity && !self.heads.contains_key(&request.thread) {
+        let checkpoint = &request.checkpoint;
+        // A namespace already remembered is updated in place: a step changes the
+        // versions of the few channels it wrote, so most entries stay as they are.
+        if let Some((id, known)) = self.heads.get_mut(&request.thread) {
+            id.clone_from(&checkpoint.id);
+            known.retain(|channel, _| checkpoint.channel_versions.contains_key(channel));
+            for (channel, version) in &checkpoint.channel_versions {
+                match known.get_mut(channel) {
+                    Some(old) => old.clone_from(version),
+                    None => {
+                        known.insert(channel.clone(), version.clone());
+                    }
+                }
+            }
+            return;
+        }
+        if self.heads.len() >= self.capacity {
             self.heads.clear();
         }
         if self.capacity > 0 {
             self.heads.insert(
                 request.thread.clone(),
-                (
-                    request.checkpoint.id.clone(),
-                    request.checkpoint.channel_versions.clone(),
-                ),
+                (checkpoint.id.clone(), checkpoint.channel_versions.clone()),
             );
         }
     }
@@ -794,6 +807,35 @@ mod tests {
             deltas,
             expected_head: parent.map(|p| p.id.clone()),
         }
+    }
+
+    #[test]
+    fn head_versions_follow_each_put_of_a_namespace_and_start_over_past_capacity() {
+        let t = ThreadKey::new("t");
+        let mut heads = HeadVersions::new(1);
+        let first = links_request(&t, None, &["a", "b"]);
+        heads.remember(&first);
+        // The second put rewrites `a` and carries `b` over: only `b` is vouched for.
+        let second = links_request(&t, Some(&first.checkpoint), &["a"]);
+        assert!(heads.to_check(&second).is_empty());
+        heads.remember(&second);
+        // A put after the second: its versions are the second's, updated in place.
+        let mut third = links_request(&t, Some(&second.checkpoint), &["c"]);
+        assert!(heads.to_check(&third).is_empty());
+        // A version the head never had is checked, as is everything once the head
+        // is not the expected one.
+        third.checkpoint.channel_versions.insert(
+            "b".into(),
+            ChannelVersion::new(7, first.checkpoint.id.clone()),
+        );
+        assert_eq!(heads.to_check(&third).len(), 1);
+        let stale = links_request(&t, Some(&first.checkpoint), &["c"]);
+        assert_eq!(heads.to_check(&stale).len(), 2);
+        // A second namespace past the capacity of one: the first is forgotten.
+        let other = ThreadKey::new("u");
+        heads.remember(&links_request(&other, None, &["a"]));
+        let fourth = links_request(&t, Some(&second.checkpoint), &["c"]);
+        assert_eq!(heads.to_check(&fourth).len(), 2);
     }
 
     #[test]
