@@ -213,7 +213,6 @@ impl HeadVersions {
         // versions of the few channels it wrote, so most entries stay as they are.
         if let Some((id, known)) = self.heads.get_mut(&request.thread) {
             id.clone_from(&checkpoint.id);
-            known.retain(|channel, _| checkpoint.channel_versions.contains_key(channel));
             for (channel, version) in &checkpoint.channel_versions {
                 match known.get_mut(channel) {
                     Some(old) => old.clone_from(version),
@@ -221,6 +220,10 @@ impl HeadVersions {
                         known.insert(channel.clone(), version.clone());
                     }
                 }
+            }
+            // Every channel of the checkpoint is known now: more means some are gone.
+            if known.len() > checkpoint.channel_versions.len() {
+                known.retain(|channel, _| checkpoint.channel_versions.contains_key(channel));
             }
             return;
         }
