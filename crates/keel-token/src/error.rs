@@ -24,7 +24,8 @@ pub enum TokenError {
         /// The encoding asked for.
         encoding: Encoding,
     },
-    /// The vocabulary shipped with `tiktoken-rs` could not be loaded.
+    /// The vocabulary built into the crate (from `tiktoken-rs`'s files) could not be
+    /// loaded.
     #[error("could not load the `{encoding}` vocabulary: {reason}")]
     Vocabulary {
         /// The encoding being loaded.

@@ -249,7 +249,7 @@ mod tests {
         for t in ["ab", "cd", "abcd", "bc", "de", "aa", "aaaa"] {
             tokens.push(t.as_bytes().to_vec());
         }
-        Vocab::new(&tokens).unwrap()
+        Vocab::from_tokens(&tokens).unwrap()
     }
 
     fn both(v: &Vocab, piece: &[u8]) -> (Vec<usize>, Vec<usize>) {

@@ -3,7 +3,8 @@
 //! tiktoken encodes text in two steps: a regular expression splits it into pieces,
 //! then byte-pair merging turns each piece into tokens. This engine does the same two
 //! steps with the same vocabulary (taken from `tiktoken-rs`, which ships OpenAI's
-//! files) and the same splitting rules, but
+//! files, by the build script, so that loading it parses nothing) and the same
+//! splitting rules, but
 //!
 //! * splits with hand-written matchers instead of a backtracking regex ([`split`]),
 //! * looks tokens up in a compact open-addressing table ([`vocab`]),
@@ -66,32 +67,46 @@ impl Engine {
             .get_or_init(Classes::build)
             .as_ref()
             .map_err(|e| fail(format!("Unicode tables: {e}")))?;
-        let (id, core, pattern, expected) = match encoding {
-            Encoding::O200kBase => (1, tiktoken_rs::o200k_base(), Pattern::O200k, 199_998),
-            Encoding::Cl100kBase => (2, tiktoken_rs::cl100k_base(), Pattern::Cl100k, 100_256),
+        // The build script wrote each vocabulary's tokens back to back, rank by rank,
+        // and where each one ends (see build.rs).
+        let (id, tokens, ends, pattern, expected): (_, &[u8], &[u8], _, _) = match encoding {
+            Encoding::O200kBase => (
+                1,
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k_base.tokens")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/o200k_base.ends")),
+                Pattern::O200k,
+                199_998,
+            ),
+            Encoding::Cl100kBase => (
+                2,
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k_base.tokens")),
+                include_bytes!(concat!(env!("OUT_DIR"), "/cl100k_base.ends")),
+                Pattern::Cl100k,
+                100_256,
+            ),
             Encoding::Approximate => return Err(TokenError::NotBpe { encoding }),
         };
-        let core = core.map_err(|e| fail(e.to_string()))?;
-        // Mergeable ranks are 0..n with no gap; special tokens come after a gap, so
-        // decoding stops before them.
-        let mut tokens = Vec::with_capacity(expected);
-        while let Ok(bytes) = core.decode_bytes(&[tokens.len() as u32]) {
-            tokens.push(bytes);
+        let mut offsets = Vec::with_capacity(expected + 1);
+        offsets.push(0);
+        for end in ends.chunks_exact(4) {
+            let end = u32::from_le_bytes([end[0], end[1], end[2], end[3]]);
+            offsets.push(end as usize);
         }
-        if tokens.len() != expected {
+        if offsets.len() != expected + 1 || ends.len() % 4 != 0 {
             return Err(fail(format!(
                 "expected {expected} mergeable tokens, found {}",
-                tokens.len()
+                offsets.len() - 1
             )));
         }
-        if let Some(rank) = (0..=255u8).position(|b| !tokens.iter().any(|t| t == &[b])) {
-            return Err(fail(format!("byte {rank} is not a token")));
+        let vocab = Vocab::new(tokens.to_vec(), offsets).map_err(fail)?;
+        if let Some(byte) = (0..=255u8).find(|b| vocab.rank(&[*b]).is_none()) {
+            return Err(fail(format!("byte {byte} is not a token")));
         }
         Ok(Engine {
             id,
             pattern,
             classes,
-            vocab: Vocab::new(&tokens).map_err(fail)?,
+            vocab,
         })
     }
 

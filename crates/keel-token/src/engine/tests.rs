@@ -21,6 +21,54 @@ fn reference(encoding: Encoding) -> &'static tiktoken_rs::CoreBPE {
     }
 }
 
+#[test]
+fn built_in_vocabularies_equal_tiktoken_rs_rank_for_rank() {
+    for (encoding, engine) in [
+        (Encoding::O200kBase, o200k()),
+        (Encoding::Cl100kBase, cl100k()),
+    ] {
+        let core = reference(encoding);
+        let n = engine.vocab.len();
+        for rank in 0..n as u32 {
+            let expected = core.decode_bytes(&[rank]).unwrap();
+            assert_eq!(engine.vocab.bytes(rank), expected, "{encoding} rank {rank}");
+            assert_eq!(
+                engine.vocab.rank(&expected),
+                Some(rank),
+                "{encoding} rank {rank}"
+            );
+        }
+        // The next rank is no mergeable token: the vocabulary was not cut short.
+        assert!(
+            core.decode_bytes(&[n as u32]).is_err(),
+            "{encoding}: {n} tokens"
+        );
+    }
+}
+
+#[test]
+fn a_vocabulary_with_offsets_out_of_order_is_refused() {
+    assert!(Vocab::new(b"abc".to_vec(), vec![0, 2, 1, 3]).is_err());
+    assert!(
+        Vocab::new(b"abc".to_vec(), vec![0, 1, 2]).is_err(),
+        "stops short of the arena"
+    );
+    assert!(
+        Vocab::new(b"abc".to_vec(), vec![1, 2, 3]).is_err(),
+        "does not start at 0"
+    );
+    assert!(Vocab::new(b"abc".to_vec(), vec![]).is_err());
+    assert!(
+        Vocab::new(b"aa".to_vec(), vec![0, 1, 2]).is_err(),
+        "duplicate token"
+    );
+    let v = Vocab::new(b"abc".to_vec(), vec![0, 1, 3]).unwrap();
+    assert_eq!(
+        (v.rank(b"a"), v.rank(b"bc"), v.rank(b"b")),
+        (Some(0), Some(1), None)
+    );
+}
+
 /// tiktoken's pre-tokenization regex for an encoding, compiled with `fancy-regex` as
 /// tiktoken does.
 fn regex(encoding: Encoding) -> &'static fancy_regex::Regex {

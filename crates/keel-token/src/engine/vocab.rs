@@ -17,19 +17,21 @@ pub(crate) struct Vocab {
 }
 
 impl Vocab {
-    /// Builds the map; `tokens[r]` are the bytes of rank `r`.
-    pub(crate) fn new(tokens: &[Vec<u8>]) -> Result<Vocab, String> {
-        if tokens.len() >= u32::MAX as usize {
+    /// Builds the map over `arena`, where rank `r` is `arena[offsets[r]..offsets[r + 1]]`.
+    pub(crate) fn new(arena: Vec<u8>, offsets: Vec<usize>) -> Result<Vocab, String> {
+        let Some(count) = offsets.len().checked_sub(1) else {
+            return Err("no token offsets".into());
+        };
+        if count >= u32::MAX as usize {
             return Err("vocabulary too large".into());
         }
-        let mut arena = Vec::with_capacity(tokens.iter().map(Vec::len).sum());
-        let mut offsets = Vec::with_capacity(tokens.len() + 1);
-        offsets.push(0);
-        for t in tokens {
-            arena.extend_from_slice(t);
-            offsets.push(arena.len());
+        if offsets[0] != 0
+            || offsets[count] != arena.len()
+            || offsets.windows(2).any(|w| w[0] >= w[1])
+        {
+            return Err("token offsets out of order or out of the arena".into());
         }
-        let size = (tokens.len() * 2).next_power_of_two().max(16);
+        let size = (count * 2).next_power_of_two().max(16);
         let mut vocab = Vocab {
             arena,
             offsets,
@@ -37,21 +39,33 @@ impl Vocab {
             mask: size - 1,
             pairs: vec![u32::MAX; 1 << 16],
         };
-        for (rank, t) in tokens.iter().enumerate() {
+        for rank in 0..count {
+            let (start, end) = (vocab.offsets[rank], vocab.offsets[rank + 1]);
+            let t = &vocab.arena[start..end];
             if vocab.rank(t).is_some() {
                 return Err(format!("duplicate token bytes at rank {rank}"));
             }
             let h = hash(t);
+            if let [a, b] = *t {
+                vocab.pairs[usize::from(a) << 8 | usize::from(b)] = rank as u32;
+            }
             let mut i = (h as usize) & vocab.mask;
             while vocab.slots[i] != 0 {
                 i = (i + 1) & vocab.mask;
             }
             vocab.slots[i] = (h & 0xFFFF_FFFF_0000_0000) | (rank as u64 + 1);
-            if let [a, b] = t.as_slice() {
-                vocab.pairs[usize::from(*a) << 8 | usize::from(*b)] = rank as u32;
-            }
         }
         Ok(vocab)
+    }
+
+    /// [`Vocab::new`] from each rank's bytes.
+    #[cfg(test)]
+    pub(crate) fn from_tokens(tokens: &[Vec<u8>]) -> Result<Vocab, String> {
+        let mut offsets = vec![0];
+        for t in tokens {
+            offsets.push(offsets[offsets.len() - 1] + t.len());
+        }
+        Vocab::new(tokens.concat(), offsets)
     }
 
     /// Number of tokens.
