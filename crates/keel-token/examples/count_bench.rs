@@ -2,9 +2,14 @@
 //! Counting throughput on a corpus file: keel-token (one and two threads) and, for
 //! reference, `tiktoken-rs`'s own encoder. Prints one JSON object on stdout.
 //!
+//! With `--load` instead of a corpus it measures what loading `o200k_base` takes, once
+//! per process (run it several times): keel's first count in the process, and
+//! tiktoken-rs's `o200k_base()`.
+//!
 //! `cargo xtask bench token` runs this in release mode next to Python tiktoken on the
 //! same file; run it by hand with
-//! `cargo run --release -p keel-token --example count_bench -- CORPUS [REPS]`.
+//! `cargo run --release -p keel-token --example count_bench -- CORPUS [REPS]`
+//! (or `-- --load`).
 
 use std::time::Instant;
 
@@ -39,7 +44,13 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let path = args.next().expect("usage: count_bench CORPUS [REPS]");
+    let path = args
+        .next()
+        .expect("usage: count_bench CORPUS [REPS] | --load");
+    if path == "--load" {
+        load();
+        return;
+    }
     let runs: usize = args
         .next()
         .map_or(15, |r| r.parse().expect("REPS is a number"));
@@ -65,5 +76,20 @@ fn main() {
         "keel_2_threads_mb_s": median(keel_2),
         "tiktoken_rs_mb_s": median(tiktoken_rs),
     });
+    println!("{out}");
+}
+
+/// The first count of the process (which loads the vocabulary), then a fresh
+/// tiktoken-rs `o200k_base()`, in milliseconds.
+fn load() {
+    let start = Instant::now();
+    let counter = TiktokenCounter::o200k_base().unwrap();
+    assert!(counter.count_text("hello") > 0);
+    let keel = start.elapsed().as_secs_f64() * 1e3;
+    let start = Instant::now();
+    let reference = tiktoken_rs::o200k_base().unwrap();
+    assert!(!reference.encode_ordinary("hello").is_empty());
+    let tiktoken_rs = start.elapsed().as_secs_f64() * 1e3;
+    let out = json!({ "keel_load_ms": keel, "tiktoken_rs_load_ms": tiktoken_rs });
     println!("{out}");
 }

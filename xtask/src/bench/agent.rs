@@ -326,7 +326,8 @@ fn num(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
-fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+/// The median of the finite `values` (the mean of the middle two for an even count).
+pub(super) fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
     let mut v: Vec<f64> = values.filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return None;

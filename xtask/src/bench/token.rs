@@ -12,11 +12,19 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::report::Row;
+
+/// The median of `xs` (NaN when none is finite).
+fn median(xs: Vec<f64>) -> f64 {
+    super::agent::median(xs.into_iter()).unwrap_or(f64::NAN)
+}
 use crate::python::Venv;
 use crate::util::{cargo, release_example, root, run_capture};
 
 /// The Python peer, pinned.
 const TIKTOKEN: &str = "tiktoken==0.14.0";
+
+/// Fresh processes per side for the load time.
+const LOAD_RUNS: usize = 5;
 
 /// Corpus size to reach, in bytes.
 const CORPUS_BYTES: usize = 1_000_000;
@@ -57,6 +65,27 @@ pub fn run() -> Result<Vec<Row>> {
     let keel_2 = num(&keel, "keel_2_threads_mb_s");
     let tiktoken_rs = num(&keel, "tiktoken_rs_mb_s");
     let python = num(&peer, "median_mb_s");
+    // Loading happens once per process: each side in fresh processes, taking turns.
+    let (mut keel_loads, mut rs_loads, mut python_loads) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..LOAD_RUNS {
+        let k = last_json(&run_capture(
+            release_example("keel-token", "count_bench").arg("--load"),
+        )?)
+        .context("keel-token load output")?;
+        keel_loads.push(num(&k, "keel_load_ms"));
+        rs_loads.push(num(&k, "tiktoken_rs_load_ms"));
+        let p = last_json(&run_capture(
+            venv.python()
+                .arg("xtask/peers/tiktoken_bench.py")
+                .arg("--bpe")
+                .arg(&bpe)
+                .arg("--load"),
+        )?)
+        .context("tiktoken load output")?;
+        python_loads.push(num(&p, "load_ms"));
+    }
+    let (keel_load, tiktoken_rs_load, python_load) =
+        (median(keel_loads), median(rs_loads), median(python_loads));
     let version = peer["tiktoken_version"].as_str().unwrap_or("?");
 
     println!("{:<34} {:>10}", "o200k_base counting", "MB/s");
@@ -74,6 +103,10 @@ pub fn run() -> Result<Vec<Row>> {
         "ratio vs Python tiktoken: {:.2}x (1 thread), {:.2}x (2 threads)",
         keel_1 / python,
         keel_2 / python
+    );
+
+    println!(
+        "loading o200k_base: keel-token {keel_load:.1} ms (first count), tiktoken-rs {tiktoken_rs_load:.1} ms, Python tiktoken {python_load:.1} ms"
     );
 
     let (ours, theirs) = (keel["tokens"].as_u64(), peer["tokens"].as_u64());
@@ -114,6 +147,18 @@ pub fn run() -> Result<Vec<Row>> {
             peer,
         )
         .note("tiktoken-rs in keel's place, for reference"),
+        Row::faster(
+            section,
+            "loading o200k_base (a process's first count)",
+            "ms",
+            Some(keel_load),
+            "Python tiktoken",
+            Some(python_load),
+        )
+        .smaller()
+        .note(format!(
+            "median of {LOAD_RUNS} processes a side; tiktoken-rs's o200k_base() {tiktoken_rs_load:.1} ms"
+        )),
     ])
 }
 
