@@ -17,6 +17,7 @@
 //! The result is exactly tiktoken's `encode_ordinary(text).len()`; the tests check it
 //! against `tiktoken-rs` token for token.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use crate::{Encoding, TokenError};
@@ -89,8 +90,7 @@ impl Engine {
         let mut offsets = Vec::with_capacity(expected + 1);
         offsets.push(0);
         for end in ends.chunks_exact(4) {
-            let end = u32::from_le_bytes([end[0], end[1], end[2], end[3]]);
-            offsets.push(end as usize);
+            offsets.push(u32::from_le_bytes([end[0], end[1], end[2], end[3]]));
         }
         if offsets.len() != expected + 1 || ends.len() % 4 != 0 {
             return Err(fail(format!(
@@ -98,7 +98,7 @@ impl Engine {
                 offsets.len() - 1
             )));
         }
-        let vocab = Vocab::new(tokens.to_vec(), offsets).map_err(fail)?;
+        let vocab = Vocab::new(Cow::Borrowed(tokens), offsets).map_err(fail)?;
         if let Some(byte) = (0..=255u8).find(|b| vocab.rank(&[*b]).is_none()) {
             return Err(fail(format!("byte {byte} is not a token")));
         }

@@ -4,11 +4,15 @@
 //! one half, linear probing) holds, per slot, 32 bits of the key's hash and the rank.
 //! A lookup is usually one table read, one offsets read and one short compare.
 
+use std::borrow::Cow;
+
 /// The mergeable ranks of a BPE vocabulary.
 pub(crate) struct Vocab {
-    arena: Vec<u8>,
+    /// Every token's bytes, back to back; the built-in vocabularies borrow them from
+    /// the binary.
+    arena: Cow<'static, [u8]>,
     /// `offsets[r]..offsets[r + 1]` are the bytes of rank `r`.
-    offsets: Vec<usize>,
+    offsets: Vec<u32>,
     /// `0` is empty; otherwise `(hash >> 32) << 32 | (rank + 1)`.
     slots: Vec<u64>,
     mask: usize,
@@ -18,7 +22,7 @@ pub(crate) struct Vocab {
 
 impl Vocab {
     /// Builds the map over `arena`, where rank `r` is `arena[offsets[r]..offsets[r + 1]]`.
-    pub(crate) fn new(arena: Vec<u8>, offsets: Vec<usize>) -> Result<Vocab, String> {
+    pub(crate) fn new(arena: Cow<'static, [u8]>, offsets: Vec<u32>) -> Result<Vocab, String> {
         let Some(count) = offsets.len().checked_sub(1) else {
             return Err("no token offsets".into());
         };
@@ -26,7 +30,7 @@ impl Vocab {
             return Err("vocabulary too large".into());
         }
         if offsets[0] != 0
-            || offsets[count] != arena.len()
+            || offsets[count] as usize != arena.len()
             || offsets.windows(2).any(|w| w[0] >= w[1])
         {
             return Err("token offsets out of order or out of the arena".into());
@@ -40,7 +44,10 @@ impl Vocab {
             pairs: vec![u32::MAX; 1 << 16],
         };
         for rank in 0..count {
-            let (start, end) = (vocab.offsets[rank], vocab.offsets[rank + 1]);
+            let (start, end) = (
+                vocab.offsets[rank] as usize,
+                vocab.offsets[rank + 1] as usize,
+            );
             let t = &vocab.arena[start..end];
             if vocab.rank(t).is_some() {
                 return Err(format!("duplicate token bytes at rank {rank}"));
@@ -63,9 +70,10 @@ impl Vocab {
     pub(crate) fn from_tokens(tokens: &[Vec<u8>]) -> Result<Vocab, String> {
         let mut offsets = vec![0];
         for t in tokens {
-            offsets.push(offsets[offsets.len() - 1] + t.len());
+            let end = offsets[offsets.len() - 1] as usize + t.len();
+            offsets.push(u32::try_from(end).map_err(|_| "arena too large")?);
         }
-        Vocab::new(tokens.concat(), offsets)
+        Vocab::new(Cow::Owned(tokens.concat()), offsets)
     }
 
     /// Number of tokens.
@@ -79,7 +87,7 @@ impl Vocab {
     pub(crate) fn bytes(&self, rank: u32) -> &[u8] {
         let r = rank as usize;
         match (self.offsets.get(r), self.offsets.get(r + 1)) {
-            (Some(&a), Some(&b)) => self.arena.get(a..b).unwrap_or(&[]),
+            (Some(&a), Some(&b)) => self.arena.get(a as usize..b as usize).unwrap_or(&[]),
             _ => &[],
         }
     }
