@@ -7,12 +7,12 @@
 //! without parsing: `<encoding>.tokens` holds every token's bytes back to back and
 //! `<encoding>.ends` the little-endian `u32` offset where each ends.
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo::rerun-if-changed=build.rs");
     #[cfg(feature = "tiktoken")]
-    if let Err(e) = vocabularies::write_all() {
-        println!("cargo::error=keel-token: cannot extract the BPE vocabularies: {e}");
-    }
+    vocabularies::write_all()
+        .map_err(|e| format!("keel-token: cannot extract the BPE vocabularies: {e}"))?;
+    Ok(())
 }
 
 #[cfg(feature = "tiktoken")]
