@@ -15,7 +15,7 @@ use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::model::{ChatModel, ChatOptions, HttpConfig};
 use keel::offload::EvictLargeResults;
-use keel::token::{ModelProfile, ModelProfiles, TokenCounter};
+use keel::token::{ModelProfile, TokenCounter};
 use serde::Serialize;
 
 use crate::chart::{self, Mark, Turn};
@@ -32,6 +32,7 @@ Examples:
   keel demo                          survey this directory with the scripted agent
   keel demo --dir ../my-project      survey another directory
   keel demo --steps 400 --every 20   a longer run, a milestone every 20 model calls
+  keel demo --window 4096            a small window: the token budget triggers compaction
   keel demo --model ollama/qwen2.5:7b   the same scenario with a live model
   keel demo --model openai/local --window 8192   a live model keel has no profile for
 
@@ -84,6 +85,10 @@ pub struct DemoArgs {
 struct Report {
     model: String,
     scripted: bool,
+    /// The window compaction planned for, in tokens, and the prompt budget it leaves
+    /// (the window less the reply's room).
+    context_window: usize,
+    prompt_budget: usize,
     thread: String,
     directory: String,
     files_seen: usize,
@@ -293,14 +298,17 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
                 .connect(spec, args.live.window(settings, None)?, settings)?;
             (l.client, l.profile, l.options, l.http)
         }
+        // The scripted agent plans for the window asked for, like a live model: a
+        // small one shows compaction triggered by the token budget.
         None => (
             Arc::new(scenario.policy(&model_name)),
-            ModelProfiles::new().lookup(&model_name).clone(),
+            model::profile(&model_name, args.live.window(settings, None)?)?,
             ChatOptions::new(),
             HttpConfig::default(),
         ),
     };
     let counter = model::counter(&profile)?;
+    let planned = profile.clone();
     let storage = store::open(&home, None, true).await?;
     let offload = store::offload(&home)?;
     let agent = Agent::builder()
@@ -330,6 +338,22 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         )
         .build()
         .context("cannot build the agent")?;
+    // The system prompt, the goal and the tool specs head every prompt and are never
+    // compacted; with the summaries and a step's results they must fit the budget.
+    let fixed = counter.count_prompt(
+        &[
+            Message::system(scenario.system()),
+            Message::user(scenario.goal()),
+        ],
+        agent.nodes().tool_specs(),
+    );
+    model::check_fixed_part_fits(
+        "the demo's system prompt, goal and tool specs are",
+        fixed,
+        3,
+        &planned,
+        "",
+    )?;
 
     let thread = args
         .thread
@@ -436,6 +460,8 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             .as_ref()
             .map_or_else(|| "scripted".to_owned(), ToString::to_string),
         scripted: live.is_none(),
+        context_window: planned.context_window,
+        prompt_budget: planned.input_budget(),
         thread: thread.clone(),
         directory: scenario.dir.display().to_string(),
         files_seen: scenario.files.len(),

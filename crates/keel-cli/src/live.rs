@@ -11,7 +11,7 @@ use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::offload::EvictLargeResults;
-use keel::token::{ModelProfile, TokenCounter};
+use keel::token::TokenCounter;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -175,7 +175,14 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             "thread `{thread}` already has a goal (a goal is written once); continue it without --goal, or add --message \"...\""
         ),
         (None, Some(goal)) => {
-            check_goal_fits(goal, &live.profile, &*counter)?;
+            // Refused before the thread is created.
+            model::check_fixed_part_fits(
+                "the goal is",
+                counter.count_text(goal),
+                2,
+                &live.profile,
+                "put the long material in a file under --dir and make the goal say where it is, or ",
+            )?;
             input = input.goal(goal.clone());
         }
         (Some(_), None) => {}
@@ -275,29 +282,6 @@ fn resume_hint(args: &RunArgs, thread: &str) -> String {
         hint.push_str(" --approve");
     }
     hint
-}
-
-/// A goal is never compacted, so one that takes most of the window leaves no room to
-/// work: refuse it before the thread is created.
-fn check_goal_fits(
-    goal: &str,
-    profile: &ModelProfile,
-    counter: &dyn TokenCounter,
-) -> anyhow::Result<()> {
-    let tokens = counter.count_text(goal);
-    let input_budget = profile
-        .context_window
-        .saturating_sub(profile.max_output_tokens);
-    if tokens > input_budget / 2 {
-        bail!(
-            "the goal is {} tokens, more than half of the {}-token prompt budget of {} ({}-token window): the goal heads every prompt and is never compacted. Put the long material in a file under --dir and make the goal say where it is, or give a larger --window",
-            thousands(tokens as u64),
-            thousands(input_budget as u64),
-            profile.name,
-            thousands(profile.context_window as u64)
-        );
-    }
-    Ok(())
 }
 
 /// Streams one run. Returns whether Ctrl-C stopped it, and the pending approval

@@ -21,11 +21,11 @@ pub const LIVE_SYSTEM: &str = "You are a careful engineering agent. Use your too
 /// How a live model is called: its window, reply length and time limit.
 #[derive(Debug, Clone, Args)]
 pub struct LiveArgs {
-    /// The model's context window in tokens, when keel does not know the model; an
+    /// The model's context window in tokens, which compaction plans for (needed when
+    /// keel does not know the model; `keel demo`'s scripted agent takes it too). An
     /// Ollama model is also run with it (`num_ctx`), since Ollama otherwise runs every
     /// model with its own small default (default: KEEL_WINDOW, or `window` in
-    /// keel.toml, else keel's profile of the
-    /// model).
+    /// keel.toml, else keel's profile of the model).
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
     /// The longest reply the model may write, in tokens.
@@ -117,6 +117,42 @@ pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile
             Ok(base)
         }
     }
+}
+
+/// Refuses a run whose never-compacted part (`what`, `tokens` long: the goal, and in
+/// `keel demo` the system prompt and tool specs too) takes more than `1 / share` of
+/// the prompt budget: every prompt would start that full, leaving too little room for
+/// the summaries and the recent steps. `advice` says what to change besides a larger
+/// window.
+pub fn check_fixed_part_fits(
+    what: &str,
+    tokens: usize,
+    share: usize,
+    profile: &ModelProfile,
+    advice: &str,
+) -> anyhow::Result<()> {
+    let input_budget = profile
+        .context_window
+        .saturating_sub(profile.max_output_tokens);
+    if tokens > input_budget / share.max(1) {
+        // The smallest window (a multiple of 1,024) whose budget holds it `share` times,
+        // the budget being three quarters of a window below 32,768 tokens.
+        let needed = (tokens * share * 4).div_ceil(3).div_ceil(1_024) * 1_024;
+        let part = match share {
+            2 => "half".to_owned(),
+            3 => "a third".to_owned(),
+            n => format!("1/{n}"),
+        };
+        bail!(
+            "{what} {} tokens, more than {part} of the {}-token prompt budget of {} ({}-token window), and no compaction shrinks that part of every prompt: {advice}give a --window of at least {}",
+            thousands(tokens as u64),
+            thousands(input_budget as u64),
+            profile.name,
+            thousands(profile.context_window as u64),
+            thousands(needed as u64)
+        );
+    }
+    Ok(())
 }
 
 /// A parsed `--model` value.

@@ -987,6 +987,52 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
 }
 
 #[test]
+fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let out = keel()
+        .args(["demo", "--steps", "40", "--window", "4096", "--json", "-q"])
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["context_window"], 4096, "{report:#}");
+    let budget = report["prompt_budget"].as_u64().unwrap();
+    assert!(budget < 4096, "{report:#}");
+    // The token budget, not only the step count (every 10 calls), made milestones.
+    let by_tokens = report["compactions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["kind"] == "milestone" && c["trigger"] != "steps")
+        .count();
+    assert!(by_tokens > 0, "{:#}", report["compactions"]);
+    assert!(report["milestones"].as_u64().unwrap() > 4, "{report:#}");
+    assert_eq!(report["question"]["correct"], true, "{report:#}");
+
+    let out = keel()
+        .args(["demo", "--steps", "40", "--window", "2000", "-q"])
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("system prompt, goal and tool specs")
+            && stderr.contains("give a --window of at least"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
     let home = tempfile::tempdir().unwrap();
     let goal = "word ".repeat(3_000);
