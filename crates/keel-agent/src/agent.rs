@@ -790,6 +790,32 @@ impl Agent {
         }
     }
 
+    /// Fails with [`AgentError::PromptTooLarge`] when a new thread's goal, system
+    /// prompt and tool specs alone exceed the prompt budget.
+    fn check_fixed_part(
+        &self,
+        thread_id: &str,
+        goal: &GoalAnchor,
+        system: Option<&Message>,
+    ) -> Result<(), AgentError> {
+        let parts = &self.nodes.parts;
+        let mut fixed = Vec::with_capacity(2);
+        if let Some(system) = system {
+            fixed.push(system.clone());
+        }
+        fixed.push(goal.message().clone());
+        let tokens = parts.counter.count_prompt(&fixed, parts.tools.specs());
+        let budget = parts.compactor.prompt_budget();
+        if tokens > budget {
+            return Err(AgentError::PromptTooLarge {
+                thread_id: thread_id.to_owned(),
+                tokens,
+                budget,
+            });
+        }
+        Ok(())
+    }
+
     fn command_for(
         &self,
         thread_id: &str,
@@ -823,9 +849,11 @@ impl Agent {
                         .ok_or_else(|| AgentError::NoGoal {
                             thread_id: thread_id.to_owned(),
                         })?;
+                let system = input.system.or_else(|| self.system.clone());
+                self.check_fixed_part(thread_id, &goal, system.as_ref())?;
                 // A new thread's files are scoped to its branches from the start.
                 update = update.goal(goal).lineage(Lineage::new());
-                if let Some(system) = input.system.or_else(|| self.system.clone()) {
+                if let Some(system) = system {
                     update = update.system(Some(system));
                 }
             }

@@ -104,6 +104,22 @@ pub enum AgentError {
         #[source]
         source: keel_offload::OffloadError,
     },
+    /// A new thread's goal, with the system prompt and the tool specs, is larger than
+    /// the prompt budget: they head every prompt and are never compacted, so every
+    /// model call of the thread would overflow the window. Shorten the goal (put long
+    /// material in a file the agent can read) or use a model with a larger window.
+    /// Nothing was written.
+    #[error(
+        "thread `{thread_id}`: the goal, system prompt and tool specs take {tokens} tokens, more than the {budget}-token prompt budget; no compaction can make the prompt fit"
+    )]
+    PromptTooLarge {
+        /// The thread.
+        thread_id: String,
+        /// Tokens of the goal, the system prompt and the tool specs.
+        tokens: usize,
+        /// The prompt budget ([`Compactor::prompt_budget`](keel_compaction::Compactor::prompt_budget)).
+        budget: usize,
+    },
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),

@@ -368,6 +368,44 @@ async fn an_empty_reply_is_nudged_once_then_stops_resumably() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_goal_larger_than_the_prompt_budget_is_refused_before_anything_is_written() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(counting_model(1, seen.clone()))
+        .profile(ModelProfile::new("small", 2_000, 500, Encoding::O200kBase))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let huge = "word ".repeat(3_000);
+    let refused = agent.run("big", AgentInput::new().goal(huge)).await;
+    match refused {
+        Err(AgentError::PromptTooLarge {
+            ref thread_id,
+            tokens,
+            budget,
+        }) => {
+            assert_eq!(thread_id, "big");
+            assert_eq!(budget, 1_500);
+            assert!(tokens > 3_000, "{tokens}");
+            let text = refused.unwrap_err().to_string();
+            assert!(text.contains("prompt budget"), "{text}");
+        }
+        other => panic!("expected PromptTooLarge, got {other:?}"),
+    }
+    assert!(seen.lock().unwrap().is_empty(), "the model was not called");
+    assert!(
+        agent.state("big").await.unwrap().is_none(),
+        "nothing was written"
+    );
+    // A goal that fits runs on the same agent.
+    let run = agent
+        .run("small", AgentInput::new().goal("Answer briefly."))
+        .await
+        .unwrap();
+    assert!(run.answer.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_goal_is_written_once() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let agent = builder(counting_model(1, seen))
