@@ -78,7 +78,7 @@ enum ThreadsCommand {
         /// The thread id.
         thread: String,
         /// Checkpoints kept (at least 1; `keel threads delete` removes a whole thread).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, value_parser = parse_keep)]
         keep: u64,
     },
     /// Delete a thread: its checkpoints and its archived history.
@@ -516,6 +516,18 @@ async fn history(
 }
 
 /// `90s`, `30m`, `12h`, `7d`, `2w`.
+/// `--keep`: a whole number of checkpoints, at least 1.
+fn parse_keep(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(0) => Err(
+            "a thread keeps at least its newest checkpoint; `keel threads delete` removes a whole thread"
+                .to_owned(),
+        ),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{text}` is not a number of checkpoints (e.g. --keep 3)")),
+    }
+}
+
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text

@@ -1072,7 +1072,12 @@ fn usage_errors_exit_2_and_a_closed_stderr_does_not_panic() {
         .arg(home.path())
         .output()
         .unwrap();
-    assert_eq!(prune.status.code(), Some(2), "{:?}", text(&prune));
+    let (_, stderr) = text(&prune);
+    assert_eq!(prune.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("keel threads delete") && !stderr.contains("18446744073709551615"),
+        "a sentence, not a type's range: {stderr}"
+    );
     // `2>&-`: stderr closed; the error cannot be printed, but the exit code says it.
     let bin = assert_cmd::cargo::cargo_bin("keel");
     let out = std::process::Command::new("sh")
