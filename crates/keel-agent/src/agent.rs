@@ -790,6 +790,43 @@ impl Agent {
         }
     }
 
+    /// Tokens of the part of every prompt no compaction shrinks: the system prompt and
+    /// the goal (the builder's, unless given here) and the specs of the tools the model
+    /// is offered. A new thread whose part exceeds the prompt budget is refused with
+    /// [`AgentError::PromptTooLarge`]; a caller can hold it to a stricter share.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::Agent;
+    /// use keel_model::ScriptedModel;
+    ///
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::new(Vec::new())))
+    ///     .system("You are careful.")
+    ///     .goal("Summarize the README.")
+    ///     .build()?;
+    /// let fixed = agent.fixed_prompt_tokens(None, None);
+    /// // A run's own goal replaces the builder's.
+    /// let longer = agent.fixed_prompt_tokens(Some(&"word ".repeat(100).into()), None);
+    /// assert!(longer > fixed);
+    /// # Ok::<(), keel_agent::BuildError>(())
+    /// ```
+    pub fn fixed_prompt_tokens(
+        &self,
+        goal: Option<&GoalAnchor>,
+        system: Option<&Message>,
+    ) -> usize {
+        let parts = &self.nodes.parts;
+        let mut fixed = Vec::with_capacity(2);
+        if let Some(system) = system.or(self.system.as_ref()) {
+            fixed.push(system.clone());
+        }
+        if let Some(goal) = goal.or(self.goal.as_ref()) {
+            fixed.push(goal.message().clone());
+        }
+        parts.counter.count_prompt(&fixed, parts.tools.specs())
+    }
+
     /// Fails with [`AgentError::PromptTooLarge`] when a new thread's goal, system
     /// prompt and tool specs alone exceed the prompt budget.
     fn check_fixed_part(
@@ -798,14 +835,8 @@ impl Agent {
         goal: &GoalAnchor,
         system: Option<&Message>,
     ) -> Result<(), AgentError> {
-        let parts = &self.nodes.parts;
-        let mut fixed = Vec::with_capacity(2);
-        if let Some(system) = system {
-            fixed.push(system.clone());
-        }
-        fixed.push(goal.message().clone());
-        let tokens = parts.counter.count_prompt(&fixed, parts.tools.specs());
-        let budget = parts.compactor.prompt_budget();
+        let tokens = self.fixed_prompt_tokens(Some(goal), system);
+        let budget = self.nodes.parts.compactor.prompt_budget();
         if tokens > budget {
             return Err(AgentError::PromptTooLarge {
                 thread_id: thread_id.to_owned(),

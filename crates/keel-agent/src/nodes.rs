@@ -210,34 +210,6 @@ impl AgentNodes {
         move |s, ctx| Box::pin(run(nodes.clone(), s, ctx))
     }
 
-    /// The specs of every tool the model is offered, in the order it sees them: the
-    /// tools given to the builder, the file tools and the offload retrieval tools.
-    /// With the system prompt and the goal they are the part of each prompt that is
-    /// never compacted, so a caller can check that they leave room in the window:
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use keel_agent::Agent;
-    /// use keel_message::{Message, ToolSpec};
-    /// use keel_model::ScriptedModel;
-    /// use keel_token::{ApproxCounter, TokenCounter};
-    ///
-    /// let agent = Agent::builder()
-    ///     .model(Arc::new(ScriptedModel::new(Vec::new())))
-    ///     .system("You are careful.")
-    ///     .build()?;
-    /// let specs: &[ToolSpec] = agent.nodes().tool_specs();
-    /// // The offload retrieval tools are there by default.
-    /// assert!(!specs.is_empty());
-    /// let fixed = ApproxCounter::new()
-    ///     .count_prompt(&[Message::system("You are careful."), Message::user("the goal")], specs);
-    /// assert!(fixed > 0);
-    /// # Ok::<(), keel_agent::BuildError>(())
-    /// ```
-    pub fn tool_specs(&self) -> &[keel_message::ToolSpec] {
-        self.parts.tools.specs()
-    }
-
     /// The `agent` node: sends the assembled prompt (system, goal, epoch, milestones,
     /// raw tail) to the model and appends its reply. On a provider context overflow it
     /// compacts once and retries. At the step ceiling it stops the run with

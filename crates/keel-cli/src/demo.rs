@@ -340,16 +340,9 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .context("cannot build the agent")?;
     // The system prompt, the goal and the tool specs head every prompt and are never
     // compacted; with the summaries and a step's results they must fit the budget.
-    let fixed = counter.count_prompt(
-        &[
-            Message::system(scenario.system()),
-            Message::user(scenario.goal()),
-        ],
-        agent.nodes().tool_specs(),
-    );
     model::check_fixed_part_fits(
         "the demo's system prompt, goal and tool specs are",
-        fixed,
+        agent.fixed_prompt_tokens(None, None),
         3,
         &planned,
         "",

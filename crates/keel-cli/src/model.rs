@@ -131,9 +131,7 @@ pub fn check_fixed_part_fits(
     profile: &ModelProfile,
     advice: &str,
 ) -> anyhow::Result<()> {
-    let input_budget = profile
-        .context_window
-        .saturating_sub(profile.max_output_tokens);
+    let input_budget = profile.input_budget();
     if tokens > input_budget / share.max(1) {
         // The smallest window (a multiple of 1,024) whose budget holds it `share` times,
         // the budget being three quarters of a window below 32,768 tokens.

@@ -515,7 +515,6 @@ async fn history(
     Ok(())
 }
 
-/// `90s`, `30m`, `12h`, `7d`, `2w`.
 /// `--keep`: a whole number of checkpoints, at least 1.
 fn parse_keep(text: &str) -> Result<u64, String> {
     match text.trim().parse::<u64>() {
@@ -528,6 +527,7 @@ fn parse_keep(text: &str) -> Result<u64, String> {
     }
 }
 
+/// `90s`, `30m`, `12h`, `7d`, `2w`.
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text

@@ -79,18 +79,28 @@ fn project() -> tempfile::TempDir {
     dir
 }
 
+/// `keel demo ARGS --dir DIR --home HOME`.
+fn demo(args: &[&str], dir: &Path, home: &Path) -> Output {
+    keel()
+        .arg("demo")
+        .args(args)
+        .arg("--dir")
+        .arg(dir)
+        .arg("--home")
+        .arg(home)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_chart() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
-    let out = keel()
-        .args(["demo", "--steps", "60", "--every", "10", "--epoch", "2"])
-        .arg("--dir")
-        .arg(proj.path())
-        .arg("--home")
-        .arg(home.path())
-        .output()
-        .unwrap();
+    let out = demo(
+        &["--steps", "60", "--every", "10", "--epoch", "2"],
+        proj.path(),
+        home.path(),
+    );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(
@@ -990,14 +1000,11 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
 fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
-    let out = keel()
-        .args(["demo", "--steps", "40", "--window", "4096", "--json", "-q"])
-        .arg("--dir")
-        .arg(proj.path())
-        .arg("--home")
-        .arg(home.path())
-        .output()
-        .unwrap();
+    let out = demo(
+        &["--steps", "40", "--window", "4096", "--json", "-q"],
+        proj.path(),
+        home.path(),
+    );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     let report: Value = serde_json::from_str(&stdout).unwrap();
@@ -1015,14 +1022,11 @@ fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd(
     assert!(report["milestones"].as_u64().unwrap() > 4, "{report:#}");
     assert_eq!(report["question"]["correct"], true, "{report:#}");
 
-    let out = keel()
-        .args(["demo", "--steps", "40", "--window", "2000", "-q"])
-        .arg("--dir")
-        .arg(proj.path())
-        .arg("--home")
-        .arg(home.path())
-        .output()
-        .unwrap();
+    let out = demo(
+        &["--steps", "40", "--window", "2000", "-q"],
+        proj.path(),
+        home.path(),
+    );
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
