@@ -12,13 +12,13 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use super::report::Row;
+use crate::python::Venv;
+use crate::util::{cargo, release_example, root, run_capture};
 
 /// The median of `xs` (NaN when none is finite).
 fn median(xs: Vec<f64>) -> f64 {
     super::agent::median(xs.into_iter()).unwrap_or(f64::NAN)
 }
-use crate::python::Venv;
-use crate::util::{cargo, release_example, root, run_capture};
 
 /// The Python peer, pinned.
 const TIKTOKEN: &str = "tiktoken==0.14.0";
