@@ -458,19 +458,91 @@ pub(super) fn group_by_channel(
     out
 }
 
-/// The length of a value's compact JSON, without building the string.
+/// About the length of a value's compact JSON, from its structure alone: strings count
+/// their bytes without escapes and numbers their digits. The snapshot policy weighs
+/// deltas against snapshots with it, so only its proportions matter; walking the value
+/// costs a fraction of serializing it, which every update of every step would pay.
 pub(super) fn json_size(v: &Value) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-            self.0 += b.len();
-            Ok(b.len())
+    // An explicit stack: a value built in code may nest deeper than the call stack allows.
+    let mut stack = vec![v];
+    let mut size = 0usize;
+    while let Some(v) = stack.pop() {
+        size = size.saturating_add(match v {
+            Value::Null => 4,
+            Value::Bool(b) => 4 + usize::from(!*b),
+            Value::Number(n) => number_size(n),
+            Value::String(s) => s.len() + 2,
+            Value::Array(a) => {
+                stack.extend(a.iter());
+                2 + a.len().saturating_sub(1)
+            }
+            Value::Object(o) => {
+                stack.extend(o.values());
+                // Braces, and per entry the quoted key, a colon and a comma.
+                2 + o.len().saturating_sub(1) + o.keys().map(|k| k.len() + 3).sum::<usize>()
+            }
+        });
+    }
+    size
+}
+
+/// The digits (and sign) of an integer; a float as its shortest form is at most 24.
+fn number_size(n: &serde_json::Number) -> usize {
+    fn digits(mut x: u64) -> usize {
+        let mut d = 1;
+        while x >= 10 {
+            x /= 10;
+            d += 1;
         }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
+        d
+    }
+    if let Some(u) = n.as_u64() {
+        digits(u)
+    } else if let Some(i) = n.as_i64() {
+        1 + digits(i.unsigned_abs())
+    } else {
+        24
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::json_size;
+    use serde_json::{Value, json};
+
+    #[test]
+    fn json_size_is_the_compact_length_when_nothing_needs_escaping() {
+        let values = [
+            json!(null),
+            json!(true),
+            json!(false),
+            json!(0),
+            json!(-7),
+            json!(u64::MAX),
+            json!(i64::MIN),
+            json!("plain text"),
+            json!([]),
+            json!({}),
+            json!([1, "two", [3, {"four": 4}], null]),
+            json!({"role": "tool", "content": "ok", "n": [10, 200, 3000], "m": {"x": false}}),
+        ];
+        for v in values {
+            assert_eq!(
+                json_size(&v),
+                serde_json::to_string(&v).unwrap().len(),
+                "{v}"
+            );
         }
     }
-    let mut c = Count(0);
-    let _ = serde_json::to_writer(&mut c, v);
-    c.0
+
+    #[test]
+    fn json_size_walks_nesting_deeper_than_the_call_stack() {
+        let mut v = Value::Null;
+        for _ in 0..200_000 {
+            v = Value::Array(vec![v]);
+        }
+        assert_eq!(json_size(&v), 200_000 * 2 + 4);
+        // Dropping a value this deep recurses: leak it rather than overflow the stack.
+        std::mem::forget(v);
+    }
 }
