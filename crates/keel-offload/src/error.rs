@@ -57,6 +57,17 @@ pub enum OffloadError {
         #[source]
         source: io::Error,
     },
+    /// A policy found its name for a value and every numbered variant of it taken
+    /// (a tool-call id used over and over): it stores nothing rather than overwrite.
+    #[error(
+        "{key}: this name and {tried} numbered variants of it already hold other values; nothing was overwritten"
+    )]
+    Occupied {
+        /// `thread/path` of the first name tried.
+        key: String,
+        /// How many variants were tried.
+        tried: u32,
+    },
     /// A search pattern is not a valid regular expression (or is too large).
     #[error("invalid pattern {pattern}: {reason}")]
     Pattern {

@@ -25,7 +25,9 @@
 //! * **Policies** — pure steps from messages to edited messages plus a record of what
 //!   was stored ([`PolicyOutcome`]). [`EvictLargeResults`] moves tool results over
 //!   20,000 tokens (counted by a [`TokenCounter`](keel_token::TokenCounter)) to
-//!   `large_tool_results/<tool_call_id>` and leaves a stub with the head and tail;
+//!   `large_tool_results/<tool_call_id>` (`<tool_call_id>~2`, … when the thread used
+//!   the id before: a policy never overwrites what is stored) and leaves a stub with
+//!   the head and tail;
 //!   [`TruncateArguments`] replaces long arguments of old `write_file`/`edit_file`
 //!   calls by pointers once the context is 85% full, once, so the prompt prefix stays
 //!   stable for provider caches; [`Archive`] appends messages to the thread's JSON Lines

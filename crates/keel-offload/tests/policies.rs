@@ -201,6 +201,82 @@ fn evicting_twice_changes_nothing_the_second_time() {
 }
 
 #[test]
+fn a_tool_call_id_used_twice_never_overwrites_the_first_result() {
+    let counter = ApproxCounter::new();
+    let store = MemoryStore::new();
+    let t = thread();
+    let env = PolicyEnv::new(&store, &t, &counter);
+    let policy = EvictLargeResults::new().with_threshold(10);
+    let (first, second) = (
+        format!("first\n{}", log(300)),
+        format!("second\n{}", log(300)),
+    );
+    let mut paths = Vec::new();
+    // The same id on two turns, then an empty id twice: four values, four places.
+    for (id, text) in [("c", &first), ("c", &second), ("", &first), ("", &second)] {
+        let out = policy.apply(vec![Message::tool(id, text.clone())], &env);
+        assert!(out.is_complete(), "{:?}", out.failures);
+        let path = out.stored[0].path.clone();
+        assert!(
+            out.messages[0].text().contains(path.as_str()),
+            "the stub names {path}"
+        );
+        assert_eq!(
+            store
+                .get(&Key::from_parts(t.clone(), path.clone()))
+                .unwrap(),
+            *text
+        );
+        paths.push(path);
+    }
+    assert_eq!(paths[0].as_str(), "large_tool_results/c");
+    assert_eq!(paths[1].as_str(), "large_tool_results/c~2");
+    assert!(paths[3].as_str().ends_with("~2"), "{}", paths[3]);
+    assert_eq!(
+        store
+            .get(&Key::from_parts(t.clone(), paths[0].clone()))
+            .unwrap(),
+        first,
+        "the first result is still there"
+    );
+    // The same result stored again (a step run twice after a crash) reuses its place.
+    let again = policy.apply(vec![Message::tool("c", second.clone())], &env);
+    assert_eq!(again.stored[0].path, paths[1]);
+}
+
+#[test]
+fn a_tool_call_id_used_twice_keeps_both_truncated_arguments() {
+    let (store, t, counter) = env_parts();
+    let env = PolicyEnv::new(&store, &t, &counter);
+    let mut input = old_write_calls(2);
+    for m in &mut input[..2] {
+        m.tool_calls[0].id = "call_0".into();
+    }
+    let out = TruncateArguments::new().apply_with_usage(input.clone(), &env, 90, 100);
+    assert!(out.is_complete());
+    let paths: Vec<&str> = out.stored.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "truncated_arguments/call_0/content",
+            "truncated_arguments/call_0~2/content"
+        ]
+    );
+    for (i, s) in out.stored.iter().enumerate() {
+        let original = input[i].tool_calls[0].arguments.as_json().unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert_eq!(
+            store
+                .get(&Key::from_parts(t.clone(), s.path.clone()))
+                .unwrap(),
+            original
+        );
+    }
+}
+
+#[test]
 fn hostile_tool_call_ids_stay_inside_the_namespace() {
     let counter = ApproxCounter::new();
     let dir = tempfile::tempdir().unwrap();

@@ -6,10 +6,11 @@ use keel_message::{Content, Message, Role};
 use serde_json::json;
 
 use super::{
-    Failure, PolicyEnv, PolicyOutcome, Stored, StoredWhat, cap_chars, record, set_record, thousands,
+    Failure, PolicyEnv, PolicyOutcome, Stored, StoredWhat, cap_chars, nth_place, record,
+    set_record, thousands,
 };
 use crate::error::OffloadError;
-use crate::key::{Key, StorePath, safe_component};
+use crate::key::{StorePath, safe_component};
 use crate::tools::{GREP, LS, READ_FILE};
 
 const RECORD: &str = "evicted";
@@ -126,6 +127,9 @@ impl EvictLargeResults {
 
     /// Where the result of `tool_call_id` is stored:
     /// `large_tool_results/<tool_call_id>`, the id made safe by [`safe_component`].
+    /// If that path already holds another value (the id was used before in the thread),
+    /// the result goes to `<path>~2`, `<path>~3`, … instead: nothing stored is overwritten,
+    /// and the stub names the path used.
     pub fn path_for(&self, tool_call_id: &str) -> Result<StorePath, OffloadError> {
         self.dir.join(&safe_component(tool_call_id))
     }
@@ -206,9 +210,8 @@ impl EvictLargeResults {
         if tokens <= self.threshold_tokens {
             return Ok(None);
         }
-        let path = self.path_for(&call_id)?;
-        let key = Key::from_parts(env.thread.clone(), path.clone());
-        let bytes = env.store.put(&key, &text)?;
+        let name = safe_component(&call_id);
+        let (path, bytes) = env.put_new(&text, |n| nth_place(&self.dir, &name, n))?;
         let (stub, lines) = self.stub(&text, tokens, &path);
         drop(text);
         message.content = Content::Text(stub);

@@ -14,7 +14,9 @@ use keel_token::TokenCounter;
 use serde_json::Value;
 
 use crate::error::OffloadError;
-use crate::key::{StorePath, ThreadId};
+use std::io::Read as _;
+
+use crate::key::{Key, StorePath, ThreadId};
 use crate::store::OffloadStore;
 
 /// The metadata key under which policies record their edits on a message.
@@ -68,6 +70,80 @@ impl std::fmt::Debug for PolicyEnv<'_> {
         f.debug_struct("PolicyEnv")
             .field("thread", &self.thread)
             .finish_non_exhaustive()
+    }
+}
+
+/// How many places [`put_new`] tries before it gives up.
+const MAX_PLACES: u32 = 1_000;
+
+impl PolicyEnv<'_> {
+    /// Stores `text` at the first of `place(1)`, `place(2)`, … that holds nothing yet or
+    /// holds `text` already, and returns that path and the bytes stored. A policy names
+    /// its paths after tool-call ids, and a model (or a server that numbers calls per
+    /// reply) may use one id twice in a thread: the second value then goes beside the
+    /// first instead of over it, so an offload never destroys one stored before.
+    pub(crate) fn put_new(
+        &self,
+        text: &str,
+        place: impl Fn(u32) -> Result<StorePath, OffloadError>,
+    ) -> Result<(StorePath, u64), OffloadError> {
+        for n in 1..=MAX_PLACES {
+            let path = place(n)?;
+            let key = Key::from_parts(self.thread.clone(), path.clone());
+            match self.store.size(&key)? {
+                None => {
+                    let bytes = self.store.put(&key, text)?;
+                    return Ok((path, bytes));
+                }
+                Some(len) if len == text.len() as u64 && self.holds(&key, text)? => {
+                    // The same result stored again (a step run twice after a crash).
+                    return Ok((path, len));
+                }
+                Some(_) => {}
+            }
+        }
+        Err(OffloadError::Occupied {
+            key: Key::from_parts(self.thread.clone(), place(1)?).to_string(),
+            tried: MAX_PLACES,
+        })
+    }
+
+    /// True if `key` holds exactly `text`, read in bounded chunks.
+    fn holds(&self, key: &Key, text: &str) -> Result<bool, OffloadError> {
+        let mut reader = self.store.open(key)?;
+        let mut want = text.as_bytes();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = reader.read(&mut buf).map_err(|source| OffloadError::Io {
+                op: "read",
+                key: key.to_string(),
+                source,
+            })?;
+            if n == 0 {
+                return Ok(want.is_empty());
+            }
+            let Some(head) = want.get(..n) else {
+                return Ok(false);
+            };
+            if head != &buf[..n] {
+                return Ok(false);
+            }
+            want = &want[n..];
+        }
+    }
+}
+
+/// The `n`th place for a value named `component` under `dir`: `dir/component`, then
+/// `dir/component~2`, `dir/component~3`, ….
+pub(crate) fn nth_place(
+    dir: &StorePath,
+    component: &str,
+    n: u32,
+) -> Result<StorePath, OffloadError> {
+    if n <= 1 {
+        dir.join(component)
+    } else {
+        dir.join(&format!("{component}~{n}"))
     }
 }
 

@@ -3,9 +3,11 @@ use std::collections::BTreeSet;
 use keel_message::{Message, Role, ToolArguments};
 use serde_json::{Value, json};
 
-use super::{Failure, PolicyEnv, PolicyOutcome, Stored, StoredWhat, record, set_record, thousands};
+use super::{
+    Failure, PolicyEnv, PolicyOutcome, Stored, StoredWhat, nth_place, record, set_record, thousands,
+};
 use crate::error::OffloadError;
-use crate::key::{Key, StorePath, safe_component};
+use crate::key::{StorePath, safe_component};
 use crate::tools::READ_FILE;
 
 const RECORD: &str = "truncated_arguments";
@@ -219,7 +221,7 @@ impl TruncateArguments {
             if !self.tools.contains(&call.name) {
                 continue;
             }
-            let call_dir = self.dir.join(&safe_component(&call.id))?;
+            let call_name = safe_component(&call.id);
             let mut long: Vec<(Option<String>, &str)> = Vec::new();
             match &call.arguments {
                 ToolArguments::Invalid(raw) => long.push((None, raw)),
@@ -238,13 +240,13 @@ impl TruncateArguments {
                 if chars <= self.max_chars {
                     continue;
                 }
-                let path = match &argument {
-                    Some(name) => call_dir.join(&safe_component(name))?,
-                    None => call_dir.join(RAW)?,
+                let leaf = match &argument {
+                    Some(name) => safe_component(name),
+                    None => RAW.to_owned(),
                 };
-                let bytes = env
-                    .store
-                    .put(&Key::from_parts(env.thread.clone(), path.clone()), text)?;
+                // A call id used twice in the thread gets `<id>~2/…`: nothing is overwritten.
+                let (path, bytes) =
+                    env.put_new(text, |n| nth_place(&self.dir, &call_name, n)?.join(&leaf))?;
                 let replacement = self.pointer(text, chars, &path);
                 edits.push(Edit {
                     call: call_index,
