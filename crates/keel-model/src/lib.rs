@@ -109,6 +109,9 @@ mod retry;
 mod scripted;
 mod types;
 
+/// The attribute [`ChatModel`] is written with: put `#[keel_model::async_trait]` on your
+/// `impl ChatModel for ...` (no `async-trait` dependency of your own needed).
+pub use async_trait::async_trait;
 pub use error::ModelError;
 #[cfg(any(feature = "openai", feature = "ollama"))]
 pub use http::{HttpConfig, RateLimit};

@@ -27,6 +27,39 @@ use crate::{ChatEvent, ChatOptions, ChatResponse, ChatStream, ModelError, ToolCa
 /// assert_eq!(reply.text(), "Paris.");
 /// # Ok::<(), keel_model::ModelError>(())
 /// ```
+///
+/// Your own model (a client for another API, a test double) implements `chat` under
+/// the re-exported [`async_trait`](crate::async_trait) attribute:
+///
+/// ```
+/// use keel_message::{Message, ToolSpec};
+/// use keel_model::{ChatModel, ChatOptions, ChatResponse, FinishReason, ModelError, Usage};
+///
+/// struct Echo;
+///
+/// #[keel_model::async_trait]
+/// impl ChatModel for Echo {
+///     fn model_name(&self) -> &str {
+///         "echo"
+///     }
+///
+///     async fn chat(
+///         &self,
+///         messages: &[Message],
+///         _tools: &[ToolSpec],
+///         _options: &ChatOptions,
+///     ) -> Result<ChatResponse, ModelError> {
+///         let last = messages.last().map(|m| m.text().into_owned()).unwrap_or_default();
+///         Ok(ChatResponse::new(Message::assistant(last), "echo")
+///             .with_usage(Usage::new(messages.len() as u64, 1))
+///             .with_finish_reason(FinishReason::Stop))
+///     }
+/// }
+///
+/// let reply = futures::executor::block_on(Echo.chat(&[Message::user("hi")], &[], &ChatOptions::new()))?;
+/// assert_eq!(reply.text(), "hi");
+/// # Ok::<(), ModelError>(())
+/// ```
 #[async_trait]
 pub trait ChatModel: Send + Sync {
     /// The name of the model this client calls by default (recorded on summaries and in

@@ -278,6 +278,20 @@ impl ChatResponse {
         }
     }
 
+    /// With the provider's token usage.
+    #[must_use]
+    pub fn with_usage(mut self, usage: Usage) -> Self {
+        self.usage = Some(usage);
+        self
+    }
+
+    /// With why the provider stopped generating.
+    #[must_use]
+    pub fn with_finish_reason(mut self, reason: FinishReason) -> Self {
+        self.finish_reason = Some(reason);
+        self
+    }
+
     /// The reply's text.
     pub fn text(&self) -> std::borrow::Cow<'_, str> {
         self.message.text()

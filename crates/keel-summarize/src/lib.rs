@@ -72,6 +72,9 @@ mod llm;
 mod prompts;
 mod summary;
 
+/// The attribute [`Summarizer`] is written with: put `#[keel_summarize::async_trait]` on
+/// your `impl Summarizer for ...` (no `async-trait` dependency of your own needed).
+pub use async_trait::async_trait;
 pub use error::{Rejection, SummarizeError};
 pub use extractive::{
     BLOCKING_POOL_BYTES, EXTRACTIVE_MODEL, EXTRACTIVE_VERSION, ExtractiveSummarizer,
