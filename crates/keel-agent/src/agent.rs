@@ -792,7 +792,8 @@ impl Agent {
 
     /// Tokens of the part of every prompt no compaction shrinks: the system prompt and
     /// the goal (the builder's, unless given here) and the specs of the tools the model
-    /// is offered. A new thread whose part exceeds the prompt budget is refused with
+    /// is offered. A thread whose part exceeds the prompt budget (a new one, or one
+    /// resumed with a smaller window than it ran with) is refused with
     /// [`AgentError::PromptTooLarge`]; a caller can hold it to a stricter share.
     ///
     /// ```
@@ -827,8 +828,8 @@ impl Agent {
         parts.counter.count_prompt(&fixed, parts.tools.specs())
     }
 
-    /// Fails with [`AgentError::PromptTooLarge`] when a new thread's goal, system
-    /// prompt and tool specs alone exceed the prompt budget.
+    /// Fails with [`AgentError::PromptTooLarge`] when a thread's goal, system prompt
+    /// and tool specs alone exceed the prompt budget.
     fn check_fixed_part(
         &self,
         thread_id: &str,
@@ -853,6 +854,18 @@ impl Agent {
         input: AgentInput,
         existing: Option<&keel_graph::StateSnapshot<AgentState>>,
     ) -> Result<Command<AgentState>, AgentError> {
+        if let Some(snap) = existing {
+            if let Some(goal) = &snap.values.goal {
+                // Resumed with a smaller window than it ran with: no prompt could fit.
+                self.check_fixed_part(thread_id, goal, snap.values.system.as_ref())?;
+                if self.goal.as_ref().is_some_and(|g| g != goal) {
+                    tracing::warn!(
+                        thread = thread_id,
+                        "the builder's goal is not used: the thread keeps the goal it was started with"
+                    );
+                }
+            }
+        }
         if let Some(answer) = input.resume {
             return Ok(Command::resume(answer));
         }
@@ -1103,7 +1116,10 @@ impl AgentBuilder {
         self
     }
 
-    /// The goal of new threads (a run's [`AgentInput::goal`] takes precedence).
+    /// The goal of new threads (a run's [`AgentInput::goal`] takes precedence). A thread
+    /// keeps the goal it was started with: on a thread that has one, this goal is not
+    /// used (a warning is logged when it differs), while [`AgentInput::goal`] there is
+    /// an error ([`AgentError::GoalAlreadySet`]).
     pub fn goal(mut self, goal: impl Into<GoalAnchor>) -> Self {
         self.goal = Some(goal.into());
         self

@@ -104,11 +104,12 @@ pub enum AgentError {
         #[source]
         source: keel_offload::OffloadError,
     },
-    /// A new thread's goal, with the system prompt and the tool specs, is larger than
-    /// the prompt budget: they head every prompt and are never compacted, so every
-    /// model call of the thread would overflow the window. Shorten the goal (put long
-    /// material in a file the agent can read) or use a model with a larger window.
-    /// Nothing was written.
+    /// A thread's goal, with the system prompt and the tool specs, is larger than the
+    /// prompt budget: they head every prompt and are never compacted, so every model
+    /// call of the thread would overflow the window. For a new thread, shorten the goal
+    /// (put long material in a file the agent can read) or use a model with a larger
+    /// window; for a thread resumed with a smaller window than it ran with, give it a
+    /// window its goal fits. Nothing was written.
     #[error(
         "thread `{thread_id}`: the goal, system prompt and tool specs take {tokens} tokens, more than the {budget}-token prompt budget; no compaction can make the prompt fit"
     )]

@@ -406,6 +406,51 @@ async fn a_goal_larger_than_the_prompt_budget_is_refused_before_anything_is_writ
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_thread_resumed_with_a_window_its_goal_cannot_fit_in_is_refused() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let saver = Arc::new(MemorySaver::new());
+    let goal = "word ".repeat(1_000);
+    let wide = builder(counting_model(1, seen.clone()))
+        .profile(ModelProfile::new(
+            "wide",
+            32_000,
+            1_000,
+            Encoding::O200kBase,
+        ))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    wide.run("t", AgentInput::new().goal(goal.as_str()))
+        .await
+        .unwrap();
+    let calls = seen.lock().unwrap().len();
+    let before = wide.state("t").await.unwrap().unwrap();
+    let narrow = builder(counting_model(1, seen.clone()))
+        .profile(ModelProfile::new("narrow", 1_000, 200, Encoding::O200kBase))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let refused = narrow
+        .run("t", AgentInput::new().message(Message::user("Go on.")))
+        .await;
+    assert!(
+        matches!(refused, Err(AgentError::PromptTooLarge { ref thread_id, budget: 800, .. }) if thread_id == "t"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        calls,
+        "the model was not called"
+    );
+    let after = wide.state("t").await.unwrap().unwrap();
+    assert_eq!(after.messages, before.messages, "nothing was written");
+    // The window it ran with still continues it.
+    wide.run("t", AgentInput::new().message(Message::user("Go on.")))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_goal_is_written_once() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let agent = builder(counting_model(1, seen))
