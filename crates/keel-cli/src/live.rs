@@ -7,7 +7,7 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, Stop};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::offload::EvictLargeResults;
@@ -101,15 +101,24 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     }
     let home = settings.home(args.home.as_deref());
     let url = settings.database_url(args.database_url.as_deref());
-    let storage = store::open(&home, url.as_deref(), true).await?;
-    let offload = store::offload_for(&home, url.as_deref(), true)?
-        .context("no offload store could be opened")?;
+    // Only a run that may start a thread creates the embedded file.
+    let creates = args.thread.is_none() || args.goal.is_some();
+    let storage = store::open(&home, url.as_deref(), creates).await?;
 
     let thread = args
         .thread
         .clone()
         .unwrap_or_else(|| store::new_thread_id("run"));
     let saved = saved_settings(&*storage.saver, &thread).await?;
+    if saved.is_none() && args.goal.is_none() {
+        bail!(
+            "there is no thread `{thread}` ({}): `{}` lists the threads there; give --goal to start a new thread",
+            storage.described,
+            threads_list_hint(&args)
+        );
+    }
+    let offload = store::offload_for(&home, url.as_deref(), true)?
+        .context("no offload store could be opened")?;
     let spec = args
         .model
         .clone()
@@ -195,10 +204,6 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         dir: Some(dir.clone()),
         window,
     };
-    input = input.metadata(
-        RUN_METADATA,
-        serde_json::to_value(&saved).context("cannot encode the run's settings")?,
-    );
     outln!("model: {spec} at {}", spec.base_url(settings));
     outln!(
         "thread: {thread} ({}); files: {}",
@@ -213,7 +218,9 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         );
     }
     let resume = resume_hint(&args, &thread);
+    let metadata = serde_json::to_value(&saved).context("cannot encode the run's settings")?;
 
+    input = input.metadata(RUN_METADATA, metadata.clone());
     loop {
         let (stopped, interrupts) = drive(&agent, &thread, &resume, input).await?;
         if stopped {
@@ -226,16 +233,29 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         let answer = ask(&question).await?;
         // The resumed run spends what is left of this run's budget.
         let now = agent.state(&thread).await?.map_or(start, |s| s.step);
+        // Every checkpoint carries the settings, those written after the answer too:
+        // `--thread T` alone resumes from whichever is newest.
         input = AgentInput::new()
             .resume(answer)
-            .max_steps(args.max_steps.saturating_sub(now.saturating_sub(start)));
+            .max_steps(args.max_steps.saturating_sub(now.saturating_sub(start)))
+            .metadata(RUN_METADATA, metadata.clone());
     }
     let state = agent
         .state(&thread)
         .await?
         .context("the thread has no state")?;
     if let Some(stop) = &state.stop {
-        outln!("\nthe run stopped early: {stop}. Continue with: {resume}");
+        let why = match stop {
+            // The agent counts the run after the last approval; this command's budget
+            // spans every answer given in it.
+            Stop::RunBudget { .. } => format!(
+                "this run's budget of {} was used ({} made)",
+                count(args.max_steps, "model call"),
+                state.step.saturating_sub(start)
+            ),
+            other => other.to_string(),
+        };
+        outln!("\nthe run stopped early: {why}. Continue with: {resume}");
     }
     outln!(
         "\nanswer:\n{}",
@@ -250,22 +270,41 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
-/// What the thread's newest checkpoint says it ran with, if it exists.
+/// What the thread ran with: the settings of its newest checkpoint that has them
+/// (checkpoints written by other programs, or by older versions of `keel run` after an
+/// approval, have none). `None` when the thread has no checkpoint at all.
 async fn saved_settings(
     saver: &dyn keel::checkpoint::Checkpointer,
     thread: &str,
 ) -> anyhow::Result<Option<Saved>> {
-    let tuple = saver
-        .get(&keel::checkpoint::ThreadKey::new(thread.to_owned()), None)
-        .await
-        .with_context(|| format!("cannot read thread `{thread}`"))?;
-    Ok(tuple.map(|t| {
-        t.metadata
+    let key = keel::checkpoint::ThreadKey::new(thread.to_owned());
+    let mut newest_first = saver.list(&key, keel::checkpoint::ListOptions::default());
+    let mut exists = false;
+    while let Some(item) = newest_first.next().await {
+        let summary = item.with_context(|| format!("cannot read thread `{thread}`"))?;
+        exists = true;
+        if let Some(saved) = summary
+            .metadata
             .extra
             .get(RUN_METADATA)
             .and_then(|v| serde_json::from_value(v.clone()).ok())
-            .unwrap_or_default()
-    }))
+        {
+            return Ok(Some(saved));
+        }
+    }
+    Ok(exists.then(Saved::default))
+}
+
+/// The command that lists the threads where this run looked.
+fn threads_list_hint(args: &RunArgs) -> String {
+    let mut hint = "keel threads list".to_owned();
+    if let Some(home) = &args.home {
+        hint.push_str(&format!(" --home {}", home.display()));
+    }
+    if let Some(url) = &args.database_url {
+        hint.push_str(&format!(" --database-url {}", store::redact(url)));
+    }
+    hint
 }
 
 /// The command that continues `thread`: the thread's own settings come back from its

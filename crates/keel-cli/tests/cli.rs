@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use assert_cmd::Command;
+use futures::StreamExt;
 use serde_json::{Value, json};
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
@@ -729,6 +730,104 @@ async fn approve_asks_at_the_terminal_before_a_write() {
         let verdict = if written { "approved" } else { "denied" };
         assert!(stdout.contains(verdict), "{answer:?}: {stdout}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_paused_at_an_approval_resumes_with_only_its_id() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/api/chat"))
+        .respond_with(Writer)
+        .mount(&server)
+        .await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (h, d, uri) = (home.path().to_owned(), proj.path().to_owned(), server.uri());
+    // The one call of the budget asks to write; the answer comes after it.
+    let first = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["run", "--model", "ollama/local", "--window", "8000"])
+            .args(["--approve", "--goal", "Write a note.", "--max-steps", "1"])
+            .args(["--thread", "ap2", "--home"])
+            .arg(&h)
+            .arg("--dir")
+            .arg(&d)
+            .env("OLLAMA_BASE_URL", uri)
+            .write_stdin("y\n")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&first);
+    assert!(first.status.success(), "{stdout}\n{stderr}");
+    assert!(proj.path().join("notes.txt").exists(), "{stdout}");
+    assert!(
+        stdout.contains("this run's budget of 1 model call was used (1 made)"),
+        "the whole command's budget and calls, not the part after the answer:\n{stdout}"
+    );
+
+    // Every checkpoint, those written after the answer too, says what the thread ran with.
+    let saver = keel::sqlite::SqliteOptions::default()
+        .open(home.path().join("keel.sqlite"))
+        .await
+        .unwrap();
+    let key = keel::checkpoint::ThreadKey::new("ap2".to_owned());
+    let all: Vec<_> = keel::checkpoint::Checkpointer::list(
+        &saver,
+        &key,
+        keel::checkpoint::ListOptions::default(),
+    )
+    .collect()
+    .await;
+    assert!(all.len() > 2, "{}", all.len());
+    for c in all {
+        let c = c.unwrap();
+        assert_eq!(
+            c.metadata.extra["keel_run"]["model"], "ollama/local",
+            "step {}: {:?}",
+            c.metadata.step, c.metadata.extra
+        );
+    }
+    drop(saver);
+
+    let (h, uri, cwd) = (
+        home.path().to_owned(),
+        server.uri(),
+        elsewhere.path().to_owned(),
+    );
+    let second = tokio::task::spawn_blocking(move || {
+        keel()
+            .current_dir(&cwd)
+            .args(["run", "--thread", "ap2", "--home"])
+            .arg(&h)
+            .env("OLLAMA_BASE_URL", uri)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&second);
+    assert!(second.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("model: ollama/local"), "{stdout}");
+    assert!(stdout.contains("Tool said:"), "{stdout}");
+
+    // A thread that does not exist is named, with how to list the threads.
+    let h = home.path().to_owned();
+    let missing = keel()
+        .args(["run", "--thread", "nope-123", "--home"])
+        .arg(&h)
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&missing);
+    assert_eq!(missing.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no thread `nope-123`")
+            && stderr.contains("keel threads list --home")
+            && !stderr.contains("needs a model"),
+        "{stderr}"
+    );
 }
 
 fn database_url() -> Option<String> {
