@@ -339,6 +339,17 @@ impl Agent {
     /// each time, as they would from `block_on`'s thread. Dropping the returned future
     /// aborts that task at its next `.await`, which is where an inline run would have
     /// stopped; a panic in it resumes in the caller.
+    ///
+    /// # Thread ids
+    ///
+    /// A thread id also names the thread's folder in the offload store, so it is 1 to
+    /// 255 bytes without `/`, `\`, NUL or control characters, and does not start with
+    /// `.`; anything else is refused with [`AgentError::BadThreadId`] before anything
+    /// runs. Map ids of your own that break these rules (`user/123`) to ones that keep
+    /// them (`user-123`, or a hash).
+    ///
+    /// Run one thread at a time: a second run of a thread while one is going fails
+    /// when it first writes a checkpoint, with a stale-writer error of the checkpointer.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let (agent, thread) = (self.clone(), thread_id.to_owned());
         on_own_task(async move {
@@ -637,10 +648,7 @@ impl Agent {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub async fn delete_thread(&self, thread_id: &str) -> Result<(), AgentError> {
-        let id = ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
-            thread_id: thread_id.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let id = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
         if let Some(cp) = &self.checkpointer {
             cp.delete_thread(thread_id)
                 .await
@@ -728,10 +736,7 @@ impl Agent {
         at: Option<&CheckpointId>,
         input: AgentInput,
     ) -> Result<(Command<AgentState>, Option<RunBudget>), AgentError> {
-        let thread = ThreadId::new(thread_id).map_err(|e| AgentError::BadThreadId {
-            thread_id: thread_id.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let thread = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
         if let Some(key) = input
             .metadata
             .keys()
@@ -1475,5 +1480,18 @@ where
         Ok(result) => result,
         Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
         Err(_) => Err(AgentError::Graph(GraphError::Cancelled)),
+    }
+}
+
+/// [`AgentError::BadThreadId`] with the offload store's reason alone (its message
+/// names the id again).
+fn bad_thread_id(thread_id: &str, e: keel_offload::OffloadError) -> AgentError {
+    let reason = match e {
+        keel_offload::OffloadError::InvalidKey { problem, .. } => problem.to_string(),
+        other => other.to_string(),
+    };
+    AgentError::BadThreadId {
+        thread_id: thread_id.to_owned(),
+        reason,
     }
 }

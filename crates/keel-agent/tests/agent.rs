@@ -451,6 +451,24 @@ async fn a_thread_resumed_with_a_window_its_goal_cannot_fit_in_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_thread_id_the_offload_store_cannot_name_is_refused_with_one_reason() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(1, seen.clone()))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    for id in ["user/123", ".hidden", ""] {
+        let err = agent.run(id, AgentInput::new()).await.unwrap_err();
+        assert!(matches!(err, AgentError::BadThreadId { ref thread_id, .. } if thread_id == id));
+        let text = err.to_string();
+        // The reason alone, not the offload store's whole message naming the id again.
+        assert_eq!(text.matches(&format!("`{id}`")).count(), 1, "{text}");
+        assert!(!text.contains("invalid thread id"), "{text}");
+    }
+    assert!(seen.lock().unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_goal_is_written_once() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let agent = builder(counting_model(1, seen))

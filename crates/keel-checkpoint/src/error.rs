@@ -9,7 +9,7 @@ pub enum CheckpointError {
     /// Fencing refused a put: the thread's newest checkpoint is not the one the writer
     /// expected (another writer got there first). Nothing was written.
     #[error(
-        "stale writer: expected head {}, but the thread's head is {}",
+        "stale writer: expected head {}, but the thread's head is {}: another run of this thread wrote first (run a thread once at a time); nothing was written, and running the thread again continues from its head",
         show(expected),
         show(actual)
     )]
