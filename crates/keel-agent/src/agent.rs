@@ -859,16 +859,14 @@ impl Agent {
         input: AgentInput,
         existing: Option<&keel_graph::StateSnapshot<AgentState>>,
     ) -> Result<Command<AgentState>, AgentError> {
-        if let Some(snap) = existing {
-            if let Some(goal) = &snap.values.goal {
-                // Resumed with a smaller window than it ran with: no prompt could fit.
-                self.check_fixed_part(thread_id, goal, snap.values.system.as_ref())?;
-                if self.goal.as_ref().is_some_and(|g| g != goal) {
-                    tracing::warn!(
-                        thread = thread_id,
-                        "the builder's goal is not used: the thread keeps the goal it was started with"
-                    );
-                }
+        if let Some((snap, goal)) = existing.and_then(|s| Some((s, s.values.goal.as_ref()?))) {
+            // Resumed with a smaller window than it ran with: no prompt could fit.
+            self.check_fixed_part(thread_id, goal, snap.values.system.as_ref())?;
+            if self.goal.as_ref().is_some_and(|g| g != goal) {
+                tracing::warn!(
+                    thread = thread_id,
+                    "the builder's goal is not used: the thread keeps the goal it was started with"
+                );
             }
         }
         if let Some(answer) = input.resume {

@@ -126,6 +126,50 @@ pub enum AgentError {
     Graph(#[from] GraphError),
 }
 
+impl AgentError {
+    /// The model's error, when a model call failed the run (the provider refused, timed
+    /// out, or overflowed even after compacting): found through the error's sources,
+    /// for matching on [`ModelError`](keel_model::ModelError)'s variants.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput};
+    /// use keel_model::{ModelError, ScriptedModel};
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// // A script with no turns left fails its first call.
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::new(Vec::new())))
+    ///     .goal("Say hello.")
+    ///     .build()?;
+    /// let err = agent.run("t", AgentInput::new()).await.unwrap_err();
+    /// assert!(matches!(err.model_error(), Some(ModelError::Exhausted { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn model_error(&self) -> Option<&keel_model::ModelError> {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = next {
+            if let Some(m) = e.downcast_ref::<keel_model::ModelError>() {
+                return Some(m);
+            }
+            next = e.source();
+        }
+        None
+    }
+}
+
+/// The provider reported a context overflow and the compaction that should have made
+/// room failed; the model's error is the source.
+#[derive(Debug, thiserror::Error)]
+#[error("the model's context overflowed ({model}) and compacting failed ({compaction})")]
+pub(crate) struct OverflowUnresolved {
+    #[source]
+    pub(crate) model: keel_model::ModelError,
+    pub(crate) compaction: keel_compaction::CompactionError,
+}
+
 /// What failed while a thread's offloaded files were cleaned up
 /// ([`AgentError::Offload`]).
 #[derive(Debug, thiserror::Error)]

@@ -390,9 +390,10 @@ impl AgentNodes {
                         retries += 1;
                         tracing::warn!(error = %e, "provider reports context overflow; compacting");
                         if let Err(ce) = compactor.compact(&mut c, Trigger::Overflow, specs).await {
-                            return Err(NodeError::msg(format!(
-                                "the model's context overflowed ({e}) and compacting failed ({ce})"
-                            )));
+                            return Err(NodeError::new(crate::error::OverflowUnresolved {
+                                model: e,
+                                compaction: ce,
+                            }));
                         }
                         if compactor.epoch_due(&c) {
                             // A failed epoch keeps the milestones (recorded as an event).

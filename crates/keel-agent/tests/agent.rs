@@ -726,6 +726,30 @@ async fn a_context_overflow_compacts_and_retries_once() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_overflow_compaction_cannot_cure_fails_with_the_model_s_typed_error() {
+    let model = PolicyModel::new("tiny", |_m, _t| {
+        Err(ModelError::ContextOverflow {
+            message: "maximum context length exceeded".into(),
+        })
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let err = agent.run("full", AgentInput::new()).await.unwrap_err();
+    assert!(
+        matches!(err.model_error(), Some(ModelError::ContextOverflow { .. })),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("agent"), "names the node: {err}");
+    // The thread stays resumable from its last checkpoint.
+    assert!(agent.state("full").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
     // One model and one offload store (the archive) drive the whole run; the ceiling
