@@ -388,16 +388,13 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         bar
     };
     let mut tally = Tally::default();
-    drive(
-        &agent,
-        &thread,
-        AgentInput::new(),
-        &mut tally,
-        counter.as_ref(),
-        &bar,
-        args.quiet || args.json,
-    )
-    .await?;
+    let watch = Watch {
+        counter: counter.as_ref(),
+        bar: &bar,
+        quiet: args.quiet || args.json,
+        live: live.as_ref().map(|spec| (spec, settings)),
+    };
+    drive(&agent, &thread, AgentInput::new(), &mut tally, &watch).await?;
     let survey_answer = tally.answer.take();
     let reads_before = tally.archive_reads;
     let calls_before = tally.tool_calls;
@@ -408,9 +405,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         &thread,
         AgentInput::new().message(Message::user(question.clone())),
         &mut tally,
-        counter.as_ref(),
-        &bar,
-        args.quiet || args.json,
+        &watch,
     )
     .await?;
     bar.finish_and_clear();
@@ -534,19 +529,41 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+/// How a run of the demo is watched: counted, shown, and explained when it fails.
+struct Watch<'a> {
+    counter: &'a dyn TokenCounter,
+    bar: &'a ProgressBar,
+    quiet: bool,
+    /// The live model and the settings it was reached with, if there is one.
+    live: Option<(&'a ModelSpec, &'a Settings)>,
+}
+
 async fn drive(
     agent: &Agent,
     thread: &str,
     input: AgentInput,
     tally: &mut Tally,
-    counter: &dyn TokenCounter,
-    bar: &ProgressBar,
-    quiet: bool,
+    watch: &Watch<'_>,
 ) -> anyhow::Result<()> {
+    let Watch {
+        counter,
+        bar,
+        quiet,
+        live,
+    } = *watch;
     let mut updates = agent.stream(thread, input);
     while let Some(update) = updates.next().await {
-        let update =
-            update.with_context(|| format!("the agent run on thread `{thread}` failed"))?;
+        let update = match update {
+            Ok(u) => u,
+            Err(e) => {
+                let fix = live.and_then(|(spec, settings)| model::what_to_fix(&e, spec, settings));
+                let message = match fix {
+                    Some(fix) => format!("the agent run on thread `{thread}` failed: {fix}"),
+                    None => format!("the agent run on thread `{thread}` failed"),
+                };
+                return Err(anyhow::Error::new(e).context(message));
+            }
+        };
         tally.observe(&update, counter, bar, quiet);
     }
     Ok(())

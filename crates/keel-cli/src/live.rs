@@ -222,7 +222,8 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
 
     input = input.metadata(RUN_METADATA, metadata.clone());
     loop {
-        let (stopped, interrupts) = drive(&agent, &thread, &resume, input).await?;
+        let (stopped, interrupts) =
+            drive(&agent, &thread, &resume, input, (&spec, settings)).await?;
         if stopped {
             outln!("\nstopped after the current step. Resume with: {resume}");
             return Ok(ExitCode::from(exit::INTERRUPTED));
@@ -330,6 +331,7 @@ async fn drive(
     thread: &str,
     resume: &str,
     input: AgentInput,
+    (spec, settings): (&ModelSpec, &Settings),
 ) -> anyhow::Result<(bool, Option<Value>)> {
     let mut updates = agent.stream(thread, input);
     let mut stopping = false;
@@ -352,7 +354,20 @@ async fn drive(
         let Some(update) = update else {
             return Ok((stopping, None));
         };
-        let update = update.with_context(|| format!("the run of thread `{thread}` failed; it resumes from its last checkpoint with: {resume}"))?;
+        let update = match update {
+            Ok(u) => u,
+            Err(e) => {
+                let message = match model::what_to_fix(&e, spec, settings) {
+                    Some(fix) => format!(
+                        "the run of thread `{thread}` failed: {fix}. It resumes from its last checkpoint with: {resume}"
+                    ),
+                    None => format!(
+                        "the run of thread `{thread}` failed; it resumes from its last checkpoint with: {resume}"
+                    ),
+                };
+                return Err(anyhow::Error::new(e).context(message));
+            }
+        };
         print_update(&update);
         match update {
             AgentUpdate::Done { interrupts, .. } => {

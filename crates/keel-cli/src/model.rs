@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Args;
 use keel::model::{
-    ChatModel, ChatOptions, HttpConfig, OllamaConfig, OllamaModel, OpenAiConfig, OpenAiModel,
+    ChatModel, ChatOptions, HttpConfig, ModelError, OllamaConfig, OllamaModel, OpenAiConfig,
+    OpenAiModel,
 };
 use keel::summarize::{ExtractiveSummarizer, LlmSummarizer, Summarizer};
 use keel::token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
@@ -248,6 +249,76 @@ impl std::fmt::Display for ModelSpec {
             Self::OpenAi(n) => write!(f, "openai/{n}"),
         }
     }
+}
+
+/// What to fix when a call to the model server `spec` failed with `error` (a
+/// [`ModelError`] somewhere in its chain of causes): a sentence naming the setting to
+/// change, or `None` when the error is of no kind with a known fix.
+pub fn what_to_fix(
+    error: &(dyn std::error::Error + 'static),
+    spec: &ModelSpec,
+    settings: &Settings,
+) -> Option<String> {
+    let mut cause = Some(error);
+    let model_error = std::iter::from_fn(|| {
+        let e = cause?;
+        cause = e.source();
+        Some(e)
+    })
+    .find_map(|e| e.downcast_ref::<ModelError>())?;
+    let url = spec.base_url(settings);
+    let name = spec.name();
+    let ollama = matches!(spec, ModelSpec::Ollama(_));
+    Some(match model_error {
+        ModelError::Connection(_) if ollama => format!(
+            "nothing answers at {url}: start Ollama (`ollama serve`), or set OLLAMA_BASE_URL (or `ollama_base_url` in keel.toml) to the address it listens on"
+        ),
+        ModelError::Connection(_) => format!(
+            "nothing answers at {url}: start the server, or set OPENAI_BASE_URL (or `openai_base_url` in keel.toml) to the address it listens on, e.g. http://127.0.0.1:8080/v1"
+        ),
+        ModelError::Api { status, .. } if (*status == 401 || *status == 403) && ollama => {
+            format!(
+                "the server at {url} refused the request (HTTP {status}); keel sends Ollama no API key, so set OLLAMA_BASE_URL to an Ollama server that needs none"
+            )
+        }
+        ModelError::Api { status, .. } if *status == 401 || *status == 403 => {
+            if env("OPENAI_API_KEY").is_some() {
+                format!(
+                    "the server at {url} refused the API key (HTTP {status}): set OPENAI_API_KEY to a key it accepts"
+                )
+            } else {
+                format!("the server at {url} wants an API key (HTTP {status}): set OPENAI_API_KEY")
+            }
+        }
+        ModelError::Api {
+            status: 404,
+            message,
+            code,
+        } if code.as_deref().is_some_and(|c| c.contains("model"))
+            || message.to_ascii_lowercase().contains("model") =>
+        {
+            if ollama {
+                format!(
+                    "Ollama at {url} has no model `{name}`: check the name after `ollama/` in --model against `ollama list`, or fetch it with `ollama pull {name}`"
+                )
+            } else {
+                format!(
+                    "the server at {url} has no model `{name}`: check the name after `openai/` in --model against the names the server lists at {url}/models"
+                )
+            }
+        }
+        ModelError::Api { status: 404, .. } if ollama => format!(
+            "{url} has no Ollama chat endpoint (HTTP 404): check OLLAMA_BASE_URL (Ollama's address, without a path, e.g. http://127.0.0.1:11434)"
+        ),
+        ModelError::Api { status: 404, .. } => format!(
+            "{url} has no chat completions endpoint (HTTP 404): check OPENAI_BASE_URL (it usually ends in /v1) and the model name after `openai/` in --model"
+        ),
+        ModelError::Timeout(after) => format!(
+            "the model gave no complete answer within {} s: give a larger --timeout, a smaller --max-tokens, or a faster model",
+            after.as_secs()
+        ),
+        _ => return None,
+    })
 }
 
 /// The token counter of a model profile: exact for the OpenAI encodings, an estimate

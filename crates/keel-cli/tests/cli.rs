@@ -665,6 +665,103 @@ async fn run_reports_an_unreachable_server_as_a_sentence() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_server_errors_say_what_to_fix_and_how_to_resume() {
+    let proj = project();
+    // (model, status, body, what the error must say)
+    let cases = [
+        (
+            "openai/local",
+            401,
+            json!({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}}),
+            "set OPENAI_API_KEY",
+        ),
+        (
+            "openai/local",
+            403,
+            json!({"error": {"message": "Forbidden"}}),
+            "set OPENAI_API_KEY",
+        ),
+        (
+            "openai/local",
+            404,
+            json!({"error": {"message": "The model `local` does not exist", "type": "invalid_request_error", "code": "model_not_found"}}),
+            "has no model `local`",
+        ),
+        (
+            "ollama/local",
+            404,
+            json!({"error": "model \"local\" not found, try pulling it first"}),
+            "ollama pull local",
+        ),
+    ];
+    for (model, status, body, want) in cases {
+        let server = MockServer::start().await;
+        Mock::given(method("POST"))
+            .respond_with(ResponseTemplate::new(status).set_body_json(body))
+            .mount(&server)
+            .await;
+        let env = if model.starts_with("openai") {
+            ("OPENAI_BASE_URL", format!("{}/v1", server.uri()))
+        } else {
+            ("OLLAMA_BASE_URL", server.uri())
+        };
+        let home = tempfile::tempdir().unwrap();
+        let (h, d) = (home.path().to_owned(), proj.path().to_owned());
+        let out = tokio::task::spawn_blocking(move || run_live(model, env, &h, &d, &[]))
+            .await
+            .unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{model} {status}: {stderr}");
+        let first = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        assert!(
+            first.contains(want)
+                && first
+                    .contains("resumes from its last checkpoint with: keel run --thread live-1"),
+            "{model} {status}: {stderr}"
+        );
+    }
+    // Nothing listens on port 9 (discard) on loopback.
+    for (model, var, url) in [
+        ("ollama/local", "OLLAMA_BASE_URL", "http://127.0.0.1:9"),
+        ("openai/local", "OPENAI_BASE_URL", "http://127.0.0.1:9/v1"),
+    ] {
+        let home = tempfile::tempdir().unwrap();
+        let (h, d) = (home.path().to_owned(), proj.path().to_owned());
+        let out =
+            tokio::task::spawn_blocking(move || run_live(model, (var, url.into()), &h, &d, &[]))
+                .await
+                .unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{model}: {stderr}");
+        let first = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        assert!(
+            first.contains(&format!("nothing answers at {url}"))
+                && first.contains(&format!("set {var}"))
+                && first.contains("keel run --thread live-1"),
+            "{model}: {stderr}"
+        );
+    }
+    // `keel demo --model` says the same.
+    let home = tempfile::tempdir().unwrap();
+    let out = keel()
+        .args(["demo", "--model", "ollama/local", "--window", "8000", "-q"])
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .env("OLLAMA_BASE_URL", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("nothing answers at http://127.0.0.1:9")
+            && stderr.contains("OLLAMA_BASE_URL"),
+        "{stderr}"
+    );
+}
+
 /// Asks to write `notes.txt` once, then answers from the tool result.
 struct Writer;
 
