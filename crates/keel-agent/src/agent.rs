@@ -1198,7 +1198,10 @@ impl AgentBuilder {
         self
     }
 
-    /// The time one tool call may take (default 120 s).
+    /// The time one tool call may take (default 120 s). Past it the model is told the
+    /// call timed out and the call's task is dropped at its next `.await`. Work a tool
+    /// runs on other threads (`spawn_blocking`, a child process) is not stopped by
+    /// that: give such a tool a deadline of its own.
     pub fn tool_timeout(mut self, timeout: Duration) -> Self {
         self.tool_timeout = Some(timeout);
         self

@@ -178,7 +178,7 @@ impl Toolbox {
             Err(_) => {
                 abort.abort();
                 Err(format!(
-                    "`{}` did not finish within {} s and was stopped",
+                    "`{}` did not finish within {} s; its result is discarded, and whatever it changed before then stays changed",
                     call.name,
                     timeout.as_secs_f64()
                 ))
