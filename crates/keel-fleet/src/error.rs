@@ -85,6 +85,19 @@ pub enum FleetError {
         /// Its status (`queued` or `running`).
         status: &'static str,
     },
+    /// [`Queue::forget_thread`](crate::Queue::forget_thread) while the thread has a
+    /// run that is queued or running.
+    #[error(
+        "thread {thread:?} has run {run} {status}: cancel it and let it end before removing the thread's runs"
+    )]
+    ThreadActive {
+        /// The thread.
+        thread: String,
+        /// The run still in flight.
+        run: RunId,
+        /// Its status (`queued` or `running`).
+        status: &'static str,
+    },
     /// No run has this id.
     #[error("no run {run} in the queue")]
     UnknownRun {

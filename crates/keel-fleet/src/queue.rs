@@ -546,6 +546,62 @@ impl Queue {
             .collect()
     }
 
+    /// The threads the queue has a run of, in id order: threads whose runs were
+    /// cancelled or failed before their first checkpoint are here and in no
+    /// checkpointer.
+    pub async fn thread_ids(&self) -> Result<Vec<String>, FleetError> {
+        let client = self.inner.pool.get().await?;
+        let rows = client
+            .query(
+                &client.prepare_cached(&self.inner.sql.thread_ids).await?,
+                &[],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| r.try_get(0).map_err(FleetError::from))
+            .collect()
+    }
+
+    /// Removes a thread's runs from the queue (their history and results), as
+    /// deleting the thread's checkpoints leaves them. Refused with
+    /// [`FleetError::ThreadActive`] while a run of the thread is queued or running:
+    /// cancel it and let it end first. Returns how many runs were removed; an unknown
+    /// thread removes none.
+    pub async fn forget_thread(&self, thread: &str) -> Result<u64, FleetError> {
+        let sql = &self.inner.sql;
+        let mut client = self.inner.pool.get().await?;
+        let tx = client.transaction().await?;
+        // Locks the thread against a submit racing the delete (submit locks it too).
+        let known = tx
+            .query_opt(&tx.prepare_cached(&sql.lock_existing).await?, &[&thread])
+            .await?;
+        if known.is_none() {
+            return Ok(0);
+        }
+        let busy = tx
+            .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
+            .await?;
+        if let Some(row) = busy.first() {
+            let status: String = row.get(1);
+            return Err(FleetError::ThreadActive {
+                thread: thread.to_owned(),
+                run: RunId(row.get(0)),
+                status: if status == "running" {
+                    "running"
+                } else {
+                    "queued"
+                },
+            });
+        }
+        let removed = tx
+            .execute(&tx.prepare_cached(&sql.forget_runs).await?, &[&thread])
+            .await?;
+        tx.execute(&tx.prepare_cached(&sql.forget_thread).await?, &[&thread])
+            .await?;
+        tx.commit().await?;
+        Ok(removed)
+    }
+
     /// Cancels a run: a queued one at once; a running one stops at its next step
     /// boundary (its worker marks it cancelled). An ended run is left as it is. Returns
     /// the run as it is after the call.
@@ -788,6 +844,10 @@ fn info_of(row: &tokio_postgres::Row) -> Result<RunInfo, FleetError> {
 /// Every statement, with the schema spliced in once.
 struct Statements {
     lock_thread: String,
+    lock_existing: String,
+    thread_ids: String,
+    forget_runs: String,
+    forget_thread: String,
     in_flight: String,
     interrupt_running: String,
     interrupt_queued: String,
@@ -821,6 +881,10 @@ impl Statements {
                  ON CONFLICT (thread_id) DO UPDATE SET next_seq = t.next_seq + 1 \
                  RETURNING t.next_seq"
             ),
+            lock_existing: format!("SELECT 1 FROM {threads} WHERE thread_id = $1 FOR UPDATE"),
+            thread_ids: format!("SELECT thread_id FROM {threads} ORDER BY thread_id"),
+            forget_runs: format!("DELETE FROM {runs} WHERE thread_id = $1"),
+            forget_thread: format!("DELETE FROM {threads} WHERE thread_id = $1"),
             in_flight: format!(
                 "SELECT run_id, status FROM {runs} \
                  WHERE thread_id = $1 AND status IN ('queued', 'running') ORDER BY seq"

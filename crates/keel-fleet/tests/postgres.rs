@@ -755,3 +755,60 @@ async fn bad_thread_ids_and_unknown_runs_are_typed_errors() {
     assert!(db.queue.runs("nobody").await.unwrap().is_empty());
     db.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forgetting_a_thread_removes_its_runs_once_none_is_in_flight() {
+    let Some(url) = database_url() else { return };
+    let db = Db::new(&url, "forget").await;
+    let echo = Echo::new(2);
+    let done = db
+        .queue
+        .submit("f", RunInput::new().goal(goal("f")))
+        .await
+        .unwrap();
+    let queued = db
+        .queue
+        .submit_with(
+            "f",
+            RunInput::new().message(Message::user("More.")),
+            Policy::Enqueue,
+        )
+        .await
+        .unwrap();
+    // A thread that only ever had a cancelled run: in no checkpointer, still in the queue.
+    let lone = db
+        .queue
+        .submit("g", RunInput::new().goal(goal("g")))
+        .await
+        .unwrap();
+    db.queue.cancel(lone).await.unwrap();
+    assert_eq!(db.queue.thread_ids().await.unwrap(), ["f", "g"]);
+    // In flight: refused, nothing removed.
+    let err = db.queue.forget_thread("f").await.unwrap_err();
+    assert!(
+        matches!(err, FleetError::ThreadActive { ref thread, run, status: "queued" } if thread == "f" && run == done),
+        "{err}"
+    );
+    assert!(err.to_string().contains("cancel it"), "{err}");
+    assert_eq!(db.queue.runs("f").await.unwrap().len(), 2);
+    let w = worker(&db, &echo, "w", 1);
+    let (stop, h) = background(&w);
+    wait_for(&db.queue, queued, "done", is_done).await;
+    stop.send(()).unwrap();
+    h.await.unwrap();
+    assert_eq!(db.queue.forget_thread("f").await.unwrap(), 2);
+    assert_eq!(db.queue.forget_thread("g").await.unwrap(), 1);
+    assert_eq!(db.queue.forget_thread("never").await.unwrap(), 0);
+    assert!(db.queue.runs("f").await.unwrap().is_empty());
+    assert!(db.queue.thread_ids().await.unwrap().is_empty());
+    assert!(matches!(
+        db.queue.status(done).await,
+        Err(FleetError::UnknownRun { .. })
+    ));
+    // The thread can be used again from the start.
+    db.queue
+        .submit("f", RunInput::new().goal(goal("f")))
+        .await
+        .unwrap();
+    db.drop_schema().await;
+}
