@@ -10,7 +10,7 @@ use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate};
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, Stop};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::model::{ChatModel, ChatOptions, HttpConfig};
@@ -23,7 +23,7 @@ use crate::config::Settings;
 use crate::model::{self, LiveArgs, ModelSpec};
 use crate::scenario::{NEEDLE_CALL, Scenario};
 use crate::store;
-use crate::ui::{percent, table, thousands};
+use crate::ui::{count, percent, table, thousands};
 
 /// `keel demo`
 #[derive(Debug, Args)]
@@ -208,7 +208,17 @@ impl Tally {
                 }
             }
             AgentUpdate::Event(AgentEvent::Offload { .. }) => self.offloads += 1,
-            AgentUpdate::Event(AgentEvent::Compaction(e)) if e.error.is_none() => {
+            AgentUpdate::Event(AgentEvent::Compaction(e)) => {
+                if let Some(error) = &e.error {
+                    // Shown as it happens; the run stops after a few in a row.
+                    if !quiet {
+                        say(
+                            bar,
+                            format!("step {:>4}  {} failed: {error}", e.step, e.kind.as_str()),
+                        );
+                    }
+                    return;
+                }
                 let kind = e.kind.as_str();
                 if !quiet {
                     say(
@@ -393,6 +403,8 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         bar: &bar,
         quiet: args.quiet || args.json,
         live: live.as_ref().map(|spec| (spec, settings)),
+        summarizer: &args.summarizer,
+        settings,
     };
     drive(&agent, &thread, AgentInput::new(), &mut tally, &watch).await?;
     let survey_answer = tally.answer.take();
@@ -529,6 +541,38 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+/// Fails when the thread's last run stopped because its compactions kept failing: the
+/// demo would otherwise report a run without compaction as if it were one.
+async fn stop_if_compaction_failed(
+    agent: &Agent,
+    thread: &str,
+    watch: &Watch<'_>,
+) -> anyhow::Result<()> {
+    let state = agent
+        .state(thread)
+        .await?
+        .context("the thread has no state after the run")?;
+    let Some(stop @ Stop::CompactionFailing { .. }) = &state.stop else {
+        return Ok(());
+    };
+    watch.bar.finish_and_clear();
+    let fix = match ModelSpec::parse(watch.summarizer) {
+        Ok(spec) => format!(
+            "The summarizer {spec} at {} made no summary: start its server or set {} to where it listens, or run the demo with --summarizer extractive (no model needed)",
+            spec.base_url(watch.settings),
+            match spec {
+                ModelSpec::Ollama(_) => "OLLAMA_BASE_URL",
+                ModelSpec::OpenAi(_) => "OPENAI_BASE_URL",
+            }
+        ),
+        Err(_) => "Fix the cause and run the demo again".to_owned(),
+    };
+    anyhow::bail!(
+        "the demo stopped after {} because compaction failed: {stop}. {fix}",
+        count(state.step, "model call")
+    )
+}
+
 /// How a run of the demo is watched: counted, shown, and explained when it fails.
 struct Watch<'a> {
     counter: &'a dyn TokenCounter,
@@ -536,6 +580,9 @@ struct Watch<'a> {
     quiet: bool,
     /// The live model and the settings it was reached with, if there is one.
     live: Option<(&'a ModelSpec, &'a Settings)>,
+    /// `--summarizer`.
+    summarizer: &'a str,
+    settings: &'a Settings,
 }
 
 async fn drive(
@@ -550,6 +597,7 @@ async fn drive(
         bar,
         quiet,
         live,
+        ..
     } = *watch;
     let mut updates = agent.stream(thread, input);
     while let Some(update) = updates.next().await {
@@ -566,7 +614,7 @@ async fn drive(
         };
         tally.observe(&update, counter, bar, quiet);
     }
-    Ok(())
+    stop_if_compaction_failed(agent, thread, watch).await
 }
 
 /// Compaction marks on the turn they preceded.

@@ -1233,6 +1233,39 @@ fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd(
 }
 
 #[test]
+fn a_demo_whose_compactions_keep_failing_says_so_and_exits_1() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    // Nothing listens on port 9 (discard) on loopback: every summary fails.
+    let out = keel()
+        .args(["demo", "--steps", "40", "--summarizer", "ollama/local"])
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .env("OLLAMA_BASE_URL", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("milestone failed: "),
+        "each failure is shown as it happens:\n{stdout}"
+    );
+    let error = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(
+        error.contains("because compaction failed")
+            && error.contains("OLLAMA_BASE_URL")
+            && error.contains("--summarizer extractive"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains("saved"),
+        "no savings table for a run that could not compact:\n{stdout}"
+    );
+}
+
+#[test]
 fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
     let home = tempfile::tempdir().unwrap();
     let goal = "word ".repeat(3_000);
