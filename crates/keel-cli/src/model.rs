@@ -32,7 +32,9 @@ pub struct LiveArgs {
     /// The longest reply the model may write, in tokens.
     #[arg(long, value_name = "TOKENS", default_value_t = 1024)]
     pub max_tokens: u32,
-    /// Seconds one model call may take before it fails (and is retried).
+    /// Seconds one model call may take. A call that takes longer is not retried: the
+    /// run fails and its thread resumes from its last checkpoint (HTTP 429 and 5xx
+    /// replies and failed connections are retried before a run fails).
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pub timeout: u64,
 }

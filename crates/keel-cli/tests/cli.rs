@@ -762,6 +762,54 @@ async fn model_server_errors_say_what_to_fix_and_how_to_resume() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_call_fails_the_run_at_once_as_the_help_says() {
+    let help = keel().args(["run", "--help"]).output().unwrap();
+    let (help, _) = text(&help);
+    let timeout = &help[help.find("--timeout").unwrap()..];
+    let timeout = &timeout[..timeout.find("\n  -").unwrap_or(timeout.len())];
+    assert!(
+        timeout.contains("is not retried") && !timeout.contains("(and is retried)"),
+        "{timeout}"
+    );
+
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/api/chat"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(json!({"model": "local", "message": {"role": "assistant", "content": "late"}, "done": true}))
+                .set_delay(std::time::Duration::from_secs(5)),
+        )
+        .mount(&server)
+        .await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let (h, d, uri) = (home.path().to_owned(), proj.path().to_owned(), server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        run_live(
+            "ollama/local",
+            ("OLLAMA_BASE_URL", uri),
+            &h,
+            &d,
+            &["--timeout", "1"],
+        )
+    })
+    .await
+    .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--timeout") && stderr.contains("keel run --thread live-1"),
+        "{stderr}"
+    );
+    assert_eq!(
+        server.received_requests().await.unwrap().len(),
+        1,
+        "a timed-out call is not retried"
+    );
+}
+
 /// Asks to write `notes.txt` once, then answers from the tool result.
 struct Writer;
 
