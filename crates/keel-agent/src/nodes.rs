@@ -11,12 +11,12 @@ use keel_compaction::{
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{Durability, END, NodeContext, NodeError};
 use keel_message::{Message, Role, ToolCall, ToolContext};
-use keel_model::{ChatModel, ChatOptions};
+use keel_model::{ChatModel, ChatOptions, ModelError};
 use keel_offload::{
     Collected, EvictLargeResults, LINEAGE_KEY, Lineage, LineageStore, OffloadStore, PolicyEnv,
     StoredWhat, ThreadId, collect_garbage,
 };
-use keel_token::{ModelProfile, TokenCounter};
+use keel_token::{Encoding, ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -371,20 +371,26 @@ impl AgentNodes {
             let mut retries = 0u32;
             let (response, prompt_tokens, started) = loop {
                 let prompt_tokens = compactor.tokens(&mut c, specs).total as u64;
-                // The prompt takes the raw buffer (no second copy of it) and gives it
-                // back when the context must be compacted.
-                let mut prompt: Vec<Message> = c
-                    .system
-                    .iter()
-                    .chain(std::iter::once(c.goal.message()))
-                    .chain(c.layers().map(|l| &l.message))
-                    .cloned()
-                    .collect();
-                let prefix = prompt.len();
-                prompt.append(&mut c.raw);
                 let started = Instant::now();
-                let reply = p.model.chat(&prompt, specs, &p.options).await;
-                c.raw = prompt.split_off(prefix);
+                let reply = if let Some(overflow) = over_window(&p.profile, prompt_tokens) {
+                    // Not sent: a provider would refuse it, or (Ollama) silently cut it.
+                    Err(overflow)
+                } else {
+                    // The prompt takes the raw buffer (no second copy of it) and gives
+                    // it back when the context must be compacted.
+                    let mut prompt: Vec<Message> = c
+                        .system
+                        .iter()
+                        .chain(std::iter::once(c.goal.message()))
+                        .chain(c.layers().map(|l| &l.message))
+                        .cloned()
+                        .collect();
+                    let prefix = prompt.len();
+                    prompt.append(&mut c.raw);
+                    let reply = p.model.chat(&prompt, specs, &p.options).await;
+                    c.raw = prompt.split_off(prefix);
+                    reply
+                };
                 match reply {
                     Err(e) if e.is_context_overflow() && retries == 0 => {
                         retries += 1;
@@ -915,6 +921,22 @@ pub(crate) async fn collect_after_prune(
         }
     }
     Ok(tokio::task::spawn_blocking(move || collect_garbage(&*store, &thread, &live)).await??)
+}
+
+/// A context overflow found before sending: the counted prompt is over the model's
+/// window (by a quarter for an approximate count, which may be that far off). The
+/// agent then compacts and retries once, as for a provider's overflow.
+fn over_window(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError> {
+    let window = profile.context_window as u64;
+    let limit = match profile.encoding {
+        Encoding::Approximate => window.saturating_add(window / 4),
+        _ => window,
+    };
+    (prompt_tokens > limit).then(|| ModelError::ContextOverflow {
+        message: format!(
+            "the prompt counts {prompt_tokens} tokens, over the {window}-token window of the model's profile; it was not sent"
+        ),
+    })
 }
 
 fn context(s: &AgentState) -> Result<ContextState, NodeError> {

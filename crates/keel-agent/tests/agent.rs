@@ -750,6 +750,56 @@ async fn an_overflow_compaction_cannot_cure_fails_with_the_model_s_typed_error()
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_prompt_counted_over_the_window_is_never_sent() {
+    // Eviction off and a tool result far over the window: no compaction can make the
+    // prompt fit, and the model must not receive it (Ollama would cut it silently).
+    let largest = Arc::new(AtomicU64::new(0));
+    let seen = largest.clone();
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("small", move |messages, _t| {
+        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
+        seen.fetch_max(chars as u64, Ordering::SeqCst);
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        Ok(ChatResponse::new(
+            Message::assistant("look").with_tool_calls(vec![ToolCall::new(
+                format!("c{n}"),
+                "huge",
+                json!({}),
+            )]),
+            "small",
+        ))
+    });
+    let huge = keel_message::tool_fn(
+        ToolSpec::new("huge", "Returns a lot.", json!({"type": "object"})),
+        |_, _| async { Ok("all work and no play ".repeat(20_000)) },
+    );
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new(
+            "small",
+            8_192,
+            1_024,
+            Encoding::O200kBase,
+        ))
+        .goal(GOAL)
+        .tool(Arc::new(huge))
+        .evict(None)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let err = agent.run("big", AgentInput::new()).await.unwrap_err();
+    assert!(
+        matches!(err.model_error(), Some(ModelError::ContextOverflow { message }) if message.contains("not sent")),
+        "{err:?}"
+    );
+    // The model saw the first prompt only: tens of characters, not the 420,000 of the
+    // tool's result.
+    assert!(largest.load(Ordering::SeqCst) < 10_000, "{largest:?}");
+    // The thread stays resumable from its last checkpoint.
+    assert!(agent.state("big").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
     // One model and one offload store (the archive) drive the whole run; the ceiling
