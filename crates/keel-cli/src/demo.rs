@@ -53,13 +53,13 @@ pub struct DemoArgs {
     out: Option<PathBuf>,
     /// Model calls of the scripted survey (the final question adds two or three); a
     /// live model stops when it is done, at most this many calls.
-    #[arg(long, default_value_t = 160)]
+    #[arg(long, default_value_t = 160, value_parser = crate::ui::at_least_one::<usize>)]
     steps: usize,
     /// A milestone every N model calls.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = crate::ui::at_least_one::<usize>)]
     every: usize,
     /// An epoch summary every M milestones.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::ui::at_least_one::<usize>)]
     epoch: usize,
     /// A live model instead of the script: `ollama/<name>` or `openai/<name>`.
     #[arg(long)]
@@ -289,9 +289,6 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     let out = args.out.clone().unwrap_or_else(|| home.clone());
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create the output directory {}", out.display()))?;
-    if args.every == 0 || args.epoch == 0 {
-        anyhow::bail!("--every and --epoch must be at least 1");
-    }
     let scenario = Scenario::plan(&args.dir, args.steps)?;
     let live = settings
         .model(args.model.as_deref())
@@ -301,24 +298,29 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
 
     // Exact counts with the model's tokenizer; the scripted agent poses as gpt-4o.
     let model_name = live.as_ref().map_or("gpt-4o", ModelSpec::name).to_owned();
+    // A window below keel's least is refused below, once the demo's fixed prompt is
+    // counted, with the one least window the demo can run with.
+    let asked = args.live.window(settings, None)?;
+    let window = asked.map(|w| w.max(model::MIN_WINDOW));
     let (chat, profile, options, http): (Arc<dyn ChatModel>, ModelProfile, _, _) = match &live {
         Some(spec) => {
-            let l = args
-                .live
-                .connect(spec, args.live.window(settings, None)?, settings)?;
+            let l = args.live.connect(spec, window, settings)?;
             (l.client, l.profile, l.options, l.http)
         }
         // The scripted agent plans for the window asked for, like a live model: a
         // small one shows compaction triggered by the token budget.
         None => (
             Arc::new(scenario.policy(&model_name)),
-            model::profile(&model_name, args.live.window(settings, None)?)?,
+            model::profile(&model_name, window)?,
             ChatOptions::new(),
             HttpConfig::default(),
         ),
     };
     let counter = model::counter(&profile)?;
-    let planned = profile.clone();
+    let planned = match asked {
+        Some(w) if w < model::MIN_WINDOW => model::with_window(&profile, &model_name, w),
+        _ => profile.clone(),
+    };
     let storage = store::open(&home, None, true).await?;
     let offload = store::offload(&home)?;
     let agent = Agent::builder()

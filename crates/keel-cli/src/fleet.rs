@@ -51,10 +51,10 @@ pub struct SubmitArgs {
     #[arg(long)]
     thread: String,
     /// The goal of a new thread (written once; heads every prompt).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::some_text)]
     goal: Option<String>,
     /// A follow-up message to the thread.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::some_text)]
     message: Option<String>,
     /// What to do when the thread already has a queued or running run.
     #[arg(long, default_value = "reject", value_parser = ["reject", "enqueue", "interrupt"])]
@@ -84,7 +84,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     database_url: Option<String>,
     /// Runs held at once.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::ui::at_least_one::<usize>)]
     concurrency: usize,
     /// `ollama/<name>`, `openai/<name>` or `scripted` (default: KEEL_MODEL, or `model` in keel.toml).
     #[arg(long)]
@@ -96,11 +96,11 @@ pub struct WorkerArgs {
     #[arg(long)]
     name: Option<String>,
     /// Seconds a silent worker keeps its runs before another takes them over.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = crate::ui::at_least_one::<u64>)]
     lease: u64,
     /// Model calls at most per thread, over all its runs (the thread then stops
     /// resumably; a worker with a higher limit continues it).
-    #[arg(long, value_name = "CALLS", default_value_t = 100)]
+    #[arg(long, value_name = "CALLS", default_value_t = 100, value_parser = crate::ui::at_least_one::<u64>)]
     max_steps: u64,
     #[command(flatten)]
     live: LiveArgs,

@@ -41,10 +41,10 @@ pub struct RunArgs {
     #[arg(long)]
     model: Option<String>,
     /// The goal of a new thread (never compacted; heads every prompt).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::some_text)]
     goal: Option<String>,
     /// A follow-up message to a thread.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::some_text)]
     message: Option<String>,
     /// The directory the file tools are rooted at (default: the thread's, else `.`).
     #[arg(long)]
@@ -67,7 +67,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "extractive")]
     summarizer: String,
     /// Model calls at most in this run; the thread then stops resumably.
-    #[arg(long, value_name = "CALLS", default_value_t = 100)]
+    #[arg(long, value_name = "CALLS", default_value_t = 100, value_parser = crate::ui::at_least_one::<u64>)]
     max_steps: u64,
 }
 

@@ -30,12 +30,12 @@ pub struct LiveArgs {
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
     /// The longest reply the model may write, in tokens.
-    #[arg(long, value_name = "TOKENS", default_value_t = 1024)]
+    #[arg(long, value_name = "TOKENS", default_value_t = 1024, value_parser = crate::ui::at_least_one::<u32>)]
     pub max_tokens: u32,
     /// Seconds one model call may take. A call that takes longer is not retried: the
     /// run fails and its thread resumes from its last checkpoint (HTTP 429 and 5xx
     /// replies and failed connections are retried before a run fails).
-    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = crate::ui::at_least_one::<u64>)]
     pub timeout: u64,
 }
 
@@ -78,9 +78,6 @@ impl LiveArgs {
         window: Option<usize>,
         settings: &Settings,
     ) -> anyhow::Result<Live> {
-        if self.max_tokens == 0 || self.timeout == 0 {
-            bail!("--max-tokens and --timeout must be at least 1");
-        }
         let profile = profile(spec.name(), window)?;
         let timeout = Duration::from_secs(self.timeout);
         let http = HttpConfig::default()
@@ -95,21 +92,49 @@ impl LiveArgs {
     }
 }
 
+/// The smallest `--window` keel runs with: less leaves no room for the goal, the
+/// summaries and a reply.
+pub const MIN_WINDOW: usize = 1_024;
+
+/// `base` planning for a `window`-token context (`--window`): a quarter of it, at most
+/// 8,192 tokens, is kept for the reply. Not checked against [`MIN_WINDOW`].
+pub fn with_window(base: &ModelProfile, name: &str, window: usize) -> ModelProfile {
+    ModelProfile::new(name, window, (window / 4).min(8_192), base.encoding)
+}
+
+/// The smallest `--window` (at least [`MIN_WINDOW`]) whose prompt budget holds
+/// `tokens` `share` times.
+pub fn smallest_window(tokens: usize, share: usize) -> usize {
+    let base = ModelProfiles::new().lookup("").clone();
+    let need = tokens.saturating_mul(share.max(1));
+    let fits = |w: usize| with_window(&base, "", w).input_budget() >= need;
+    // The budget grows with the window: search between a window too small and one
+    // large enough (the budget is at least three quarters of the window).
+    let (mut lo, mut hi) = (MIN_WINDOW, need.saturating_mul(2).max(MIN_WINDOW));
+    if fits(lo) {
+        return lo;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
 /// keel's profile of `name`, with its window replaced by `window` when given. A model
 /// keel does not know, without a window, gets a note on stderr.
 pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile> {
     let known = ModelProfiles::new();
     let base = known.lookup(name).clone();
     match window {
-        Some(w) if w < 1_024 => bail!(
-            "a {w}-token window leaves no room for the goal, the summaries and a reply: give --window at least 1024"
+        Some(w) if w < MIN_WINDOW => bail!(
+            "a {w}-token window leaves no room for the goal, the summaries and a reply: give --window at least {MIN_WINDOW}"
         ),
-        Some(w) => Ok(ModelProfile::new(
-            name,
-            w,
-            (w / 4).min(8_192),
-            base.encoding,
-        )),
+        Some(w) => Ok(with_window(&base, name, w)),
         None => {
             if known.get(name).is_none() {
                 crate::errln!(
@@ -135,22 +160,25 @@ pub fn check_fixed_part_fits(
     advice: &str,
 ) -> anyhow::Result<()> {
     let input_budget = profile.input_budget();
+    let needed = smallest_window(tokens, share);
+    if profile.context_window < MIN_WINDOW && tokens <= input_budget / share.max(1) {
+        bail!(
+            "a {}-token window leaves no room for the goal, the summaries and a reply: give --window at least {needed}",
+            profile.context_window,
+        );
+    }
     if tokens > input_budget / share.max(1) {
-        // The smallest window (a multiple of 1,024) whose budget holds it `share` times,
-        // the budget being three quarters of a window below 32,768 tokens.
-        let needed = (tokens * share * 4).div_ceil(3).div_ceil(1_024) * 1_024;
         let part = match share {
             2 => "half".to_owned(),
             3 => "a third".to_owned(),
             n => format!("1/{n}"),
         };
         bail!(
-            "{what} {} tokens, more than {part} of the {}-token prompt budget of {} ({}-token window), and no compaction shrinks that part of every prompt: {advice}give a --window of at least {}",
+            "{what} {} tokens, more than {part} of the {}-token prompt budget of {} ({}-token window), and no compaction shrinks that part of every prompt: {advice}give a --window of at least {needed}",
             thousands(tokens as u64),
             thousands(input_budget as u64),
             profile.name,
             thousands(profile.context_window as u64),
-            thousands(needed as u64)
         );
     }
     Ok(())

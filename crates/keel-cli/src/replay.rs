@@ -49,10 +49,10 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "gpt-4o")]
     model: String,
     /// A milestone every N steps (the seed behaviour; default: keel's triggers).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     every: Option<usize>,
     /// An epoch summary every M milestones.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     epoch: Option<usize>,
     /// `extractive` (no model needed), or `ollama/<name>` / `openai/<name>`: summaries
     /// written by that model through the run's cached prefix, its calls counted in the
@@ -60,7 +60,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "extractive")]
     summarizer: String,
     /// The goal of every run, instead of each run's own task statement.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::some_text)]
     goal: Option<String>,
     /// Print a JSON report to stdout instead of tables.
     #[arg(long)]
@@ -116,9 +116,6 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
             Some(spec.client(settings)?)
         }
     };
-    if args.goal.as_deref().is_some_and(|g| g.trim().is_empty()) {
-        anyhow::bail!("--goal is empty: give the task statement, or leave --goal out");
-    }
     let started = Instant::now();
     let files = formats::expand(&args.inputs)?;
     let profile = ModelProfiles::new().lookup(&args.model).clone();

@@ -55,6 +55,28 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// A flag's whole number of at least 1 (clap turns the error into a usage error, exit
+/// code 2, naming the flag).
+pub fn at_least_one<T>(text: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialOrd + From<u8>,
+{
+    match text.trim().parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        Ok(_) => Err("it must be at least 1".to_owned()),
+        Err(_) => Err("give a whole number, at least 1 (e.g. 10)".to_owned()),
+    }
+}
+
+/// A flag's text that must say something (not empty, not only spaces).
+pub fn some_text(text: &str) -> Result<String, String> {
+    if text.trim().is_empty() {
+        Err("it is empty: give the text, or leave the flag out".to_owned())
+    } else {
+        Ok(text.to_owned())
+    }
+}
+
 /// Exit codes, as `keel --help` lists them.
 pub mod exit {
     /// An error (a sentence on stderr says what to do).

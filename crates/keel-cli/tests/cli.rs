@@ -1370,6 +1370,125 @@ fn usage_errors_exit_2_and_a_closed_stderr_does_not_panic() {
     assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
 }
 
+#[test]
+fn values_that_cannot_work_are_usage_errors_with_exit_2() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path().to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str, &str)> = vec![
+        (
+            vec!["replay", "--every", "0", "x.json"],
+            "--every",
+            "at least 1",
+        ),
+        (
+            vec!["replay", "--epoch", "0", "x.json"],
+            "--epoch",
+            "at least 1",
+        ),
+        (vec!["replay", "--goal", " ", "x.json"], "--goal", "empty"),
+        (
+            vec!["worker", "--concurrency", "0"],
+            "--concurrency",
+            "at least 1",
+        ),
+        (vec!["worker", "--lease", "0"], "--lease", "at least 1"),
+        (
+            vec!["run", "--max-steps", "0", "--home", h],
+            "--max-steps",
+            "at least 1",
+        ),
+        (
+            vec!["run", "--timeout", "0", "--home", h],
+            "--timeout",
+            "at least 1",
+        ),
+        (vec!["run", "--goal", "", "--home", h], "--goal", "empty"),
+        (
+            vec!["submit", "--thread", "t", "--goal", ""],
+            "--goal",
+            "empty",
+        ),
+        (
+            vec!["demo", "--steps", "0", "--home", h],
+            "--steps",
+            "at least 1",
+        ),
+        (
+            vec!["demo", "--every", "0", "--home", h],
+            "--every",
+            "at least 1",
+        ),
+        (
+            vec!["demo", "--epoch", "0", "--home", h],
+            "--epoch",
+            "at least 1",
+        ),
+        (
+            vec!["demo", "--every", "x", "--home", h],
+            "--every",
+            "whole number",
+        ),
+    ];
+    for (args, flag, want) in cases {
+        let out = keel().args(&args).output().unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(flag)
+                && stderr.contains(want)
+                && !stderr.contains("18446744073709551615"),
+            "{args:?}: {stderr}"
+        );
+    }
+    assert!(
+        std::fs::read_dir(home.path()).unwrap().next().is_none(),
+        "nothing was written"
+    );
+}
+
+#[test]
+fn the_demo_states_one_least_window_and_runs_with_it() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let least = |window: &str| {
+        let out = demo(
+            &["--steps", "20", "--window", window, "-q"],
+            proj.path(),
+            home.path(),
+        );
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{window}: {stderr}");
+        let at = stderr
+            .rfind("at least ")
+            .unwrap_or_else(|| panic!("{stderr}"));
+        stderr[at + "at least ".len()..]
+            .trim()
+            .parse::<usize>()
+            .unwrap_or_else(|_| panic!("a number to give to --window: {stderr}"))
+    };
+    let minimum = least("1000");
+    for window in ["1024", "2000", "3000"] {
+        assert_eq!(least(window), minimum, "--window {window}");
+    }
+    assert_eq!(least(&(minimum - 1).to_string()), minimum);
+    let out = demo(
+        &[
+            "--steps",
+            "20",
+            "--window",
+            &minimum.to_string(),
+            "-q",
+            "--json",
+        ],
+        proj.path(),
+        home.path(),
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "--window {minimum}: {stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["context_window"], minimum);
+}
+
 /// Answers every request with a structured summary; counts the requests.
 struct Summaries {
     calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
