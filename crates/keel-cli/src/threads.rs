@@ -29,6 +29,7 @@ Examples:
   keel threads history demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10 --limit 5
   keel threads prune demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10 --keep 3
   keel threads delete demo-0193a5b2-7c1e-7d3a-9f00-5b8e2c4d6a10        checkpoints and archived history
+  keel threads gc --older-than 7d --dry-run  list the threads idle for a week, delete nothing
   keel threads gc --older-than 7d            delete threads idle for a week
   DATABASE_URL=postgres://postgres@127.0.0.1/test keel threads list")]
 pub struct ThreadsArgs {
@@ -86,11 +87,14 @@ enum ThreadsCommand {
         /// The thread id.
         thread: String,
     },
-    /// Delete every thread idle for longer than a duration.
+    /// Delete every thread idle for longer than a duration (`--dry-run` first to see which).
     Gc {
         /// `90s`, `30m`, `12h`, `7d` or `2w`.
         #[arg(long, value_parser = parse_duration)]
         older_than: Duration,
+        /// List the threads that would be deleted; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -149,7 +153,29 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                 },
             );
         }
-        ThreadsCommand::Gc { older_than } => {
+        ThreadsCommand::Gc {
+            older_than,
+            dry_run: true,
+        } => {
+            let idle = idle_threads(&saver, older_than).await?;
+            report(
+                args.json,
+                json!({"dry_run": true, "would_delete": idle}),
+                || {
+                    format!(
+                        "would delete {} thread(s) idle for over {}{}; nothing was deleted (run again without --dry-run to delete them)",
+                        idle.len(),
+                        human_duration(older_than),
+                        if idle.is_empty() {
+                            String::new()
+                        } else {
+                            format!(": {}", idle.join(", "))
+                        }
+                    )
+                },
+            );
+        }
+        ThreadsCommand::Gc { older_than, .. } => {
             let mut deleted = Vec::new();
             loop {
                 let batch = saver
@@ -244,6 +270,34 @@ async fn state_of(
         .state(thread)
         .await
         .with_context(|| format!("thread `{thread}` is not an agent thread keel can read"))
+}
+
+/// The threads `sweep_idle(older_than)` would delete now: those whose newest checkpoint,
+/// over every namespace, is older than `older_than`.
+async fn idle_threads(
+    saver: &Arc<dyn Checkpointer>,
+    older_than: Duration,
+) -> anyhow::Result<Vec<String>> {
+    const PAGE: usize = 500;
+    let cutoff = keel::checkpoint::support::idle_cutoff(older_than);
+    let mut idle = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = saver
+            .list_threads(after.as_deref(), PAGE)
+            .await
+            .context("cannot list threads")?;
+        let done = page.len() < PAGE;
+        after = page.last().map(|t| t.thread_id.clone());
+        idle.extend(
+            page.into_iter()
+                .filter(|t| t.head < cutoff)
+                .map(|t| t.thread_id),
+        );
+        if done || after.is_none() {
+            return Ok(idle);
+        }
+    }
 }
 
 async fn list(
@@ -534,6 +588,11 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (n, unit) = text.split_at(split);
+    if !n.is_empty() && unit.starts_with(['.', ',']) {
+        return Err(format!(
+            "`{text}`: the number must be a whole number; use a smaller unit instead (e.g. 36h, not 1.5d)"
+        ));
+    }
     let n: u64 = n
         .parse()
         .map_err(|_| format!("`{text}` is not a duration: write e.g. 90s, 30m, 12h, 7d or 2w"))?;
@@ -598,6 +657,11 @@ mod tests {
         assert!(parse_duration("7").unwrap_err().contains("unit"));
         assert!(parse_duration("d").unwrap_err().contains("90s"));
         assert!(parse_duration("99999999999999999999w").is_err());
+        let half = parse_duration("1.5d").unwrap_err();
+        assert!(
+            half.contains("whole number") && !half.contains("unit must"),
+            "{half}"
+        );
     }
 
     #[test]

@@ -257,6 +257,59 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
 }
 
 #[test]
+fn threads_gc_dry_run_lists_what_it_would_delete_and_deletes_nothing() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let out = demo(&["--steps", "5", "--json", "-q"], proj.path(), home.path());
+    assert!(out.status.success(), "{:?}", text(&out));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let thread = report["thread"].as_str().unwrap().to_owned();
+    let threads = |args: &[&str]| {
+        keel()
+            .arg("threads")
+            .args(args)
+            .arg("--home")
+            .arg(home.path())
+            .output()
+            .unwrap()
+    };
+
+    let dry = threads(&["gc", "--older-than", "0s", "--dry-run", "--json"]);
+    assert!(dry.status.success(), "{:?}", text(&dry));
+    let listed: Value = serde_json::from_slice(&dry.stdout).unwrap();
+    assert_eq!(listed["would_delete"], json!([thread.as_str()]), "{listed}");
+    let dry = threads(&["gc", "--older-than", "0s", "--dry-run"]);
+    let (stdout, _) = text(&dry);
+    assert!(
+        stdout.contains(&thread) && stdout.contains("nothing was deleted"),
+        "{stdout}"
+    );
+    let none = threads(&["gc", "--older-than", "1w", "--dry-run", "--json"]);
+    let listed: Value = serde_json::from_slice(&none.stdout).unwrap();
+    assert_eq!(
+        listed["would_delete"],
+        json!([]),
+        "a fresh thread is not idle"
+    );
+    let show = threads(&["show", &thread]);
+    assert!(show.status.success(), "still there: {:?}", text(&show));
+
+    let half = threads(&["gc", "--older-than", "1.5d"]);
+    let (_, stderr) = text(&half);
+    assert_eq!(half.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("whole number") && !stderr.contains("the unit must"),
+        "{stderr}"
+    );
+
+    // Without --dry-run, what it listed goes.
+    let gc = threads(&["gc", "--older-than", "0s", "--json"]);
+    let swept: Value = serde_json::from_slice(&gc.stdout).unwrap();
+    assert_eq!(swept["deleted"], json!([thread.as_str()]), "{swept}");
+    assert_eq!(threads(&["show", &thread]).status.code(), Some(1));
+}
+
+#[test]
 fn the_default_demo_runs_its_160_steps_over_this_repository() {
     let home = tempfile::tempdir().unwrap();
     let out = keel()
