@@ -73,6 +73,17 @@ impl Settings {
             .or_else(|| self.database_url.clone())
     }
 
+    /// Where threads live for a command that takes both `--home` and `--database-url`:
+    /// the Postgres URL of [`database_url`](Self::database_url), except that a `--home`
+    /// flag without a `--database-url` flag picks the SQLite file under that home (flags
+    /// beat `DATABASE_URL` and the file).
+    pub fn store_url(&self, url_flag: Option<&str>, home_flag: Option<&Path>) -> Option<String> {
+        match (url_flag, home_flag) {
+            (None, Some(_)) => None,
+            _ => self.database_url(url_flag),
+        }
+    }
+
     /// The model: the flag, then `KEEL_MODEL`, then the file.
     pub fn model(&self, flag: Option<&str>) -> Option<String> {
         flag.map(str::to_owned)

@@ -533,6 +533,14 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             );
         }
     }
+    if settings.database_url(None).is_some() {
+        // `keel threads` would look in that Postgres, where the demo's thread is not.
+        crate::errln!(
+            "note: the demo ran on its embedded SQLite file {}, not on the Postgres of DATABASE_URL (or database_url in keel.toml); see its thread with `keel threads list --home {}`",
+            store::sqlite_path(&home).display(),
+            home.display()
+        );
+    }
     if report.scripted && !report.question.correct {
         crate::errln!(
             "error: the scripted agent could not answer the final question from its context or the archive; this is a bug in keel — please report it with {}",

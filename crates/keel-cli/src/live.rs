@@ -52,7 +52,8 @@ pub struct RunArgs {
     /// The thread id (default: a new `run-<uuid>` thread).
     #[arg(long)]
     thread: Option<String>,
-    /// The home directory of the embedded SQLite file and offload store.
+    /// The home directory of the embedded SQLite file and offload store (given, it wins
+    /// over DATABASE_URL and `database_url` in keel.toml).
     #[arg(long)]
     home: Option<PathBuf>,
     /// A Postgres URL for checkpoints and the archive.
@@ -100,7 +101,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         }
     }
     let home = settings.home(args.home.as_deref());
-    let url = settings.database_url(args.database_url.as_deref());
+    let url = settings.store_url(args.database_url.as_deref(), args.home.as_deref());
     // Only a run that may start a thread creates the embedded file.
     let creates = args.thread.is_none() || args.goal.is_some();
     let storage = store::open(&home, url.as_deref(), creates).await?;

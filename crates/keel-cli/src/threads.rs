@@ -33,7 +33,8 @@ Examples:
   keel threads gc --older-than 7d            delete threads idle for a week
   DATABASE_URL=postgres://postgres@127.0.0.1/test keel threads list")]
 pub struct ThreadsArgs {
-    /// The home directory of the embedded SQLite file and offload store.
+    /// The home directory of the embedded SQLite file and offload store (given, it wins
+    /// over DATABASE_URL and `database_url` in keel.toml).
     #[arg(long, global = true)]
     home: Option<PathBuf>,
     /// A Postgres URL (else `DATABASE_URL`, else `database_url` in keel.toml, else the
@@ -101,7 +102,7 @@ enum ThreadsCommand {
 /// Runs `keel threads`.
 pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let home = settings.home(args.home.as_deref());
-    let url = settings.database_url(args.database_url.as_deref());
+    let url = settings.store_url(args.database_url.as_deref(), args.home.as_deref());
     let storage = store::open(&home, url.as_deref(), false).await?;
     let offload = store::offload_for(&home, url.as_deref(), false)?;
     let saver = storage.saver.clone();

@@ -310,6 +310,54 @@ fn threads_gc_dry_run_lists_what_it_would_delete_and_deletes_nothing() {
 }
 
 #[test]
+fn with_database_url_set_the_demo_says_where_its_thread_is_and_home_wins() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    // Nothing listens there: the demo never connects, and `--home` must keep the
+    // threads commands off it.
+    let url = "postgres://nobody@127.0.0.1:9/none";
+    let out = keel()
+        .args(["demo", "--steps", "5", "--json", "-q", "--dir"])
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .env("DATABASE_URL", url)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    let sqlite = home.path().join("keel.sqlite");
+    let note = stderr
+        .lines()
+        .find(|l| l.starts_with("note:"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(
+        note.contains(&sqlite.display().to_string())
+            && note.contains(&format!(
+                "keel threads list --home {}",
+                home.path().display()
+            )),
+        "{note}"
+    );
+
+    let list = keel()
+        .args(["threads", "list", "--json", "--home"])
+        .arg(home.path())
+        .env("DATABASE_URL", url)
+        .output()
+        .unwrap();
+    assert!(list.status.success(), "{:?}", text(&list));
+    let listed: Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(listed[0]["thread"], report["thread"]);
+
+    // Without DATABASE_URL there is nothing to note.
+    let out = demo(&["--steps", "5", "--json", "-q"], proj.path(), home.path());
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(!text(&out).1.contains("note:"), "{:?}", text(&out));
+}
+
+#[test]
 fn the_default_demo_runs_its_160_steps_over_this_repository() {
     let home = tempfile::tempdir().unwrap();
     let out = keel()
