@@ -138,18 +138,44 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             );
         }
         ThreadsCommand::Delete { thread } => {
-            exists(&saver, &thread).await?;
-            saver
-                .delete_thread(&thread)
+            let stored = saver
+                .get(&ThreadKey::new(thread.clone()), None)
                 .await
-                .with_context(|| format!("cannot delete thread `{thread}`"))?;
-            let files = delete_offloaded(offload.as_deref(), &thread).await?;
+                .with_context(|| format!("cannot read thread `{thread}`"))?
+                .is_some();
+            // The fleet's runs first: refused while one is queued or running, before
+            // anything is deleted. A thread whose runs never reached a checkpoint is
+            // only there.
+            let runs = match &queue {
+                Some(q) => q
+                    .forget_thread(&thread)
+                    .await
+                    .with_context(|| format!("cannot delete thread `{thread}`"))?,
+                None => 0,
+            };
+            if !stored && runs == 0 {
+                bail!("no thread `{thread}`: `keel threads list` shows the stored ones");
+            }
+            let files = if stored {
+                saver
+                    .delete_thread(&thread)
+                    .await
+                    .with_context(|| format!("cannot delete thread `{thread}`"))?;
+                delete_offloaded(offload.as_deref(), &thread).await?
+            } else {
+                0
+            };
             report(
                 args.json,
-                json!({"thread": thread, "offloaded_files_deleted": files}),
+                json!({"thread": thread, "offloaded_files_deleted": files, "queued_runs_deleted": runs}),
                 || {
+                    let runs = if queue.is_some() {
+                        format!(", and its {runs} run(s) from the fleet's queue")
+                    } else {
+                        String::new()
+                    };
                     format!(
-                        "deleted thread `{thread}` ({files} archived or offloaded file(s) with it)"
+                        "deleted thread `{thread}` ({files} archived or offloaded file(s) with it{runs})"
                     )
                 },
             );
@@ -192,6 +218,13 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             let mut files = 0;
             for t in &deleted {
                 files += delete_offloaded(offload.as_deref(), t).await?;
+                if let Some(q) = &queue {
+                    // An idle thread has no run in flight; one that got a run since the
+                    // sweep keeps its queue rows.
+                    if let Err(e) = q.forget_thread(t).await {
+                        crate::errln!("note: the fleet's runs of thread `{t}` were kept: {e}");
+                    }
+                }
             }
             report(
                 args.json,

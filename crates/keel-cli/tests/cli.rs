@@ -1210,8 +1210,25 @@ async fn threads_admin_works_on_postgres() {
     assert!(prune.status.success(), "{:?}", text(&prune));
     let delete = admin(&["delete", &thread]);
     assert!(delete.status.success(), "{:?}", text(&delete));
+    assert!(
+        text(&delete)
+            .0
+            .contains("its 1 run(s) from the fleet's queue"),
+        "{:?}",
+        text(&delete)
+    );
     let gone = admin(&["show", &thread]);
     assert!(text(&gone).1.contains("no thread"), "{:?}", text(&gone));
+    let runs = keel()
+        .args(["status", "--thread", &thread, "--json"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(
+        !text(&runs).0.contains(&run),
+        "the queue forgot the thread's runs: {:?}",
+        text(&runs)
+    );
 }
 
 /// Calls `ls` on every request and never answers; remembers each request's
@@ -1715,4 +1732,18 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     let bad = fleet(&["status", "not-a-run"]);
     assert_eq!(bad.status.code(), Some(1));
     assert!(text(&bad).1.contains("is not a run id"), "{:?}", text(&bad));
+
+    // A thread whose only run was cancelled before any checkpoint is in the queue
+    // alone, and `threads delete` removes it from there.
+    let deleted = fleet(&["threads", "delete", &thread]);
+    assert!(deleted.status.success(), "{:?}", text(&deleted));
+    assert!(
+        text(&deleted).0.contains("its 1 run(s)"),
+        "{:?}",
+        text(&deleted)
+    );
+    let gone = fleet(&["status", &run]);
+    assert_eq!(gone.status.code(), Some(1), "{:?}", text(&gone));
+    let again = fleet(&["threads", "delete", &thread]);
+    assert!(text(&again).1.contains("no thread"), "{:?}", text(&again));
 }
