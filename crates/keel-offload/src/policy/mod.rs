@@ -9,13 +9,13 @@ pub use evict::EvictLargeResults;
 pub use minify::{MAX_MINIFY_BYTES, minify_json, minify_json_results};
 pub use truncate::TruncateArguments;
 
+use std::io::Read as _;
+
 use keel_message::{Message, Metadata};
 use keel_token::TokenCounter;
 use serde_json::Value;
 
 use crate::error::OffloadError;
-use std::io::Read as _;
-
 use crate::key::{Key, StorePath, ThreadId};
 use crate::store::OffloadStore;
 
@@ -73,7 +73,7 @@ impl std::fmt::Debug for PolicyEnv<'_> {
     }
 }
 
-/// How many places [`put_new`] tries before it gives up.
+/// How many places [`PolicyEnv::put_new`] tries before it gives up.
 const MAX_PLACES: u32 = 1_000;
 
 impl PolicyEnv<'_> {
