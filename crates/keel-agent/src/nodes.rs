@@ -394,7 +394,7 @@ impl AgentNodes {
                 match reply {
                     Err(e) if e.is_context_overflow() && retries == 0 => {
                         retries += 1;
-                        tracing::warn!(error = %e, "provider reports context overflow; compacting");
+                        tracing::warn!(error = %e, "context overflow; compacting and retrying once");
                         if let Err(ce) = compactor.compact(&mut c, Trigger::Overflow, specs).await {
                             return Err(NodeError::new(crate::error::OverflowUnresolved {
                                 model: e,
