@@ -494,10 +494,13 @@ impl Agent {
     ) -> futures::stream::BoxStream<'static, Result<AgentUpdate, AgentError>> {
         let agent = self.clone();
         let thread = thread_id.to_owned();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Box::pin(futures::stream::once(async { Err(AgentError::NoRuntime) }));
+        };
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<AgentUpdate, AgentError>>(64);
         // The run is driven by its own task; dropping the receiver ends it (the graph's
         // stream is dropped with it, which cancels the run).
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let metadata = input.metadata.clone();
             let (command, budget) = match agent.command(&thread, None, input).await {
                 Ok(c) => c,
@@ -1475,7 +1478,8 @@ where
             self.0.abort();
         }
     }
-    let task = tokio::spawn(run);
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| AgentError::NoRuntime)?;
+    let task = runtime.spawn(run);
     let _abort = AbortOnDrop(task.abort_handle());
     match task.await {
         Ok(result) => result,

@@ -121,6 +121,13 @@ pub enum AgentError {
         /// The prompt budget ([`Compactor::prompt_budget`](keel_compaction::Compactor::prompt_budget)).
         budget: usize,
     },
+    /// The agent was run outside a Tokio runtime (under `futures::executor::block_on`,
+    /// say): its tool calls, timeouts and checkpoint writes are Tokio tasks. Nothing was
+    /// written.
+    #[error(
+        "the agent needs a Tokio runtime: run it under `#[tokio::main]`, or a runtime's `block_on`, not another executor"
+    )]
+    NoRuntime,
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
     Graph(#[from] GraphError),

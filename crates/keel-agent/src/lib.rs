@@ -45,7 +45,7 @@
 //! An agent runs on Tokio: [`Agent::run`], [`Agent::run_from`] and [`Agent::stream`]
 //! drive the graph on a task of their own and each tool call gets one, so call them
 //! inside a Tokio runtime (a multi-threaded one runs tool calls and file work in
-//! parallel).
+//! parallel); outside one they fail with [`AgentError::NoRuntime`].
 //!
 //! The token trigger needs the model's context window. A model keel-token's profiles
 //! do not know by name (the test models, `scripted` and `policy`, among them) is

@@ -468,6 +468,22 @@ async fn a_thread_id_the_offload_store_cannot_name_is_refused_with_one_reason() 
     assert!(seen.lock().unwrap().is_empty());
 }
 
+#[test]
+fn outside_a_tokio_runtime_run_and_stream_fail_with_a_typed_error() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(1, seen.clone())).build().unwrap();
+    let run = futures::executor::block_on(agent.run("t", AgentInput::new()));
+    assert!(matches!(run, Err(AgentError::NoRuntime)), "{run:?}");
+    assert!(run.unwrap_err().to_string().contains("#[tokio::main]"));
+    let items: Vec<_> =
+        futures::executor::block_on(agent.stream("t", AgentInput::new()).collect::<Vec<_>>());
+    assert!(
+        matches!(items[..], [Err(AgentError::NoRuntime)]),
+        "{items:?}"
+    );
+    assert!(seen.lock().unwrap().is_empty(), "the model was not called");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_goal_is_written_once() {
     let seen = Arc::new(Mutex::new(Vec::new()));
