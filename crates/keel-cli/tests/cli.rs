@@ -1093,9 +1093,14 @@ fn database_url() -> Option<String> {
     }
 }
 
+/// Held by the Postgres tests that leave runs queued for a while and by those that start
+/// a `keel worker` (which would claim any queued run).
+static FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threads_admin_works_on_postgres() {
     let Some(url) = database_url() else { return };
+    let _fleet = FLEET.lock().await;
     let server = server(false).await;
     let proj = project();
     let home = tempfile::tempdir().unwrap();
@@ -1689,6 +1694,7 @@ async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
 #[test]
 fn status_and_cancel_of_a_queued_run_on_postgres() {
     let Some(url) = database_url() else { return };
+    let _fleet = FLEET.blocking_lock();
     let thread = format!(
         "cli-queue-{}-{}",
         std::process::id(),
@@ -1746,4 +1752,134 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     assert_eq!(gone.status.code(), Some(1), "{:?}", text(&gone));
     let again = fleet(&["threads", "delete", &thread]);
     assert!(text(&again).1.contains("no thread"), "{:?}", text(&again));
+}
+
+/// A thread name no other test (or earlier run) uses.
+fn unique_thread(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
+/// Starts `keel worker ARGS` on `url` in `dir`, waits until `run` has ended, stops the
+/// worker with Ctrl-C (SIGINT) and returns its output.
+fn worker_until_ended(
+    url: &str,
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    run: &str,
+) -> Output {
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"));
+    for var in [
+        "KEEL_MODEL",
+        "KEEL_WINDOW",
+        "OLLAMA_BASE_URL",
+        "OPENAI_BASE_URL",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.arg("worker")
+        .args(args)
+        .args(["--database-url", url, "--dir"])
+        .arg(dir)
+        .envs(env.iter().copied())
+        .current_dir(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let status = keel()
+            .args(["status", run, "--json", "--database-url", url])
+            .output()
+            .unwrap();
+        let info: Value = serde_json::from_slice(&status.stdout).unwrap_or_default();
+        if ["done", "failed", "cancelled"].contains(&info["status"].as_str().unwrap_or("")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run did not end: {info}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let signalled = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn the_worker_prints_how_each_run_ended_and_what_to_fix() {
+    let Some(url) = database_url() else { return };
+    let _fleet = FLEET.blocking_lock();
+    let proj = project();
+    let fleet = |args: &[&str]| {
+        keel()
+            .args(args)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap()
+    };
+    let submit = |thread: &str| {
+        let out = fleet(&[
+            "submit",
+            "--thread",
+            thread,
+            "--goal",
+            "What is in this directory?",
+        ]);
+        assert!(out.status.success(), "{:?}", text(&out));
+        text(&out).0.trim().to_owned()
+    };
+
+    // A run the scripted agent finishes: done, with its answer.
+    let done_thread = unique_thread("cli-worker-done");
+    let run = submit(&done_thread);
+    let out = worker_until_ended(&url, proj.path(), &["--model", "scripted"], &[], &run);
+    let (stdout, stderr) = text(&out);
+    assert!(
+        stdout.contains(&format!(
+            "run {run} (thread `{done_thread}`): done: Scripted survey"
+        )),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("stopped: 1 run(s) claimed, 1 done"),
+        "{stdout}"
+    );
+
+    // A run whose model server does not answer: failed, with the error and the fix.
+    let failed_thread = unique_thread("cli-worker-failed");
+    let run = submit(&failed_thread);
+    let out = worker_until_ended(
+        &url,
+        proj.path(),
+        &["--model", "ollama/local", "--window", "8000"],
+        &[("OLLAMA_BASE_URL", "http://127.0.0.1:9")],
+        &run,
+    );
+    let (stdout, stderr) = text(&out);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(&format!("run {run} (thread `{failed_thread}`): failed: ")))
+        .unwrap_or_else(|| panic!("no line for the failed run:\n{stdout}\n{stderr}"));
+    assert!(
+        line.contains("Connection refused")
+            && line.contains("nothing answers at http://127.0.0.1:9: start Ollama"),
+        "{line}"
+    );
+
+    for thread in [&done_thread, &failed_thread] {
+        let deleted = fleet(&["threads", "delete", thread]);
+        assert!(deleted.status.success(), "{:?}", text(&deleted));
+    }
 }
