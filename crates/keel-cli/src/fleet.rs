@@ -53,7 +53,8 @@ pub struct SubmitArgs {
     /// The goal of a new thread (written once; heads every prompt).
     #[arg(long, value_parser = crate::ui::some_text)]
     goal: Option<String>,
-    /// A follow-up message to the thread.
+    /// A follow-up message to the thread (which has a goal: from a run that started it,
+    /// or from a run queued before this one).
     #[arg(long, value_parser = crate::ui::some_text)]
     message: Option<String>,
     /// What to do when the thread already has a queued or running run.
@@ -134,6 +135,15 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             args.thread
         );
     }
+    if args.goal.is_none()
+        && !thread_started(&queue, &url, &args.thread).await
+        && !has_pending_run(&queue, &args.thread).await?
+    {
+        bail!(
+            "thread `{}` has no goal yet, so a worker could not run this message: start the thread with --goal \"...\" (a follow-up --message comes after that)",
+            args.thread
+        );
+    }
     let mut input = RunInput::new();
     if let Some(goal) = args.goal {
         input = input.goal(goal);
@@ -168,7 +178,7 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
                 return Ok(ExitCode::SUCCESS);
             }
             RunStatus::Failed { error, .. } => {
-                outln!("failed: {error}");
+                outln!("failed: {}", cli_error(&error, &args.thread));
                 return Ok(ExitCode::FAILURE);
             }
             RunStatus::Cancelled { reason, .. } => {
@@ -192,6 +202,18 @@ async fn thread_started(queue: &Queue, url: &str, thread: &str) -> bool {
         return false;
     };
     matches!(saver.get(&ThreadKey::new(thread), None).await, Ok(Some(_)))
+}
+
+/// Whether `thread` has a queued or running run (which may carry its goal: a message
+/// submitted after it runs once it has).
+async fn has_pending_run(queue: &Queue, thread: &str) -> anyhow::Result<bool> {
+    let runs = queue
+        .runs(thread)
+        .await
+        .with_context(|| format!("cannot read the runs of thread `{thread}` in the queue"))?;
+    Ok(runs
+        .iter()
+        .any(|r| matches!(r.status, RunStatus::Queued | RunStatus::Running { .. })))
 }
 
 /// Runs `keel worker`.
@@ -522,7 +544,7 @@ fn run_end_line(info: &keel_fleet::RunInfo, slots: &str, fixes: Fixes<'_>) -> Op
         }
         RunStatus::Done { result, .. } => format!("done{}", outcome(result, 200)),
         RunStatus::Failed { error, .. } => {
-            let error = cli_error(error);
+            let error = cli_error(error, &info.thread);
             match fixes.for_error(&error) {
                 Some(fix) => format!("failed: {}; {fix}", first_sentence(&error)),
                 None => format!("failed: {}", first_sentence(&error)),
@@ -551,10 +573,16 @@ fn first_sentence(text: &str) -> &str {
     }
 }
 
-/// A run's stored error as the command line words it (the agent library's advice
-/// names its Rust API).
-pub(crate) fn cli_error(error: &str) -> String {
-    error.to_owned()
+/// A run's stored error as the command line words it: the agent library's advice for
+/// a thread without a goal names its Rust API, so it is replaced by the command.
+pub(crate) fn cli_error(error: &str, thread: &str) -> String {
+    match error.find(" has no goal") {
+        Some(at) => format!(
+            "{} has no goal: start it with `keel submit --thread {thread} --goal \"...\"`, then send follow-ups with --message",
+            &error[..at]
+        ),
+        None => error.to_owned(),
+    }
 }
 
 /// The `scripted` model: after each user message (or the goal) it lists the root,
@@ -745,10 +773,13 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
             json!({"finished_at": when(*finished_at), "answer": result.answer,
                        "stop": result.stop.as_ref().map(ToString::to_string), "interrupted": result.interrupted}),
         ),
-        RunStatus::Failed { error, finished_at } => (
-            format!("failed at {}: {error}", when(*finished_at)),
-            json!({"finished_at": when(*finished_at), "error": error}),
-        ),
+        RunStatus::Failed { error, finished_at } => {
+            let error = cli_error(error, &info.thread);
+            (
+                format!("failed at {}: {error}", when(*finished_at)),
+                json!({"finished_at": when(*finished_at), "error": error}),
+            )
+        }
         RunStatus::Cancelled {
             reason,
             finished_at,

@@ -1883,3 +1883,69 @@ fn the_worker_prints_how_each_run_ended_and_what_to_fix() {
         assert!(deleted.status.success(), "{:?}", text(&deleted));
     }
 }
+
+#[test]
+fn a_message_to_a_thread_without_a_goal_is_refused_at_submit() {
+    let Some(url) = database_url() else { return };
+    let _fleet = FLEET.blocking_lock();
+    let proj = project();
+    let fleet = |args: &[&str]| {
+        keel()
+            .args(args)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap()
+    };
+    let thread = unique_thread("cli-no-goal");
+    let refused = fleet(&["submit", "--thread", &thread, "--message", "hello"]);
+    let (_, stderr) = text(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("has no goal yet")
+            && stderr.contains("--goal")
+            && !stderr.contains(".goal(..)"),
+        "{stderr}"
+    );
+    let runs = fleet(&["status", "--thread", &thread]);
+    assert!(
+        text(&runs).0.contains("has no runs"),
+        "nothing was queued: {:?}",
+        text(&runs)
+    );
+
+    // A message behind a queued goal is taken; if the goal's run is cancelled, the
+    // worker fails the message's run, in words for the command line.
+    let goal = fleet(&["submit", "--thread", &thread, "--goal", "What is here?"]);
+    assert!(goal.status.success(), "{:?}", text(&goal));
+    let message = fleet(&[
+        "submit",
+        "--thread",
+        &thread,
+        "--message",
+        "hello",
+        "--policy",
+        "enqueue",
+    ]);
+    assert!(message.status.success(), "{:?}", text(&message));
+    let run = text(&message).0.trim().to_owned();
+    let cancelled = fleet(&["cancel", text(&goal).0.trim()]);
+    assert!(cancelled.status.success(), "{:?}", text(&cancelled));
+    let out = worker_until_ended(&url, proj.path(), &["--model", "scripted"], &[], &run);
+    let (stdout, stderr) = text(&out);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(&format!("run {run} ")))
+        .unwrap_or_else(|| panic!("no line for the run:\n{stdout}\n{stderr}"));
+    assert!(
+        line.contains("has no goal") && line.contains("--goal") && !line.contains(".goal(..)"),
+        "{line}"
+    );
+    let status = fleet(&["status", &run]);
+    assert!(
+        text(&status).0.contains("--goal") && !text(&status).0.contains(".goal(..)"),
+        "{:?}",
+        text(&status)
+    );
+    let deleted = fleet(&["threads", "delete", &thread]);
+    assert!(deleted.status.success(), "{:?}", text(&deleted));
+}
