@@ -62,12 +62,7 @@ impl LiveArgs {
         if let Some(w) = self.window.or(saved) {
             return Ok(Some(w));
         }
-        match env("KEEL_WINDOW") {
-            Some(text) => text.trim().parse().map(Some).with_context(|| {
-                format!("KEEL_WINDOW={text} is not a number of tokens (e.g. KEEL_WINDOW=32768)")
-            }),
-            None => Ok(settings.window),
-        }
+        window_setting(settings)
     }
 
     /// Sets up `spec` with these limits. A model keel has no profile for, without a
@@ -89,6 +84,48 @@ impl LiveArgs {
             profile,
             http,
         })
+    }
+}
+
+/// The window the settings give when no flag does: `KEEL_WINDOW`, then `window` in
+/// keel.toml.
+pub fn window_setting(settings: &Settings) -> anyhow::Result<Option<usize>> {
+    match env("KEEL_WINDOW") {
+        Some(text) => text.trim().parse().map(Some).with_context(|| {
+            format!("KEEL_WINDOW={text} is not a number of tokens (e.g. KEEL_WINDOW=32768)")
+        }),
+        None => Ok(settings.window),
+    }
+}
+
+/// `a` or `an` before a number written with [`thousands`]: `an 8,192`, `an 11,000`,
+/// `a 1,024`.
+pub fn a_or_an(number: &str) -> &'static str {
+    let lead = number.split(',').next().unwrap_or(number);
+    if lead.starts_with('8') || lead == "11" || lead == "18" {
+        "an"
+    } else {
+        "a"
+    }
+}
+
+/// The note for a model keel has no profile for: the window assumed (when none was
+/// given), and that token counts are estimates when keel has no tokenizer for it.
+pub fn no_profile_note(name: &str, assumed_window: Option<usize>, approximate: bool) -> String {
+    let counts = if approximate {
+        "token counts are approximate (keel has no tokenizer for it)"
+    } else {
+        "token counts use the default tokenizer"
+    };
+    match assumed_window {
+        Some(w) => {
+            let w = thousands(w as u64);
+            format!(
+                "note: keel has no profile for `{name}`; assuming {} {w}-token window, and {counts}. Give --window N (or `window` in keel.toml) with the model's real window.",
+                a_or_an(&w)
+            )
+        }
+        None => format!("note: keel has no profile for `{name}`; {counts}."),
     }
 }
 
@@ -138,8 +175,12 @@ pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile
         None => {
             if known.get(name).is_none() {
                 crate::errln!(
-                    "note: keel has no profile for `{name}`; assuming a {}-token window. Give --window N (or `window` in keel.toml) with the model's real window.",
-                    thousands(base.context_window as u64)
+                    "{}",
+                    no_profile_note(
+                        name,
+                        Some(base.context_window),
+                        base.encoding == keel::token::Encoding::Approximate
+                    )
                 );
             }
             Ok(base)
@@ -381,6 +422,21 @@ pub fn summarizer(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_take_the_right_article() {
+        for (n, article) in [
+            ("8,192", "an"),
+            ("800", "an"),
+            ("11,000", "an"),
+            ("18", "an"),
+            ("1,024", "a"),
+            ("110", "a"),
+            ("32,768", "a"),
+        ] {
+            assert_eq!(a_or_an(n), article, "{n}");
+        }
+    }
 
     #[test]
     fn specs_parse_and_bad_ones_say_what_to_write() {

@@ -17,7 +17,7 @@ use crate::chart::{self, Mark, Turn};
 use crate::config::Settings;
 use crate::formats::{self, Format, Loaded};
 use crate::model::{self, ModelSpec};
-use crate::ui::{percent, table, thousands};
+use crate::ui::{count, percent, table, thousands};
 
 /// `keel replay`
 #[derive(Debug, Args)]
@@ -42,7 +42,8 @@ pub struct ReplayArgs {
     /// Compaction strategies to compare (repeat the flag).
     #[arg(long, value_enum, default_values_t = [StrategyName::Hierarchical])]
     strategy: Vec<StrategyName>,
-    /// The model window in tokens (default: the model's window).
+    /// The model window in tokens (default: KEEL_WINDOW, or `window` in keel.toml, else
+    /// the model's window).
     #[arg(long)]
     window: Option<usize>,
     /// The model whose profile (window, tokenizer) to use.
@@ -118,8 +119,23 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
     };
     let started = Instant::now();
     let files = formats::expand(&args.inputs)?;
-    let profile = ModelProfiles::new().lookup(&args.model).clone();
-    let window = args.window.unwrap_or(profile.context_window);
+    let profiles = ModelProfiles::new();
+    let profile = profiles.lookup(&args.model).clone();
+    let given = match args.window {
+        Some(w) => Some(w),
+        None => model::window_setting(settings)?,
+    };
+    let window = given.unwrap_or(profile.context_window);
+    if profiles.get(&args.model).is_none() {
+        crate::errln!(
+            "{}",
+            model::no_profile_note(
+                &args.model,
+                given.is_none().then_some(window),
+                profile.encoding == keel::token::Encoding::Approximate
+            )
+        );
+    }
     if window < 1_000 {
         anyhow::bail!("--window {window} is too small to hold a prompt: use at least 1,000 tokens");
     }
@@ -236,9 +252,9 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         );
     } else {
         crate::outln!(
-            "\n{} run(s), {} model turns; window {} tokens ({}); summaries: {}; goal: {goal_used}\n",
-            runs.len(),
-            thousands(turns as u64),
+            "\n{}, {}; window {} tokens ({}); summaries: {}; goal: {goal_used}\n",
+            count(runs.len() as u64, "run"),
+            count(turns as u64, "model turn"),
             thousands(window as u64),
             args.model,
             args.summarizer

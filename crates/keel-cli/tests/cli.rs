@@ -1949,3 +1949,50 @@ fn a_message_to_a_thread_without_a_goal_is_refused_at_submit() {
     let deleted = fleet(&["threads", "delete", &thread]);
     assert!(deleted.status.success(), "{:?}", text(&deleted));
 }
+
+#[test]
+fn replay_notes_a_model_without_a_profile_and_takes_the_window_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("run.json"), OPENAI_RUN).unwrap();
+    let replay = |extra: &[&str], env: &[(&str, &str)]| {
+        let out = keel()
+            .args(["replay", "run.json", "--model", "claude-3-5-sonnet"])
+            .args(extra)
+            .envs(env.iter().copied())
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{:?}", text(&out));
+        text(&out)
+    };
+    // No window anywhere: the assumed one, and approximate counts.
+    let (stdout, stderr) = replay(&[], &[]);
+    assert!(
+        stderr.contains("no profile for `claude-3-5-sonnet`")
+            && stderr.contains("assuming an 8,192-token window")
+            && stderr.contains("approximate"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("window 8,192 tokens"), "{stdout}");
+    assert!(stdout.contains("1 run, 3 model turns;"), "{stdout}");
+    // keel.toml, then KEEL_WINDOW, then --window.
+    std::fs::write(d.join("keel.toml"), "window = 30000\n").unwrap();
+    let (stdout, stderr) = replay(&[], &[]);
+    assert!(stdout.contains("window 30,000 tokens"), "{stdout}");
+    assert!(
+        !stderr.contains("assuming") && stderr.contains("approximate"),
+        "{stderr}"
+    );
+    let (stdout, _) = replay(&[], &[("KEEL_WINDOW", "20000")]);
+    assert!(stdout.contains("window 20,000 tokens"), "{stdout}");
+    let (stdout, _) = replay(&["--window", "12000"], &[("KEEL_WINDOW", "20000")]);
+    assert!(stdout.contains("window 12,000 tokens"), "{stdout}");
+    // A model keel knows gets no note.
+    let known = keel()
+        .args(["replay", "run.json", "--model", "gpt-4o"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(!text(&known).1.contains("no profile"), "{:?}", text(&known));
+}
