@@ -165,11 +165,19 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
     if !args.json {
         for l in &loaded {
             crate::outln!(
-                "{}: {} ({}), {} run(s)",
+                "{}: {} ({}), {}",
                 l.path.display(),
                 l.format.name(),
                 if l.detected { "detected" } else { "as given" },
-                l.runs.len()
+                count(l.runs.len() as u64, "run")
+            );
+        }
+    }
+    for l in &loaded {
+        if l.runs.iter().all(|r| r.turns() == 0) {
+            crate::errln!(
+                "note: {} has no model turns (no assistant message), so there is nothing to compact: its shares show as - (null in --json)",
+                l.path.display()
             );
         }
     }
@@ -396,9 +404,9 @@ fn row(name: &str, r: &Report) -> Vec<String> {
         thousands(r.turns as u64),
         thousands(r.full_tokens as u64),
         thousands(r.tokens as u64),
-        percent(r.token_reduction()),
-        percent(r.cost_reduction()),
-        percent(r.cacheable_share()),
+        share(r, r.token_reduction()),
+        share(r, r.cost_reduction()),
+        share(r, r.cacheable_share()),
         format!("{}/{}", r.full_over_window, r.over_window),
         if r.needed_facts == 0 {
             "-".to_owned()
@@ -410,19 +418,38 @@ fn row(name: &str, r: &Report) -> Vec<String> {
         } else {
             percent(r.archive_recall())
         },
-        percent(r.goal_share()),
+        share(r, r.goal_share()),
     ]
+}
+
+/// A share of the report's model turns, or `-` when it has none (nothing was replayed,
+/// so there is nothing to compare).
+fn share(r: &Report, value: f64) -> String {
+    if r.turns == 0 {
+        "-".to_owned()
+    } else {
+        percent(value)
+    }
+}
+
+/// A share as JSON: `null` when the report has no model turns.
+fn share_json(r: &Report, value: f64) -> serde_json::Value {
+    if r.turns == 0 {
+        serde_json::Value::Null
+    } else {
+        json!(value)
+    }
 }
 
 fn report_json(r: &Report) -> serde_json::Value {
     json!({
         "runs": r.runs, "turns": r.turns,
-        "tokens_full": r.full_tokens, "tokens": r.tokens, "tokens_saved": r.token_reduction(),
-        "cost_full": r.full_cost, "cost": r.cost, "cost_saved": r.cost_reduction(),
-        "cacheable_turns": r.cacheable_turns, "cacheable_share": r.cacheable_share(),
+        "tokens_full": r.full_tokens, "tokens": r.tokens, "tokens_saved": share_json(r, r.token_reduction()),
+        "cost_full": r.full_cost, "cost": r.cost, "cost_saved": share_json(r, r.cost_reduction()),
+        "cacheable_turns": r.cacheable_turns, "cacheable_share": share_json(r, r.cacheable_share()),
         "peak_full": r.full_peak, "peak": r.peak,
         "turns_over_window_full": r.full_over_window, "turns_over_window": r.over_window,
-        "goal_intact_share": r.goal_share(),
+        "goal_intact_share": share_json(r, r.goal_share()),
         "compactions": r.compactions, "failed_compactions": r.failed_compactions,
         "needed_facts": r.needed_facts, "facts_in_prompt": r.facts_in_prompt, "facts_in_archive": r.facts_in_archive,
         "recall": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.recall()) },

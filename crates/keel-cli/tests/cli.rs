@@ -1996,3 +1996,53 @@ fn replay_notes_a_model_without_a_profile_and_takes_the_window_settings() {
         .unwrap();
     assert!(!text(&known).1.contains("no profile"), "{:?}", text(&known));
 }
+
+#[test]
+fn replay_of_a_file_without_model_turns_shows_no_shares() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("one.jsonl");
+    std::fs::write(&file, "{\"role\":\"user\",\"content\":\"hello\"}\n").unwrap();
+    let out = keel().arg("replay").arg(&file).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("has no model turns"), "{stderr}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("hierarchical"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(!row.contains('%'), "no share of nothing: {row}");
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cells,
+        [
+            "hierarchical",
+            "1",
+            "0",
+            "0",
+            "0",
+            "-",
+            "-",
+            "-",
+            "0/0",
+            "-",
+            "-",
+            "-"
+        ],
+        "{row}"
+    );
+    let json = keel()
+        .args(["replay", "--json"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&json.stdout).unwrap();
+    let total = &report["strategies"][0]["total"];
+    for key in [
+        "tokens_saved",
+        "cost_saved",
+        "cacheable_share",
+        "goal_intact_share",
+    ] {
+        assert_eq!(total[key], Value::Null, "{key}: {total}");
+    }
+}
