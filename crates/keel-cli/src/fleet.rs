@@ -737,6 +737,7 @@ fn outcome(result: &keel_fleet::RunResult, limit: usize) -> String {
 /// One run as a line of text and as JSON.
 pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value) {
     let when = |t| crate::threads::utc(millis(t));
+    let iso = |t| crate::threads::iso_utc(millis(t));
     let (what, extra) = match &info.status {
         RunStatus::Queued => ("queued".to_owned(), json!({})),
         RunStatus::Running {
@@ -762,7 +763,7 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
                     ""
                 }
             ),
-            json!({"worker": worker, "since": when(*since), "lease_until": when(*lease_until),
+            json!({"worker": worker, "since": iso(*since), "lease_until": iso(*lease_until),
                    "lease_expired": lease_expired, "cancel_requested": cancel_requested}),
         ),
         RunStatus::Done {
@@ -770,14 +771,14 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
             finished_at,
         } => (
             format!("done at {}{}", when(*finished_at), outcome(result, 200)),
-            json!({"finished_at": when(*finished_at), "answer": result.answer,
+            json!({"finished_at": iso(*finished_at), "answer": result.answer,
                        "stop": result.stop.as_ref().map(ToString::to_string), "interrupted": result.interrupted}),
         ),
         RunStatus::Failed { error, finished_at } => {
             let error = cli_error(error, &info.thread);
             (
                 format!("failed at {}: {error}", when(*finished_at)),
-                json!({"finished_at": when(*finished_at), "error": error}),
+                json!({"finished_at": iso(*finished_at), "error": error}),
             )
         }
         RunStatus::Cancelled {
@@ -792,7 +793,7 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
                     .map(|r| format!(": {r}"))
                     .unwrap_or_default()
             ),
-            json!({"finished_at": when(*finished_at), "reason": reason}),
+            json!({"finished_at": iso(*finished_at), "reason": reason}),
         ),
         _ => (info.status.name().to_owned(), json!({})),
     };
@@ -804,7 +805,7 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
         "run": info.id.to_string(), "thread": info.thread, "seq": info.seq,
         "status": info.status.name(), "policy": info.policy.as_str(),
         "attempts": info.attempts, "max_attempts": info.max_attempts,
-        "submitted_at": when(info.submitted_at),
+        "submitted_at": iso(info.submitted_at),
     });
     if let (Some(v), Some(extra)) = (value.as_object_mut(), extra.as_object()) {
         v.extend(extra.clone());

@@ -360,13 +360,12 @@ async fn list(
     for t in &threads {
         let state = state_of(saver, &t.thread_id).await.ok().flatten();
         let when = utc(t.head.timestamp_millis());
-        let goal = state
+        let full_goal = state
             .as_ref()
-            .and_then(|s| {
-                s.goal()
-                    .map(|g| g.text().chars().take(60).collect::<String>())
-            })
+            .and_then(|s| s.goal().map(|g| g.text().into_owned()))
             .unwrap_or_default();
+        // The table's goal is short, cut at a word where it can be.
+        let goal = short(&full_goal, 60);
         let (steps, milestones, epochs) = state.as_ref().map_or((None, None, None), |s| {
             (Some(s.step), Some(s.milestones_made), Some(s.epochs_made))
         });
@@ -379,8 +378,8 @@ async fn list(
             None => None,
         };
         out.push(
-            json!({"thread": t.thread_id, "last_active": when, "namespaces": t.namespaces,
-            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": goal,
+            json!({"thread": t.thread_id, "last_active": iso_utc(t.head.timestamp_millis()), "namespaces": t.namespaces,
+            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": full_goal,
             "last_run": last_run}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
@@ -586,7 +585,7 @@ async fn history(
         let c = item.with_context(|| format!("cannot read the history of `{thread}`"))?;
         let when = utc(c.checkpoint.id.timestamp_millis());
         let source = format!("{:?}", c.metadata.source).to_lowercase();
-        out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": when, "step": c.metadata.step, "source": source, "writes": c.metadata.writes}));
+        out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": iso_utc(c.checkpoint.id.timestamp_millis()), "step": c.metadata.step, "source": source, "writes": c.metadata.writes}));
         rows.push(vec![
             c.checkpoint.id.to_string(),
             when,
@@ -657,7 +656,25 @@ fn human_duration(d: Duration) -> String {
     }
 }
 
-/// Unix milliseconds as `2026-12-01 22:30:05`.
+/// `text` cut to about `limit` characters at a word boundary, with `...` when cut.
+fn short(text: &str, limit: usize) -> String {
+    if text.chars().count() <= limit {
+        return text.to_owned();
+    }
+    let cut: String = text.chars().take(limit).collect();
+    let at_word = match cut.rfind(char::is_whitespace) {
+        Some(i) if i > 0 => cut[..i].trim_end().to_owned(),
+        _ => cut,
+    };
+    format!("{at_word}...")
+}
+
+/// Unix milliseconds as ISO 8601 in UTC, `2026-12-01T22:30:05Z` (what `--json` prints).
+pub(crate) fn iso_utc(millis: u64) -> String {
+    format!("{}Z", utc(millis).replacen(' ', "T", 1))
+}
+
+/// Unix milliseconds as `2026-12-01 22:30:05` (UTC; the tables' form).
 pub(crate) fn utc(millis: u64) -> String {
     let secs = millis / 1000;
     let (days, rem) = (secs / 86_400, secs % 86_400);
@@ -699,7 +716,18 @@ mod tests {
     }
 
     #[test]
+    fn short_goals_end_at_a_word() {
+        assert_eq!(short("Find the config", 60), "Find the config");
+        assert_eq!(
+            short("Find where the config is parsed", 20),
+            "Find where the..."
+        );
+        assert_eq!(short("Supercalifragilistic", 10), "Supercalif...");
+    }
+
+    #[test]
     fn utc_formats_known_instants() {
+        assert_eq!(iso_utc(1_796_164_962_000), "2026-12-01T22:42:42Z");
         assert_eq!(utc(0), "1970-01-01 00:00:00");
         assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00");
         assert_eq!(utc(1_796_164_962_000), "2026-12-01 22:42:42");

@@ -1719,6 +1719,7 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     let info: Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(info["status"], "queued");
     assert_eq!(info["thread"], thread.as_str());
+    assert!(is_iso_utc(info["submitted_at"].as_str().unwrap()), "{info}");
 
     let cancelled = fleet(&["cancel", &run]);
     assert!(cancelled.status.success(), "{:?}", text(&cancelled));
@@ -2045,4 +2046,68 @@ fn replay_of_a_file_without_model_turns_shows_no_shares() {
     ] {
         assert_eq!(total[key], Value::Null, "{key}: {total}");
     }
+}
+
+/// Whether `text` is an ISO 8601 UTC timestamp such as `2026-12-05T17:14:17Z`.
+fn is_iso_utc(text: &str) -> bool {
+    let b = text.as_bytes();
+    b.len() == 20
+        && b.iter().enumerate().all(|(i, c)| match i {
+            4 | 7 => *c == b'-',
+            10 => *c == b'T',
+            13 | 16 => *c == b':',
+            19 => *c == b'Z',
+            _ => c.is_ascii_digit(),
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn threads_json_gives_the_whole_goal_and_iso_utc_timestamps() {
+    let server = server(false).await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let goal =
+        "Find where the configuration of the orbit service is parsed and list every caller of it";
+    let (h, d, s) = (home.path().to_owned(), proj.path().to_owned(), server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["run", "--model", "ollama/local", "--window", "8000"])
+            .args(["--thread", "long-goal", "--goal", goal])
+            .arg("--home")
+            .arg(&h)
+            .arg("--dir")
+            .arg(&d)
+            .env("OLLAMA_BASE_URL", s)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let threads = |args: &[&str]| {
+        keel()
+            .arg("threads")
+            .args(args)
+            .arg("--home")
+            .arg(home.path())
+            .output()
+            .unwrap()
+    };
+    let list = threads(&["list", "--json"]);
+    let listed: Value =
+        serde_json::from_slice(&list.stdout).unwrap_or_else(|_| panic!("{:?}", text(&list)));
+    assert_eq!(listed[0]["goal"], goal);
+    let when = listed[0]["last_active"].as_str().unwrap();
+    assert!(is_iso_utc(when), "{when}");
+    let history = threads(&["history", "long-goal", "--json"]);
+    let history: Value = serde_json::from_slice(&history.stdout).unwrap();
+    let made = history[0]["made"].as_str().unwrap();
+    assert!(is_iso_utc(made), "{made}");
+    // The table keeps its short form, cut at a word.
+    let table = text(&threads(&["list"])).0;
+    assert!(
+        table.contains("Find where the configuration of the orbit service is parsed...")
+            && !table.contains("list every caller"),
+        "{table}"
+    );
 }
