@@ -97,12 +97,18 @@ struct Report {
     peak_rss_bytes: Option<u64>,
     /// Time to draw and write the chart.
     chart_ms: f64,
+    /// This run's model calls, tool calls and compactions (a thread that already ran
+    /// makes only the final question's).
     model_calls: u64,
     tool_calls: u64,
     tool_errors: u64,
     offloads: u64,
     milestones: u64,
     epochs: u64,
+    /// The thread's totals, over every run of it.
+    thread_model_calls: u64,
+    thread_milestones: u64,
+    thread_epochs: u64,
     prompt_tokens_sent: u64,
     prompt_tokens_full_history: u64,
     tokens_saved: f64,
@@ -364,6 +370,12 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .thread
         .clone()
         .unwrap_or_else(|| store::new_thread_id("demo"));
+    // A thread that already ran has done its survey: only the final question is asked
+    // again, and the table counts this run's calls only.
+    let earlier = agent
+        .state(&thread)
+        .await
+        .with_context(|| format!("cannot read thread `{thread}`"))?;
     let label = match &live {
         Some(spec) => format!("model: {spec} (live)"),
         None => "model: a scripted policy (deterministic, no model server), posing as gpt-4o for its token profile".to_owned(),
@@ -386,6 +398,14 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             args.every,
             args.epoch
         );
+        if let Some(before) = &earlier {
+            crate::outln!(
+                "note: thread `{thread}` already ran ({}, {}, {} before now), so its survey is not repeated: only the final question is asked again, and the table below counts this run's calls and compactions only. Leave out --thread (or give a new one) for a full run.\n",
+                count(before.step, "model call"),
+                count(before.milestones_made, "milestone"),
+                count(before.epochs_made, "epoch"),
+            );
+        }
     }
 
     let bar = if args.quiet || args.json {
@@ -474,8 +494,11 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         tool_calls: tally.tool_calls,
         tool_errors: tally.tool_errors,
         offloads: tally.offloads,
-        milestones: state.milestones_made,
-        epochs: state.epochs_made,
+        milestones: tally.milestones() as u64,
+        epochs: tally.epochs() as u64,
+        thread_model_calls: state.step,
+        thread_milestones: state.milestones_made,
+        thread_epochs: state.epochs_made,
         prompt_tokens_sent: sent,
         prompt_tokens_full_history: full,
         tokens_saved: if full == 0 {

@@ -2111,3 +2111,50 @@ async fn threads_json_gives_the_whole_goal_and_iso_utc_timestamps() {
         "{table}"
     );
 }
+
+#[test]
+fn a_demo_rerun_on_its_thread_says_so_and_counts_this_run_only() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let args = ["--thread", "again", "--steps", "20", "--quiet"];
+    let first = demo(&args, proj.path(), home.path());
+    assert!(first.status.success(), "{:?}", text(&first));
+    assert!(
+        !text(&first).0.contains("already ran"),
+        "{:?}",
+        text(&first)
+    );
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(home.path().join("report.json")).unwrap()).unwrap();
+    let first_calls = report["model_calls"].as_u64().unwrap();
+    assert!(report["milestones"].as_u64().unwrap() > 0, "{report}");
+
+    let second = demo(&args, proj.path(), home.path());
+    let (stdout, stderr) = text(&second);
+    assert!(second.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "note: thread `again` already ran ({first_calls} model calls,"
+        )) && stdout.contains("counts this run's calls and compactions only"),
+        "{stdout}"
+    );
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(home.path().join("report.json")).unwrap()).unwrap();
+    // This run's counts agree with each other; the thread's totals are apart.
+    let compactions = report["compactions"].as_array().unwrap();
+    let milestones = compactions
+        .iter()
+        .filter(|c| c["kind"] == "milestone")
+        .count() as u64;
+    assert_eq!(report["milestones"], milestones, "{report}");
+    assert!(report["model_calls"].as_u64().unwrap() < first_calls);
+    assert_eq!(
+        report["thread_model_calls"].as_u64().unwrap(),
+        first_calls + report["model_calls"].as_u64().unwrap()
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("milestones / epochs"))
+        .unwrap();
+    assert!(row.ends_with(&format!("{milestones} / 0")), "{row}");
+}
