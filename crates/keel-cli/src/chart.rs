@@ -35,6 +35,12 @@ const EPOCH: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
 /// Writes the chart to `path` as SVG.
 pub fn write_svg(path: &Path, title: &str, turns: &[Turn], marks: &[Mark]) -> anyhow::Result<()> {
     let svg = render_svg(title, turns, marks)?;
+    if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create {}, the chart's directory", dir.display()))?;
+    }
     std::fs::write(path, svg)
         .with_context(|| format!("cannot write the chart to {}", path.display()))
 }

@@ -279,6 +279,15 @@ impl Tally {
     }
 }
 
+/// `model call` for 1, `10 model calls` for 10 (after "every").
+fn every(n: usize, noun: &str) -> String {
+    if n == 1 {
+        noun.to_owned()
+    } else {
+        count(n as u64, noun)
+    }
+}
+
 /// A line above the progress bar, or on stdout when the bar is hidden (not a terminal).
 fn say(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
@@ -394,9 +403,9 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             store::offload_dir(&home).display()
         );
         crate::outln!(
-            "thread: {thread}; a milestone every {} model calls, an epoch every {} milestones\n",
-            args.every,
-            args.epoch
+            "thread: {thread}; a milestone every {}, an epoch every {}\n",
+            every(args.every, "model call"),
+            every(args.epoch, "milestone"),
         );
         if let Some(before) = &earlier {
             crate::outln!(
@@ -549,10 +558,10 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             && (report.model_calls as usize) < args.steps
         {
             crate::outln!(
-                "\nnote: {spec} decided its survey was done after {} model calls; the scripted policy makes {}. Compaction starts after {} calls, so a short live survey shows few or no milestones: ask for more with a larger model, or see the scripted run (`keel demo` without --model).",
-                report.model_calls,
+                "\nnote: {spec} decided its survey was done after {}; the scripted policy makes {}. Compaction starts after {}, so a short live survey shows few or no milestones: ask for more with a larger model, or see the scripted run (`keel demo` without --model).",
+                count(report.model_calls, "model call"),
                 args.steps,
-                args.every
+                count(args.every as u64, "call"),
             );
         }
     }

@@ -94,6 +94,15 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// A size over a limit (`limit` bytes) in MiB with one decimal, never reading as the
+/// limit or below it: 3.9 MiB over 1 MiB, not 3; 1.1 for a byte over 1 MiB.
+fn mib_over(bytes: u64, limit: u64) -> String {
+    let mib = 1u64 << 20;
+    let nearest = (bytes.saturating_mul(10) + mib / 2) / mib;
+    let tenths = nearest.max(limit.saturating_mul(10).div_ceil(mib) + 1);
+    format!("{}.{}", tenths / 10, tenths % 10)
+}
+
 /// Reads one file as `format` (or detects it), refusing files over `max_bytes`.
 pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loaded> {
     let size = std::fs::metadata(path)
@@ -103,7 +112,7 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
         bail!(
             "{} is {} MiB, over the {} MiB limit for one file: pass --max-file-mb to raise it",
             path.display(),
-            size >> 20,
+            mib_over(size, max_bytes),
             max_bytes >> 20
         );
     }
@@ -424,6 +433,14 @@ mod tests {
     const OPENAI: &str = r#"[{"role":"system","content":"be brief"},{"role":"user","content":"list files"},
         {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"ls","arguments":"{}"}}]},
         {"role":"tool","tool_call_id":"c1","content":"a.txt"},{"role":"assistant","content":"one file"}]"#;
+
+    #[test]
+    fn sizes_over_the_limit_never_read_as_the_limit() {
+        let mib = 1u64 << 20;
+        assert_eq!(mib_over(3_900 * mib / 1_000 + 1, mib), "3.9");
+        assert_eq!(mib_over(mib + 1, mib), "1.1");
+        assert_eq!(mib_over(100 * mib, 64 * mib), "100.0");
+    }
 
     #[test]
     fn detects_each_format() {

@@ -66,7 +66,8 @@ pub struct ReplayArgs {
     /// Print a JSON report to stdout instead of tables.
     #[arg(long)]
     json: bool,
-    /// Write an SVG chart of prompt tokens per turn for the longest run.
+    /// Write an SVG chart of prompt tokens per turn for the longest run (a `.svg` file;
+    /// missing directories are created).
     #[arg(long, value_name = "FILE")]
     chart: Option<PathBuf>,
     /// Largest file read, in MiB.
@@ -117,6 +118,16 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
             Some(spec.client(settings)?)
         }
     };
+    if let Some(path) = &args.chart
+        && !path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
+    {
+        anyhow::bail!(
+            "--chart writes an SVG image, so {} would hold SVG under another name: give a file name ending in .svg (e.g. --chart tokens.svg)",
+            path.display()
+        );
+    }
     let started = Instant::now();
     let files = formats::expand(&args.inputs)?;
     let profiles = ModelProfiles::new();

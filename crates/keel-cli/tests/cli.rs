@@ -2158,3 +2158,59 @@ fn a_demo_rerun_on_its_thread_says_so_and_counts_this_run_only() {
         .unwrap();
     assert!(row.ends_with(&format!("{milestones} / 0")), "{row}");
 }
+
+#[test]
+fn small_wording_sizes_and_chart_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A 3.9 MiB file over a 1 MiB limit is not said to be 3 MiB.
+    let big = std::fs::File::create(d.join("big.json")).unwrap();
+    big.set_len(3_900 * 1_048_576 / 1_000 + 1).unwrap();
+    let out = keel()
+        .args(["replay", "--max-file-mb", "1"])
+        .arg(d.join("big.json"))
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).1.contains("is 3.9 MiB, over the 1 MiB limit"),
+        "{:?}",
+        text(&out)
+    );
+    // --chart writes SVG: another extension is refused before any work.
+    std::fs::write(d.join("run.json"), OPENAI_RUN).unwrap();
+    let png = keel()
+        .args(["replay", "run.json", "--chart", "x.png"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(png.status.code(), Some(1), "{:?}", text(&png));
+    assert!(text(&png).1.contains(".svg"), "{:?}", text(&png));
+    assert!(!d.join("x.png").exists());
+    // Its directories are created, as `keel demo --out` does.
+    let nested = keel()
+        .args(["replay", "run.json", "--chart", "charts/new/x.svg"])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert!(nested.status.success(), "{:?}", text(&nested));
+    assert!(
+        std::fs::read_to_string(d.join("charts/new/x.svg"))
+            .unwrap()
+            .starts_with("<svg")
+    );
+    // Counts of one are singular.
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let out = demo(
+        &["--steps", "20", "--every", "1", "--epoch", "1", "--quiet"],
+        proj.path(),
+        home.path(),
+    );
+    assert!(
+        text(&out)
+            .0
+            .contains("a milestone every model call, an epoch every milestone"),
+        "{:?}",
+        text(&out)
+    );
+}
