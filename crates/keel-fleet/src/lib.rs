@@ -93,5 +93,6 @@ pub use queue::{
 };
 pub use schema::SCHEMA_VERSION;
 pub use worker::{
-    DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, Worker, WorkerBuilder, WorkerReport,
+    DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, RunEnd, RunOutcome, Worker,
+    WorkerBuilder, WorkerReport,
 };

@@ -13,7 +13,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::error::FleetError;
 use crate::fence::{Fence, RunCtl, StopReason, is_refusal};
 use crate::input::RunInput;
-use crate::queue::{Claimed, Queue, Renewal, RunResult};
+use crate::queue::{Claimed, Queue, Renewal, RunId, RunResult};
 
 /// The default lease: a worker that stops renewing loses its runs this long after its
 /// last renewal.
@@ -65,6 +65,43 @@ impl WorkerReport {
     }
 }
 
+/// How a run a worker claimed ended, as given to [`WorkerBuilder::on_run_end`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct RunEnd<'a> {
+    /// The run.
+    pub run: RunId,
+    /// Its thread.
+    pub thread: &'a str,
+    /// How it ended.
+    pub outcome: RunOutcome<'a>,
+}
+
+/// How a run ended on a worker ([`RunEnd::outcome`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RunOutcome<'a> {
+    /// The agent finished the run (an answer, an interrupt or a resumable stop).
+    Done(&'a AgentRun),
+    /// The run failed; `error` is what the queue stores.
+    Failed {
+        /// The text the queue stores.
+        error: &'a str,
+        /// The agent's error, when the agent failed the run (match on
+        /// [`AgentError::model_error`] to say what to fix).
+        agent: Option<&'a AgentError>,
+    },
+    /// The run was cancelled (it stopped at a step boundary).
+    Cancelled,
+    /// The worker shut down and put the run back in the queue.
+    Released,
+    /// The run's lease is another worker's now; this worker left the run alone.
+    Superseded,
+}
+
+/// A callback given each run's end.
+type OnRunEnd = Arc<dyn Fn(&RunEnd<'_>) + Send + Sync>;
+
 /// Builds a [`Worker`].
 #[must_use]
 pub struct WorkerBuilder {
@@ -76,6 +113,7 @@ pub struct WorkerBuilder {
     lease: Duration,
     heartbeat: Duration,
     poll_interval: Duration,
+    on_run_end: Option<OnRunEnd>,
 }
 
 impl std::fmt::Debug for WorkerBuilder {
@@ -134,6 +172,24 @@ impl WorkerBuilder {
         self
     }
 
+    /// Called as each run this worker claimed ends, after the queue recorded it (for
+    /// a superseded run, when the worker let it go): a place to log it, count it or
+    /// tell someone. Keep it short; it runs on the worker's slot.
+    ///
+    /// ```
+    /// # fn doc(queue: keel_fleet::Queue, saver: std::sync::Arc<dyn keel_checkpoint::Checkpointer>) {
+    /// use keel_fleet::{RunOutcome, Worker};
+    /// let builder = Worker::builder(queue, saver).on_run_end(|end| match &end.outcome {
+    ///     RunOutcome::Failed { error, .. } => eprintln!("run {} failed: {error}", end.run),
+    ///     other => eprintln!("run {} of {}: {other:?}", end.run, end.thread),
+    /// });
+    /// # }
+    /// ```
+    pub fn on_run_end(mut self, f: impl Fn(&RunEnd<'_>) + Send + Sync + 'static) -> Self {
+        self.on_run_end = Some(Arc::new(f));
+        self
+    }
+
     /// Builds the worker and its agent.
     pub fn build(self) -> Result<Worker, FleetError> {
         let builder = self.agent.ok_or(FleetError::NoAgent)?;
@@ -166,6 +222,7 @@ impl WorkerBuilder {
                 lease: self.lease,
                 heartbeat: self.heartbeat,
                 poll_interval: self.poll_interval,
+                on_run_end: self.on_run_end,
             }),
         })
     }
@@ -193,6 +250,7 @@ struct WorkerInner {
     lease: Duration,
     heartbeat: Duration,
     poll_interval: Duration,
+    on_run_end: Option<OnRunEnd>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -207,7 +265,7 @@ impl std::fmt::Debug for Worker {
 /// How a run's execution ended, before the queue is told.
 enum Outcome {
     Finished(Box<AgentRun>),
-    Failed(String),
+    Failed(String, Option<AgentError>),
     Stopped(StopReason),
     /// The lease is not ours any more: leave the run alone.
     Superseded,
@@ -226,6 +284,7 @@ impl Worker {
             lease: DEFAULT_LEASE,
             heartbeat: DEFAULT_HEARTBEAT,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            on_run_end: None,
         }
     }
 
@@ -360,13 +419,24 @@ impl Worker {
             Err(reason) => {
                 let error = format!("the run's input cannot be used: {reason}");
                 tracing::warn!(run = %claimed.run, %error, "failing the run");
-                match w.queue.fail(&claimed, &error).await {
-                    Ok(true) => report.failed += 1,
-                    Ok(false) => report.superseded += 1,
-                    Err(e) => {
-                        tracing::warn!(run = %claimed.run, error = %e, "cannot mark the run failed")
+                let outcome = match w.queue.fail(&claimed, &error).await {
+                    Ok(true) => {
+                        report.failed += 1;
+                        RunOutcome::Failed {
+                            error: &error,
+                            agent: None,
+                        }
                     }
-                }
+                    Ok(false) => {
+                        report.superseded += 1;
+                        RunOutcome::Superseded
+                    }
+                    Err(e) => {
+                        tracing::warn!(run = %claimed.run, error = %e, "cannot mark the run failed");
+                        return;
+                    }
+                };
+                self.tell(&claimed, outcome);
                 return;
             }
         };
@@ -412,19 +482,19 @@ impl Worker {
                                 continue;
                             }
                             Ok(true) => {
-                                break Outcome::Failed(format!(
-                                    "{e} ({} times in a row)",
-                                    conflicts + 1
-                                ));
+                                break Outcome::Failed(
+                                    format!("{e} ({} times in a row)", conflicts + 1),
+                                    Some(e),
+                                );
                             }
                             Ok(false) | Err(_) => break Outcome::Superseded,
                         }
                     }
-                    break Outcome::Failed(e.to_string());
+                    break Outcome::Failed(e.to_string(), Some(e));
                 }
                 Supervised::Stopped(reason) => break Outcome::Stopped(reason),
                 Supervised::Lost => break Outcome::Superseded,
-                Supervised::Panicked(message) => break Outcome::Failed(message),
+                Supervised::Panicked(message) => break Outcome::Failed(message, None),
             }
         };
         w.fence.deregister(&claimed.thread, &ctl);
@@ -442,7 +512,9 @@ impl Worker {
                     .await
                     .map(|ok| (ok, "done"))
             }
-            Outcome::Failed(error) => w.queue.fail(&claimed, error).await.map(|ok| (ok, "failed")),
+            Outcome::Failed(error, _) => {
+                w.queue.fail(&claimed, error).await.map(|ok| (ok, "failed"))
+            }
             Outcome::Stopped(StopReason::Cancel) => w
                 .queue
                 .cancelled(&claimed)
@@ -453,18 +525,53 @@ impl Worker {
             }
             Outcome::Superseded => Ok((false, "superseded")),
         };
-        match marked {
-            Ok((true, "done")) => report.done += 1,
-            Ok((true, "failed")) => report.failed += 1,
-            Ok((true, "cancelled")) => report.cancelled += 1,
-            Ok((true, _)) => report.released += 1,
+        let told = match marked {
+            Ok((true, "done")) => {
+                report.done += 1;
+                match &outcome {
+                    Outcome::Finished(run) => RunOutcome::Done(run),
+                    _ => return,
+                }
+            }
+            Ok((true, "failed")) => {
+                report.failed += 1;
+                match &outcome {
+                    Outcome::Failed(error, agent) => RunOutcome::Failed {
+                        error,
+                        agent: agent.as_ref(),
+                    },
+                    _ => return,
+                }
+            }
+            Ok((true, "cancelled")) => {
+                report.cancelled += 1;
+                RunOutcome::Cancelled
+            }
+            Ok((true, _)) => {
+                report.released += 1;
+                RunOutcome::Released
+            }
             Ok((false, how)) => {
                 tracing::info!(run = %claimed.run, how, "the run's lease is no longer this worker's; leaving it");
                 report.superseded += 1;
+                RunOutcome::Superseded
             }
             Err(e) => {
-                tracing::warn!(run = %claimed.run, error = %e, "cannot record how the run ended")
+                tracing::warn!(run = %claimed.run, error = %e, "cannot record how the run ended");
+                return;
             }
+        };
+        self.tell(&claimed, told);
+    }
+
+    /// Gives the run's end to the builder's callback, if any.
+    fn tell(&self, claimed: &Claimed, outcome: RunOutcome<'_>) {
+        if let Some(f) = &self.inner.on_run_end {
+            f(&RunEnd {
+                run: claimed.run,
+                thread: &claimed.thread,
+                outcome,
+            });
         }
     }
 

@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use common::{
     Db, Echo, Gate, database_url, goal, is_done, reference, summary, tool_calls_answered, wait_for,
 };
 use keel_fleet::{
-    FleetError, Policy, QueueOptions, RunInput, RunStatus, SCHEMA_VERSION, Worker, WorkerReport,
+    FleetError, Policy, QueueOptions, RunInput, RunOutcome, RunStatus, SCHEMA_VERSION, Worker,
+    WorkerReport,
 };
 use keel_message::Message;
 
@@ -810,5 +812,73 @@ async fn forgetting_a_thread_removes_its_runs_once_none_is_in_flight() {
         .submit("f", RunInput::new().goal(goal("f")))
         .await
         .unwrap();
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_run_end_hears_how_each_run_ended_with_the_agent_s_error() {
+    let Some(url) = database_url() else { return };
+    let db = Db::new(&url, "run_end").await;
+    let echo = Echo::new(2);
+    let good = db
+        .queue
+        .submit("good", RunInput::new().goal(goal("good")))
+        .await
+        .unwrap();
+    // No goal anywhere: the agent refuses the run with a typed error.
+    let lost = db
+        .queue
+        .submit("lost", RunInput::new().message(Message::user("Hello?")))
+        .await
+        .unwrap();
+    let bad = db
+        .queue
+        .submit("bad", RunInput::new().goal("g"))
+        .await
+        .unwrap();
+    db.sql("UPDATE {s}.keel_fleet_runs SET input = '{\"v\": 2, \"input\": {}}' WHERE thread_id = 'bad'")
+        .await;
+    let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h = heard.clone();
+    let w = Worker::builder(db.queue.clone(), db.saver.clone())
+        .agent(echo.agent("w"))
+        .name("w")
+        .lease(Duration::from_secs(1))
+        .heartbeat(Duration::from_millis(100))
+        .poll_interval(Duration::from_millis(20))
+        .on_run_end(move |end| {
+            let what = match &end.outcome {
+                RunOutcome::Done(run) => format!("done: {:?}", run.answer),
+                RunOutcome::Failed { error, agent } => format!(
+                    "failed ({}): {error}",
+                    match agent {
+                        Some(keel_agent::AgentError::NoGoal { .. }) => "no goal",
+                        Some(_) => "agent",
+                        None => "no agent error",
+                    }
+                ),
+                other => format!("{other:?}"),
+            };
+            h.lock()
+                .unwrap()
+                .push((end.run, end.thread.to_owned(), what));
+        })
+        .build()
+        .unwrap();
+    let report = w.run_until_idle().await.unwrap();
+    assert_eq!((report.done, report.failed), (1, 2), "{report:?}");
+    let mut heard = heard.lock().unwrap().clone();
+    heard.sort_by(|a, b| a.1.cmp(&b.1));
+    assert_eq!(heard.len(), 3, "{heard:?}");
+    assert_eq!((heard[0].0, heard[0].1.as_str()), (bad, "bad"));
+    assert!(
+        heard[0]
+            .2
+            .starts_with("failed (no agent error): the run's input cannot be used"),
+        "{heard:?}"
+    );
+    assert_eq!((heard[1].0, heard[2].0), (good, lost));
+    assert_eq!(heard[1].2, "done: Some(\"Reached 2.\")");
+    assert!(heard[2].2.starts_with("failed (no goal):"), "{heard:?}");
     db.drop_schema().await;
 }
