@@ -15,11 +15,13 @@ use keel::agent::Agent;
 use keel::agent::tools::FileTools;
 use keel::checkpoint::{Checkpointer, ThreadKey};
 use keel::compaction::CompactionConfig;
-use keel::message::{Message, Role, ToolCall, ToolSpec};
-use keel::model::{ChatModel, ChatOptions, ChatResponse, ChatStream, ModelError, PolicyModel};
+use keel::message::{Message, Role, ToolCall};
+use keel::model::{ChatModel, ChatOptions, ChatResponse, PolicyModel};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::token::{Encoding, ModelProfile};
-use keel_fleet::{FleetError, Policy, Queue, RunId, RunInput, RunStatus, Worker};
+use keel_fleet::{
+    FleetError, Policy, Queue, RunEnd, RunId, RunInput, RunOutcome, RunStatus, Worker,
+};
 use serde_json::json;
 
 use crate::config::Settings;
@@ -174,7 +176,7 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
         let info = queue.status(run).await?;
         match info.status {
             RunStatus::Done { result, .. } => {
-                outln!("done{}", outcome(&result, usize::MAX));
+                outln!("done{}", result_outcome(&result, usize::MAX));
                 return Ok(ExitCode::SUCCESS);
             }
             RunStatus::Failed { error, .. } => {
@@ -243,7 +245,6 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
     let storage = store::open(&home, Some(&url), true).await?;
     let offload =
         store::offload_for(&home, Some(&url), true)?.context("no offload store could be opened")?;
-    let errors = ModelErrors::default();
     let (client, profile, options, described, spec): (
         Arc<dyn ChatModel>,
         ModelProfile,
@@ -265,11 +266,13 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
             .live
             .connect(&spec, args.live.window(settings, None)?, settings)?;
         let described = format!("{spec} at {}", spec.base_url(settings));
-        let noted: Arc<dyn ChatModel> = Arc::new(Noting {
-            inner: live.client,
-            errors: errors.clone(),
-        });
-        (noted, live.profile, live.options, described, Some(spec))
+        (
+            live.client,
+            live.profile,
+            live.options,
+            described,
+            Some(spec),
+        )
     };
     let tools = FileTools::new(&args.dir)
         .with_context(|| format!("cannot root the file tools at {}", args.dir.display()))?
@@ -282,12 +285,16 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         .file_tools(tools)
         .offload_store(offload)
         .compaction(CompactionConfig::default().with_max_steps(args.max_steps));
-    let watch_queue = queue.clone();
+    let fix = spec.map(|spec| {
+        let url = spec.base_url(settings);
+        (spec, url)
+    });
     let mut builder = Worker::builder(queue, storage.saver.clone())
         .agent(agent)
         .concurrency(args.concurrency)
         .lease(Duration::from_secs(args.lease.max(1)))
-        .heartbeat(Duration::from_secs(args.lease.max(1)) / 10);
+        .heartbeat(Duration::from_secs(args.lease.max(1)) / 10)
+        .on_run_end(move |end| outln!("{}", run_end_line(end, fix.as_ref())));
     if let Some(name) = &args.name {
         builder = builder.name(name.clone());
     }
@@ -299,30 +306,11 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         args.dir.display(),
         storage.described
     );
-    let (claims_tx, claims) = tokio::sync::mpsc::unbounded_channel();
-    if let Ok(mut slot) = CLAIMS.lock() {
-        *slot = Some(claims_tx);
-    }
-    let fixes = Fixes {
-        spec: spec.as_ref(),
-        settings,
-        errors: &errors,
-    };
-    let reporter = report_runs(claims, &watch_queue, format!("{}/", worker.name()), fixes);
-    let run = async {
-        let report = worker
-            .run(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await;
-        // No more claims: the reporter prints how the runs it still watches end, then
-        // returns.
-        if let Ok(mut slot) = CLAIMS.lock() {
-            *slot = None;
-        }
-        report
-    };
-    let (report, ()) = tokio::join!(run, reporter);
+    let report = worker
+        .run(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await;
     let report = report.context("the worker stopped")?;
     outln!(
         "stopped: {} run(s) claimed, {} done, {} failed, {} cancelled, {} put back in the queue, {} taken over by other workers",
@@ -336,233 +324,38 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
     Ok(ExitCode::SUCCESS)
 }
 
-/// Where `keel worker`'s slots' claims go (set while a worker runs): keel-fleet tells
-/// of each claim in a `claimed` debug event, which [`ClaimWatch`] hears.
-static CLAIMS: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<Claim>>> =
-    std::sync::Mutex::new(None);
-
-/// A run a slot of this process claimed.
-#[derive(Debug, Default)]
-struct Claim {
-    run: String,
-    thread: String,
-}
-
-/// A tracing layer passing keel-fleet's `claimed` events to the running `keel worker`.
-pub(crate) struct ClaimWatch;
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ClaimWatch {
-    fn on_event(
-        &self,
-        event: &tracing::Event<'_>,
-        _ctx: tracing_subscriber::layer::Context<'_, S>,
-    ) {
-        struct Fields {
-            message: String,
-            claim: Claim,
-        }
-        impl tracing::field::Visit for Fields {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                match field.name() {
-                    "message" => self.message = format!("{value:?}"),
-                    "run" => self.claim.run = format!("{value:?}"),
-                    "thread" => self.claim.thread = format!("{value:?}"),
-                    _ => {}
-                }
-            }
-            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-                match field.name() {
-                    "message" => self.message = value.to_owned(),
-                    "run" => self.claim.run = value.to_owned(),
-                    "thread" => self.claim.thread = value.to_owned(),
-                    _ => {}
-                }
-            }
-        }
-        let mut fields = Fields {
-            message: String::new(),
-            claim: Claim::default(),
-        };
-        event.record(&mut fields);
-        if fields.message != "claimed" || fields.claim.run.is_empty() {
-            return;
-        }
-        if let Ok(slot) = CLAIMS.lock()
-            && let Some(tx) = slot.as_ref()
-        {
-            let _ = tx.send(fields.claim);
-        }
-    }
-}
-
-/// The model errors a worker's runs met, so a failed run's line can say what to fix
-/// (the queue keeps only the error's text).
-#[derive(Clone, Default)]
-struct ModelErrors(Arc<std::sync::Mutex<Vec<ModelError>>>);
-
-impl ModelErrors {
-    /// Keeps `error` (the last few distinct ones).
-    fn note(&self, error: &ModelError) {
-        if let Ok(mut seen) = self.0.lock() {
-            let text = error.to_string();
-            seen.retain(|e| e.to_string() != text);
-            seen.push(error.clone());
-            if seen.len() > 16 {
-                seen.remove(0);
-            }
-        }
-    }
-
-    /// The model error whose text a run's error contains.
-    fn find(&self, run_error: &str) -> Option<ModelError> {
-        let seen = self.0.lock().ok()?;
-        seen.iter()
-            .rev()
-            .find(|e| run_error.contains(&e.to_string()))
-            .cloned()
-    }
-}
-
-/// A model client that notes the errors of its calls.
-struct Noting {
-    inner: Arc<dyn ChatModel>,
-    errors: ModelErrors,
-}
-
-#[keel::model::async_trait]
-impl ChatModel for Noting {
-    fn model_name(&self) -> &str {
-        self.inner.model_name()
-    }
-
-    async fn chat(
-        &self,
-        messages: &[Message],
-        tools: &[ToolSpec],
-        options: &ChatOptions,
-    ) -> Result<ChatResponse, ModelError> {
-        let reply = self.inner.chat(messages, tools, options).await;
-        if let Err(e) = &reply {
-            self.errors.note(e);
-        }
-        reply
-    }
-
-    async fn chat_stream(
-        &self,
-        messages: &[Message],
-        tools: &[ToolSpec],
-        options: &ChatOptions,
-    ) -> Result<ChatStream, ModelError> {
-        use futures::StreamExt as _;
-        match self.inner.chat_stream(messages, tools, options).await {
-            Ok(stream) => {
-                let errors = self.errors.clone();
-                Ok(Box::pin(stream.inspect(move |item| {
-                    if let Err(e) = item {
-                        errors.note(e);
-                    }
-                })))
-            }
-            Err(e) => {
-                self.errors.note(&e);
-                Err(e)
-            }
-        }
-    }
-}
-
-/// What a failed run's line needs to say what to fix.
-#[derive(Clone, Copy)]
-struct Fixes<'a> {
-    spec: Option<&'a ModelSpec>,
-    settings: &'a Settings,
-    errors: &'a ModelErrors,
-}
-
-impl Fixes<'_> {
-    fn for_error(&self, error: &str) -> Option<String> {
-        let spec = self.spec?;
-        let found = self.errors.find(error)?;
-        model::what_to_fix(&found, spec, self.settings)
-    }
-}
-
-/// Prints one line as each run this worker claimed ends: done, failed (the error's
-/// first sentence, and what to fix when known), cancelled, put back in the queue, or
-/// taken over by another worker. Returns when the claims end and every run watched
-/// has ended (or after a last look, once the worker stopped).
-async fn report_runs(
-    mut claims: tokio::sync::mpsc::UnboundedReceiver<Claim>,
-    queue: &Queue,
-    slots: String,
-    fixes: Fixes<'_>,
-) {
-    let mut watched: Vec<(RunId, String)> = Vec::new();
-    let mut open = true;
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while open || !watched.is_empty() {
-        tokio::select! {
-            claim = claims.recv(), if open => match claim {
-                Some(claim) => {
-                    if let Ok(run) = claim.run.parse::<RunId>()
-                        && !watched.iter().any(|(r, _)| *r == run)
-                    {
-                        watched.push((run, claim.thread));
-                    }
-                    continue;
-                }
-                None => open = false,
-            },
-            _ = tick.tick() => {}
-        }
-        let mut still = Vec::with_capacity(watched.len());
-        for (run, thread) in watched {
-            let Ok(info) = queue.status(run).await else {
-                // Gone (deleted) or unreadable: nothing to report.
-                continue;
-            };
-            match run_end_line(&info, &slots, fixes) {
-                Some(line) => outln!("{line}"),
-                None if open => still.push((run, thread)),
-                // The worker stopped and the run is still ours: leave it to the summary.
-                None => {}
-            }
-        }
-        watched = still;
-    }
-}
-
-/// The line for a run this worker claimed, once it ended (for this worker).
-fn run_end_line(info: &keel_fleet::RunInfo, slots: &str, fixes: Fixes<'_>) -> Option<String> {
-    let what = match &info.status {
-        RunStatus::Running { worker, .. } if worker.starts_with(slots) => return None,
-        RunStatus::Running { worker, .. } => format!("taken over by worker {worker}"),
-        RunStatus::Queued => {
-            "put back in the queue; a worker continues it from its last checkpoint".to_owned()
-        }
-        RunStatus::Done { result, .. } => format!("done{}", outcome(result, 200)),
-        RunStatus::Failed { error, .. } => {
-            let error = cli_error(error, &info.thread);
-            match fixes.for_error(&error) {
+/// The line `keel worker` prints as a run it claimed ends: done (the answer, or why
+/// it stopped), failed (the error's first sentence, and what to fix when a model call
+/// failed it), cancelled, put back in the queue, or taken over by another worker.
+fn run_end_line(end: &RunEnd<'_>, fix: Option<&(ModelSpec, String)>) -> String {
+    let what = match &end.outcome {
+        RunOutcome::Done(run) => format!(
+            "done{}",
+            outcome(
+                run.answer.as_deref(),
+                run.stop.as_ref(),
+                !run.interrupts.is_empty(),
+                200
+            )
+        ),
+        RunOutcome::Failed { error, agent } => {
+            let error = cli_error(error, end.thread);
+            let fix = agent
+                .zip(fix)
+                .and_then(|(agent, (spec, url))| model::what_to_fix_at(agent, spec, url));
+            match fix {
                 Some(fix) => format!("failed: {}; {fix}", first_sentence(&error)),
                 None => format!("failed: {}", first_sentence(&error)),
             }
         }
-        RunStatus::Cancelled { reason, .. } => format!(
-            "cancelled{}",
-            reason
-                .as_ref()
-                .map(|r| format!(": {r}"))
-                .unwrap_or_default()
-        ),
-        _ => info.status.name().to_owned(),
+        RunOutcome::Cancelled => "cancelled".to_owned(),
+        RunOutcome::Released => {
+            "put back in the queue; a worker continues it from its last checkpoint".to_owned()
+        }
+        RunOutcome::Superseded => "taken over by another worker".to_owned(),
+        other => format!("{other:?}"),
     };
-    Some(format!(
-        "run {} (thread `{}`): {what}",
-        info.id, info.thread
-    ))
+    format!("run {} (thread `{}`): {what}", end.run, end.thread)
 }
 
 /// The text up to the end of its first sentence (a period followed by a space).
@@ -725,8 +518,23 @@ fn millis(t: std::time::SystemTime) -> u64 {
 
 /// How a finished run ended, after the word "done": `: <answer>` (cut to `limit`
 /// characters), `, stopped early: <why>`, `, waiting for an approval`, or nothing.
-fn outcome(result: &keel_fleet::RunResult, limit: usize) -> String {
-    match (&result.answer, &result.stop, result.interrupted) {
+fn result_outcome(result: &keel_fleet::RunResult, limit: usize) -> String {
+    outcome(
+        result.answer.as_deref(),
+        result.stop.as_ref(),
+        result.interrupted,
+        limit,
+    )
+}
+
+/// [`result_outcome`] from its parts (an agent's run, or a stored result).
+fn outcome(
+    answer: Option<&str>,
+    stop: Option<&keel::agent::Stop>,
+    interrupted: bool,
+    limit: usize,
+) -> String {
+    match (answer, stop, interrupted) {
         (Some(answer), _, _) => format!(": {}", answer.chars().take(limit).collect::<String>()),
         (None, Some(stop), _) => format!(", stopped early: {stop}"),
         (None, None, true) => ", waiting for an approval".to_owned(),
@@ -770,7 +578,11 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
             result,
             finished_at,
         } => (
-            format!("done at {}{}", when(*finished_at), outcome(result, 200)),
+            format!(
+                "done at {}{}",
+                when(*finished_at),
+                result_outcome(result, 200)
+            ),
             json!({"finished_at": iso(*finished_at), "answer": result.answer,
                        "stop": result.stop.as_ref().map(ToString::to_string), "interrupted": result.interrupted}),
         ),

@@ -330,6 +330,15 @@ pub fn what_to_fix(
     spec: &ModelSpec,
     settings: &Settings,
 ) -> Option<String> {
+    what_to_fix_at(error, spec, &spec.base_url(settings))
+}
+
+/// [`what_to_fix`] for a server at `url` (the model's base URL).
+pub fn what_to_fix_at(
+    error: &(dyn std::error::Error + 'static),
+    spec: &ModelSpec,
+    url: &str,
+) -> Option<String> {
     let mut cause = Some(error);
     let model_error = std::iter::from_fn(|| {
         let e = cause?;
@@ -337,7 +346,6 @@ pub fn what_to_fix(
         Some(e)
     })
     .find_map(|e| e.downcast_ref::<ModelError>())?;
-    let url = spec.base_url(settings);
     let name = spec.name();
     let ollama = matches!(spec, ModelSpec::Ollama(_));
     Some(match model_error {

@@ -45,26 +45,13 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
 /// Logs go to stderr, filtered by `RUST_LOG` (default: errors only; what a user must
 /// see is printed as a sentence by the command itself, so library warnings such as a
 /// rejected summary stay out of the output unless `RUST_LOG=warn` asks for them).
-///
-/// Beside the logs, `keel worker` hears which runs its slots claim (keel-fleet's
-/// `claimed` debug event, whatever `RUST_LOG` says) to print how each ends.
 pub fn init_tracing() {
-    use tracing_subscriber::Layer as _;
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
-    let logs = tracing_subscriber::fmt::layer()
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
-        .with_filter(filter);
-    let claims = crate::fleet::ClaimWatch.with_filter(
-        tracing_subscriber::filter::Targets::new()
-            .with_target("keel_fleet::worker", tracing::Level::DEBUG),
-    );
-    let _ = tracing_subscriber::registry()
-        .with(logs)
-        .with(claims)
         .try_init();
 }
 
