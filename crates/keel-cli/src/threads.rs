@@ -396,9 +396,36 @@ async fn list(
         }
         rows.push(row);
     }
+    // Threads only the fleet's queue knows (their runs never reached a checkpoint), in
+    // this page's range of ids: up to the page's last id when more may follow.
+    let queue_only = match queue {
+        Some(q) => queue_only_threads(q, &threads, after.as_deref(), limit).await?,
+        None => Vec::new(),
+    };
+    for (thread, last_run) in &queue_only {
+        out.push(
+            json!({"thread": thread, "last_active": null, "namespaces": [],
+            "model_calls": null, "milestones": null, "epochs": null, "goal": null,
+            "last_run": last_run, "queue_only": true}),
+        );
+        let dash = || "-".to_owned();
+        rows.push(vec![
+            thread.clone(),
+            dash(),
+            last_run.clone(),
+            dash(),
+            dash(),
+            dash(),
+            "(no checkpoint yet: runs in the queue only)".to_owned(),
+        ]);
+    }
+    if !queue_only.is_empty() {
+        rows[1..].sort_by(|a, b| a[0].cmp(&b[0]));
+        out.sort_by(|a, b| a["thread"].as_str().cmp(&b["thread"].as_str()));
+    }
     if json_out {
         crate::outln!("{}", serde_json::to_string_pretty(&out)?);
-    } else if threads.is_empty() {
+    } else if threads.is_empty() && queue_only.is_empty() {
         crate::outln!(
             "no threads{}",
             after.map(|a| format!(" after `{a}`")).unwrap_or_default()
@@ -412,6 +439,48 @@ async fn list(
         }
     }
     Ok(())
+}
+
+/// The ids (and last run status) of threads the fleet's queue has runs of but the
+/// checkpointer has no checkpoint of, after `after` and, when the page of stored
+/// `threads` is full, up to its last id; at most `limit`.
+async fn queue_only_threads(
+    queue: &keel_fleet::Queue,
+    threads: &[keel::checkpoint::ThreadInfo],
+    after: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let upper = (threads.len() == limit)
+        .then(|| threads.last().map(|t| t.thread_id.as_str()))
+        .flatten();
+    let mut found = Vec::new();
+    let mut from = after.map(str::to_owned);
+    'pages: loop {
+        let ids = queue
+            .thread_ids(from.as_deref(), 500)
+            .await
+            .context("cannot list the fleet's threads")?;
+        let Some(last) = ids.last().cloned() else {
+            break;
+        };
+        for id in ids {
+            if upper.is_some_and(|u| id.as_str() > u) || found.len() >= limit {
+                break 'pages;
+            }
+            if threads.iter().any(|t| t.thread_id == id) {
+                continue;
+            }
+            let last_run = queue
+                .runs(&id)
+                .await
+                .ok()
+                .and_then(|runs| runs.last().map(|r| r.status.name().to_owned()))
+                .unwrap_or_else(|| "-".to_owned());
+            found.push((id, last_run));
+        }
+        from = Some(last);
+    }
+    Ok(found)
 }
 
 async fn show(

@@ -1741,7 +1741,29 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     assert!(text(&bad).1.contains("is not a run id"), "{:?}", text(&bad));
 
     // A thread whose only run was cancelled before any checkpoint is in the queue
-    // alone, and `threads delete` removes it from there.
+    // alone: `threads list` shows it, and `threads delete` removes it from there.
+    let before = thread.trim_end_matches(char::is_numeric).to_owned();
+    let listed = fleet(&[
+        "threads", "list", "--json", "--after", &before, "--limit", "1000",
+    ]);
+    let listed: Value =
+        serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{:?}", text(&listed)));
+    let ours = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["thread"] == thread.as_str())
+        .unwrap_or_else(|| panic!("not listed: {listed}"));
+    assert_eq!(
+        (&ours["queue_only"], &ours["last_run"]),
+        (&json!(true), &json!("cancelled"))
+    );
+    let table = fleet(&["threads", "list", "--after", &before, "--limit", "1000"]);
+    assert!(
+        text(&table).0.contains("no checkpoint yet"),
+        "{:?}",
+        text(&table)
+    );
     let deleted = fleet(&["threads", "delete", &thread]);
     assert!(deleted.status.success(), "{:?}", text(&deleted));
     assert!(

@@ -546,15 +546,21 @@ impl Queue {
             .collect()
     }
 
-    /// The threads the queue has a run of, in id order: threads whose runs were
+    /// Up to `limit` threads the queue has runs of, in id order, after the id `after`
+    /// (a page: pass the last id of one page to get the next). Threads whose runs were
     /// cancelled or failed before their first checkpoint are here and in no
     /// checkpointer.
-    pub async fn thread_ids(&self) -> Result<Vec<String>, FleetError> {
+    pub async fn thread_ids(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<String>, FleetError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let client = self.inner.pool.get().await?;
         let rows = client
             .query(
                 &client.prepare_cached(&self.inner.sql.thread_ids).await?,
-                &[],
+                &[&after, &limit],
             )
             .await?;
         rows.iter()
@@ -882,7 +888,10 @@ impl Statements {
                  RETURNING t.next_seq"
             ),
             lock_existing: format!("SELECT 1 FROM {threads} WHERE thread_id = $1 FOR UPDATE"),
-            thread_ids: format!("SELECT thread_id FROM {threads} ORDER BY thread_id"),
+            thread_ids: format!(
+                "SELECT thread_id FROM {threads} WHERE $1::text IS NULL OR thread_id > $1 \
+                 ORDER BY thread_id LIMIT $2"
+            ),
             forget_runs: format!("DELETE FROM {runs} WHERE thread_id = $1"),
             forget_thread: format!("DELETE FROM {threads} WHERE thread_id = $1"),
             in_flight: format!(

@@ -784,7 +784,9 @@ async fn forgetting_a_thread_removes_its_runs_once_none_is_in_flight() {
         .await
         .unwrap();
     db.queue.cancel(lone).await.unwrap();
-    assert_eq!(db.queue.thread_ids().await.unwrap(), ["f", "g"]);
+    assert_eq!(db.queue.thread_ids(None, 10).await.unwrap(), ["f", "g"]);
+    assert_eq!(db.queue.thread_ids(None, 1).await.unwrap(), ["f"]);
+    assert_eq!(db.queue.thread_ids(Some("f"), 10).await.unwrap(), ["g"]);
     // In flight: refused, nothing removed.
     let err = db.queue.forget_thread("f").await.unwrap_err();
     assert!(
@@ -802,7 +804,7 @@ async fn forgetting_a_thread_removes_its_runs_once_none_is_in_flight() {
     assert_eq!(db.queue.forget_thread("g").await.unwrap(), 1);
     assert_eq!(db.queue.forget_thread("never").await.unwrap(), 0);
     assert!(db.queue.runs("f").await.unwrap().is_empty());
-    assert!(db.queue.thread_ids().await.unwrap().is_empty());
+    assert!(db.queue.thread_ids(None, 10).await.unwrap().is_empty());
     assert!(matches!(
         db.queue.status(done).await,
         Err(FleetError::UnknownRun { .. })
