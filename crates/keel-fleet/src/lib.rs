@@ -22,7 +22,11 @@
 //!   [`Queue::cancel`] stops a run at its next step boundary;
 //! * [`Queue::status`] and [`Queue::runs`] say where a run is: queued, running (by
 //!   which worker, since when, lease until when), done, failed (with the error) or
-//!   cancelled;
+//!   cancelled; [`WorkerBuilder::on_run_end`] tells the worker's host as each of its
+//!   runs ends, with the agent's error itself when one failed;
+//! * [`Queue::forget_thread`] removes a thread's runs once none is in flight (delete
+//!   its checkpoints with the checkpointer), and [`Queue::thread_ids`] pages through
+//!   the threads the queue knows;
 //! * the tables carry a schema version: a worker pointed at an older or newer schema
 //!   gets [`FleetError::SchemaTooOld`] / [`FleetError::SchemaTooNew`] naming it. A run
 //!   whose stored input does not decode is failed with the reason; a run whose workers
