@@ -437,20 +437,25 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         summarizer: &args.summarizer,
         settings,
     };
-    drive(&agent, &thread, AgentInput::new(), &mut tally, &watch).await?;
+    if drive(&agent, &thread, AgentInput::new(), &mut tally, &watch).await? {
+        return Ok(interrupted(&thread, &tally, &bar));
+    }
     let survey_answer = tally.answer.take();
     let reads_before = tally.archive_reads;
     let calls_before = tally.tool_calls;
     let question = scenario.question();
     tally.full += counter.count_message(&Message::user(question.clone())) as u64;
-    drive(
+    if drive(
         &agent,
         &thread,
         AgentInput::new().message(Message::user(question.clone())),
         &mut tally,
         &watch,
     )
-    .await?;
+    .await?
+    {
+        return Ok(interrupted(&thread, &tally, &bar));
+    }
     bar.finish_and_clear();
     let answer = tally.answer.clone().unwrap_or_default();
     let correct = scenario.is_correct(&answer);
@@ -627,13 +632,25 @@ struct Watch<'a> {
     settings: &'a Settings,
 }
 
+/// Ctrl-C stopped the demo: says where its thread is, and exits 130.
+fn interrupted(thread: &str, tally: &Tally, bar: &ProgressBar) -> ExitCode {
+    bar.finish_and_clear();
+    crate::errln!(
+        "Ctrl-C: the demo stopped after {}; thread `{thread}` keeps every checkpoint so far (`keel threads show {thread}`)",
+        count(tally.turns.len() as u64, "model call")
+    );
+    ExitCode::from(crate::ui::exit::INTERRUPTED)
+}
+
+/// Streams one run into `tally`. Returns true when Ctrl-C stopped it (dropping the
+/// stream cancels the run at its next step; every step before is checkpointed).
 async fn drive(
     agent: &Agent,
     thread: &str,
     input: AgentInput,
     tally: &mut Tally,
     watch: &Watch<'_>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<bool> {
     let Watch {
         counter,
         bar,
@@ -642,7 +659,14 @@ async fn drive(
         ..
     } = *watch;
     let mut updates = agent.stream(thread, input);
-    while let Some(update) = updates.next().await {
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        let update = tokio::select! {
+            u = updates.next() => u,
+            _ = &mut ctrl_c => return Ok(true),
+        };
+        let Some(update) = update else { break };
         let update = match update {
             Ok(u) => u,
             Err(e) => {
@@ -656,7 +680,8 @@ async fn drive(
         };
         tally.observe(&update, counter, bar, quiet);
     }
-    stop_if_compaction_failed(agent, thread, watch).await
+    stop_if_compaction_failed(agent, thread, watch).await?;
+    Ok(false)
 }
 
 /// Compaction marks on the turn they preceded.

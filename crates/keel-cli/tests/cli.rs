@@ -94,6 +94,53 @@ fn demo(args: &[&str], dir: &Path, home: &Path) -> Output {
 }
 
 #[test]
+fn ctrl_c_stops_the_demo_with_exit_130_and_says_where_its_thread_is() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["demo", "--steps", "1000000", "--thread", "interrupted"])
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Steps are being checkpointed once the write-ahead log has grown: the run (and
+    // its Ctrl-C handler) is going.
+    let wal = home.path().join("keel.sqlite-wal");
+    let started = std::time::Instant::now();
+    while std::fs::metadata(&wal).map_or(0, |m| m.len()) < 64 * 1024 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "the demo never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = child.wait_with_output().unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("Ctrl-C: the demo stopped after")
+            && stderr.contains("keel threads show interrupted"),
+        "{stderr}"
+    );
+    let show = keel()
+        .args(["threads", "show", "interrupted", "--home"])
+        .arg(home.path())
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(show.status.success(), "{:?}", text(&show));
+}
+
+#[test]
 fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_chart() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
