@@ -193,11 +193,7 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                         "would delete {} thread(s) idle for over {}{}; nothing was deleted (run again without --dry-run to delete them)",
                         idle.len(),
                         human_duration(older_than),
-                        if idle.is_empty() {
-                            String::new()
-                        } else {
-                            format!(": {}", idle.join(", "))
-                        }
+                        listed(&idle)
                     )
                 },
             );
@@ -234,17 +230,22 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                         "deleted {} thread(s) idle for over {}{}",
                         deleted.len(),
                         human_duration(older_than),
-                        if deleted.is_empty() {
-                            String::new()
-                        } else {
-                            format!(": {}", deleted.join(", "))
-                        }
+                        listed(&deleted)
                     )
                 },
             );
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `: a, b, c` after a count of threads, or nothing when there are none.
+fn listed(threads: &[String]) -> String {
+    if threads.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", threads.join(", "))
+    }
 }
 
 fn report(json: bool, value: serde_json::Value, text: impl FnOnce() -> String) {

@@ -473,16 +473,11 @@ impl Queue {
             .await?;
         match policy {
             Policy::Reject => {
-                if let Some(row) = busy.first() {
-                    let status: String = row.get(1);
+                if let Some((run, status)) = busy.first().map(in_flight_run) {
                     return Err(FleetError::ThreadBusy {
                         thread: thread.to_owned(),
-                        run: RunId(row.get(0)),
-                        status: if status == "running" {
-                            "running"
-                        } else {
-                            "queued"
-                        },
+                        run,
+                        status,
                     });
                 }
             }
@@ -587,16 +582,11 @@ impl Queue {
         let busy = tx
             .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
             .await?;
-        if let Some(row) = busy.first() {
-            let status: String = row.get(1);
+        if let Some((run, status)) = busy.first().map(in_flight_run) {
             return Err(FleetError::ThreadActive {
                 thread: thread.to_owned(),
-                run: RunId(row.get(0)),
-                status: if status == "running" {
-                    "running"
-                } else {
-                    "queued"
-                },
+                run,
+                status,
             });
         }
         let removed = tx
@@ -845,6 +835,17 @@ fn info_of(row: &tokio_postgres::Row) -> Result<RunInfo, FleetError> {
         max_attempts: u32::try_from(row.try_get::<_, i32>(7)?).unwrap_or(0),
         submitted_at: row.try_get(5)?,
     })
+}
+
+/// A row of the `in_flight` statement: the run and its status (`running` or `queued`).
+fn in_flight_run(row: &tokio_postgres::Row) -> (RunId, &'static str) {
+    let status: String = row.get(1);
+    let status = if status == "running" {
+        "running"
+    } else {
+        "queued"
+    };
+    (RunId(row.get(0)), status)
 }
 
 /// Every statement, with the schema spliced in once.
