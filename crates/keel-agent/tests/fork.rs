@@ -25,8 +25,8 @@ use keel_graph::{Durability, RunConfig};
 use keel_message::{Message, Role, ToolCall, ToolSpec, tool_fn};
 use keel_model::{ChatResponse, PolicyModel};
 use keel_offload::{
-    EvictLargeResults, Key, Lineage, MemoryStore, OffloadStore, PostgresOptions, PostgresStore,
-    RetrievalTools, SqliteStore, ThreadId,
+    EvictLargeResults, Key, Lineage, MemoryStore, OffloadStore, PostgresStore,
+    PostgresStoreOptions, RetrievalTools, SqliteStore, ThreadId,
 };
 use keel_token::{Encoding, ModelProfile};
 use serde_json::json;
@@ -527,9 +527,11 @@ async fn pruning_keeps_what_the_surviving_branch_sees_and_deleting_leaves_nothin
             .unwrap()
             .subsec_nanos()
     );
-    let store =
-        PostgresStore::connect_with(&url, PostgresOptions::new().schema(schema.clone()).unwrap())
-            .unwrap();
+    let store = PostgresStore::connect_with(
+        &url,
+        PostgresStoreOptions::new().schema(schema.clone()).unwrap(),
+    )
+    .unwrap();
     let saver = Arc::new(PostgresSaver::from_pool(store.pool().clone(), &schema).unwrap());
     saver.setup().await.unwrap();
     let pool = store.pool().clone();

@@ -35,7 +35,7 @@ use keel_fleet::{Queue, QueueOptions, RunInput, Worker};
 use keel_message::{Message, Role, ToolCall, ToolSpec, tool_fn};
 use keel_model::{ChatResponse, PolicyModel};
 use keel_offload::{
-    Archive, FsStore, MemoryStore, OffloadStore, PostgresOptions, PostgresStore, ThreadId,
+    Archive, FsStore, MemoryStore, OffloadStore, PostgresStore, PostgresStoreOptions, ThreadId,
 };
 use keel_token::{Encoding, ModelProfile};
 use serde_json::json;
@@ -141,7 +141,10 @@ async fn fresh(url: &str, schema: &str) -> (Queue, Arc<PostgresSaver>, Arc<Postg
         .pool_size(16);
     let saver = Arc::new(PostgresSaver::connect(&config).unwrap());
     saver.setup().await.unwrap();
-    let options = PostgresOptions::new().schema(schema).unwrap().pool_size(4);
+    let options = PostgresStoreOptions::new()
+        .schema(schema)
+        .unwrap()
+        .pool_size(4);
     let store = PostgresStore::connect_async(url, options).await.unwrap();
     (queue, saver, Arc::new(store))
 }

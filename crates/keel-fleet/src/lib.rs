@@ -46,7 +46,7 @@
 //! use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 //! use keel_fleet::{Queue, RunInput, RunStatus, Worker};
 //! use keel_model::ScriptedModel;
-//! use keel_offload::{PostgresOptions, PostgresStore};
+//! use keel_offload::{PostgresStore, PostgresStoreOptions};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let url = "postgres://postgres@127.0.0.1:5432/app";
@@ -56,7 +56,7 @@
 //! saver.setup().await?;
 //! // The archive and offloaded results, in the same database: every worker reads what
 //! // any other compacted away.
-//! let store = PostgresStore::connect_async(url, PostgresOptions::new()).await?;
+//! let store = PostgresStore::connect_async(url, PostgresStoreOptions::new()).await?;
 //!
 //! // Anyone, anywhere: submit a run. It is stored when `submit` returns.
 //! let run = queue

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use common::{Db, Echo, INTERRUPTED_WRITES, archived, database_url, goal, reference_with, summary};
 use keel_checkpoint_postgres::{PostgresConfig, PostgresSaver};
 use keel_fleet::{Queue, QueueOptions, RunId, RunInput, RunStatus, Worker};
-use keel_offload::{OffloadStore, PostgresOptions, PostgresStore};
+use keel_offload::{OffloadStore, PostgresStore, PostgresStoreOptions};
 use serde_json::Value;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -93,7 +93,10 @@ fn runtime() -> tokio::runtime::Runtime {
 fn store(url: &str, schema: &str) -> PostgresStore {
     PostgresStore::connect_with(
         url,
-        PostgresOptions::new().schema(schema).unwrap().pool_size(4),
+        PostgresStoreOptions::new()
+            .schema(schema)
+            .unwrap()
+            .pool_size(4),
     )
     .unwrap()
 }

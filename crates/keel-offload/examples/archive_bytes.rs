@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use keel_message::{Message, ToolCall};
 use keel_offload::{
-    Archive, FsStore, Fsync, OffloadStore, PostgresOptions, PostgresStore, SqliteStore, ThreadId,
+    Archive, FsStore, Fsync, OffloadStore, PostgresStore, PostgresStoreOptions, SqliteStore,
+    ThreadId,
 };
 use serde_json::{Value, json};
 
@@ -169,9 +170,11 @@ fn main() {
         return;
     };
     let schema = format!("keel_offload_bytes_{}", std::process::id());
-    let store =
-        PostgresStore::connect_with(&url, PostgresOptions::new().schema(schema.clone()).unwrap())
-            .unwrap();
+    let store = PostgresStore::connect_with(
+        &url,
+        PostgresStoreOptions::new().schema(schema.clone()).unwrap(),
+    )
+    .unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -138,10 +138,10 @@ pub use policy::{
 };
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_POSTGRES_POOL_SIZE, POSTGRES_SCHEMA_VERSION, PostgresOptions, PostgresStore,
+    DEFAULT_POSTGRES_POOL_SIZE, POSTGRES_SCHEMA_VERSION, PostgresStore, PostgresStoreOptions,
 };
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteOptions, SqliteStore};
+pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteStore, SqliteStoreOptions};
 pub use store::{
     Entry, GrepMatch, GrepOptions, GrepOutcome, Line, LineRange, Lines, OffloadStore, Pattern,
 };

@@ -83,9 +83,9 @@ pub const DEFAULT_POSTGRES_POOL_SIZE: usize = 8;
 ///
 /// ```
 /// use std::time::Duration;
-/// use keel_offload::PostgresOptions;
+/// use keel_offload::PostgresStoreOptions;
 ///
-/// let options = PostgresOptions::new()
+/// let options = PostgresStoreOptions::new()
 ///     .schema("agents")?
 ///     .pool_size(4)
 ///     .statement_timeout(Some(Duration::from_secs(10)));
@@ -94,15 +94,15 @@ pub const DEFAULT_POSTGRES_POOL_SIZE: usize = 8;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct PostgresOptions {
+pub struct PostgresStoreOptions {
     schema: String,
     pool_size: usize,
     statement_timeout: Option<Duration>,
 }
 
-impl Default for PostgresOptions {
+impl Default for PostgresStoreOptions {
     fn default() -> Self {
-        PostgresOptions {
+        PostgresStoreOptions {
             schema: "public".to_owned(),
             pool_size: DEFAULT_POSTGRES_POOL_SIZE,
             statement_timeout: Some(Duration::from_secs(30)),
@@ -110,7 +110,7 @@ impl Default for PostgresOptions {
     }
 }
 
-impl PostgresOptions {
+impl PostgresStoreOptions {
     /// Schema `public`, [`DEFAULT_POSTGRES_POOL_SIZE`] connections, a 30 second
     /// statement timeout.
     pub fn new() -> Self {
@@ -209,11 +209,11 @@ impl PostgresOptions {
 /// pool thread or a plain thread).
 ///
 /// ```no_run
-/// use keel_offload::{Archive, Key, OffloadStore, PostgresOptions, PostgresStore};
+/// use keel_offload::{Archive, Key, OffloadStore, PostgresStoreOptions, PostgresStore};
 ///
 /// // DATABASE_URL=postgres://keel@localhost:5432/app
 /// let url = std::env::var("DATABASE_URL")?;
-/// let store = PostgresStore::connect_with(&url, PostgresOptions::new().schema("agents")?)?;
+/// let store = PostgresStore::connect_with(&url, PostgresStoreOptions::new().schema("agents")?)?;
 /// store.put(&Key::new("ticket-42", "large_tool_results/call_1")?, "30,000 lines…")?;
 /// let archive = Archive::new(std::sync::Arc::new(store.clone()));
 /// // The same pool for the checkpointer:
@@ -720,9 +720,9 @@ enum Ack {
 
 impl PostgresStore {
     /// Connects to `url` (a URL or `key=value` pairs, without TLS) with default
-    /// [`PostgresOptions`], and creates or upgrades the tables.
+    /// [`PostgresStoreOptions`], and creates or upgrades the tables.
     pub fn connect(url: &str) -> Result<Self, OffloadError> {
-        Self::connect_with(url, PostgresOptions::default())
+        Self::connect_with(url, PostgresStoreOptions::default())
     }
 
     /// [`connect_with`](Self::connect_with) for async code: connecting waits on the
@@ -730,15 +730,18 @@ impl PostgresStore {
     /// tokio's blocking pool and the caller's runtime thread stays free.
     ///
     /// ```no_run
-    /// use keel_offload::{PostgresOptions, PostgresStore};
+    /// use keel_offload::{PostgresStoreOptions, PostgresStore};
     ///
     /// # async fn demo() -> Result<(), keel_offload::OffloadError> {
-    /// let options = PostgresOptions::new().schema("agents")?;
+    /// let options = PostgresStoreOptions::new().schema("agents")?;
     /// let store = PostgresStore::connect_async("postgres://keel@localhost/app", options).await?;
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn connect_async(url: &str, options: PostgresOptions) -> Result<Self, OffloadError> {
+    pub async fn connect_async(
+        url: &str,
+        options: PostgresStoreOptions,
+    ) -> Result<Self, OffloadError> {
         let url = url.to_owned();
         tokio::task::spawn_blocking(move || Self::connect_with(&url, options))
             .await
@@ -752,7 +755,7 @@ impl PostgresStore {
     }
 
     /// Connects to `url` with `options`, and creates or upgrades the tables.
-    pub fn connect_with(url: &str, options: PostgresOptions) -> Result<Self, OffloadError> {
+    pub fn connect_with(url: &str, options: PostgresStoreOptions) -> Result<Self, OffloadError> {
         let mut config = tokio_postgres::Config::from_str(url)
             .map_err(pg("parse the connection string", "postgres"))?;
         if config.get_application_name().is_none() {
@@ -796,7 +799,7 @@ impl PostgresStore {
     /// A store over an existing pool (the checkpointer's, say, or one with TLS), with
     /// the schema of `options`; creates or upgrades the tables. See the type's docs for
     /// where such a pool's connections run.
-    pub fn from_pool(pool: Pool, options: PostgresOptions) -> Result<Self, OffloadError> {
+    pub fn from_pool(pool: Pool, options: PostgresStoreOptions) -> Result<Self, OffloadError> {
         Self::setup(Arc::new(Bridge::start()?), pool, options.schema)
     }
 

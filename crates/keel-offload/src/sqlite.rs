@@ -41,22 +41,22 @@ const MAX_IDLE_READERS: usize = 4;
 ///
 /// ```
 /// use std::time::Duration;
-/// use keel_offload::SqliteOptions;
+/// use keel_offload::SqliteStoreOptions;
 ///
-/// let options = SqliteOptions::new().busy_timeout(Duration::from_secs(30)).full_sync(true);
+/// let options = SqliteStoreOptions::new().busy_timeout(Duration::from_secs(30)).full_sync(true);
 /// assert_eq!(options.get_busy_timeout(), Duration::from_secs(30));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct SqliteOptions {
+pub struct SqliteStoreOptions {
     busy_timeout: Duration,
     full_sync: bool,
     max_size: Option<u64>,
 }
 
-impl Default for SqliteOptions {
+impl Default for SqliteStoreOptions {
     fn default() -> Self {
-        SqliteOptions {
+        SqliteStoreOptions {
             busy_timeout: Duration::from_secs(5),
             full_sync: false,
             max_size: None,
@@ -64,7 +64,7 @@ impl Default for SqliteOptions {
     }
 }
 
-impl SqliteOptions {
+impl SqliteStoreOptions {
     /// A 5 second busy timeout and `synchronous=NORMAL`.
     pub fn new() -> Self {
         Self::default()
@@ -93,9 +93,9 @@ impl SqliteOptions {
     /// bound on what the store holds.
     ///
     /// ```
-    /// use keel_offload::{Key, OffloadStore, SqliteOptions, SqliteStore};
+    /// use keel_offload::{Key, OffloadStore, SqliteStoreOptions, SqliteStore};
     ///
-    /// let store = SqliteStore::in_memory_with(SqliteOptions::new().max_size(Some(256 * 1024)))?;
+    /// let store = SqliteStore::in_memory_with(SqliteStoreOptions::new().max_size(Some(256 * 1024)))?;
     /// let err = store.put(&Key::new("t1", "big")?, &"x".repeat(1 << 20)).unwrap_err();
     /// assert!(err.is_storage_full());
     /// store.put(&Key::new("t1", "small")?, "fits")?;
@@ -170,7 +170,7 @@ struct Inner {
     /// `None`: in memory, every read goes to the writer.
     path: Option<PathBuf>,
     readers: Mutex<Vec<Connection>>,
-    options: SqliteOptions,
+    options: SqliteStoreOptions,
 }
 
 impl fmt::Debug for SqliteStore {
@@ -190,13 +190,16 @@ fn sql_error(
 
 impl SqliteStore {
     /// Opens (or creates) the store in the SQLite file at `path`, with default
-    /// [`SqliteOptions`]: WAL mode, `synchronous=NORMAL`, a 5 second busy timeout.
+    /// [`SqliteStoreOptions`]: WAL mode, `synchronous=NORMAL`, a 5 second busy timeout.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, OffloadError> {
-        Self::open_with(path, SqliteOptions::default())
+        Self::open_with(path, SqliteStoreOptions::default())
     }
 
     /// Opens (or creates) the store at `path` with `options`.
-    pub fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, OffloadError> {
+    pub fn open_with(
+        path: impl AsRef<Path>,
+        options: SqliteStoreOptions,
+    ) -> Result<Self, OffloadError> {
         let path = path.as_ref().to_owned();
         let shown = path.display().to_string();
         let mut conn = Connection::open(&path).map_err(sql_error("open the database", &shown))?;
@@ -223,16 +226,16 @@ impl SqliteStore {
     }
 
     /// A private in-memory database: for tests, and agents whose offloaded data may
-    /// die with the process. Without a [`SqliteOptions::max_size`] it grows without
+    /// die with the process. Without a [`SqliteStoreOptions::max_size`] it grows without
     /// bound, as [`MemoryStore::new`](crate::MemoryStore::new) does.
     #[doc(alias = "open_in_memory")]
     pub fn in_memory() -> Result<Self, OffloadError> {
-        Self::in_memory_with(SqliteOptions::default())
+        Self::in_memory_with(SqliteStoreOptions::default())
     }
 
     /// A private in-memory database with `options` (the busy timeout and sync
     /// setting do not apply).
-    pub fn in_memory_with(options: SqliteOptions) -> Result<Self, OffloadError> {
+    pub fn in_memory_with(options: SqliteStoreOptions) -> Result<Self, OffloadError> {
         let mut conn =
             Connection::open_in_memory().map_err(sql_error("open the database", ":memory:"))?;
         configure(&conn, &options, ":memory:")?;
@@ -382,7 +385,11 @@ impl SqliteStore {
     }
 }
 
-fn configure(conn: &Connection, options: &SqliteOptions, shown: &str) -> Result<(), OffloadError> {
+fn configure(
+    conn: &Connection,
+    options: &SqliteStoreOptions,
+    shown: &str,
+) -> Result<(), OffloadError> {
     let err = sql_error("configure the connection", shown);
     conn.busy_timeout(options.busy_timeout).map_err(err)?;
     let sync = if options.full_sync { "FULL" } else { "NORMAL" };

@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use keel_offload::{
-    GrepOptions, Key, OffloadStore, Pattern, PostgresOptions, PostgresStore, SqliteStore,
+    GrepOptions, Key, OffloadStore, Pattern, PostgresStore, PostgresStoreOptions, SqliteStore,
 };
 use peak_alloc::PeakAlloc;
 
@@ -99,7 +99,7 @@ fn a_200_mb_result_goes_to_each_database_with_one_copy_in_memory() {
             let schema = format!("keel_offload_test_large_{}", std::process::id());
             let store = PostgresStore::connect_with(
                 &url,
-                PostgresOptions::new().schema(schema.clone()).unwrap(),
+                PostgresStoreOptions::new().schema(schema.clone()).unwrap(),
             )
             .unwrap();
             check("postgres", &store, &text);

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use keel_offload::{
-    Archive, Key, OffloadError, OffloadStore, PostgresOptions, PostgresStore, ThreadId, conformance,
+    Archive, Key, OffloadError, OffloadStore, PostgresStore, PostgresStoreOptions, ThreadId,
+    conformance,
 };
 
 fn database_url(test: &str) -> Option<String> {
@@ -63,7 +64,7 @@ impl Db {
     fn store(&self) -> PostgresStore {
         PostgresStore::connect_with(
             &self.url,
-            PostgresOptions::new()
+            PostgresStoreOptions::new()
                 .schema(self.schema.clone())
                 .unwrap()
                 .pool_size(4),
@@ -238,7 +239,9 @@ fn a_newer_schema_is_refused_with_its_version() {
     db.execute("INSERT INTO {s}.keel_offload_schema (version, name) VALUES (7, 'from the future')");
     let err = PostgresStore::connect_with(
         &db.url,
-        PostgresOptions::new().schema(db.schema.clone()).unwrap(),
+        PostgresStoreOptions::new()
+            .schema(db.schema.clone())
+            .unwrap(),
     )
     .unwrap_err();
     assert!(
@@ -370,7 +373,7 @@ fn works_straight_from_async_code_on_either_runtime() {
     let schema = db.schema.clone();
     current.block_on(async move {
         let inner =
-            PostgresStore::connect_with(&url, PostgresOptions::new().schema(schema).unwrap())
+            PostgresStore::connect_with(&url, PostgresStoreOptions::new().schema(schema).unwrap())
                 .unwrap();
         exercise(&inner, "made-inside");
         drop(inner);
@@ -386,14 +389,16 @@ fn connect_async_connects_off_the_runtime() {
         .enable_all()
         .build()
         .unwrap();
-    let options = PostgresOptions::new().schema(db.schema.clone()).unwrap();
+    let options = PostgresStoreOptions::new()
+        .schema(db.schema.clone())
+        .unwrap();
     let store = current
         .block_on(PostgresStore::connect_async(&db.url, options))
         .unwrap();
     exercise(&store, "connect-async");
     let bad = current.block_on(PostgresStore::connect_async(
         "not a connection string",
-        PostgresOptions::new(),
+        PostgresStoreOptions::new(),
     ));
     assert!(matches!(bad, Err(OffloadError::Database { .. })), "{bad:?}");
 }

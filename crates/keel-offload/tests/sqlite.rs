@@ -219,12 +219,13 @@ async fn the_checkpointers_file_holds_the_archive_too() {
 /// and the archive policy keeps the messages in context (invariant 2).
 #[test]
 fn a_full_database_keeps_messages_in_context() {
-    use keel_offload::{Archive, SqliteOptions};
+    use keel_offload::{Archive, SqliteStoreOptions};
 
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("small.db");
     let store = Arc::new(
-        SqliteStore::open_with(&path, SqliteOptions::new().max_size(Some(512 * 1024))).unwrap(),
+        SqliteStore::open_with(&path, SqliteStoreOptions::new().max_size(Some(512 * 1024)))
+            .unwrap(),
     );
     let big = "y".repeat(2 << 20);
     let err = store

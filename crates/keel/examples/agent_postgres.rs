@@ -28,7 +28,7 @@ use futures::StreamExt;
 use keel::agent::{AgentInput, AgentUpdate};
 use keel::checkpoint::Checkpointer;
 use keel::message::Message;
-use keel::offload::{OffloadStore, PostgresOptions, PostgresStore, ThreadId};
+use keel::offload::{OffloadStore, PostgresStore, PostgresStoreOptions, ThreadId};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 
 #[path = "tour/mod.rs"]
@@ -67,7 +67,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
          the offload store is in the same schema\n",
         redact(&url),
     );
-    let store = PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?;
+    let store =
+        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?;
     let agent = build_agent(&repo, saver, Arc::new(store))?;
     {
         // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
@@ -102,8 +103,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
         storage.deltas,
         storage.total_bytes() / 1024
     );
-    let store: Arc<dyn OffloadStore> =
-        Arc::new(PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?);
+    let store: Arc<dyn OffloadStore> = Arc::new(
+        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?,
+    );
     let archived = {
         let (store, id) = (store.clone(), ThreadId::new(thread.as_str())?);
         tokio::task::spawn_blocking(move || keel::offload::Archive::new(store).len(&id)).await??

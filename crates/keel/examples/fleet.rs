@@ -27,7 +27,9 @@ use keel::compaction::CompactionConfig;
 use keel::fleet::{FleetError, Policy, Queue, QueueOptions, RunInput, RunStatus, Worker};
 use keel::message::{Message, Role, ToolCall, ToolSpec, tool_fn};
 use keel::model::{ChatResponse, PolicyModel};
-use keel::offload::{Archive, OffloadStore, Pattern, PostgresOptions, PostgresStore, ThreadId};
+use keel::offload::{
+    Archive, OffloadStore, Pattern, PostgresStore, PostgresStoreOptions, ThreadId,
+};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::token::{Encoding, ModelProfile};
 use serde_json::json;
@@ -60,8 +62,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     )?);
     saver.setup().await?;
     // The archive and offloaded results, in the same database and schema.
-    let store: Arc<dyn OffloadStore> =
-        Arc::new(PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?);
+    let store: Arc<dyn OffloadStore> = Arc::new(
+        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?,
+    );
 
     // ---- Anyone, anywhere: submit runs. Each is stored when `submit` returns. ----
     let threads: Vec<String> = (0..4)
@@ -121,7 +124,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     // ---- Another machine: a fresh connection reads what left the context. ----
     let elsewhere =
-        PostgresStore::connect_async(&url, PostgresOptions::new().schema(SCHEMA)?).await?;
+        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?;
     let thread = ThreadId::new(threads[0].as_str())?;
     let found = tokio::task::spawn_blocking(move || {
         let archive = Archive::new(Arc::new(elsewhere));
