@@ -1124,8 +1124,9 @@ impl AgentBuilder {
 
     /// The goal of new threads (a run's [`AgentInput::goal`] takes precedence). A thread
     /// keeps the goal it was started with: on a thread that has one, this goal is not
-    /// used (a warning is logged when it differs), while [`AgentInput::goal`] there is
-    /// an error ([`AgentError::GoalAlreadySet`]).
+    /// used (a `tracing` warning is logged when it differs; the run's
+    /// [`AgentRun::state`] holds the goal the thread runs with), while
+    /// [`AgentInput::goal`] there is an error ([`AgentError::GoalAlreadySet`]).
     pub fn goal(mut self, goal: impl Into<GoalAnchor>) -> Self {
         self.goal = Some(goal.into());
         self

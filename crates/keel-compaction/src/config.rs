@@ -189,13 +189,13 @@ pub struct CompactionConfig {
     /// 2.5% of the input budget, at most 2,000). The cut never separates a tool call
     /// from its results, so the tail may be longer.
     pub keep_recent_tokens: Option<usize>,
-    /// Token budget of one milestone summary (`None`: 2% of the input budget, between
-    /// 100 and 500).
+    /// Token budget of one milestone summary (`None`: 2.5% of the input budget, between
+    /// 300 and 2,000).
     pub milestone_budget_tokens: Option<usize>,
     /// The most of its span a milestone may take: its budget is this fraction of the
     /// tokens it replaces, at least [`MIN_MILESTONE_TOKENS`] and at most the milestone
     /// budget. A short span gets a short milestone, so a compaction pays for the cache
-    /// it resets sooner (0.2).
+    /// it resets sooner (0.3).
     pub summary_ratio: f64,
     /// Token budget of the epoch summary (`None`: 3% of the input budget, between 150
     /// and 800).
