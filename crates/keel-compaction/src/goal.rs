@@ -100,6 +100,18 @@ impl GoalAnchor {
     }
 }
 
+/// The rendered text, as [`GoalAnchor::text`] gives it.
+///
+/// ```
+/// let goal = keel_compaction::GoalAnchor::new("Ship it.").with_constraints(["Tests pass."]);
+/// assert_eq!(goal.to_string(), goal.text());
+/// ```
+impl std::fmt::Display for GoalAnchor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text())
+    }
+}
+
 impl From<&str> for GoalAnchor {
     fn from(request: &str) -> Self {
         GoalAnchor::new(request)
