@@ -354,7 +354,7 @@ impl Agent {
         let (agent, thread) = (self.clone(), thread_id.to_owned());
         on_own_task(async move {
             let metadata = input.metadata.clone();
-            let (command, budget) = agent.command(&thread, None, input).await?;
+            let (command, budget, _) = agent.command(&thread, None, input).await?;
             let run = agent
                 .graph
                 .invoke(command, &agent.config(&thread, &metadata, budget))
@@ -430,7 +430,7 @@ impl Agent {
         let (agent, thread, checkpoint) = (self.clone(), thread_id.to_owned(), checkpoint.clone());
         on_own_task(async move {
             let metadata = input.metadata.clone();
-            let (command, budget) = agent.command(&thread, Some(&checkpoint), input).await?;
+            let (command, budget, _) = agent.command(&thread, Some(&checkpoint), input).await?;
             let config = agent.config(&thread, &metadata, budget).at(checkpoint);
             let run = agent.graph.invoke(command, &config).await;
             agent.settle(&thread).await;
@@ -502,7 +502,7 @@ impl Agent {
         // stream is dropped with it, which cancels the run).
         runtime.spawn(async move {
             let metadata = input.metadata.clone();
-            let (command, budget) = match agent.command(&thread, None, input).await {
+            let (command, budget, mut ending) = match agent.command(&thread, None, input).await {
                 Ok(c) => c,
                 Err(e) => {
                     let _ = tx.send(Err(e)).await;
@@ -514,7 +514,6 @@ impl Agent {
                 agent.config(&thread, &metadata, budget),
                 StreamMode::updates(),
             ));
-            let mut ending = Ending::default();
             let mut settled = false;
             while let Some(e) = events.next().await {
                 let items = match e {
@@ -738,7 +737,7 @@ impl Agent {
         thread_id: &str,
         at: Option<&CheckpointId>,
         input: AgentInput,
-    ) -> Result<(Command<AgentState>, Option<RunBudget>), AgentError> {
+    ) -> Result<(Command<AgentState>, Option<RunBudget>, Ending), AgentError> {
         let thread = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
         if let Some(key) = input
             .metadata
@@ -770,7 +769,22 @@ impl Agent {
             max,
         });
         let command = self.command_for(thread_id, input, existing.as_ref())?;
-        Ok((command, budget))
+        // Nothing to run on a thread at rest: the stream's end is what it stored.
+        let ending = match &existing {
+            Some(snap)
+                if snap.next.is_empty()
+                    && command.update.is_none()
+                    && command.goto.is_empty()
+                    && command.resume.is_none() =>
+            {
+                Ending {
+                    answer: snap.values.answer(),
+                    stop: snap.values.stop.clone(),
+                }
+            }
+            _ => Ending::default(),
+        };
+        Ok((command, budget, ending))
     }
 
     /// Fails with [`AgentError::ArchiveUnavailable`] when the offload store lacks what
@@ -888,6 +902,14 @@ impl Agent {
                 {
                     // Interrupted mid-run: continue where it stopped. Finished with an
                     // answer and given nothing new: there is nothing to do.
+                    return Ok(Command::none());
+                }
+                let ceiling = self.nodes.compaction().max_steps;
+                if input.messages.is_empty()
+                    && matches!(snap.values.stop, Some(Stop::StepCeiling { max, .. }) if max == ceiling)
+                {
+                    // Stopped at the ceiling it still has: a run would only store the
+                    // same stop again, one checkpoint more each time.
                     return Ok(Command::none());
                 }
             }

@@ -197,6 +197,16 @@ async fn the_stream_reports_model_calls_tool_calls_and_compactions() {
             .iter()
             .any(|i| matches!(i, AgentUpdate::Message(m) if m.text() == "The last number was 11."))
     );
+    // Streamed again with nothing new: the stored answer, and nothing run.
+    let again: Vec<AgentUpdate> = agent
+        .stream("s", AgentInput::new())
+        .map(|r| r.unwrap())
+        .collect()
+        .await;
+    assert!(matches!(
+        again.as_slice(),
+        [AgentUpdate::Done { answer: Some(a), stop: None, .. }] if a == "The last number was 11."
+    ));
 }
 
 struct Panics;
@@ -544,6 +554,24 @@ async fn the_step_ceiling_stops_the_run_and_a_higher_one_continues_it() {
             .iter()
             .any(|e| matches!(e, AgentEvent::StepCeiling { .. }))
     );
+    // Run again under the same ceiling: the same stop, and nothing run or stored.
+    let again = first.run("ceiling", AgentInput::new()).await.unwrap();
+    assert_eq!(again.stop, Some(Stop::StepCeiling { steps: 5, max: 5 }));
+    assert_eq!(again.supersteps, 0);
+    assert_eq!(again.checkpoint_id, run.checkpoint_id);
+    let streamed: Vec<AgentUpdate> = first
+        .stream("ceiling", AgentInput::new())
+        .map(|r| r.unwrap())
+        .collect()
+        .await;
+    assert!(matches!(
+        streamed.as_slice(),
+        [AgentUpdate::Done {
+            answer: None,
+            stop: Some(Stop::StepCeiling { steps: 5, max: 5 }),
+            ..
+        }]
+    ));
     let second = Agent::builder()
         .model(model)
         .profile(profile())
