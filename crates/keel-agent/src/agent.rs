@@ -1292,7 +1292,10 @@ impl AgentBuilder {
 
     /// Builds only the nodes and routers ([`AgentNodes`]), for a graph of your own: no
     /// model is needed when the graph uses only the compaction nodes (without one, the
-    /// `agent` node fails with a model error saying so).
+    /// `agent` node fails with a model error saying so). Give this builder the saver
+    /// your graph stores its checkpoints in and a lasting offload store: the nodes
+    /// prune and archive through them, and without them prune nothing and archive in
+    /// memory (see [`AgentNodes`]).
     pub fn build_nodes(mut self) -> Result<AgentNodes, BuildError> {
         if self.model.is_none() {
             self.model = Some(Arc::new(NoModel));

@@ -145,8 +145,22 @@ fn milestone_pruned_this_step(s: &AgentState) -> bool {
 /// graph of your own over [`AgentState`]: replace one, add your own between them, or
 /// reuse the compaction nodes in a loop that is not an agent at all.
 ///
-/// Get them from a built agent with [`crate::Agent::nodes`]; each method returns a
-/// closure to pass to `StateGraph::add_node` or `add_conditional_edges`.
+/// Get them from a built agent with [`crate::Agent::nodes`] or from
+/// [`AgentBuilder::build_nodes`](crate::AgentBuilder::build_nodes); each method returns
+/// a closure to pass to `StateGraph::add_node` or `add_conditional_edges`.
+///
+/// - **Give the builder your graph's saver and a lasting offload store.** The nodes
+///   prune through the builder's [`checkpointer`](crate::AgentBuilder::checkpointer)
+///   and archive into its [`offload_store`](crate::AgentBuilder::offload_store); a
+///   saver given only to `StateGraph::with_checkpointer` is unknown to them, so
+///   compaction steps prune nothing and the archive lives in memory, gone with the
+///   process.
+/// - **The routers name the agent graph's nodes** (`agent`, `tools`, `compact`,
+///   `epoch`, `END`). In a graph with other names, write your router from
+///   [`AgentNodes::trigger`] (when to compact) and [`AgentNodes::wants_epoch`] (when to
+///   fold an epoch), as the `custom_graph` example of the `keel` crate does.
+/// - **The nodes work on [`AgentState`].** To compact a state of your own, call
+///   keel-compaction's `Compactor` from a node of yours (the `compaction` example).
 #[derive(Clone)]
 pub struct AgentNodes {
     pub(crate) parts: Arc<Parts>,
@@ -288,18 +302,19 @@ impl AgentNodes {
         }
     }
 
-    /// After `compact`: to `epoch` when enough milestones wait, else to `agent`.
+    /// After `compact`: to `epoch` when enough milestones wait
+    /// ([`AgentNodes::wants_epoch`]), else to `agent`.
     pub fn route_after_compact(
         &self,
     ) -> impl Fn(&AgentState) -> &'static str + Send + Sync + 'static {
-        let every = self.parts.compaction.epoch_every.max(1);
-        move |s| {
-            if s.milestones.len() >= every {
-                EPOCH
-            } else {
-                AGENT
-            }
-        }
+        let nodes = self.clone();
+        move |s| if nodes.wants_epoch(s) { EPOCH } else { AGENT }
+    }
+
+    /// Whether `state` holds enough milestones for the `epoch` node to fold
+    /// ([`CompactionConfig::epoch_every`](keel_compaction::CompactionConfig::epoch_every)).
+    pub fn wants_epoch(&self, state: &AgentState) -> bool {
+        state.milestones.len() >= self.parts.compaction.epoch_every.max(1)
     }
 
     /// Which compaction trigger fires for `state`, if any. A trigger is reported only

@@ -418,6 +418,19 @@ impl Queue {
         &self.inner.schema
     }
 
+    /// `result`, with a query that found none of the queue's tables turned into
+    /// [`FleetError::NotSetUp`] (the schema was never set up).
+    fn explained<T>(&self, result: Result<T, FleetError>) -> Result<T, FleetError> {
+        match result {
+            Err(FleetError::Query(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => {
+                Err(FleetError::NotSetUp {
+                    schema: self.inner.schema.clone(),
+                })
+            }
+            other => other,
+        }
+    }
+
     /// Creates or upgrades the queue's tables (and the schema); returns the versions
     /// applied. Idempotent and safe from many processes at once (an advisory lock).
     /// Fails with [`FleetError::SchemaTooNew`] on a schema a newer build wrote.
@@ -450,95 +463,107 @@ impl Queue {
         input: RunInput,
         policy: Policy,
     ) -> Result<RunId, FleetError> {
-        keel_offload::ThreadId::new(thread).map_err(|e| FleetError::BadThreadId {
-            thread: thread.to_owned(),
-            reason: e.to_string(),
-        })?;
-        let run = RunId::new();
-        let stored = input
-            .with_ids(&run.to_string())
-            .encode()
-            .map_err(FleetError::Encode)?
-            .to_string();
-        let max_attempts = i32::try_from(self.inner.options.max_attempts).unwrap_or(i32::MAX);
-        let sql = &self.inner.sql;
-        let mut client = self.inner.pool.get().await?;
-        let tx = client.transaction().await?;
-        let seq: i64 = tx
-            .query_one(&tx.prepare_cached(&sql.lock_thread).await?, &[&thread])
-            .await?
-            .get(0);
-        let busy = tx
-            .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
+        let result = async {
+            keel_offload::ThreadId::new(thread).map_err(|e| FleetError::BadThreadId {
+                thread: thread.to_owned(),
+                reason: e.to_string(),
+            })?;
+            let run = RunId::new();
+            let stored = input
+                .with_ids(&run.to_string())
+                .encode()
+                .map_err(FleetError::Encode)?
+                .to_string();
+            let max_attempts = i32::try_from(self.inner.options.max_attempts).unwrap_or(i32::MAX);
+            let sql = &self.inner.sql;
+            let mut client = self.inner.pool.get().await?;
+            let tx = client.transaction().await?;
+            let seq: i64 = tx
+                .query_one(&tx.prepare_cached(&sql.lock_thread).await?, &[&thread])
+                .await?
+                .get(0);
+            let busy = tx
+                .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
+                .await?;
+            match policy {
+                Policy::Reject => {
+                    if let Some((run, status)) = busy.first().map(in_flight_run) {
+                        return Err(FleetError::ThreadBusy {
+                            thread: thread.to_owned(),
+                            run,
+                            status,
+                        });
+                    }
+                }
+                Policy::Enqueue => {}
+                Policy::Interrupt => {
+                    if !busy.is_empty() {
+                        let reason = format!("interrupted by run {run}");
+                        tx.execute(
+                            &tx.prepare_cached(&sql.interrupt_running).await?,
+                            &[&thread, &reason],
+                        )
+                        .await?;
+                        tx.execute(
+                            &tx.prepare_cached(&sql.interrupt_queued).await?,
+                            &[&thread, &reason],
+                        )
+                        .await?;
+                    }
+                }
+            }
+            tx.execute(
+                &tx.prepare_cached(&sql.insert).await?,
+                &[
+                    &thread,
+                    run.as_uuid(),
+                    &seq,
+                    &policy.as_str(),
+                    &stored,
+                    &max_attempts,
+                ],
+            )
             .await?;
-        match policy {
-            Policy::Reject => {
-                if let Some((run, status)) = busy.first().map(in_flight_run) {
-                    return Err(FleetError::ThreadBusy {
-                        thread: thread.to_owned(),
-                        run,
-                        status,
-                    });
-                }
-            }
-            Policy::Enqueue => {}
-            Policy::Interrupt => {
-                if !busy.is_empty() {
-                    let reason = format!("interrupted by run {run}");
-                    tx.execute(
-                        &tx.prepare_cached(&sql.interrupt_running).await?,
-                        &[&thread, &reason],
-                    )
-                    .await?;
-                    tx.execute(
-                        &tx.prepare_cached(&sql.interrupt_queued).await?,
-                        &[&thread, &reason],
-                    )
-                    .await?;
-                }
-            }
+            tx.commit().await?;
+            Ok::<_, FleetError>(run)
         }
-        tx.execute(
-            &tx.prepare_cached(&sql.insert).await?,
-            &[
-                &thread,
-                run.as_uuid(),
-                &seq,
-                &policy.as_str(),
-                &stored,
-                &max_attempts,
-            ],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(run)
+        .await;
+        self.explained(result)
     }
 
     /// Where a run is.
     pub async fn status(&self, run: RunId) -> Result<RunInfo, FleetError> {
-        let client = self.inner.pool.get().await?;
-        let row = client
-            .query_opt(
-                &client.prepare_cached(&self.inner.sql.status).await?,
-                &[run.as_uuid()],
-            )
-            .await?
-            .ok_or(FleetError::UnknownRun { run })?;
-        info_of(&row)
+        let result = async {
+            let client = self.inner.pool.get().await?;
+            let row = client
+                .query_opt(
+                    &client.prepare_cached(&self.inner.sql.status).await?,
+                    &[run.as_uuid()],
+                )
+                .await?
+                .ok_or(FleetError::UnknownRun { run })?;
+            info_of(&row)
+        }
+        .await;
+        self.explained(result)
     }
 
     /// A thread's runs, in submission order.
     pub async fn runs(&self, thread: &str) -> Result<Vec<RunInfo>, FleetError> {
-        let client = self.inner.pool.get().await?;
-        client
-            .query(
-                &client.prepare_cached(&self.inner.sql.runs).await?,
-                &[&thread],
-            )
-            .await?
-            .iter()
-            .map(info_of)
-            .collect()
+        let result = async {
+            let client = self.inner.pool.get().await?;
+            client
+                .query(
+                    &client.prepare_cached(&self.inner.sql.runs).await?,
+                    &[&thread],
+                )
+                .await?
+                .iter()
+                .map(info_of)
+                .collect()
+        }
+        .await;
+        self.explained(result)
     }
 
     /// Up to `limit` threads the queue has runs of, in id order, after the id `after`
@@ -550,17 +575,21 @@ impl Queue {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<String>, FleetError> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let client = self.inner.pool.get().await?;
-        let rows = client
-            .query(
-                &client.prepare_cached(&self.inner.sql.thread_ids).await?,
-                &[&after, &limit],
-            )
-            .await?;
-        rows.iter()
-            .map(|r| r.try_get(0).map_err(FleetError::from))
-            .collect()
+        let result = async {
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let client = self.inner.pool.get().await?;
+            let rows = client
+                .query(
+                    &client.prepare_cached(&self.inner.sql.thread_ids).await?,
+                    &[&after, &limit],
+                )
+                .await?;
+            rows.iter()
+                .map(|r| r.try_get(0).map_err(FleetError::from))
+                .collect()
+        }
+        .await;
+        self.explained(result)
     }
 
     /// Removes a thread's runs from the queue (their history and results), as
@@ -569,49 +598,57 @@ impl Queue {
     /// cancel it and let it end first. Returns how many runs were removed; an unknown
     /// thread removes none.
     pub async fn forget_thread(&self, thread: &str) -> Result<u64, FleetError> {
-        let sql = &self.inner.sql;
-        let mut client = self.inner.pool.get().await?;
-        let tx = client.transaction().await?;
-        // Locks the thread against a submit racing the delete (submit locks it too).
-        let known = tx
-            .query_opt(&tx.prepare_cached(&sql.lock_existing).await?, &[&thread])
-            .await?;
-        if known.is_none() {
-            return Ok(0);
+        let result = async {
+            let sql = &self.inner.sql;
+            let mut client = self.inner.pool.get().await?;
+            let tx = client.transaction().await?;
+            // Locks the thread against a submit racing the delete (submit locks it too).
+            let known = tx
+                .query_opt(&tx.prepare_cached(&sql.lock_existing).await?, &[&thread])
+                .await?;
+            if known.is_none() {
+                return Ok(0);
+            }
+            let busy = tx
+                .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
+                .await?;
+            if let Some((run, status)) = busy.first().map(in_flight_run) {
+                return Err(FleetError::ThreadActive {
+                    thread: thread.to_owned(),
+                    run,
+                    status,
+                });
+            }
+            let removed = tx
+                .execute(&tx.prepare_cached(&sql.forget_runs).await?, &[&thread])
+                .await?;
+            tx.execute(&tx.prepare_cached(&sql.forget_thread).await?, &[&thread])
+                .await?;
+            tx.commit().await?;
+            Ok::<_, FleetError>(removed)
         }
-        let busy = tx
-            .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
-            .await?;
-        if let Some((run, status)) = busy.first().map(in_flight_run) {
-            return Err(FleetError::ThreadActive {
-                thread: thread.to_owned(),
-                run,
-                status,
-            });
-        }
-        let removed = tx
-            .execute(&tx.prepare_cached(&sql.forget_runs).await?, &[&thread])
-            .await?;
-        tx.execute(&tx.prepare_cached(&sql.forget_thread).await?, &[&thread])
-            .await?;
-        tx.commit().await?;
-        Ok(removed)
+        .await;
+        self.explained(result)
     }
 
     /// Cancels a run: a queued one at once; a running one stops at its next step
     /// boundary (its worker marks it cancelled). An ended run is left as it is. Returns
     /// the run as it is after the call.
     pub async fn cancel(&self, run: RunId) -> Result<RunInfo, FleetError> {
-        let client = self.inner.pool.get().await?;
-        let reason = "cancelled".to_owned();
-        let row = client
-            .query_opt(
-                &client.prepare_cached(&self.inner.sql.cancel).await?,
-                &[run.as_uuid(), &reason],
-            )
-            .await?
-            .ok_or(FleetError::UnknownRun { run })?;
-        info_of(&row)
+        let result = async {
+            let client = self.inner.pool.get().await?;
+            let reason = "cancelled".to_owned();
+            let row = client
+                .query_opt(
+                    &client.prepare_cached(&self.inner.sql.cancel).await?,
+                    &[run.as_uuid(), &reason],
+                )
+                .await?
+                .ok_or(FleetError::UnknownRun { run })?;
+            info_of(&row)
+        }
+        .await;
+        self.explained(result)
     }
 
     /// Claims the next run for `worker`: first a running run whose lease expired (a

@@ -664,6 +664,24 @@ async fn schema_versions_older_and_newer_are_typed_errors() {
         w.run_until_idle().await,
         Err(FleetError::NotSetUp { .. })
     ));
+    // The queue's own calls say so too, instead of the server's missing-table error.
+    let run: keel_fleet::RunId = "0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80".parse().unwrap();
+    for err in [
+        db.queue.thread_ids(None, 10).await.unwrap_err(),
+        db.queue.runs("t").await.unwrap_err(),
+        db.queue.status(run).await.unwrap_err(),
+        db.queue.cancel(run).await.unwrap_err(),
+        db.queue.forget_thread("t").await.unwrap_err(),
+        db.queue
+            .submit("t", RunInput::new().goal("g"))
+            .await
+            .unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, FleetError::NotSetUp { schema: s } if *s == schema),
+            "{err}"
+        );
+    }
 
     // An older schema: the version table at 0.
     db.sql("CREATE TABLE {s}.keel_fleet_schema (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())").await;

@@ -107,4 +107,10 @@ pub enum GraphError {
     /// The run was cancelled: its event stream was dropped, or a task was aborted.
     #[error("the run was cancelled")]
     Cancelled,
+    /// `invoke` or `stream` was called outside a Tokio runtime: the graph runs its
+    /// parallel tasks and background checkpoint writes on Tokio.
+    #[error(
+        "the graph runs on Tokio: call it inside a Tokio runtime (#[tokio::main], #[tokio::test] or Runtime::block_on)"
+    )]
+    NoRuntime,
 }

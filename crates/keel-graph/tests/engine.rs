@@ -666,11 +666,12 @@ async fn dropping_the_stream_cancels_the_run() {
         .add_conditional_edges("tick", |_s: &S| "tick", None)
         .compile()
         .unwrap();
-    let mut stream = Box::pin(g.stream(
+    // Unpin: polled as it is, no Box::pin.
+    let mut stream = g.stream(
         SUpdate::default(),
         RunConfig::default(),
         StreamMode::values(),
-    ));
+    );
     stream.next().await.unwrap().unwrap();
     drop(stream);
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1557,4 +1558,20 @@ async fn routers_of_one_step_each_see_only_their_own_writes_without_copying_the_
     );
     // One copy for the step (the state before it), not one more per router.
     assert_eq!(clones, 1, "whole-state copies in the routed step");
+}
+
+#[test]
+fn invoke_and_stream_outside_a_tokio_runtime_are_a_typed_error() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .compile()
+        .unwrap();
+    let invoked = futures::executor::block_on(g.invoke(log("in"), &RunConfig::default()));
+    assert!(matches!(invoked, Err(GraphError::NoRuntime)), "{invoked:?}");
+    let mut stream = g.stream(log("in"), RunConfig::default(), StreamMode::values());
+    let first = futures::executor::block_on(stream.next());
+    assert!(matches!(first, Some(Err(GraphError::NoRuntime))));
+    assert!(futures::executor::block_on(stream.next()).is_none());
 }

@@ -71,8 +71,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?;
     let agent = build_agent(&repo, saver, Arc::new(store))?;
     {
-        // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
-        let mut updates = std::pin::pin!(agent.stream(&thread, AgentInput::new()));
+        let mut updates = agent.stream(&thread, AgentInput::new());
         let mut printer = Printer;
         while let Some(update) = updates.next().await {
             printer.print(&update?);

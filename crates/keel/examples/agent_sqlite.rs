@@ -59,8 +59,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         Arc::new(FsStore::new(&offload)?),
     )?;
     {
-        // The stream is not `Unpin`: pin it to poll it with `StreamExt::next`.
-        let mut updates = std::pin::pin!(agent.stream(THREAD, AgentInput::new()));
+        let mut updates = agent.stream(THREAD, AgentInput::new());
         let mut printer = Printer;
         while let Some(update) = updates.next().await {
             printer.print(&update?);

@@ -100,11 +100,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
         "Take notes on keel's architecture, one section at a time.",
     ));
     // The whole state after each step, and which node wrote it.
-    let mut events = std::pin::pin!(graph.stream(
+    let mut events = graph.stream(
         input,
         RunConfig::thread(THREAD),
-        StreamMode::values().with_updates()
-    ));
+        StreamMode::values().with_updates(),
+    );
     let compactor = nodes.compactor(THREAD)?;
     let specs = nodes.toolbox().specs().to_vec();
     let mut node = String::new();
@@ -210,9 +210,9 @@ fn after_research(
 fn after_compact(
     nodes: &AgentNodes,
 ) -> impl Fn(&AgentState) -> &'static str + Send + Sync + 'static {
-    let route = nodes.route_after_compact();
+    let nodes = nodes.clone();
     move |state| {
-        if route(state) == EPOCH {
+        if nodes.wants_epoch(state) {
             EPOCH
         } else {
             RESEARCH

@@ -5,17 +5,24 @@ use super::*;
 
 impl<S: State> CompiledGraph<S> {
     /// Runs the graph like [`CompiledGraph::invoke`], yielding events as it goes.
-    /// Dropping the stream cancels the run (tasks in flight are dropped).
+    /// Dropping the stream cancels the run (tasks in flight are dropped). The stream is
+    /// `Unpin`, so `StreamExt::next` works on it directly; outside a Tokio runtime it
+    /// yields [`GraphError::NoRuntime`].
     pub fn stream(
         &self,
         input: impl Into<Command<S>>,
         config: RunConfig,
         mode: StreamMode,
-    ) -> impl Stream<Item = Result<Event<S>, GraphError>> + Send + 'static {
+    ) -> impl Stream<Item = Result<Event<S>, GraphError>> + Send + Unpin + 'static {
         let (tx, rx) = mpsc::channel(16);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // The receiver sees this one error and then the end.
+            let _ = tx.try_send(Err(GraphError::NoRuntime));
+            return EventStream { rx, _run: None };
+        };
         let graph = self.clone();
         let input = input.into();
-        let handle = tokio::spawn(async move {
+        let handle = runtime.spawn(async move {
             let sink = EventSink {
                 tx: tx.clone(),
                 mode,
@@ -34,10 +41,27 @@ impl<S: State> CompiledGraph<S> {
                 }
             }
         });
-        let guard = AbortOnDrop(handle);
-        futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
-            rx.recv().await.map(|item| (item, (rx, guard)))
-        })
+        EventStream {
+            rx,
+            _run: Some(AbortOnDrop(handle)),
+        }
+    }
+}
+
+/// The events of a run driven by its own task, which is aborted when this is dropped.
+struct EventStream<S: State> {
+    rx: mpsc::Receiver<Result<Event<S>, GraphError>>,
+    _run: Option<AbortOnDrop>,
+}
+
+impl<S: State> Stream for EventStream<S> {
+    type Item = Result<Event<S>, GraphError>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.get_mut().rx.poll_recv(cx)
     }
 }
 

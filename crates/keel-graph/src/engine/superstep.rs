@@ -33,6 +33,9 @@ impl<S: State> CompiledGraph<S> {
         config: &RunConfig,
         events: Option<EventSink<S>>,
     ) -> Result<Run<S>, GraphError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(GraphError::NoRuntime);
+        }
         let g = &*self.inner;
         let mut run = RunState::load(self, config, events).await?;
         let writer = Writer::new(g.checkpointer.clone(), config);
