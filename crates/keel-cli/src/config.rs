@@ -49,10 +49,20 @@ impl Settings {
                 return Err(e).with_context(|| format!("cannot read {}", path.display()));
             }
         };
-        toml::from_str(&text).with_context(|| {
-            format!(
-                "{} is not a valid keel.toml (keys: home, database_url, model, window, ollama_base_url, openai_base_url)",
-                path.display()
+        toml::from_str(&text).map_err(|e| {
+            let problem = e.message().trim_end().trim_end_matches('.');
+            // An unknown key's message lists the keys already.
+            let keys = if problem.contains("expected one of") {
+                ""
+            } else {
+                " (the keys are home, database_url, model, window, ollama_base_url and openai_base_url)"
+            };
+            anyhow::anyhow!(
+                "the settings file {}{} cannot be used: {problem}; fix it{keys}, or give --config another file",
+                path.display(),
+                e.span()
+                    .map(|at| format!(", line {},", line_of(&text, at.start)))
+                    .unwrap_or_default(),
             )
         })
     }
@@ -92,6 +102,16 @@ impl Settings {
     }
 }
 
+/// The 1-based line of byte `at` in `text`.
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()
+        .iter()
+        .take(at)
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
+}
+
 /// An environment variable, treating an empty value as unset.
 pub fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
@@ -117,6 +137,32 @@ mod tests {
         let err = Settings::load(Some(&path)).expect_err("typo");
         let text = format!("{err:#}");
         assert!(text.contains("keel.toml") && text.contains("hme"), "{text}");
+        assert!(!text.contains("not a valid keel.toml"), "{text}");
+    }
+
+    #[test]
+    fn a_bad_file_is_named_with_the_line_and_what_is_wrong() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("settings.toml");
+        std::fs::write(&path, "home = \".keel\"\nwindow = \"big\"\n").expect("write");
+        let err = Settings::load(Some(&path)).expect_err("a string window");
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!(
+                "the settings file {}, line 2, cannot be used: ",
+                path.display()
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains("--config") && text.contains("window"),
+            "{text}"
+        );
+        assert_eq!(
+            err.chain().count(),
+            1,
+            "said once, with no cause repeating it"
+        );
     }
 
     #[test]

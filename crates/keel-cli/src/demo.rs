@@ -70,7 +70,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = "extractive")]
     summarizer: String,
     /// The thread id (default: a new `demo-<uuid>` thread).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::thread_id)]
     thread: Option<String>,
     /// Print report.json to stdout instead of the summary table.
     #[arg(long)]

@@ -50,7 +50,7 @@ pub struct SubmitArgs {
     #[arg(long)]
     database_url: Option<String>,
     /// The thread to run.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::thread_id)]
     thread: String,
     /// The goal of a new thread (written once; heads every prompt).
     #[arg(long, value_parser = crate::ui::some_text)]
@@ -454,9 +454,10 @@ Examples:
 )]
 pub struct StatusArgs {
     /// The run id `keel submit` printed.
-    run: Option<String>,
+    #[arg(value_parser = parse_run_id)]
+    run: Option<RunId>,
     /// Every run of this thread instead.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::thread_id)]
     thread: Option<String>,
     /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
     #[arg(long)]
@@ -476,7 +477,8 @@ A queued run is cancelled at once; a running one stops at its next step boundary
 its thread keeps the steps it made. A finished run is left as it is.")]
 pub struct CancelArgs {
     /// The run id `keel submit` printed.
-    run: String,
+    #[arg(value_parser = parse_run_id)]
+    run: RunId,
     /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
     #[arg(long)]
     database_url: Option<String>,
@@ -491,7 +493,7 @@ async fn existing_queue(
     flag: Option<&str>,
     settings: &Settings,
     command: &str,
-) -> anyhow::Result<Queue> {
+) -> anyhow::Result<(Queue, String)> {
     let url = database_url(flag, settings, command)?;
     let queue = queue(&url)?;
     queue.check().await.with_context(|| {
@@ -500,7 +502,15 @@ async fn existing_queue(
             store::redact(&url)
         )
     })?;
-    Ok(queue)
+    Ok((queue, url))
+}
+
+/// A run id the queue at `url` has no run of: where the right id is found.
+fn unknown_run(run: RunId, url: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "no run {run} in the queue at {}: check the id (`keel submit` prints each run's id; `keel status --thread T` lists the runs of thread T with theirs), and that --database-url (or DATABASE_URL) names the fleet's database",
+        store::redact(url)
+    )
 }
 
 /// The fleet's queue in the database at `url`, if its tables are there (for `keel
@@ -625,17 +635,23 @@ pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value
     (line, value)
 }
 
-fn run_id(text: &str) -> anyhow::Result<RunId> {
-    text.parse::<RunId>()
-        .map_err(|e| anyhow::anyhow!("{e}: give the id `keel submit` printed"))
+/// A run id on the command line (clap makes a bad one a usage error, exit code 2).
+fn parse_run_id(text: &str) -> Result<RunId, String> {
+    text.parse::<RunId>().map_err(|_| {
+        "it is not a run id (a UUID such as 0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80): give the id `keel submit` printed, or list a thread's runs with `keel status --thread T`".to_owned()
+    })
 }
 
 /// Runs `keel status`.
 pub async fn status(args: StatusArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    let run = args.run.as_deref().map(run_id).transpose()?;
-    let queue = existing_queue(args.database_url.as_deref(), settings, "status").await?;
+    let run = args.run;
+    let (queue, url) = existing_queue(args.database_url.as_deref(), settings, "status").await?;
     let infos = match (run, &args.thread) {
-        (Some(run), _) => vec![queue.status(run).await.context("cannot read the run")?],
+        (Some(run), _) => match queue.status(run).await {
+            Ok(info) => vec![info],
+            Err(FleetError::UnknownRun { .. }) => return Err(unknown_run(run, &url)),
+            Err(e) => return Err(e).context("cannot read the run"),
+        },
         (None, Some(thread)) => {
             let runs = queue
                 .runs(thread)
@@ -667,9 +683,13 @@ pub async fn status(args: StatusArgs, settings: &Settings) -> anyhow::Result<Exi
 
 /// Runs `keel cancel`.
 pub async fn cancel(args: CancelArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    let run = run_id(&args.run)?;
-    let queue = existing_queue(args.database_url.as_deref(), settings, "cancel").await?;
-    let info = queue.cancel(run).await.context("cannot cancel the run")?;
+    let run = args.run;
+    let (queue, url) = existing_queue(args.database_url.as_deref(), settings, "cancel").await?;
+    let info = match queue.cancel(run).await {
+        Ok(info) => info,
+        Err(FleetError::UnknownRun { .. }) => return Err(unknown_run(run, &url)),
+        Err(e) => return Err(e).context("cannot cancel the run"),
+    };
     let (line, value) = describe(&info);
     if args.json {
         outln!("{value}");

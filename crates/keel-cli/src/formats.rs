@@ -151,13 +151,22 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
     })
 }
 
+/// What serde_json found wrong, without the position its message ends with (the
+/// sentences here say where, once).
+fn json_problem(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    text.strip_suffix(&position).unwrap_or(&text).to_owned()
+}
+
 fn parse(path: &Path, bytes: &[u8]) -> anyhow::Result<Value> {
     serde_json::from_slice(bytes).map_err(|e| {
         anyhow!(
-            "{} is not valid JSON at line {}, column {}: {e}{}",
+            "{} is not valid JSON at line {}, column {}: {}{}",
             path.display(),
             e.line(),
             e.column(),
+            json_problem(&e),
             if e.is_eof() {
                 " (the file looks cut short)"
             } else {
@@ -307,8 +316,15 @@ fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: Value = serde_json::from_str(line)
-            .map_err(|e| anyhow!("{}: line {} is not JSON: {e}", path.display(), n + 1))?;
+        let v: Value = serde_json::from_str(line).map_err(|e| {
+            anyhow!(
+                "{}: line {} is not valid JSON at column {}: {}",
+                path.display(),
+                n + 1,
+                e.column(),
+                json_problem(&e)
+            )
+        })?;
         if let Some(messages) = v.get("messages").and_then(Value::as_array) {
             let id = format!("{stem}-{}", n + 1);
             let msgs = openai::from_values(messages)
@@ -516,6 +532,14 @@ mod tests {
         );
         let err = format!("{:#}", load(&jsonl, Format::Auto, 1 << 20).unwrap_err());
         assert!(err.contains("line 2"), "{err}");
+        assert!(!err.contains("line 1 column"), "one position: {err}");
+
+        let blank = write(d.path(), "x.json", "]");
+        let err = format!("{:#}", load(&blank, Format::Openai, 1 << 20).unwrap_err());
+        assert!(
+            err.ends_with("is not valid JSON at line 1, column 1: expected value"),
+            "the position is said once: {err}"
+        );
     }
 
     /// Every input of `fuzz/corpus/trajectory_import/` loads as the fuzz target checks.

@@ -50,7 +50,7 @@ pub struct RunArgs {
     #[arg(long)]
     dir: Option<PathBuf>,
     /// The thread id (default: a new `run-<uuid>` thread).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::ui::thread_id)]
     thread: Option<String>,
     /// The home directory of the embedded SQLite file and offload store (given, it wins
     /// over DATABASE_URL and `database_url` in keel.toml).

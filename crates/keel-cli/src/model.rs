@@ -169,7 +169,10 @@ pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile
     let base = known.lookup(name).clone();
     match window {
         Some(w) if w < MIN_WINDOW => bail!(
-            "a {w}-token window leaves no room for the goal, the summaries and a reply: give --window at least {MIN_WINDOW}"
+            "{} {}-token window leaves no room for the goal, the summaries and a reply: give --window at least {}",
+            a_or_an(&thousands(w as u64)),
+            thousands(w as u64),
+            thousands(MIN_WINDOW as u64)
         ),
         Some(w) => Ok(with_window(&base, name, w)),
         None => {
@@ -202,10 +205,12 @@ pub fn check_fixed_part_fits(
 ) -> anyhow::Result<()> {
     let input_budget = profile.input_budget();
     let needed = smallest_window(tokens, share);
+    let least = thousands(needed as u64);
     if profile.context_window < MIN_WINDOW && tokens <= input_budget / share.max(1) {
+        let window = thousands(profile.context_window as u64);
         bail!(
-            "a {}-token window leaves no room for the goal, the summaries and a reply: give --window at least {needed}",
-            profile.context_window,
+            "{} {window}-token window leaves no room for the goal, the summaries and a reply: give --window at least {least}",
+            a_or_an(&window),
         );
     }
     if tokens > input_budget / share.max(1) {
@@ -215,7 +220,7 @@ pub fn check_fixed_part_fits(
             n => format!("1/{n}"),
         };
         bail!(
-            "{what} {} tokens, more than {part} of the {}-token prompt budget of {} ({}-token window), and no compaction shrinks that part of every prompt: {advice}give a --window of at least {needed}",
+            "{what} {} tokens, more than {part} of the {}-token prompt budget of {} ({}-token window), and no compaction shrinks that part of every prompt: {advice}give a --window of at least {least}",
             thousands(tokens as u64),
             thousands(input_budget as u64),
             profile.name,
@@ -444,6 +449,31 @@ mod tests {
         ] {
             assert_eq!(a_or_an(n), article, "{n}");
         }
+    }
+
+    #[test]
+    fn least_windows_are_written_with_thousands_separators() {
+        let small = profile("gpt-4o", Some(800)).unwrap_err().to_string();
+        assert!(
+            small.starts_with("an 800-token window") && small.ends_with("at least 1,024"),
+            "{small}"
+        );
+        let base = ModelProfiles::new().lookup("gpt-4o").clone();
+        let crowded = check_fixed_part_fits(
+            "the goal is",
+            2_000,
+            2,
+            &with_window(&base, "gpt-4o", 2_000),
+            "",
+        )
+        .unwrap_err()
+        .to_string();
+        let least = thousands(smallest_window(2_000, 2) as u64);
+        assert!(least.contains(','), "{least}");
+        assert!(
+            crowded.ends_with(&format!("give a --window of at least {least}")),
+            "{crowded}"
+        );
     }
 
     #[test]

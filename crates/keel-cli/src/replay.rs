@@ -42,9 +42,9 @@ pub struct ReplayArgs {
     /// Compaction strategies to compare (repeat the flag).
     #[arg(long, value_enum, default_values_t = [StrategyName::Hierarchical])]
     strategy: Vec<StrategyName>,
-    /// The model window in tokens (default: KEEL_WINDOW, or `window` in keel.toml, else
-    /// the model's window).
-    #[arg(long)]
+    /// The model window in tokens, at least 1,000 (default: KEEL_WINDOW, or `window` in
+    /// keel.toml, else the model's window).
+    #[arg(long, value_parser = parse_window)]
     window: Option<usize>,
     /// The model whose profile (window, tokenizer) to use.
     #[arg(long, default_value = "gpt-4o")]
@@ -68,7 +68,7 @@ pub struct ReplayArgs {
     json: bool,
     /// Write an SVG chart of prompt tokens per turn for the longest run (a `.svg` file;
     /// missing directories are created).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = parse_chart)]
     chart: Option<PathBuf>,
     /// Largest file read, in MiB.
     #[arg(long, default_value_t = 256)]
@@ -109,25 +109,16 @@ impl StrategyName {
 
 /// Runs `keel replay`.
 pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
-    let summary_model = match args.summarizer.as_str() {
-        "extractive" => None,
+    let (summary_spec, summary_model) = match args.summarizer.as_str() {
+        "extractive" => (None, None),
         other => {
             let spec = ModelSpec::parse(other).context(
                 "--summarizer takes `extractive` (no model needed) or a model such as ollama/<name>",
             )?;
-            Some(spec.client(settings)?)
+            let client = spec.client(settings)?;
+            (Some(spec), Some(client))
         }
     };
-    if let Some(path) = &args.chart
-        && !path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
-    {
-        anyhow::bail!(
-            "--chart writes an SVG image, so {} would hold SVG under another name: give a file name ending in .svg (e.g. --chart tokens.svg)",
-            path.display()
-        );
-    }
     let started = Instant::now();
     let files = formats::expand(&args.inputs)?;
     let profiles = ModelProfiles::new();
@@ -147,8 +138,17 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
             )
         );
     }
-    if window < 1_000 {
-        anyhow::bail!("--window {window} is too small to hold a prompt: use at least 1,000 tokens");
+    if window < MIN_REPLAY_WINDOW {
+        // The flag is checked as it is parsed: this window is from the settings.
+        let source = if crate::config::env("KEEL_WINDOW").is_some() {
+            "KEEL_WINDOW"
+        } else {
+            "`window` in keel.toml"
+        };
+        anyhow::bail!(
+            "the window of {source}, {window} tokens, is too small to hold a prompt: set it to at least {}, or give --window",
+            thousands(MIN_REPLAY_WINDOW as u64)
+        );
     }
     let counter = model::counter(&profile)?;
 
@@ -165,7 +165,7 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
     }
     bar.finish_and_clear();
     for (path, why) in &skipped {
-        crate::errln!("skipped {}: {why}", path.display());
+        crate::errln!("{}", skipped_line(path, why));
     }
     if loaded.is_empty() {
         anyhow::bail!(
@@ -225,9 +225,25 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         }
         let mut reports = Vec::with_capacity(runs.len());
         for run in &runs {
-            let report = replay_trajectory(run, &config, counter.clone())
-                .await
-                .with_context(|| format!("replaying run {} ({}) failed", run.id, run.dataset))?;
+            let report = match replay_trajectory(run, &config, counter.clone()).await {
+                Ok(report) => report,
+                Err(e) => {
+                    let failed = format!("replaying run {} ({}) failed", run.id, run.dataset);
+                    // A summarizer model that cannot be reached: what to fix, as `keel
+                    // demo` and `keel run` say it.
+                    let message = match summary_spec
+                        .as_ref()
+                        .and_then(|spec| model::what_to_fix(&e, spec, settings))
+                    {
+                        Some(fix) => format!(
+                            "{failed} at a summary by {}: {fix}; or replay with --summarizer extractive (no model needed)",
+                            args.summarizer
+                        ),
+                        None => failed,
+                    };
+                    return Err(anyhow::Error::new(e).context(message));
+                }
+            };
             reports.push(report);
             bar.inc(1);
         }
@@ -355,6 +371,54 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
     })
 }
 
+/// The least `--window` a replay takes.
+const MIN_REPLAY_WINDOW: usize = 1_000;
+
+/// `--window`: a number of tokens a prompt fits in (clap makes a bad one a usage
+/// error, exit code 2).
+fn parse_window(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(w) if w >= MIN_REPLAY_WINDOW => Ok(w),
+        Ok(_) => Err(format!(
+            "a window under {} tokens cannot hold a prompt: use at least {} tokens (e.g. --window 8000)",
+            thousands(MIN_REPLAY_WINDOW as u64),
+            thousands(MIN_REPLAY_WINDOW as u64)
+        )),
+        Err(_) => {
+            Err("give a whole number of tokens, at least 1,000 (e.g. --window 8000)".to_owned())
+        }
+    }
+}
+
+/// `--chart`: a file name ending in `.svg`, the image it writes.
+fn parse_chart(text: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(text);
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
+    {
+        Ok(path)
+    } else {
+        Err(
+            "the chart is an SVG image: give a file name ending in .svg (e.g. --chart tokens.svg)"
+                .to_owned(),
+        )
+    }
+}
+
+/// The line for a file that could not be read: `why` names the file already (every
+/// loader error does), so the path is not said twice.
+fn skipped_line(path: &std::path::Path, why: &str) -> String {
+    let shown = path.display().to_string();
+    if why.starts_with(&format!("{shown}: ")) {
+        format!("skipped {why}")
+    } else if why.contains(&shown) {
+        format!("skipped: {why}")
+    } else {
+        format!("skipped {shown}: {why}")
+    }
+}
+
 fn progress(len: u64, hidden: bool, what: &'static str) -> ProgressBar {
     if hidden {
         return ProgressBar::hidden();
@@ -466,4 +530,38 @@ fn report_json(r: &Report) -> serde_json::Value {
         "recall": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.recall()) },
         "recall_with_archive": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.archive_recall()) },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_under_the_least_and_charts_not_svg_are_refused_with_what_to_give() {
+        assert_eq!(parse_window("8000"), Ok(8_000));
+        assert_eq!(parse_window("1000"), Ok(1_000));
+        let zero = parse_window("0").unwrap_err();
+        assert!(zero.contains("use at least 1,000 tokens"), "{zero}");
+        assert!(parse_window("lots").unwrap_err().contains("whole number"));
+        assert_eq!(parse_chart("c.SVG"), Ok(PathBuf::from("c.SVG")));
+        let png = parse_chart("out/c.png").unwrap_err();
+        assert!(png.contains("ending in .svg"), "{png}");
+    }
+
+    #[test]
+    fn a_skipped_file_is_named_once() {
+        let path = std::path::Path::new("bad/x.json");
+        assert_eq!(
+            skipped_line(path, "bad/x.json: cannot tell the format; pass --format"),
+            "skipped bad/x.json: cannot tell the format; pass --format"
+        );
+        assert_eq!(
+            skipped_line(path, "bad/x.json is empty: there is no run to replay"),
+            "skipped: bad/x.json is empty: there is no run to replay"
+        );
+        assert_eq!(
+            skipped_line(path, "permission denied"),
+            "skipped bad/x.json: permission denied"
+        );
+    }
 }

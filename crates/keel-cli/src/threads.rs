@@ -53,7 +53,7 @@ enum ThreadsCommand {
     /// List threads, in id order.
     List {
         /// Threads shown at most.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = crate::ui::at_least_one::<usize>)]
         limit: usize,
         /// Start after this thread id (paging).
         #[arg(long)]
@@ -72,7 +72,7 @@ enum ThreadsCommand {
         /// The thread id.
         thread: String,
         /// Checkpoints shown at most.
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = crate::ui::at_least_one::<usize>)]
         limit: usize,
     },
     /// Keep the newest N checkpoints of a thread; delete the rest.
@@ -147,10 +147,18 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             // anything is deleted. A thread whose runs never reached a checkpoint is
             // only there.
             let runs = match &queue {
-                Some(q) => q
-                    .forget_thread(&thread)
-                    .await
-                    .with_context(|| format!("cannot delete thread `{thread}`"))?,
+                Some(q) => match q.forget_thread(&thread).await {
+                    Ok(runs) => runs,
+                    Err(keel_fleet::FleetError::ThreadActive { run, status, .. }) => {
+                        bail!(
+                            "thread `{thread}` has run {run} {status}, so nothing was deleted: cancel it with `{}`, then run this again once the run has ended (a running one stops at its next step)",
+                            cancel_hint(run, args.database_url.as_deref())
+                        );
+                    }
+                    Err(e) => {
+                        return Err(e).with_context(|| format!("cannot delete thread `{thread}`"));
+                    }
+                },
                 None => 0,
             };
             if !stored && runs == 0 {
@@ -211,6 +219,8 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                     break;
                 }
             }
+            // In id order, as `--dry-run` lists them (the sweep returns them in its own).
+            deleted.sort();
             let mut files = 0;
             for t in &deleted {
                 files += delete_offloaded(offload.as_deref(), t).await?;
@@ -237,6 +247,15 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The command that cancels `run`, on the database given by `--database-url` when it
+/// was (its password left out; `DATABASE_URL` and keel.toml need no repeating).
+fn cancel_hint(run: keel_fleet::RunId, database_url: Option<&str>) -> String {
+    match database_url {
+        Some(url) => format!("keel cancel {run} --database-url {}", store::redact(url)),
+        None => format!("keel cancel {run}"),
+    }
 }
 
 /// `: a, b, c` after a count of threads, or nothing when there are none.
@@ -330,6 +349,9 @@ async fn idle_threads(
                 .map(|t| t.thread_id),
         );
         if done || after.is_none() {
+            // In byte order of the ids, as the real sweep's list is sorted: a database's
+            // collation may order the pages otherwise.
+            idle.sort();
             return Ok(idle);
         }
     }

@@ -77,6 +77,19 @@ pub fn some_text(text: &str) -> Result<String, String> {
     }
 }
 
+/// A flag's thread id, checked as keel stores threads: one name (not empty, no `/`,
+/// `\`, NUL or control characters, not starting with `.`, at most 255 bytes). Refused
+/// as a usage error before anything is written, with the one reason.
+pub fn thread_id(text: &str) -> Result<String, String> {
+    match keel::offload::ThreadId::new(text) {
+        Ok(_) => Ok(text.to_owned()),
+        Err(keel::offload::OffloadError::InvalidKey { problem, .. }) => Err(format!(
+            "{problem}: give a thread id such as ticket-42 (one name: no `/`, `\\` or control characters, not starting with `.`)"
+        )),
+        Err(e) => Err(format!("{e}: give a thread id such as ticket-42")),
+    }
+}
+
 /// Exit codes, as `keel --help` lists them.
 pub mod exit {
     /// An error (a sentence on stderr says what to do).
@@ -261,6 +274,20 @@ mod tests {
         );
         let plain = anyhow::anyhow!("disk full").context("cannot write report.json");
         assert_eq!(error_lines(&plain).len(), 2);
+    }
+
+    #[test]
+    fn thread_ids_are_checked_with_one_reason() {
+        assert_eq!(thread_id("ticket-42"), Ok("ticket-42".to_owned()));
+        let empty = thread_id("").unwrap_err();
+        assert!(
+            empty.starts_with("it is empty: give a thread id"),
+            "{empty}"
+        );
+        assert_eq!(empty.matches("empty").count(), 1, "said once: {empty}");
+        let slash = thread_id("bad/../id").unwrap_err();
+        assert!(slash.contains("cannot contain `/`"), "{slash}");
+        assert!(thread_id(".hidden").unwrap_err().contains("start with `.`"));
     }
 
     #[test]

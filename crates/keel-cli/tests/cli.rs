@@ -321,10 +321,19 @@ fn threads_gc_dry_run_lists_what_it_would_delete_and_deletes_nothing() {
             .unwrap()
     };
 
+    // A newer thread whose id sorts first: both lists are in id order, not by age.
+    let newer = demo(
+        &["--steps", "5", "--json", "-q", "--thread", "a-newer"],
+        proj.path(),
+        home.path(),
+    );
+    assert!(newer.status.success(), "{:?}", text(&newer));
+    let both = json!(["a-newer", thread.as_str()]);
+
     let dry = threads(&["gc", "--older-than", "0s", "--dry-run", "--json"]);
     assert!(dry.status.success(), "{:?}", text(&dry));
     let listed: Value = serde_json::from_slice(&dry.stdout).unwrap();
-    assert_eq!(listed["would_delete"], json!([thread.as_str()]), "{listed}");
+    assert_eq!(listed["would_delete"], both, "{listed}");
     let dry = threads(&["gc", "--older-than", "0s", "--dry-run"]);
     let (stdout, _) = text(&dry);
     assert!(
@@ -352,7 +361,10 @@ fn threads_gc_dry_run_lists_what_it_would_delete_and_deletes_nothing() {
     // Without --dry-run, what it listed goes.
     let gc = threads(&["gc", "--older-than", "0s", "--json"]);
     let swept: Value = serde_json::from_slice(&gc.stdout).unwrap();
-    assert_eq!(swept["deleted"], json!([thread.as_str()]), "{swept}");
+    assert_eq!(
+        swept["deleted"], both,
+        "in the order --dry-run listed: {swept}"
+    );
     assert_eq!(threads(&["show", &thread]).status.code(), Some(1));
 }
 
@@ -463,7 +475,14 @@ fn bad_arguments_are_sentences_with_exit_code_1() {
         .args(["threads", "list"])
         .output()
         .unwrap();
-    assert!(text(&out).1.contains("keel.toml"), "{:?}", text(&out));
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains(&format!(
+            "the settings file {}, line 1, cannot be used: unknown field `hme`",
+            bad_toml.display()
+        )) && !stderr.contains("not a valid keel.toml"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -555,6 +574,8 @@ fn replay_detects_each_format_and_skips_bad_files_with_reasons() {
             line.starts_with("skipped") && line.contains(why),
             "{file}: {line}"
         );
+        assert_eq!(line.matches(file).count(), 1, "named once: {line}");
+        assert!(line.matches("column").count() <= 1, "one position: {line}");
     }
     for (file, format) in [
         ("a-openai.json", "openai"),
@@ -1484,6 +1505,36 @@ fn a_demo_whose_compactions_keep_failing_says_so_and_exits_1() {
 }
 
 #[test]
+fn replay_with_an_unreachable_summarizer_says_what_to_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = vec![json!({"role": "user", "content": "Look up every order."})];
+    for i in 0..30 {
+        run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
+            "function": {"name": "get_order", "arguments": format!("{{\"order\":{i}}}")}}]}));
+        run.push(json!({"role": "tool", "tool_call_id": format!("c{i}"),
+            "content": format!("order {i}: {}", "lamp, desk, chair ".repeat(40))}));
+    }
+    let file = dir.path().join("long.json");
+    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    // Nothing listens on port 9 (discard) on loopback.
+    let out = keel()
+        .args(["replay", "--summarizer", "ollama/foo", "--window", "8000"])
+        .arg(&file)
+        .env("OLLAMA_BASE_URL", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let error = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(
+        error.contains("nothing answers at http://127.0.0.1:9: start Ollama (`ollama serve`)")
+            && error.contains("OLLAMA_BASE_URL")
+            && error.contains("--summarizer extractive"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
     let home = tempfile::tempdir().unwrap();
     let goal = "word ".repeat(3_000);
@@ -1598,11 +1649,53 @@ fn values_that_cannot_work_are_usage_errors_with_exit_2() {
             "--every",
             "whole number",
         ),
+        (
+            vec!["replay", "--window", "0", "x.json"],
+            "--window",
+            "use at least 1,000 tokens",
+        ),
+        (
+            vec!["replay", "--chart", "out/c.png", "x.json"],
+            "--chart",
+            "ending in .svg",
+        ),
+        (vec!["cancel", "nope"], "RUN", "`keel submit` printed"),
+        (vec!["status", "nope"], "RUN", "`keel submit` printed"),
+        (
+            vec!["submit", "--thread", "", "--goal", "x"],
+            "--thread",
+            "it is empty: give a thread id",
+        ),
+        (
+            vec!["demo", "--thread", "bad/../id", "--home", h],
+            "--thread",
+            "cannot contain `/`",
+        ),
+        (
+            vec!["run", "--thread", ".hidden", "--home", h],
+            "--thread",
+            "cannot start with `.`",
+        ),
+        (
+            vec!["threads", "--home", h, "history", "t", "--limit", "0"],
+            "--limit",
+            "at least 1",
+        ),
+        (
+            vec!["threads", "--home", h, "list", "--limit", "0"],
+            "--limit",
+            "at least 1",
+        ),
     ];
     for (args, flag, want) in cases {
         let out = keel().args(&args).output().unwrap();
-        let (_, stderr) = text(&out);
+        let (stdout, stderr) = text(&out);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stdout.is_empty(), "refused before any output: {stdout}");
+        assert!(
+            !stderr.contains("is not valid: invalid"),
+            "said once: {stderr}"
+        );
         assert!(
             stderr.contains(flag)
                 && stderr.contains(want)
@@ -1631,8 +1724,13 @@ fn the_demo_states_one_least_window_and_runs_with_it() {
         let at = stderr
             .rfind("at least ")
             .unwrap_or_else(|| panic!("{stderr}"));
-        stderr[at + "at least ".len()..]
-            .trim()
+        let least = stderr[at + "at least ".len()..].trim();
+        assert!(
+            least.len() < 4 || least.contains(','),
+            "written with thousands separators: {stderr}"
+        );
+        least
+            .replace(',', "")
             .parse::<usize>()
             .unwrap_or_else(|_| panic!("a number to give to --window: {stderr}"))
     };
@@ -1768,6 +1866,18 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     assert_eq!(info["thread"], thread.as_str());
     assert!(is_iso_utc(info["submitted_at"].as_str().unwrap()), "{info}");
 
+    // A thread with a queued run is not deleted; the error gives the command that
+    // cancels the run.
+    let busy = fleet(&["threads", "delete", &thread]);
+    let (_, stderr) = text(&busy);
+    assert_eq!(busy.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "cancel it with `keel cancel {run} --database-url "
+        )) && stderr.contains("nothing was deleted"),
+        "{stderr}"
+    );
+
     let cancelled = fleet(&["cancel", &run]);
     assert!(cancelled.status.success(), "{:?}", text(&cancelled));
     assert!(
@@ -1784,8 +1894,20 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     );
 
     let bad = fleet(&["status", "not-a-run"]);
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(2));
     assert!(text(&bad).1.contains("is not a run id"), "{:?}", text(&bad));
+    // A run id the queue has no run of: where the right one is found.
+    for command in ["cancel", "status"] {
+        let unknown = fleet(&[command, "0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80"]);
+        let (_, stderr) = text(&unknown);
+        assert_eq!(unknown.status.code(), Some(1), "{command}: {stderr}");
+        assert!(
+            stderr.contains("no run 0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80 in the queue")
+                && stderr.contains("`keel status --thread T`")
+                && stderr.contains("`keel submit` prints"),
+            "{command}: {stderr}"
+        );
+    }
 
     // A thread whose only run was cancelled before any checkpoint is in the queue
     // alone: `threads list` shows it, and `threads delete` removes it from there.
@@ -2252,7 +2374,7 @@ fn small_wording_sizes_and_chart_paths() {
         .current_dir(d)
         .output()
         .unwrap();
-    assert_eq!(png.status.code(), Some(1), "{:?}", text(&png));
+    assert_eq!(png.status.code(), Some(2), "{:?}", text(&png));
     assert!(text(&png).1.contains(".svg"), "{:?}", text(&png));
     assert!(!d.join("x.png").exists());
     // Its directories are created, as `keel demo --out` does.
