@@ -62,12 +62,12 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 5, value_parser = crate::ui::at_least_one::<usize>)]
     epoch: usize,
     /// A live model instead of the script: `ollama/<name>` or `openai/<name>`.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::model::model_flag)]
     model: Option<String>,
     #[command(flatten)]
     live: LiveArgs,
     /// `extractive` (no model) or a model for summaries, e.g. `ollama/<name>`.
-    #[arg(long, default_value = "extractive")]
+    #[arg(long, default_value = "extractive", value_parser = crate::model::summarizer_flag)]
     summarizer: String,
     /// The thread id (default: a new `demo-<uuid>` thread).
     #[arg(long, value_parser = crate::ui::thread_id)]

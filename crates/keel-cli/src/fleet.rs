@@ -90,7 +90,7 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 1, value_parser = crate::ui::at_least_one::<usize>)]
     concurrency: usize,
     /// `ollama/<name>`, `openai/<name>` or `scripted` (default: KEEL_MODEL, or `model` in keel.toml).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::model::worker_model_flag)]
     model: Option<String>,
     /// The directory the (read-only) file tools are rooted at.
     #[arg(long, default_value = ".")]

@@ -38,7 +38,7 @@ OPENAI_API_KEY. Threads live in --home (SQLite) or --database-url / DATABASE_URL
 pub struct RunArgs {
     /// `ollama/<name>` or `openai/<name>` (default: the thread's model, KEEL_MODEL, or
     /// `model` in keel.toml).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::model::model_flag)]
     model: Option<String>,
     /// The goal of a new thread (never compacted; heads every prompt).
     #[arg(long, value_parser = crate::ui::some_text)]
@@ -65,7 +65,7 @@ pub struct RunArgs {
     #[command(flatten)]
     live: LiveArgs,
     /// `extractive` (no model) or a model for summaries.
-    #[arg(long, default_value = "extractive")]
+    #[arg(long, default_value = "extractive", value_parser = crate::model::summarizer_flag)]
     summarizer: String,
     /// Model calls at most in this run; the thread then stops resumably.
     #[arg(long, value_name = "CALLS", default_value_t = 100, value_parser = crate::ui::at_least_one::<u64>)]

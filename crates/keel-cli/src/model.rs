@@ -414,6 +414,30 @@ pub fn counter(profile: &ModelProfile) -> anyhow::Result<Arc<dyn TokenCounter>> 
     Ok(Arc::new(MemoCounter::new(inner)))
 }
 
+/// A `--model` flag's value, checked as the command line is read: a malformed one is
+/// a usage error (exit 2) before anything runs.
+pub fn model_flag(text: &str) -> Result<String, String> {
+    ModelSpec::parse(text)
+        .map(|_| text.to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// `keel worker --model`: `scripted` or a model.
+pub fn worker_model_flag(text: &str) -> Result<String, String> {
+    if text == "scripted" {
+        return Ok(text.to_owned());
+    }
+    model_flag(text).map_err(|e| format!("{e}; or `scripted` (no server)"))
+}
+
+/// A `--summarizer` flag's value: `extractive` or a model.
+pub fn summarizer_flag(text: &str) -> Result<String, String> {
+    if text == "extractive" {
+        return Ok(text.to_owned());
+    }
+    model_flag(text).map_err(|e| format!("{e}; or `extractive` (no model needed)"))
+}
+
 /// `extractive` (no model) or a model spec for LLM summaries, called with `http`'s
 /// limits.
 pub fn summarizer(

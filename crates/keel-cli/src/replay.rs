@@ -58,7 +58,7 @@ pub struct ReplayArgs {
     /// `extractive` (no model needed), or `ollama/<name>` / `openai/<name>`: summaries
     /// written by that model through the run's cached prefix, its calls counted in the
     /// cost.
-    #[arg(long, default_value = "extractive")]
+    #[arg(long, default_value = "extractive", value_parser = crate::model::summarizer_flag)]
     summarizer: String,
     /// The goal of every run, instead of each run's own task statement.
     #[arg(long, value_parser = crate::ui::some_text)]

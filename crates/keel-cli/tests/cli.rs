@@ -1592,6 +1592,29 @@ fn usage_errors_exit_2_and_a_closed_stderr_does_not_panic() {
 }
 
 #[test]
+fn a_malformed_model_or_summarizer_flag_is_a_usage_error() {
+    for (args, says) in [
+        (&["demo", "--model", "gpt-4o"][..], "ollama/<name>"),
+        (&["demo", "--summarizer", "ollama"][..], "extractive"),
+        (
+            &["run", "--model", "claude/x", "--goal", "g"][..],
+            "unknown provider",
+        ),
+        (
+            &["replay", "x.json", "--summarizer", "nope"][..],
+            "extractive",
+        ),
+        (&["worker", "--model", "llama"][..], "scripted"),
+    ] {
+        let out = keel().args(args).output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(stdout.is_empty(), "{args:?}: nothing runs: {stdout}");
+    }
+}
+
+#[test]
 fn values_that_cannot_work_are_usage_errors_with_exit_2() {
     let home = tempfile::tempdir().unwrap();
     let h = home.path().to_str().unwrap();
