@@ -317,6 +317,9 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         crate::outln!(
             "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
         );
+        if let Some(note) = nothing_compacted_note(&totals, window) {
+            crate::outln!("{note}");
+        }
         crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
     }
     if let Some(path) = &args.chart
@@ -514,6 +517,28 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
     } else {
         json!(value)
     }
+}
+
+/// A note for a replay in which no strategy compacted anything (the runs stayed under
+/// the triggers at this window), so a 0% saving is not read as keel failing.
+fn nothing_compacted_note(totals: &[(StrategyName, Report)], window: usize) -> Option<String> {
+    let compacted = totals
+        .iter()
+        .any(|(_, r)| r.compactions + r.failed_compactions > 0);
+    let peak = totals.iter().map(|(_, r)| r.full_peak).max()?;
+    if compacted || totals.iter().all(|(_, r)| r.turns == 0) {
+        return None;
+    }
+    let smaller = ((peak * 2).max(1_000) as u64).next_multiple_of(1_000);
+    let hint = format!(
+        "a smaller --window (e.g. {}) or a smaller --every (a milestone every N steps)",
+        thousands(smaller)
+    );
+    Some(format!(
+        "note: nothing was compacted: the largest full prompt ({} tokens) stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction",
+        thousands(peak as u64),
+        thousands(window as u64),
+    ))
 }
 
 fn report_json(r: &Report) -> serde_json::Value {

@@ -2428,3 +2428,28 @@ fn small_wording_sizes_and_chart_paths() {
         text(&out)
     );
 }
+
+#[test]
+fn replay_notes_a_replay_that_compacted_nothing_and_how_to_see_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("run.json");
+    std::fs::write(&file, OPENAI_RUN).unwrap();
+    let out = keel().arg("replay").arg(&file).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("note: nothing was compacted")
+            && stdout.contains("128,000-token window")
+            && stdout.contains("--window (e.g."),
+        "{stdout}"
+    );
+    // A milestone every step compacts: no note.
+    let out = keel()
+        .args(["replay", "--every", "1"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stdout.contains("nothing was compacted"), "{stdout}");
+}
