@@ -49,6 +49,26 @@ pub enum GraphError {
         /// Where to.
         to: String,
     },
+    /// A router returned a target missing from the `targets` it was declared with
+    /// ([`StateGraph::add_conditional_edges`](crate::StateGraph::add_conditional_edges)),
+    /// which `compile` relied on.
+    #[error(
+        "the router after `{from}` returned `{to}`, which is not among its declared targets {declared:?}: add it to the targets given to add_conditional_edges (or pass None)"
+    )]
+    UndeclaredTarget {
+        /// The node the router follows (`__start__` for `START`).
+        from: String,
+        /// Where it routed.
+        to: String,
+        /// The targets it was declared with.
+        declared: Vec<String>,
+    },
+    /// [`Command::resume`](crate::Command::resume) given with an update or a `goto`:
+    /// a resume answers the pending interrupt and carries nothing else.
+    #[error(
+        "a resume answers the pending interrupt and carries no update or goto: apply the update with update_state (or in the resumed node) instead"
+    )]
+    ResumeWithUpdate,
     /// A channel could not be updated, encoded or decoded.
     #[error(transparent)]
     State(#[from] StateError),
@@ -61,6 +81,12 @@ pub enum GraphError {
         /// What was attempted.
         what: &'static str,
     },
+    /// A graph with a checkpointer was run without a thread id: it would store
+    /// nothing, and no later run could continue it.
+    #[error(
+        "this graph has a checkpointer, so each run needs a thread id: RunConfig::thread(\"...\")"
+    )]
+    NoThreadId,
     /// `Command::resume` on a thread with no pending interrupt.
     #[error("thread `{thread_id}` has no pending interrupt to resume")]
     NoPendingInterrupt {

@@ -559,6 +559,145 @@ async fn interrupt_pauses_and_resume_reruns_the_node_with_the_answer() {
     );
 }
 
+/// A node that asks twice; each answer is matched to its question by order.
+fn two_questions(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("ask", |_s, ctx: keel_graph::NodeContext| async move {
+            let name = ctx.interrupt("name?")?;
+            let age = ctx.interrupt("age?")?;
+            Ok(log(&format!("{name} {age}")))
+        })
+        .add_edge(START, "ask")
+        .add_edge("ask", END)
+        .with_checkpointer(cp)
+        .compile()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_interrupts_twice_is_resumed_twice_in_memory_and_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite: Arc<dyn Checkpointer> = Arc::new(
+        keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("t.db"))
+            .await
+            .unwrap(),
+    );
+    for cp in [saver(), sqlite] {
+        let config = RunConfig::thread("t");
+        let run = two_questions(cp.clone())
+            .invoke(log("in"), &config)
+            .await
+            .unwrap();
+        assert_eq!(run.interrupts.len(), 1);
+        assert_eq!(run.interrupts[0].value, json!("name?"));
+
+        // Each call compiles the graph again: what it knows comes from the saver.
+        let run = two_questions(cp.clone())
+            .invoke(Command::resume("ada"), &config)
+            .await
+            .unwrap();
+        assert_eq!(run.interrupts.len(), 1, "{:?}", run.interrupts);
+        assert_eq!(run.interrupts[0].value, json!("age?"));
+        let snap = two_questions(cp.clone())
+            .get_state(&config)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(snap.next, ["ask"]);
+        assert_eq!(snap.interrupts.len(), 1);
+        assert_eq!(snap.interrupts[0].value, json!("age?"));
+
+        let run = two_questions(cp.clone())
+            .invoke(Command::resume(36), &config)
+            .await
+            .unwrap();
+        assert!(run.interrupts.is_empty());
+        assert!(!run.is_paused());
+        assert_eq!(run.state.log, ["in", "\"ada\" 36"]);
+        let err = two_questions(cp)
+            .invoke(Command::resume("again"), &config)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, GraphError::NoPendingInterrupt { .. }),
+            "{err:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_resume_with_an_update_is_refused_and_changes_nothing() {
+    let g = approval_graph(saver());
+    let config = RunConfig::thread("t1");
+    g.invoke(log("in"), &config).await.unwrap();
+    let mut answer = Command::resume("yes");
+    answer.update = Some(log("extra"));
+    let err = g.invoke(answer, &config).await.unwrap_err();
+    assert!(matches!(err, GraphError::ResumeWithUpdate), "{err:?}");
+    // The interrupt still waits, and a plain answer finishes the run.
+    let run = g.invoke(Command::resume("yes"), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "draft", "answer=yes", "ship"]);
+}
+
+#[tokio::test]
+async fn a_router_may_route_only_to_its_declared_targets() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_node("b", logger("b"))
+        .add_node("c", logger("c"))
+        .add_edge(START, "a")
+        .add_edge(START, "c")
+        .add_conditional_edges("a", |_s: &S| "c", Some(&["b", END]))
+        .add_edge("b", END)
+        .add_edge("c", END)
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(log("in"), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, GraphError::UndeclaredTarget { from, to, declared }
+            if from == "a" && to == "c" && declared == &["b", END]),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("add_conditional_edges"), "{err}");
+}
+
+#[tokio::test]
+async fn a_checkpointed_graph_needs_a_thread_id_and_a_breakpoint_a_checkpointer() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(log("in"), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, GraphError::NoThreadId), "{err:?}");
+    assert!(err.to_string().contains("RunConfig::thread"), "{err}");
+
+    // A breakpoint with nothing to store the pause in could never be resumed.
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .interrupt_before(&["a"])
+        .compile()
+        .unwrap();
+    let err = g
+        .invoke(log("in"), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, GraphError::CheckpointerRequired { .. }),
+        "{err:?}"
+    );
+}
+
 #[tokio::test]
 async fn interrupt_needs_a_checkpointer() {
     let g = StateGraph::<S>::new()

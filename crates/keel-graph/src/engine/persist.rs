@@ -25,12 +25,20 @@ impl<S: State> RunState<S> {
     ) -> Result<Vec<PendingWrite>, GraphError> {
         let mut writes = Vec::new();
         match o {
-            Outcome::Interrupted(v) => writes.push(PendingWrite::new(
-                t.id.clone(),
-                t.path.clone(),
-                INTERRUPT,
-                v.clone(),
-            )),
+            Outcome::Interrupted(v) => {
+                // Every interrupt the task raised so far, one write each: the earlier
+                // ones are stored again under their own keys, this one after them.
+                let answered = resume::task_values(&self.pending, &t.id, RESUME).len();
+                let raised = resume::task_values(&self.pending, &t.id, INTERRUPT);
+                for earlier in raised.into_iter().take(answered).chain([v]) {
+                    writes.push(PendingWrite::new(
+                        t.id.clone(),
+                        t.path.clone(),
+                        INTERRUPT,
+                        earlier.clone(),
+                    ));
+                }
+            }
             Outcome::Done(c) => {
                 if let Some(u) = &c.update {
                     for (ch, v) in st::encode_update::<S>(u)? {

@@ -174,23 +174,43 @@ pub(super) fn pending_interrupts(
     pending: &[PendingWrite],
     tasks: &[(String, String)],
 ) -> Vec<Interrupt> {
+    // A task's interrupts and answers are stored in order, one write each (a node may
+    // interrupt several times): the task waits when it raised more than were answered.
+    let mut seen: Vec<&str> = Vec::new();
+    let mut out = Vec::new();
+    for w in pending.iter().filter(|w| w.channel == INTERRUPT) {
+        if seen.contains(&w.task_id.as_str()) {
+            continue;
+        }
+        seen.push(&w.task_id);
+        let raised = task_values(pending, &w.task_id, INTERRUPT);
+        let answered = task_values(pending, &w.task_id, RESUME).len();
+        if let Some(value) = raised.get(answered..).and_then(<[&Value]>::last) {
+            out.push(Interrupt {
+                node: tasks
+                    .iter()
+                    .find(|(id, _)| *id == w.task_id)
+                    .map(|(_, node)| node.clone())
+                    .unwrap_or_default(),
+                task_id: w.task_id.clone(),
+                value: (*value).clone(),
+            });
+        }
+    }
+    out
+}
+
+/// The values a task wrote to a special channel (its interrupts, or the answers it was
+/// given), in order.
+pub(super) fn task_values<'a>(
+    pending: &'a [PendingWrite],
+    task_id: &str,
+    channel: &str,
+) -> Vec<&'a Value> {
     pending
         .iter()
-        .filter(|w| w.channel == INTERRUPT)
-        .filter(|w| {
-            !pending
-                .iter()
-                .any(|r| r.task_id == w.task_id && r.channel == RESUME)
-        })
-        .map(|w| Interrupt {
-            node: tasks
-                .iter()
-                .find(|(id, _)| *id == w.task_id)
-                .map(|(_, node)| node.clone())
-                .unwrap_or_default(),
-            task_id: w.task_id.clone(),
-            value: w.value.clone(),
-        })
+        .filter(|w| w.task_id == task_id && w.channel == channel)
+        .map(|w| &w.value)
         .collect()
 }
 

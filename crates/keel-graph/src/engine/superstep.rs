@@ -37,12 +37,18 @@ impl<S: State> CompiledGraph<S> {
             return Err(GraphError::NoRuntime);
         }
         let g = &*self.inner;
+        if g.checkpointer.is_some() && config.thread_key().is_none() {
+            return Err(GraphError::NoThreadId);
+        }
         let mut run = RunState::load(self, config, events).await?;
         let writer = Writer::new(g.checkpointer.clone(), config);
         let mut writer = writer;
         let mut skip_breakpoint = false;
 
         if let Some(answer) = input.resume {
+            if input.update.is_some() || !input.goto.is_empty() {
+                return Err(GraphError::ResumeWithUpdate);
+            }
             let thread = run
                 .thread
                 .clone()
@@ -64,17 +70,22 @@ impl<S: State> CompiledGraph<S> {
                     .find(|t| t.id == i.task_id)
                     .map(|t| t.path.clone())
                     .unwrap_or_default();
-                writes.push(PendingWrite::new(
-                    i.task_id.clone(),
-                    path,
-                    RESUME,
-                    answer.clone(),
-                ));
+                // The task's earlier answers again under their own keys, then this one:
+                // a node that interrupts several times gets them in order.
+                let earlier = resume::task_values(&run.pending, &i.task_id, RESUME);
+                for a in earlier.into_iter().chain([&answer]) {
+                    writes.push(PendingWrite::new(
+                        i.task_id.clone(),
+                        path.clone(),
+                        RESUME,
+                        a.clone(),
+                    ));
+                }
             }
             writer
                 .put_writes(&thread, &run.checkpoint.id, writes.clone())
                 .await?;
-            run.pending.extend(writes);
+            run.remember(writes);
             skip_breakpoint = true;
         } else if input.update.is_some() || !input.goto.is_empty() {
             // A new run on this thread: apply the input, then start from START.
@@ -111,6 +122,11 @@ impl<S: State> CompiledGraph<S> {
         while !run.tasks.is_empty() {
             let tasks = tasks_with_ids(g, &run.tasks, &run.checkpoint.id)?;
             if !skip_breakpoint && tasks.iter().any(|t| g.node(t.node).interrupt_before) {
+                if run.thread.is_none() {
+                    return Err(GraphError::CheckpointerRequired {
+                        what: "a breakpoint (interrupt_before)",
+                    });
+                }
                 writer.flush(&mut run).await?;
                 return Ok(run.finish(Vec::new(), steps));
             }
@@ -153,6 +169,11 @@ impl<S: State> CompiledGraph<S> {
                 .collect();
             run.advance(&tasks, commands, &mut writer).await?;
             if tasks.iter().any(|t| g.node(t.node).interrupt_after) && !run.tasks.is_empty() {
+                if run.thread.is_none() {
+                    return Err(GraphError::CheckpointerRequired {
+                        what: "a breakpoint (interrupt_after)",
+                    });
+                }
                 writer.flush(&mut run).await?;
                 return Ok(run.finish(Vec::new(), steps));
             }
@@ -192,6 +213,19 @@ pub(super) struct RunState<S: State> {
 }
 
 impl<S: State> RunState<S> {
+    /// Adds stored writes to what this run knows, as the saver keeps them: a write to
+    /// a special channel (interrupts, answers) replaces the task's earlier ones there,
+    /// which the new writes list again.
+    pub(super) fn remember(&mut self, writes: Vec<PendingWrite>) {
+        self.pending.retain(|old| {
+            !(old.is_special()
+                && writes
+                    .iter()
+                    .any(|w| w.task_id == old.task_id && w.channel == old.channel))
+        });
+        self.pending.extend(writes);
+    }
+
     pub(super) fn specs(&self, next: Vec<NodeIx>, sends: Vec<TaskSpec>) -> Vec<TaskSpec> {
         next.into_iter()
             .map(|n| TaskSpec {
@@ -220,6 +254,22 @@ impl<S: State> RunState<S> {
         }
         for r in &out.routers {
             let route = (r.route)(state);
+            if let Some(declared) = &r.targets {
+                let undeclared = route.0.iter().find_map(|g| {
+                    let name = match g {
+                        Goto::Node(n) => n,
+                        Goto::Send(s) => &s.node,
+                    };
+                    (!declared.contains(name)).then(|| name.clone())
+                });
+                if let Some(to) = undeclared {
+                    return Err(GraphError::UndeclaredTarget {
+                        from: from.to_owned(),
+                        to,
+                        declared: declared.clone(),
+                    });
+                }
+            }
             self.goto(from, route.0, next, sends)?;
         }
         Ok(())
@@ -275,11 +325,9 @@ impl<S: State> RunState<S> {
         }
         let g = Arc::clone(&self.graph);
         let make = |i: usize, t: &Task| {
-            let resume: Vec<Value> = self
-                .pending
-                .iter()
-                .filter(|w| w.task_id == t.id && w.channel == RESUME)
-                .map(|w| w.value.clone())
+            let resume: Vec<Value> = resume::task_values(&self.pending, &t.id, RESUME)
+                .into_iter()
+                .cloned()
                 .collect();
             let ctx = NodeContext {
                 node: Arc::clone(g.name(t.node)),
@@ -318,7 +366,7 @@ impl<S: State> RunState<S> {
                                 writer
                                     .put_writes(&thread, &self.checkpoint.id, writes.clone())
                                     .await?;
-                                self.pending.extend(writes);
+                                self.remember(writes);
                             }
                             results.push((i, r));
                         }
@@ -346,7 +394,7 @@ impl<S: State> RunState<S> {
                         writer
                             .put_writes(&thread, &self.checkpoint.id, writes.clone())
                             .await?;
-                        self.pending.extend(writes);
+                        self.remember(writes);
                     }
                     if let Some(slot) = outcomes.get_mut(i) {
                         *slot = Some(o);
