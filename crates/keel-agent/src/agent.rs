@@ -897,6 +897,12 @@ impl Agent {
                         thread_id: thread_id.to_owned(),
                     });
                 }
+                if !input.messages.is_empty() && !snap.interrupts.is_empty() {
+                    return Err(AgentError::AwaitingAnswer {
+                        thread_id: thread_id.to_owned(),
+                        count: snap.interrupts.len(),
+                    });
+                }
                 if input.messages.is_empty()
                     && (!snap.next.is_empty() || snap.values.stop.is_none())
                 {
@@ -1252,7 +1258,11 @@ impl AgentBuilder {
 
     /// Asks before running these tools: the run pauses with an interrupt listing the
     /// calls; answer with [`AgentInput::resume`] (`true`/`"yes"` for all, `false` for
-    /// none, or `{"<call id>": true, ..}` per call).
+    /// none, or `{"<call id>": true, ..}` per call; `"no"`/`"deny"` also deny, and an
+    /// answer that is none of these is asked again, with the question's
+    /// `not_understood` field holding it). Each name must be one of the
+    /// agent's tools ([`BuildError::UnknownApprovalTool`]), and the pause needs a
+    /// checkpointer ([`BuildError::ApprovalNeedsCheckpointer`]).
     pub fn approve(mut self, tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
         self.approve.extend(tools.into_iter().map(Into::into));
         self
@@ -1373,6 +1383,20 @@ impl AgentBuilder {
                         .map_err(|name| BuildError::DuplicateTool { name })?;
                 }
             }
+        }
+        if let Some(name) = self.approve.iter().find(|n| !toolbox.contains(n)) {
+            let specs = toolbox.specs();
+            return Err(BuildError::UnknownApprovalTool {
+                name: name.clone(),
+                tools: specs
+                    .iter()
+                    .map(|s| s.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        if !self.approve.is_empty() && self.checkpointer.is_none() {
+            return Err(BuildError::ApprovalNeedsCheckpointer);
         }
         let evict = self.evict.unwrap_or_else(|| {
             Some(

@@ -30,6 +30,21 @@ pub enum BuildError {
         "the checkpointer is durable but the offload store is the in-memory default, which would lose the thread's archive when the process ends: give `.offload_store(..)` a durable store (SqliteStore in the saver's file, FsStore, PostgresStore), or `MemoryStore` explicitly if losing it is fine"
     )]
     EphemeralOffloadStore,
+    /// [`AgentBuilder::approve`](crate::AgentBuilder::approve) names a tool the agent
+    /// does not have: a misspelt name would let that tool run without asking.
+    #[error("`approve` names `{name}`, which is not one of the agent's tools ({tools})")]
+    UnknownApprovalTool {
+        /// The name given.
+        name: String,
+        /// The agent's tools, comma-separated.
+        tools: String,
+    },
+    /// Tools need approval but there is no checkpointer to keep the paused run in
+    /// until the answer comes.
+    #[error(
+        "tools that need approval pause the run until an answer comes, which needs a checkpointer: call `.checkpointer(..)` on the builder"
+    )]
+    ApprovalNeedsCheckpointer,
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),
@@ -55,6 +70,18 @@ pub enum AgentError {
     GoalAlreadySet {
         /// The thread.
         thread_id: String,
+    },
+    /// A message for a thread that waits for an answer to an interrupt (tools awaiting
+    /// approval): the model's pending tool calls would be left without results.
+    /// Answer first with [`AgentInput::resume`](crate::AgentInput::resume).
+    #[error(
+        "thread `{thread_id}` is waiting for an answer to {count} pending question(s) (e.g. tools awaiting approval): answer with AgentInput::resume first, then send the message"
+    )]
+    AwaitingAnswer {
+        /// The thread.
+        thread_id: String,
+        /// How many interrupts wait.
+        count: usize,
     },
     /// The thread id is not usable as an offload namespace.
     #[error("thread id `{thread_id}` is not valid: {reason}")]

@@ -606,7 +606,14 @@ impl AgentNodes {
                 "arguments": c.arguments.to_json_string(),
             })).collect::<Vec<_>>(),
         });
-        let answer = ctx.interrupt(question)?;
+        let mut answer = ctx.interrupt(question.clone())?;
+        // An answer that is neither yes nor no is asked again (another interrupt of
+        // this node, so the thread stays paused and resumable), never read as a no.
+        while !understood(&answer) {
+            let mut again = question.clone();
+            again["not_understood"] = answer;
+            answer = ctx.interrupt(again)?;
+        }
         Ok(asked
             .iter()
             .filter(|c| !approved(&answer, &c.id))
@@ -960,15 +967,33 @@ fn context(s: &AgentState) -> Result<ContextState, NodeError> {
     })
 }
 
+/// Words that approve a call, and words that deny it (compared trimmed, in lower case).
+const YES: [&str; 5] = ["y", "yes", "approve", "approved", "ok"];
+const NO: [&str; 5] = ["n", "no", "deny", "denied", "reject"];
+
 fn approved(answer: &Value, id: &str) -> bool {
     match answer {
         Value::Bool(b) => *b,
-        Value::String(s) => matches!(
-            s.trim().to_ascii_lowercase().as_str(),
-            "y" | "yes" | "approve" | "ok"
-        ),
+        Value::String(s) => YES.contains(&s.trim().to_ascii_lowercase().as_str()),
         Value::Object(m) => m.get(id).is_some_and(|v| approved(v, id)),
         Value::Array(ids) => ids.iter().any(|v| v.as_str() == Some(id)),
+        _ => false,
+    }
+}
+
+/// Whether `answer` is an approval answer: a yes or no (bool or word), a map of call
+/// ids to yes or no, or a list of approved call ids.
+fn understood(answer: &Value) -> bool {
+    match answer {
+        Value::Bool(_) => true,
+        Value::String(s) => {
+            let s = s.trim().to_ascii_lowercase();
+            YES.contains(&s.as_str()) || NO.contains(&s.as_str())
+        }
+        Value::Object(m) => m
+            .values()
+            .all(|v| matches!(v, Value::Bool(_) | Value::String(_)) && understood(v)),
+        Value::Array(ids) => ids.iter().all(Value::is_string),
         _ => false,
     }
 }

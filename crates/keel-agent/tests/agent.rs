@@ -976,6 +976,69 @@ async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn approvals_are_checked_when_built_and_a_message_waits_for_the_answer() {
+    // A misspelt name would let the tool run without asking.
+    let err = builder(counting_model(3, Arc::default()))
+        .approve(["ecko"])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(&err, keel_agent::BuildError::UnknownApprovalTool { name, tools }
+            if name == "ecko" && tools.contains("echo")),
+        "{err}"
+    );
+    let err = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(err, keel_agent::BuildError::ApprovalNeedsCheckpointer),
+        "{err}"
+    );
+
+    let agent = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("wait", AgentInput::new()).await.unwrap();
+    assert_eq!(run.interrupts.len(), 1);
+    // A message now would leave the pending tool call without a result.
+    let err = agent
+        .run("wait", AgentInput::new().message(Message::user("stop")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, AgentError::AwaitingAnswer { count: 1, .. }),
+        "{err}"
+    );
+    // An answer that is neither yes nor no is asked about again, not read as a no.
+    let run = agent
+        .run("wait", AgentInput::new().resume("maybe"))
+        .await
+        .unwrap();
+    assert_eq!(run.interrupts.len(), 1);
+    assert_eq!(run.interrupts[0].value["not_understood"], json!("maybe"));
+    // Nothing else was stored: a yes now resumes the paused call.
+    let run = agent
+        .run("wait", AgentInput::new().resume(true))
+        .await
+        .unwrap();
+    let echoed = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .count();
+    assert_eq!(echoed, 1, "the approved call ran");
+    assert!(
+        !run.state.messages.iter().any(|m| m.text() == "stop"),
+        "the refused message was not stored"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn idle_threads_are_swept_with_their_offloaded_files() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
     let store = Arc::new(keel_offload::MemoryStore::new());
