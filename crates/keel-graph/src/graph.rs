@@ -375,7 +375,9 @@ pub enum BuildError {
         problem: String,
     },
     /// A node from which no path leads to `END`.
-    #[error("node `{node}` cannot reach END")]
+    #[error(
+        "node `{node}` cannot reach END: give it an edge or a router toward END (a node that routes itself with Command::goto lists where in NodeOptions::destinations)"
+    )]
     CannotReachEnd {
         /// The node.
         node: String,

@@ -105,7 +105,9 @@ pub enum StateError {
         source: serde_json::Error,
     },
     /// A stored channel the schema does not have.
-    #[error("unknown channel `{channel}`")]
+    #[error(
+        "unknown channel `{channel}`: this state has no such field (was the thread written by another version of the state?)"
+    )]
     UnknownChannel {
         /// The name or index found.
         channel: String,
