@@ -16,12 +16,14 @@ pub enum Durability {
     Sync,
     /// Checkpoints are stored by a background writer while the next step runs, through
     /// a bounded queue (the run waits when the queue is full). `invoke` returns only
-    /// after every write is stored. A checkpointer that is not durable
+    /// after every write is stored, and also when a step fails. A checkpointer that is not durable
     /// ([`Checkpointer::is_durable`](keel_checkpoint::Checkpointer::is_durable), as the
     /// in-memory one) stores each at once instead, as with `Sync`: its put costs less
     /// than the hand-off.
     Async,
-    /// Only the final state (or the state at an interrupt) is stored.
+    /// Only the final state (or the state at an interrupt) is stored; when a step
+    /// fails, the state after the last finished step is, so a retry continues there
+    /// (as LangGraph's exit mode).
     Exit,
 }
 

@@ -1714,3 +1714,52 @@ fn invoke_and_stream_outside_a_tokio_runtime_are_a_typed_error() {
     assert!(matches!(first, Some(Err(GraphError::NoRuntime))));
     assert!(futures::executor::block_on(stream.next()).is_none());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_step_keeps_the_steps_before_it_with_every_durability() {
+    for durability in [Durability::Sync, Durability::Async, Durability::Exit] {
+        let dir = tempfile::tempdir().unwrap();
+        let cp: Arc<dyn Checkpointer> = Arc::new(
+            keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("t.db"))
+                .await
+                .unwrap(),
+        );
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let g = {
+            let fail = fail.clone();
+            StateGraph::<S>::new()
+                .add_node("a", logger("a"))
+                .add_node("b", logger("b"))
+                .add_node("c", move |_s, _c| {
+                    let failing = fail.load(Ordering::SeqCst);
+                    async move {
+                        if failing {
+                            Err(NodeError::msg("c is down"))
+                        } else {
+                            Ok(log("c"))
+                        }
+                    }
+                })
+                .add_edge(START, "a")
+                .add_edge("a", "b")
+                .add_edge("b", "c")
+                .add_edge("c", END)
+                .with_checkpointer(cp)
+                .compile()
+                .unwrap()
+        };
+        let config = RunConfig::thread("t").with_durability(durability);
+        let err = g.invoke(log("in"), &config).await.unwrap_err();
+        assert!(
+            matches!(err, GraphError::Node { .. }),
+            "{durability:?}: {err:?}"
+        );
+        // What `a` and `b` did is stored, and `c` is next.
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert_eq!(snap.values.log, ["in", "a", "b"], "{durability:?}");
+        assert_eq!(snap.next, ["c"], "{durability:?}");
+        fail.store(false, Ordering::SeqCst);
+        let run = g.invoke(Command::none(), &config).await.unwrap();
+        assert_eq!(run.state.log, ["in", "a", "b", "c"], "{durability:?}");
+    }
+}

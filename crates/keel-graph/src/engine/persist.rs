@@ -390,6 +390,22 @@ impl Writer {
         Ok(())
     }
 
+    /// After a failed step: waits for background writes, and with `Exit` stores the
+    /// steps this run finished (nothing when it finished none, so a thread refused
+    /// before its first step stays as it was).
+    pub(super) async fn flush_after_failure<S: State>(
+        &mut self,
+        run: &mut RunState<S>,
+    ) -> Result<(), GraphError> {
+        match self {
+            Writer::Async { .. } => self.join().await,
+            Writer::Exit(_) if run.steps_since_store > 0 || !run.dirty.is_empty() => {
+                self.flush(run).await
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Stores whatever is not stored yet and waits for background writes.
     pub(super) async fn flush<S: State>(
         &mut self,

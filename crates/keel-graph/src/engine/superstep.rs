@@ -41,8 +41,35 @@ impl<S: State> CompiledGraph<S> {
             return Err(GraphError::NoThreadId);
         }
         let mut run = RunState::load(self, config, events).await?;
-        let writer = Writer::new(g.checkpointer.clone(), config);
-        let mut writer = writer;
+        let mut writer = Writer::new(g.checkpointer.clone(), config);
+        match self.drive(input, config, &mut run, &mut writer).await {
+            Ok((interrupts, steps)) => Ok(run.finish(interrupts, steps)),
+            Err(e) => {
+                // The steps finished before the failure stay stored, whatever the
+                // durability: background writes are waited for (a retry then finds
+                // them), and with `Exit` the last finished step is stored now, as
+                // LangGraph's exit mode does on an error. The run's error wins over
+                // one of storing.
+                if !matches!(e, GraphError::Checkpoint(_) | GraphError::WriterStopped)
+                    && let Err(stored) = writer.flush_after_failure(&mut run).await
+                {
+                    tracing::warn!(error = %stored, "storing the steps before a failure failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Applies `input` and runs supersteps until the graph ends, pauses or fails;
+    /// returns the pending interrupts and the supersteps run.
+    async fn drive(
+        &self,
+        input: Command<S>,
+        config: &RunConfig,
+        run: &mut RunState<S>,
+        writer: &mut Writer,
+    ) -> Result<(Vec<Interrupt>, usize), GraphError> {
+        let g = &*self.inner;
         let mut skip_breakpoint = false;
 
         if let Some(answer) = input.resume {
@@ -110,7 +137,7 @@ impl<S: State> CompiledGraph<S> {
             if writer.stores() {
                 run.writers.insert(START.to_owned());
             }
-            run.persist(&mut writer, CheckpointSource::Input, per_channel)
+            run.persist(writer, CheckpointSource::Input, per_channel)
                 .await?;
         } else {
             run.check_stored_writes()?;
@@ -127,8 +154,8 @@ impl<S: State> CompiledGraph<S> {
                         what: "a breakpoint (interrupt_before)",
                     });
                 }
-                writer.flush(&mut run).await?;
-                return Ok(run.finish(Vec::new(), steps));
+                writer.flush(run).await?;
+                return Ok((Vec::new(), steps));
             }
             skip_breakpoint = false;
             if run.step - first_step >= i64::try_from(config.recursion_limit).unwrap_or(i64::MAX) {
@@ -138,7 +165,7 @@ impl<S: State> CompiledGraph<S> {
                 });
             }
 
-            let outcomes = run.execute(&tasks, &mut writer).await?;
+            let outcomes = run.execute(&tasks, writer).await?;
             let interrupts: Vec<Interrupt> = tasks
                 .iter()
                 .zip(&outcomes)
@@ -155,8 +182,8 @@ impl<S: State> CompiledGraph<S> {
                 if run.thread.is_none() || g.checkpointer.is_none() {
                     return Err(GraphError::CheckpointerRequired { what: "interrupt" });
                 }
-                writer.flush(&mut run).await?;
-                return Ok(run.finish(interrupts, steps));
+                writer.flush(run).await?;
+                return Ok((interrupts, steps));
             }
             run.step += 1;
             steps += 1;
@@ -167,19 +194,19 @@ impl<S: State> CompiledGraph<S> {
                     Outcome::Interrupted(_) => None,
                 })
                 .collect();
-            run.advance(&tasks, commands, &mut writer).await?;
+            run.advance(&tasks, commands, writer).await?;
             if tasks.iter().any(|t| g.node(t.node).interrupt_after) && !run.tasks.is_empty() {
                 if run.thread.is_none() {
                     return Err(GraphError::CheckpointerRequired {
                         what: "a breakpoint (interrupt_after)",
                     });
                 }
-                writer.flush(&mut run).await?;
-                return Ok(run.finish(Vec::new(), steps));
+                writer.flush(run).await?;
+                return Ok((Vec::new(), steps));
             }
         }
-        writer.flush(&mut run).await?;
-        Ok(run.finish(Vec::new(), steps))
+        writer.flush(run).await?;
+        Ok((Vec::new(), steps))
     }
 }
 
