@@ -14,7 +14,8 @@ use crate::config::Interrupt;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StreamMode {
-    /// The whole state after each step.
+    /// The whole state after each step, and first (for a run given a new input) the
+    /// state with the input applied, as LangGraph's `values` mode.
     pub values: bool,
     /// Each node's update, per step.
     pub updates: bool,
@@ -67,7 +68,7 @@ impl StreamMode {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Event<S> {
-    /// The state after a step.
+    /// The state after a step (or after the input, first).
     Values {
         /// The step.
         step: i64,

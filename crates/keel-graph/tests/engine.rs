@@ -769,7 +769,11 @@ async fn stream_yields_values_updates_and_checkpoints() {
             _ => None,
         })
         .collect();
-    assert_eq!(values, vec![vec!["in", "a"], vec!["in", "a", "b"]]);
+    // As LangGraph's: the input's state first, then each step's.
+    assert_eq!(
+        values,
+        vec![vec!["in"], vec!["in", "a"], vec!["in", "a", "b"]]
+    );
     let updates: Vec<(String, serde_json::Value)> = events
         .iter()
         .filter_map(|e| match e {

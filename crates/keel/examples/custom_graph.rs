@@ -107,7 +107,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     let compactor = nodes.compactor(THREAD)?;
     let specs = nodes.toolbox().specs().to_vec();
-    let mut node = String::new();
+    // The first state is the input's (only the goal so far).
+    let mut node = String::from("input");
     let mut milestones_seen = 0;
     while let Some(event) = events.next().await {
         match event? {

@@ -137,6 +137,14 @@ impl<S: State> CompiledGraph<S> {
             if writer.stores() {
                 run.writers.insert(START.to_owned());
             }
+            // As LangGraph's values mode: the state with the input applied comes first.
+            if let Some(sink) = run.events.as_ref().filter(|s| s.mode.values) {
+                sink.send(Event::Values {
+                    step: run.step,
+                    state: (*run.state).clone(),
+                })
+                .await?;
+            }
             run.persist(writer, CheckpointSource::Input, per_channel)
                 .await?;
         } else {
