@@ -4,6 +4,10 @@ use keel_checkpoint::{CheckpointId, CheckpointMetadata, ThreadKey};
 use serde_json::{Map, Value};
 
 /// The default recursion limit: the most supersteps one invocation may run.
+///
+/// LangGraph's default is 25, which a long-running agent (two supersteps a model call,
+/// hundreds of calls a run) would hit at once; keel's bounds a runaway loop instead. A
+/// graph that should stop sooner sets [`RunConfig::with_recursion_limit`].
 pub const DEFAULT_RECURSION_LIMIT: usize = 10_000;
 
 /// When checkpoints are written.
@@ -98,7 +102,9 @@ impl RunConfig {
         self
     }
 
-    /// Sets the recursion limit.
+    /// Sets the recursion limit (default [`DEFAULT_RECURSION_LIMIT`]): past it the run
+    /// fails with [`GraphError::RecursionLimit`](crate::GraphError::RecursionLimit) and
+    /// the thread keeps its last checkpoint.
     #[must_use]
     pub fn with_recursion_limit(mut self, limit: usize) -> Self {
         self.recursion_limit = limit;
