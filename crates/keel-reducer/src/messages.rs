@@ -430,9 +430,12 @@ impl AddMessagesUpdate {
     /// let h = AddMessages.apply(h, AddMessagesUpdate::remove(["1"]))?;
     /// assert_eq!(h.len(), 1);
     /// assert_eq!(
-    ///     AddMessages.apply(h, AddMessagesUpdate::remove(["9"])),
+    ///     AddMessages.apply(h.clone(), AddMessagesUpdate::remove(["9"])),
     ///     Err(ReduceError::UnknownMessageId { id: "9".into() })
     /// );
+    /// // LangGraph's remove-all id clears the list.
+    /// let none = AddMessages.apply(h, AddMessagesUpdate::remove([keel_reducer::REMOVE_ALL_MESSAGES]))?;
+    /// assert!(none.is_empty());
     /// # Ok::<(), ReduceError>(())
     /// ```
     pub fn remove<I>(ids: I) -> Self
@@ -441,11 +444,20 @@ impl AddMessagesUpdate {
         I::Item: Into<String>,
     {
         AddMessagesUpdate {
-            ops: Ops::collect(ids.into_iter().map(|id| MessageOp::Remove(id.into()))),
+            ops: Ops::collect(ids.into_iter().map(|id| {
+                let id = id.into();
+                // LangGraph's `RemoveMessage(id=REMOVE_ALL_MESSAGES)`.
+                if id == REMOVE_ALL_MESSAGES {
+                    MessageOp::RemoveAll
+                } else {
+                    MessageOp::Remove(id)
+                }
+            })),
         }
     }
 
-    /// Remove every message.
+    /// Remove every message (also [`AddMessagesUpdate::remove`] of
+    /// [`REMOVE_ALL_MESSAGES`], as LangGraph's `RemoveMessage(id=REMOVE_ALL_MESSAGES)`).
     pub fn remove_all() -> Self {
         AddMessagesUpdate {
             ops: Ops::One(MessageOp::RemoveAll),

@@ -354,6 +354,11 @@ impl<T: Clone + Send + Sync + 'static> Reducer for KeepLast<T> {
 
     fn reduce(&self, current: &mut VecDeque<T>, updates: Vec<Vec<T>>) -> Result<(), ReduceError> {
         let incoming: usize = updates.iter().map(Vec::len).sum();
+        if incoming == 0 {
+            // Nothing written changes nothing, even a value longer than `n` that came
+            // from elsewhere (the identity law).
+            return Ok(());
+        }
         // Items that would be pushed out again within this call are skipped outright.
         let mut skip = incoming.saturating_sub(self.n);
         let keep_old = self.n.saturating_sub(incoming.min(self.n));

@@ -227,6 +227,8 @@ fn checks_catch_broken_reducers() {
     // A KeepLast over a value longer than its bound is trimmed, not left to grow.
     let r = KeepLast::<u8>::new(2);
     laws::check_keep_last_bounded(&r, &VecDeque::from([1, 2, 3, 4]), &[vec![5]]).unwrap();
+    // ... while nothing written changes nothing, even that value (the identity law).
+    laws::check_identity(&r, &VecDeque::from([1, 2, 3, 4])).unwrap();
     let e = laws::check_bounded_growth(&Append::<u8>::new(), &vec![1, 2], &[vec![3]], 2, Vec::len)
         .unwrap_err();
     assert_eq!(e.law, "bounded growth");
