@@ -209,14 +209,22 @@ impl<'a> ContextParts<'a> {
     }
 }
 
-/// Token counts kept beside the state so a step costs O(new messages).
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Token counts kept beside the state so a step costs O(new messages). A cache: two
+/// states are equal whatever their ledgers hold (a state read back from JSON, whose
+/// ledger is empty until it is counted again, equals the state it was written from).
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Ledger {
     /// (system, goal, reply priming).
     pub(crate) fixed: Option<(usize, usize, usize)>,
     /// One count per raw message counted so far.
     pub(crate) raw: Vec<usize>,
     pub(crate) raw_total: usize,
+}
+
+impl PartialEq for Ledger {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl ContextState {

@@ -130,3 +130,15 @@ async fn a_forked_context_reads_back_what_was_stored_up_to_the_fork_point_plus_i
     assert_eq!(grep(&store, &fork, "."), before);
     assert!(fork.lineage.sees_all(&*store, &thread).unwrap());
 }
+
+#[test]
+fn a_state_equals_its_own_json_copy_after_steps() {
+    let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
+    let (compactor, _, _) = compactor(store);
+    let mut state = ContextState::new(GoalAnchor::new("Count."));
+    push(&compactor, &mut state, "a", 0..3);
+    // Counted once pushed: its token cache is full, the copy's empty.
+    compactor.tokens(&mut state, &[]);
+    let copy: ContextState = serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+    assert_eq!(copy, state);
+}
