@@ -515,6 +515,13 @@ pub fn truncate(store: &dyn OffloadStore) {
         "truncate",
         got.ends_with("tail\n") && got.len() as u64 == cut + 5
     );
+    // A cut inside a character is refused and changes nothing.
+    let wide = n.key("t", "notes/wide.txt");
+    store.put(&wide, "日本").unwrap();
+    check!("truncate", store.truncate(&wide, 1).is_err());
+    check_eq!("truncate", store.get(&wide).unwrap(), "日本");
+    check!("truncate", store.truncate(&wide, 3).unwrap());
+    check_eq!("truncate", store.get(&wide).unwrap(), "日");
     // Past the end: nothing to cut.
     check!("truncate", !store.truncate(&key, cut + 5).unwrap());
     check!("truncate", !store.truncate(&key, u64::MAX).unwrap());

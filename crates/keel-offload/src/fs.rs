@@ -549,7 +549,8 @@ impl OffloadStore for FsStore {
     fn truncate(&self, key: &Key, len: u64) -> Result<bool, OffloadError> {
         self.forget_appender(key);
         let p = self.existing_file(key)?;
-        let f = no_follow()
+        let mut f = no_follow()
+            .read(true)
             .write(true)
             .open(&p)
             .map_err(|e| open_error(key, "open for truncation", e))?;
@@ -559,6 +560,13 @@ impl OffloadStore for FsStore {
             .len();
         if len >= size {
             return Ok(false);
+        }
+        let mut at = [0u8; 1];
+        f.seek(std::io::SeekFrom::Start(len))
+            .and_then(|_| f.read_exact(&mut at))
+            .map_err(|e| OffloadError::io("truncate", key, e))?;
+        if crate::store::continues_char(at[0]) {
+            return Err(crate::store::cut_inside_char(key));
         }
         f.set_len(len)
             .map_err(|e| OffloadError::io("truncate", key, e))?;

@@ -257,6 +257,14 @@ impl OffloadStore for MemoryStore {
         if len >= old {
             return Ok(false);
         }
+        let at = usize::try_from(len).unwrap_or(usize::MAX);
+        if data
+            .get(at)
+            .copied()
+            .is_some_and(crate::store::continues_char)
+        {
+            return Err(crate::store::cut_inside_char(key));
+        }
         // Copies only if a reader still holds the previous bytes.
         Arc::make_mut(data).truncate(usize::try_from(len).unwrap_or(usize::MAX));
         inner.bytes -= old - len;

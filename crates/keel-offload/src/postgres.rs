@@ -364,6 +364,7 @@ struct Sql {
     lock_size: String,
     drop_chunks_from: String,
     cut_chunk: String,
+    byte_at: String,
     set_size: String,
 }
 
@@ -466,6 +467,10 @@ impl Sql {
                  WHERE thread_id = $1 AND generation = $2 AND off + length(data) > $3
                    AND off = (SELECT max(off) FROM {chunks}
                               WHERE thread_id = $1 AND generation = $2 AND off < $3)"
+            ),
+            byte_at: format!(
+                "SELECT substring(data FROM ($3 - off + 1)::int FOR 1) FROM {chunks}
+                 WHERE thread_id = $1 AND generation = $2 AND off <= $3 AND off + length(data) > $3"
             ),
             set_size: format!("UPDATE {files} SET size = $3 WHERE thread_id = $1 AND path = $2"),
         }
@@ -1197,6 +1202,18 @@ impl OffloadStore for PostgresStore {
                 return Ok(false);
             }
             let cut = int(len);
+            let at = query_opt(&tx, &sql.byte_at, &[&thread, &generation, &cut])
+                .await
+                .map_err(pg("truncate", key))?
+                .map(|r| r.try_get::<_, Vec<u8>>(0))
+                .transpose()
+                .map_err(pg("truncate", key))?;
+            if at
+                .and_then(|b| b.first().copied())
+                .is_some_and(crate::store::continues_char)
+            {
+                return Err(crate::store::cut_inside_char(key));
+            }
             execute(&tx, &sql.drop_chunks_from, &[&thread, &generation, &cut])
                 .await
                 .map_err(pg("truncate", key))?;

@@ -700,6 +700,22 @@ impl OffloadStore for SqliteStore {
             i64::try_from(len).unwrap_or(i64::MAX),
         );
         let err = |op| sql_error(op, key);
+        let at: Option<Vec<u8>> = tx
+            .prepare_cached(
+                "SELECT substr(data, ?3 - off + 1, 1) FROM keel_offload_chunks
+                 WHERE thread_id = ?1 AND generation = ?2 AND off <= ?3 AND off + length(data) > ?3",
+            )
+            .and_then(|mut s| {
+                s.query_row(params![thread, generation, cut], |r| r.get(0))
+                    .optional()
+            })
+            .map_err(err("truncate"))?;
+        if at
+            .and_then(|b| b.first().copied())
+            .is_some_and(crate::store::continues_char)
+        {
+            return Err(crate::store::cut_inside_char(key));
+        }
         tx.prepare_cached(
             "DELETE FROM keel_offload_chunks WHERE thread_id = ?1 AND generation = ?2 AND off >= ?3",
         )

@@ -117,9 +117,9 @@ pub trait OffloadStore: Send + Sync {
     /// uses it to drop what only an abandoned branch of a thread appended to a file
     /// the surviving branches share.
     ///
-    /// keel's backends cut in place (a file's length; the chunk rows past `len`). The
-    /// default reads the whole value and puts its first `len` bytes back, and refuses a
-    /// `len` inside a character.
+    /// keel's backends cut in place (a file's length; the chunk rows past `len`); the
+    /// default reads the whole value and puts its first `len` bytes back. Every one
+    /// refuses a `len` inside a character (values are text), changing nothing.
     ///
     /// ```
     /// use keel_offload::{Key, MemoryStore, OffloadStore};
@@ -140,16 +140,7 @@ pub trait OffloadStore: Send + Sync {
         if len >= text.len() {
             return Ok(false);
         }
-        let kept = text.get(..len).ok_or_else(|| {
-            OffloadError::io(
-                "truncate",
-                key,
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "the cut falls inside a character",
-                ),
-            )
-        })?;
+        let kept = text.get(..len).ok_or_else(|| cut_inside_char(key))?;
         self.put(key, kept)?;
         Ok(true)
     }
@@ -445,4 +436,21 @@ impl Pattern {
     pub(crate) fn regex(&self) -> &Regex {
         &self.regex
     }
+}
+
+/// Whether `byte` continues a UTF-8 character (so a cut before it splits one).
+pub(crate) fn continues_char(byte: u8) -> bool {
+    byte & 0xC0 == 0x80
+}
+
+/// The error of a truncation whose cut falls inside a character.
+pub(crate) fn cut_inside_char(key: &Key) -> OffloadError {
+    OffloadError::io(
+        "truncate",
+        key,
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the cut falls inside a character",
+        ),
+    )
 }
