@@ -196,6 +196,9 @@ impl ModelProfiles {
     /// let profiles = ModelProfiles::new();
     /// assert_eq!(profiles.get("o3-2025-04-16").map(|p| p.name.as_str()), Some("o3"));
     /// assert!(profiles.get("no-such-model").is_none());
+    /// // A prefix matches only before a variant suffix, not more of another name.
+    /// assert!(profiles.get("gpt-4.5-preview").is_none());
+    /// assert_eq!(profiles.get("gpt-4-32k").map(|p| p.context_window), Some(32_768));
     /// ```
     pub fn get(&self, model: &str) -> Option<&ModelProfile> {
         let name = normalize(model);
@@ -212,9 +215,14 @@ impl ModelProfiles {
         if let Some(p) = self.by_name.get(name) {
             return Some(p);
         }
+        // A known name followed by a variant suffix (`-2024-08-06`, `:7b`, `@latest`),
+        // never by more of a name: `gpt-4.5` and `gpt-40` are not `gpt-4`.
         self.by_name
             .iter()
-            .filter(|(key, _)| name.starts_with(key.as_str()))
+            .filter(|(key, _)| {
+                name.strip_prefix(key.as_str())
+                    .is_some_and(|rest| rest.starts_with(['-', ':', '@', '_']))
+            })
             .max_by_key(|(key, _)| key.len())
             .map(|(_, p)| p)
     }
@@ -308,6 +316,7 @@ pub fn builtin_profiles() -> Vec<ModelProfile> {
         p("o4-mini", 200_000, 100_000, O200kBase),
         p("gpt-4", 8_192, 8_192, Cl100kBase),
         p("gpt-4-turbo", 128_000, 4_096, Cl100kBase),
+        p("gpt-4-32k", 32_768, 8_192, Cl100kBase),
         p("gpt-3.5-turbo", 16_385, 4_096, Cl100kBase),
         p("claude-sonnet-4-5", 200_000, 64_000, Approximate),
         p("claude-sonnet-4.5", 200_000, 64_000, Approximate),
