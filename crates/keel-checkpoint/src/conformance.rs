@@ -23,7 +23,7 @@
 //! # }
 //! ```
 //!
-//! A failing check panics with a message that starts with `[conformance::<check>]`.
+//! A failing check panics with a message that names it: `[conformance::<check>]`.
 //! The suite models channels as "append" channels: a value is a JSON array, each
 //! update one appended item, and a snapshot the whole array.
 
