@@ -56,8 +56,10 @@ pub enum ModelError {
     /// started.
     #[error("connection failed: {0}")]
     Connection(String),
-    /// A streamed reply stopped before its end (connection dropped, error chunk).
-    #[error("stream interrupted: {0}")]
+    /// A reply stopped before its end (a streamed one's connection dropped) or carried
+    /// an error object instead of an answer (an error chunk, or an HTTP 200 whose body
+    /// is `{"error": ..}`).
+    #[error("reply interrupted: {0}")]
     StreamInterrupted(String),
     /// The reply is not what the API promises (malformed JSON, missing fields).
     #[error("malformed response: {0}")]

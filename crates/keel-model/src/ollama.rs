@@ -453,7 +453,9 @@ impl Accumulator {
             return Err(if err.is_context_overflow() {
                 err
             } else {
-                ModelError::StreamInterrupted(format!("server error: {message}"))
+                ModelError::StreamInterrupted(format!(
+                    "the server answered with an error: {message}"
+                ))
             });
         }
         check_shape(v)?;

@@ -343,7 +343,7 @@ fn embedded_error(v: &Value) -> Option<ModelError> {
     Some(if err.is_context_overflow() {
         err
     } else {
-        ModelError::StreamInterrupted(format!("server error: {message}"))
+        ModelError::StreamInterrupted(format!("the server answered with an error: {message}"))
     })
 }
 

@@ -576,6 +576,28 @@ async fn error_event_inside_a_stream_is_reported() {
 }
 
 #[tokio::test]
+async fn an_error_object_in_a_plain_200_reply_says_the_server_answered_with_it() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_json(json!({"error": {"message": "quota exceeded"}})),
+        )
+        .mount(&server)
+        .await;
+    let err = model_at(&server.uri())
+        .chat(&history(), &[], &ChatOptions::new())
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("the server answered with an error: quota exceeded")
+            && !text.contains("stream"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
 async fn connection_dropped_mid_stream_is_stream_interrupted_after_the_deltas_so_far() {
     let first = chunk_with(json!({"content": "Hel"}), Value::Null);
     let second = chunk_with(json!({"content": "lo"}), Value::Null);
