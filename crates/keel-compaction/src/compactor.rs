@@ -671,7 +671,12 @@ impl Compactor {
 
     /// Checks and compacts until no trigger fires (at most a few rounds). Call it after
     /// every step. Returns the events of this call; a failed compaction is an event
-    /// with an error, and the context is unchanged by it.
+    /// with an error, and the context is unchanged by it. A compaction with nothing
+    /// to move, or whose result would be no smaller than what it replaces, changes
+    /// nothing and records no event (it is logged), so the prompt can stay over the
+    /// budget: when the goal, system prompt and tool specs alone exceed it, or the raw
+    /// buffer holds nothing a milestone can replace. Compare
+    /// [`Compactor::tokens`] with the profile's input budget to tell.
     pub async fn after_step(
         &self,
         state: &mut ContextState,
