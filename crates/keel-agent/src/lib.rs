@@ -62,7 +62,7 @@
 //! use std::sync::Arc;
 //! use keel_agent::{Agent, AgentInput};
 //! use keel_compaction::CompactionConfig;
-//! use keel_message::ToolCall;
+//! use keel_agent::message::ToolCall;
 //! use keel_model::{ScriptedModel, Turn};
 //! use serde_json::json;
 //!
@@ -95,6 +95,9 @@ pub mod tools;
 pub use agent::{Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, DEFAULT_KEEP_CHECKPOINTS};
 pub use error::{AgentError, BuildError, CleanupError};
 pub use event::AgentEvent;
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS};
 pub use state::{
     AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Milestones,

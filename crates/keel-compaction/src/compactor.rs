@@ -308,6 +308,11 @@ impl Compactor {
     /// head and tail lines); a result whose write fails enters in full, so nothing is
     /// lost. JSON results that stay are minified ([`CompactionConfig::minify_json`]).
     /// This is the one way into the raw buffer, with [`Compactor::push`].
+    ///
+    /// The goal anchor is the state's own ([`ContextState::goal`]) and heads every
+    /// prompt. A message pushed with the goal flag (say, a copy of the anchor pushed as
+    /// the first user turn) enters as an ordinary turn: its flag is removed, so it
+    /// compacts like any other message instead of making every summary request fail.
     pub fn push_step(&self, state: &mut ContextState, mut reply: Message, results: Vec<Message>) {
         let step = state.step + u64::from(reply.role == Role::Assistant);
         crate::state::ensure_id(&mut reply, || format!("keel-{step}-0"));

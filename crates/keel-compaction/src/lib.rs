@@ -48,6 +48,9 @@ pub use config::{CompactionConfig, StepTrigger, Strategy};
 pub use error::{CallError, CompactionError};
 pub use event::{CompactionEvent, EventKind, Trigger};
 pub use goal::{GOAL_ID, GoalAnchor};
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use prefix::{PREFIX_VERSION, PrefixSummarizer};
 pub use state::{
     ContextParts, ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,

@@ -266,9 +266,11 @@ impl ContextState {
         }
         let step = self.step;
         ensure_id(&mut reply, || format!("keel-{step}-0"));
+        unflag_goal(&mut reply);
         self.raw.push(reply);
         for (k, mut m) in results.into_iter().enumerate() {
             ensure_id(&mut m, || format!("keel-{step}-{}", k + 1));
+            unflag_goal(&mut m);
             self.raw.push(m);
         }
     }
@@ -278,6 +280,7 @@ impl ContextState {
     /// [`crate::Compactor::push`].
     pub(crate) fn push(&mut self, mut messages: Vec<Message>) {
         self.assign_push_ids(&mut messages);
+        messages.iter_mut().for_each(unflag_goal);
         self.raw.extend(messages);
     }
 
@@ -328,6 +331,15 @@ impl ContextState {
             .chain(&self.epochs)
             .chain(&self.milestones)
     }
+}
+
+/// Removes the goal flag ([`keel_summarize::GOAL_METADATA_KEY`]) from a message entering
+/// the raw buffer. The anchor is [`ContextState::goal`], never compacted; a flagged
+/// message in the raw buffer (a copy of the anchor pushed as the first user turn, say)
+/// is an ordinary turn, and with its flag every summary request holding it would be
+/// refused, so no compaction could ever happen.
+fn unflag_goal(m: &mut Message) {
+    m.metadata.remove(keel_summarize::GOAL_METADATA_KEY);
 }
 
 /// Gives `m` the id `make` returns, unless it has one.

@@ -324,3 +324,36 @@ fn json_results_enter_minified_unless_turned_off() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_copy_of_the_goal_pushed_as_a_turn_does_not_stop_compaction() {
+    // A user who pushes the anchor's message as the first user turn: with its goal
+    // flag kept, every milestone's summary request held it and was refused.
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(4))
+        .with_keep_recent_tokens(100);
+    let rig = rig(config, 100_000, extractive());
+    let goal = GoalAnchor::new("Read every part.");
+    let mut state = ContextState::new(goal.clone());
+    rig.compactor
+        .push(&mut state, vec![goal.message().clone().with_id("g")]);
+    let mut made = 0;
+    for i in 1..=8 {
+        let (reply, results) = step(i, 8);
+        rig.compactor.push_step(&mut state, reply, results);
+        made += rig
+            .compactor
+            .after_step(&mut state, &[])
+            .await
+            .unwrap()
+            .len();
+    }
+    assert!(made > 0, "no compaction happened");
+    assert!(state.layers().count() > 0);
+    assert!(state.raw.iter().all(|m| m.id.as_deref() != Some("g")));
+    // The turn left the context through the archive, unflagged; the anchor is intact.
+    let archived = rig.archive.get(&rig.thread, "g").unwrap().unwrap().message;
+    assert_eq!(archived.text(), "Read every part.");
+    assert!(!keel_summarize::is_goal(&archived));
+    assert!(keel_summarize::is_goal(state.goal.message()));
+}

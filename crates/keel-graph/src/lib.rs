@@ -11,7 +11,7 @@
 //! ```
 //! use keel_graph::reducer::{AddMessages, Messages};
 //! use keel_graph::{END, RunConfig, START, State, StateGraph};
-//! use keel_message::Message;
+//! use keel_graph::message::Message;
 //!
 //! #[derive(Clone, State)]
 //! struct Chat {
@@ -63,6 +63,9 @@ pub use error::GraphError;
 pub use graph::{BuildError, StateGraph};
 pub use keel_checkpoint as checkpoint;
 pub use keel_graph_macros::State;
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use keel_message::RetryPolicy;
 pub use keel_reducer as reducer;
 pub use state::{State, StateError, channel_index};

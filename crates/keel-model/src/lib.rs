@@ -55,7 +55,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use keel_message::Message;
+//! use keel_model::message::Message;
 //! use keel_model::{ChatModel, ChatOptions, ModelError, ScriptedModel, Turn, Usage};
 //!
 //! let model: Arc<dyn ChatModel> = Arc::new(ScriptedModel::new([
@@ -109,12 +109,15 @@ mod retry;
 mod scripted;
 mod types;
 
-/// The attribute [`ChatModel`] is written with: put `#[keel_model::async_trait]` on your
-/// `impl ChatModel for ...` (no `async-trait` dependency of your own needed).
 pub use async_trait::async_trait;
 pub use error::ModelError;
 #[cfg(any(feature = "openai", feature = "ollama"))]
 pub use http::{HttpConfig, RateLimit};
+/// The attribute [`ChatModel`] is written with: put `#[keel_model::async_trait]` on your
+/// `impl ChatModel for ...` (no `async-trait` dependency of your own needed).
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use keel_message::RetryPolicy;
 pub use model::ChatModel;
 #[cfg(feature = "ollama")]

@@ -53,7 +53,7 @@
 //! ```
 //! # #[cfg(feature = "fs")] {
 //! use std::sync::Arc;
-//! use keel_message::{Message, ToolCall};
+//! use keel_offload::message::{Message, ToolCall};
 //! use keel_offload::{
 //!     Archive, EvictLargeResults, FsStore, Fsync, OffloadStore, PolicyEnv, RetrievalTools, ThreadId,
 //! };
@@ -129,6 +129,9 @@ pub use deadpool_postgres::Pool as PostgresPool;
 pub use error::{KeyKind, KeyProblem, OffloadError, Shown};
 #[cfg(feature = "fs")]
 pub use fs::{FsStore, Fsync};
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
 pub use lineage::{Collected, LINEAGE_DIR, LINEAGE_KEY, Lineage, LineageStore, collect_garbage};
 pub use memory::MemoryStore;

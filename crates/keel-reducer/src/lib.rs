@@ -32,7 +32,7 @@
 //! compaction replacing the raw buffer with a summary.
 //!
 //! ```
-//! use keel_message::{Message, ToolCall};
+//! use keel_reducer::message::{Message, ToolCall};
 //! use keel_reducer::{AddMessages, AddMessagesUpdate, Reducer, Sum};
 //! use serde_json::json;
 //!
@@ -98,6 +98,9 @@ mod standard;
 #[cfg(feature = "proptest")]
 pub mod laws;
 
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use messages::{AddMessages, AddMessagesUpdate, MessageOp, Messages, REMOVE_ALL_MESSAGES};
 pub use reducer::{Associative, ReduceError, Reducer};
 pub use standard::{Append, KeepLast, LastValue, Max, Min, SetUnion, Sum, Summand};

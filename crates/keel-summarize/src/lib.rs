@@ -30,7 +30,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use keel_message::{Message, ToolCall};
+//! use keel_summarize::message::{Message, ToolCall};
 //! use keel_model::{ModelError, ScriptedModel, Turn};
 //! use keel_summarize::{
 //!     ExtractiveSummarizer, LlmSummarizer, SummarizeError, Summarizer, SummaryRequest,
@@ -72,13 +72,16 @@ mod llm;
 mod prompts;
 mod summary;
 
-/// The attribute [`Summarizer`] is written with: put `#[keel_summarize::async_trait]` on
-/// your `impl Summarizer for ...` (no `async-trait` dependency of your own needed).
 pub use async_trait::async_trait;
 pub use error::{Rejection, SummarizeError};
 pub use extractive::{
     BLOCKING_POOL_BYTES, EXTRACTIVE_MODEL, EXTRACTIVE_VERSION, ExtractiveSummarizer,
 };
+/// The attribute [`Summarizer`] is written with: put `#[keel_summarize::async_trait]` on
+/// your `impl Summarizer for ...` (no `async-trait` dependency of your own needed).
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use llm::{DEFAULT_MAX_MESSAGE_CHARS, LlmSummarizer, SummaryFormat};
 pub use prompts::{EPOCH_V1, MILESTONE_V1, STRUCTURED_V1, Template};
 pub use summary::{

@@ -48,6 +48,9 @@ pub enum SummaryFormat {
 ///   content. A reply that fails is retried once with the reason; a second failure is
 ///   [`SummarizeError::Rejected`]. Model errors are [`SummarizeError::Model`]. No error
 ///   text ever becomes a summary.
+/// * A budget smaller than the shortest reply the checks accept (every heading with
+///   `- none`, or one short bullet), or a window too small for the prompt and the
+///   budget, is [`SummarizeError::BudgetTooSmall`] before any model call.
 /// * The goal is never part of the input: callers pass no goal, and messages marked with
 ///   [`GOAL_METADATA_KEY`](crate::GOAL_METADATA_KEY) are refused.
 ///
@@ -162,6 +165,18 @@ impl LlmSummarizer {
         self.prompt(request).map(|(messages, _)| messages)
     }
 
+    /// The shortest reply [`Self::check_reply`]'s shape check accepts: every heading
+    /// with `- none` (structured), or one short bullet.
+    fn smallest_reply(&self) -> String {
+        match self.format {
+            SummaryFormat::Structured => render_sections(&SECTIONS.map(|title| Section {
+                title: title.to_owned(),
+                items: Vec::new(),
+            })),
+            SummaryFormat::Bullets => "- done\n".to_owned(),
+        }
+    }
+
     /// The prompt, and the terms of the input it shows the model (the previous summary
     /// and the fitted messages), which a reply must be about.
     fn prompt(
@@ -169,6 +184,15 @@ impl LlmSummarizer {
         request: &SummaryRequest<'_>,
     ) -> Result<(Vec<Message>, Terms), SummarizeError> {
         request.check()?;
+        // A budget no acceptable reply fits is refused before any model call: the
+        // reply would be rejected as over budget, twice.
+        let needed = self.counter.count_text(&self.smallest_reply());
+        if request.budget_tokens < needed {
+            return Err(SummarizeError::BudgetTooSmall {
+                budget: request.budget_tokens,
+                needed,
+            });
+        }
         let template = self.template(request.level);
         let level = request.level;
         let mut head = String::new();

@@ -286,6 +286,50 @@ async fn a_window_too_small_for_the_budget_is_an_error() {
 }
 
 #[tokio::test]
+async fn a_budget_no_acceptable_reply_fits_is_refused_before_any_call() {
+    let msgs = steps();
+    for (format, budget) in [(SummaryFormat::Bullets, 1), (SummaryFormat::Structured, 12)] {
+        let model = scripted([]);
+        let err = LlmSummarizer::new(model.clone())
+            .with_format(format)
+            .summarize(&SummaryRequest::milestone(&msgs, budget))
+            .await
+            .unwrap_err();
+        match err {
+            SummarizeError::BudgetTooSmall {
+                budget: given,
+                needed,
+            } => assert!(given == budget && needed > budget, "{given} {needed}"),
+            other => panic!("{format:?}: {other:?}"),
+        }
+        assert!(
+            model.requests().is_empty(),
+            "{format:?}: the model was called"
+        );
+    }
+    // The smallest structured reply (every heading, `- none`) fits its own count.
+    let skeleton =
+        "SESSION INTENT:\n- none\nSUMMARY:\n- none\nARTIFACTS:\n- none\nNEXT STEPS:\n- none\n";
+    let needed = ApproxCounter::new().count_text(skeleton);
+    let err = LlmSummarizer::new(scripted([Turn::text(skeleton), Turn::text(skeleton)]))
+        .with_format(SummaryFormat::Structured)
+        .summarize(&SummaryRequest::milestone(&msgs, needed))
+        .await
+        .unwrap_err();
+    // Past the budget check, it is the grounding check that refuses it.
+    assert!(
+        matches!(
+            err,
+            SummarizeError::Rejected {
+                reason: Rejection::Unrelated,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
 async fn end_to_end_over_an_openai_compatible_server() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))

@@ -29,7 +29,7 @@
 //! # Example
 //!
 //! ```
-//! use keel_message::{Message, ToolCall, ToolSpec};
+//! use keel_token::message::{Message, ToolCall, ToolSpec};
 //! use keel_token::{CalibratedCounter, MemoCounter, ModelProfiles, TokenCounter};
 //! use serde_json::json;
 //!
@@ -82,6 +82,9 @@ pub use calibrated::CalibratedCounter;
 pub use counter::{Framing, TokenCounter};
 pub use encoding::Encoding;
 pub use error::TokenError;
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use memo::{DEFAULT_MEMO_CAPACITY, MemoCounter, MemoStats};
 pub use profile::{ModelProfile, ModelProfiles, builtin_profiles};
 #[cfg(feature = "tiktoken")]
