@@ -140,13 +140,13 @@ impl PrefixSummarizer {
                 budget: request.budget_tokens,
             }));
         }
-        Ok(Summary {
-            level: request.level,
+        Ok(Summary::new(
+            request.level,
             text,
             sections,
-            prompt_version: PREFIX_VERSION.to_owned(),
-            model: response.model,
-            usage: response.usage,
-        })
+            PREFIX_VERSION,
+            response.model,
+        )
+        .with_usage(response.usage))
     }
 }

@@ -91,6 +91,9 @@ mod worker;
 
 pub use error::FleetError;
 pub use input::{INPUT_FORMAT, RunInput};
+/// The message types of this crate's API ([keel-message](keel_message)), re-exported so
+/// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_message as message;
 pub use queue::{
     DEFAULT_MAX_ATTEMPTS, DEFAULT_POOL_SIZE, DEFAULT_SCHEMA, ParseRunIdError, Policy, Queue,
     QueueOptions, RunId, RunInfo, RunResult, RunStatus,

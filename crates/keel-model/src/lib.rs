@@ -109,12 +109,12 @@ mod retry;
 mod scripted;
 mod types;
 
+/// The attribute [`ChatModel`] is written with: put `#[keel_model::async_trait]` on your
+/// `impl ChatModel for ...` (no `async-trait` dependency of your own needed).
 pub use async_trait::async_trait;
 pub use error::ModelError;
 #[cfg(any(feature = "openai", feature = "ollama"))]
 pub use http::{HttpConfig, RateLimit};
-/// The attribute [`ChatModel`] is written with: put `#[keel_model::async_trait]` on your
-/// `impl ChatModel for ...` (no `async-trait` dependency of your own needed).
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;

@@ -72,13 +72,13 @@ mod llm;
 mod prompts;
 mod summary;
 
+/// The attribute [`Summarizer`] is written with: put `#[keel_summarize::async_trait]` on
+/// your `impl Summarizer for ...` (no `async-trait` dependency of your own needed).
 pub use async_trait::async_trait;
 pub use error::{Rejection, SummarizeError};
 pub use extractive::{
     BLOCKING_POOL_BYTES, EXTRACTIVE_MODEL, EXTRACTIVE_VERSION, ExtractiveSummarizer,
 };
-/// The attribute [`Summarizer`] is written with: put `#[keel_summarize::async_trait]` on
-/// your `impl Summarizer for ...` (no `async-trait` dependency of your own needed).
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;

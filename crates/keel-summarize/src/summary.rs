@@ -135,8 +135,9 @@ pub struct Section {
     pub items: Vec<String>,
 }
 
-/// A finished summary.
+/// A finished summary. A summarizer of your own builds one with [`Summary::new`].
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Summary {
     /// Milestone or epoch.
     pub level: Level,
@@ -154,6 +155,48 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// A summary at `level`: the text that goes into the prompt, the sections it
+    /// parses into, the version of the prompt template (or algorithm) and the model
+    /// that wrote it, with no usage ([`Summary::with_usage`] adds it).
+    ///
+    /// ```
+    /// use keel_summarize::{Level, SUMMARY, Section, Summary};
+    ///
+    /// let items = vec!["the build fails at net.c:88".to_owned()];
+    /// let summary = Summary::new(
+    ///     Level::Milestone,
+    ///     "- the build fails at net.c:88\n",
+    ///     vec![Section { title: SUMMARY.to_owned(), items }],
+    ///     "my-notes-v1",
+    ///     "my-summarizer",
+    /// );
+    /// assert_eq!(summary.section(SUMMARY).map(<[String]>::len), Some(1));
+    /// assert_eq!(summary.usage, None);
+    /// ```
+    pub fn new(
+        level: Level,
+        text: impl Into<String>,
+        sections: Vec<Section>,
+        prompt_version: impl Into<String>,
+        model: impl Into<String>,
+    ) -> Self {
+        Self {
+            level,
+            text: text.into(),
+            sections,
+            prompt_version: prompt_version.into(),
+            model: model.into(),
+            usage: None,
+        }
+    }
+
+    /// Sets the tokens the model was billed.
+    #[must_use]
+    pub fn with_usage(mut self, usage: Option<Usage>) -> Self {
+        self.usage = usage;
+        self
+    }
+
     /// The items of the section titled `title` (case-insensitive).
     pub fn section(&self, title: &str) -> Option<&[String]> {
         self.sections

@@ -106,7 +106,8 @@ impl ModelProfile {
     }
 }
 
-/// A registry of [`ModelProfile`]s, looked up by exact name and then by longest prefix.
+/// A registry of [`ModelProfile`]s, looked up by exact name and then by the longest
+/// known name followed by a variant suffix (`-`, `:`, `@` or `_`).
 ///
 /// [`ModelProfiles::new`] holds the providers' documented figures for common models
 /// (see [`builtin_profiles`]). Names are matched case-insensitively; a dated or tagged
