@@ -37,7 +37,10 @@
 //! ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps)) or
 //! at its own budget ([`AgentInput::max_steps`]), both with a resumable [`Stop`], and
 //! after [`MAX_FAILED_COMPACTIONS`] compactions fail in a row (nothing is removed from
-//! a context whose compaction fails, so it would only grow).
+//! a context whose compaction fails, so it would only grow). A failing summarizer
+//! alone does not get there: from the second compaction in a row on, a summary it
+//! fails at is written by the extractive fallback
+//! ([`CompactionConfig::fallback_after_failures`](keel_compaction::CompactionConfig::fallback_after_failures)).
 //! [`Agent::run_from`] forks a thread from a past checkpoint; [`Agent::prune`],
 //! [`Agent::delete_thread`] and [`Agent::sweep_idle`] remove checkpoints with the
 //! offloaded files only they saw.

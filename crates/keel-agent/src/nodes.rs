@@ -836,10 +836,7 @@ impl AgentNodes {
             update.compactions = Some(events);
         }
         if let Err(e) = &result {
-            let before = s.compactions.iter().rev().take_while(|e| e.error.is_some());
-            let failures = u32::try_from(before.count())
-                .unwrap_or(u32::MAX)
-                .saturating_add(1);
+            let failures = s.failed_in_a_row().saturating_add(1);
             if failures >= MAX_FAILED_COMPACTIONS {
                 tracing::warn!(failures, error = %e, "compactions keep failing; the run stops");
                 update.stop = Some(Some(Stop::CompactionFailing {

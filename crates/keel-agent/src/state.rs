@@ -114,6 +114,29 @@ impl AgentState {
         )
     }
 
+    /// Compactions that failed since the last one that succeeded, as the latest
+    /// compaction events show.
+    pub(crate) fn failed_in_a_row(&self) -> u32 {
+        let failed = self
+            .compactions
+            .iter()
+            .rev()
+            .take_while(|e| e.error.is_some());
+        u32::try_from(failed.count()).unwrap_or(u32::MAX)
+    }
+
+    /// Compactions in a row at which the summarizer failed (failed, or written by the
+    /// fallback), as the latest compaction events show:
+    /// [`ContextState::failures_in_a_row`].
+    fn summarizer_failures_in_a_row(&self) -> u32 {
+        let failed = self
+            .compactions
+            .iter()
+            .rev()
+            .take_while(|e| e.error.is_some() || e.fallback);
+        u32::try_from(failed.count()).unwrap_or(u32::MAX)
+    }
+
     /// The compaction engine's view of this state (a copy; token counts are taken
     /// afresh by the compactor, memoized per message).
     pub fn context(&self) -> Option<ContextState> {
@@ -130,6 +153,7 @@ impl AgentState {
         c.milestones_made = self.milestones_made;
         c.epochs_made = self.epochs_made;
         c.lineage = self.lineage.clone();
+        c.failures_in_a_row = self.summarizer_failures_in_a_row();
         Some(c)
     }
 }

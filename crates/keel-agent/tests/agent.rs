@@ -1464,7 +1464,9 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
         .compaction(
             CompactionConfig::default()
                 .with_every_steps(Some(4))
-                .with_keep_recent_tokens(20),
+                .with_keep_recent_tokens(20)
+                // No fallback unless the context would overflow: the failures show.
+                .with_fallback_after_failures(None),
         )
         .summarizer(summarizer.clone())
         .checkpointer(Arc::new(MemorySaver::new()))
@@ -1504,6 +1506,48 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
         run.state.milestones_made >= 2,
         "{}",
         run.state.milestones_made
+    );
+}
+
+#[tokio::test]
+async fn a_summarizer_that_keeps_failing_costs_one_missed_compaction() {
+    // The summarizer's server is down for the whole run: with the default
+    // `fallback_after_failures` (1), the first compaction fails and every later one is
+    // written by the extractive fallback, so the run is not stopped and the context
+    // keeps shrinking.
+    let summarizer = Arc::new(Flaky {
+        down: std::sync::atomic::AtomicBool::new(true),
+        inner: keel_summarize::ExtractiveSummarizer::new(),
+    });
+    let agent = builder(counting_model(40, Arc::new(Mutex::new(Vec::new()))))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(4))
+                .with_keep_recent_tokens(20),
+        )
+        .summarizer(summarizer)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("flaky", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, None);
+    assert_eq!(run.answer.as_deref(), Some("The last number was 39."));
+    let events: Vec<_> = run.state.compactions.iter().collect();
+    assert!(
+        run.state.milestones_made >= 5,
+        "{}",
+        run.state.milestones_made
+    );
+    assert!(
+        events.iter().all(|e| e.error.is_some() || e.fallback),
+        "{events:?}"
+    );
+    let failed = events.iter().filter(|e| e.error.is_some()).count();
+    assert!(failed <= 1, "{events:?}");
+    assert!(
+        events
+            .last()
+            .is_some_and(|e| e.fallback && e.error.is_none())
     );
 }
 

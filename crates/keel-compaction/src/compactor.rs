@@ -277,8 +277,9 @@ impl Compactor {
         self
     }
 
-    /// Replaces the summarizer used when the primary fails and the context would
-    /// overflow.
+    /// Replaces the summarizer used when the primary keeps failing and the context
+    /// would overflow, or compactions have failed in a row
+    /// ([`CompactionConfig::fallback_after_failures`]).
     #[must_use]
     pub fn with_fallback(mut self, fallback: Arc<dyn Summarizer>) -> Self {
         self.fallback = fallback;
@@ -714,7 +715,8 @@ impl Compactor {
 
     /// Compacts for `trigger`: masks old observations, or summarizes the raw buffer
     /// into a milestone (and folds milestones into an epoch). On failure the context is
-    /// unchanged and the failed event is recorded.
+    /// unchanged: the failed event is recorded and
+    /// [`ContextState::failures_in_a_row`] counts it.
     pub async fn compact(
         &self,
         state: &mut ContextState,
@@ -765,6 +767,7 @@ impl Compactor {
                 state.events.push(event.clone());
             }
         }
+        count_failure(state, &result.as_ref().map(|d| d.fallback));
         result.map(|_| event)
     }
 
@@ -1008,6 +1011,7 @@ impl Compactor {
         // no tool call is separated from its results.
         let overflowing =
             trigger == Trigger::Overflow || self.tokens(state, tools).total >= self.budget();
+        let fall_back = self.falls_back(state, overflowing);
         let cut = self
             .cut_for(state, trigger, tools)
             .ok_or(CompactionError::NothingToCompact)?;
@@ -1034,7 +1038,7 @@ impl Compactor {
                     self.config
                         .milestone_budget_for(self.prompt_budget(), leaving_tokens),
                 ),
-                overflowing,
+                fall_back,
                 (&prefix, tools),
             )
             .await?;
@@ -1089,10 +1093,11 @@ impl Compactor {
 
         if self.config.epoch_inline && self.epoch_due(state) {
             // A failed epoch keeps the milestones; it is retried at the next milestone.
-            match self.epoch(state, overflowing, tools).await {
-                Ok(usage) => {
+            match self.epoch(state, fall_back, tools).await {
+                Ok((usage, fell_back)) => {
                     done.kind = EventKind::Epoch;
                     done.usage = add_usage(done.usage, usage);
+                    done.fallback |= fell_back;
                 }
                 Err(e) => tracing::warn!(error = %e, "epoch summary failed; milestones kept"),
             }
@@ -1120,10 +1125,13 @@ impl Compactor {
         }
         let started = Instant::now();
         let before = self.tokens(state, tools).total;
-        let overflowing = trigger == Trigger::Overflow || before >= self.budget();
-        let result = self.epoch(state, overflowing, tools).await;
+        let fall_back = self.falls_back(
+            state,
+            trigger == Trigger::Overflow || before >= self.budget(),
+        );
+        let result = self.epoch(state, fall_back, tools).await;
         let after = self.tokens(state, tools).total;
-        let usage = result.as_ref().map_or((0, 0, 0), |u| *u);
+        let (usage, fell_back) = result.as_ref().map_or(((0, 0, 0), false), |u| *u);
         let newest = state.epochs.last().or(state.epoch.as_ref());
         let (prompt_version, model) = match (&result, newest) {
             (Ok(_), Some(l)) => (l.prompt_version.clone(), l.model.clone()),
@@ -1138,7 +1146,7 @@ impl Compactor {
             messages_archived: 0,
             prompt_version,
             summarizer_model: model,
-            fallback: false,
+            fallback: fell_back,
             duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
             error: result.as_ref().err().map(ToString::to_string),
             summary_input_tokens: usage.0,
@@ -1151,6 +1159,7 @@ impl Compactor {
             event.emit();
             state.events.push(event.clone());
         }
+        count_failure(state, &result.as_ref().map(|&(_, f)| f));
         result.map(|_| event)
     }
 
@@ -1158,13 +1167,13 @@ impl Compactor {
     /// more than `keep_summaries`, its oldest `keep_summaries` into the tier above (the
     /// top one folds its previous summary in). All or nothing: on an error the state is
     /// unchanged; a fold of a higher tier that would not be smaller is left for later.
-    /// Returns the summarizer's usage.
+    /// Returns the summarizer's usage, and whether the fallback wrote a summary.
     async fn epoch(
         &self,
         state: &mut ContextState,
-        overflowing: bool,
+        fall_back: bool,
         tools: &[ToolSpec],
-    ) -> Result<(u64, u64, u64), CompactionError> {
+    ) -> Result<((u64, u64, u64), bool), CompactionError> {
         // The prompt before the layers being folded (system, goal and the summaries
         // above them), for a prefix-reusing summarizer.
         let fixed: Vec<Message> = if self.prefix_summarizer.is_some() {
@@ -1198,34 +1207,37 @@ impl Compactor {
         let mut kept = state.epochs.clone();
         let mut made = state.epochs_made;
         let usage;
+        let mut fell_back;
         if depth == 2 {
             // Two tiers: one epoch summary that takes the previous one in.
-            let (layer, u) = self
+            let (layer, u, f) = self
                 .fold_layers(
                     &state.milestones,
                     top.as_ref(),
                     2,
                     Some(made + 1),
-                    overflowing,
+                    fall_back,
                     (&fixed, tools),
                 )
                 .await?;
             made += 1;
             usage = u;
+            fell_back = f;
             top = Some(layer);
         } else {
-            let (layer, u) = self
+            let (layer, u, f) = self
                 .fold_layers(
                     &state.milestones,
                     None,
                     2,
                     Some(made + 1),
-                    overflowing,
+                    fall_back,
                     (&above_milestones, tools),
                 )
                 .await?;
             made += 1;
             let mut total = u;
+            fell_back = f;
             kept.push(layer);
             for tier in 2..depth {
                 let of_tier: Vec<usize> = (0..kept.len())
@@ -1239,16 +1251,9 @@ impl Compactor {
                 let upper = tier + 1;
                 let previous = if upper == depth { top.as_ref() } else { None };
                 let folded = self
-                    .fold_layers(
-                        &leaving,
-                        previous,
-                        upper,
-                        None,
-                        overflowing,
-                        (&fixed, tools),
-                    )
+                    .fold_layers(&leaving, previous, upper, None, fall_back, (&fixed, tools))
                     .await;
-                let (layer, u) = match folded {
+                let (layer, u, f) = match folded {
                     Ok(f) => f,
                     Err(e @ CompactionError::NotSmaller { .. }) => {
                         tracing::info!(tier = upper, error = %e, "higher tier not folded yet");
@@ -1257,6 +1262,7 @@ impl Compactor {
                     Err(e) => return Err(e),
                 };
                 total = add_usage(total, u);
+                fell_back |= f;
                 let first = of_tier[0];
                 kept.drain(first..first + keep);
                 if upper == depth {
@@ -1276,7 +1282,7 @@ impl Compactor {
         state.epochs = kept;
         state.epochs_made = made;
         state.milestones.clear();
-        Ok(usage)
+        Ok((usage, fell_back))
     }
 
     /// One summary of `inputs` (and `previous`, folded in) at `tier`, unless it would
@@ -1289,16 +1295,16 @@ impl Compactor {
         previous: Option<&Layer>,
         tier: u8,
         number: Option<u64>,
-        overflowing: bool,
+        fall_back: bool,
         context: (&[Message], &[ToolSpec]),
-    ) -> Result<(Layer, (u64, u64, u64)), CompactionError> {
+    ) -> Result<(Layer, (u64, u64, u64), bool), CompactionError> {
         let messages: Vec<Message> = inputs.iter().map(|l| l.message.clone()).collect();
         let budget = self.config.tier_budget(self.prompt_budget(), tier);
         let mut request = SummaryRequest::epoch(&messages, budget);
         if let Some(p) = previous {
             request = request.previous(&p.text);
         }
-        let (text, summary, _) = self.summarize(request, overflowing, context).await?;
+        let (text, summary, fell_back) = self.summarize(request, fall_back, context).await?;
         let usage = usage_of(&summary);
         let replaced: usize =
             inputs.iter().map(|l| l.tokens).sum::<usize>() + previous.map_or(0, |l| l.tokens);
@@ -1344,7 +1350,7 @@ impl Compactor {
                 after: layer.tokens,
             });
         }
-        Ok((layer, usage))
+        Ok((layer, usage, fell_back))
     }
 
     fn layer(
@@ -1378,12 +1384,13 @@ impl Compactor {
         }
     }
 
-    /// Runs the summarizer with retries; when it keeps failing and the context would
-    /// overflow, the fallback writes the summary. Returns (text, summary, fallback used).
+    /// Runs the summarizer with retries; when it keeps failing and `fall_back` (see
+    /// [`Self::falls_back`]), the fallback writes the summary. Returns (text, summary,
+    /// fallback used).
     async fn summarize(
         &self,
         request: SummaryRequest<'_>,
-        overflowing: bool,
+        fall_back: bool,
         (prefix, tools): (&[Message], &[ToolSpec]),
     ) -> Result<(String, keel_summarize::Summary, bool), CompactionError> {
         let retry = &self.config.summary_retry;
@@ -1406,7 +1413,7 @@ impl Compactor {
                 tokio::time::sleep(retry.delay(attempt - 1)).await;
             }
         }
-        if overflowing {
+        if fall_back {
             let s = self
                 .fallback
                 .summarize(&request)
@@ -1417,6 +1424,17 @@ impl Compactor {
         Err(CompactionError::Summarize(
             last_error.unwrap_or(keel_summarize::SummarizeError::EmptyInput),
         ))
+    }
+
+    /// Whether a summary that keeps failing is written by the fallback: when the
+    /// context would overflow, or after
+    /// [`CompactionConfig::fallback_after_failures`] failed compactions in a row.
+    fn falls_back(&self, state: &ContextState, overflowing: bool) -> bool {
+        overflowing
+            || self
+                .config
+                .fallback_after_failures
+                .is_some_and(|n| state.failures_in_a_row >= n)
     }
 
     /// Keeps the summarizer's reported usage for the cost model.
@@ -1589,4 +1607,16 @@ async fn append_off_runtime(
                 source: std::io::Error::other(format!("the blocking task ended: {e}")),
             })
         })
+}
+
+/// Keeps [`ContextState::failures_in_a_row`] after a compaction (`Ok(fell_back)` when it
+/// happened): one the summarizer wrote resets it; one that failed, or that the fallback
+/// wrote because the summarizer failed, adds one; one that had nothing to do (nothing
+/// to compact, or a result no smaller) leaves it.
+fn count_failure(state: &mut ContextState, result: &Result<bool, &CompactionError>) {
+    match result {
+        Ok(false) => state.failures_in_a_row = 0,
+        Err(CompactionError::NothingToCompact | CompactionError::NotSmaller { .. }) => {}
+        Ok(true) | Err(_) => state.failures_in_a_row = state.failures_in_a_row.saturating_add(1),
+    }
 }

@@ -206,7 +206,7 @@ pub struct CompactionConfig {
     /// [`crate::Trigger::StepCeiling`] once the run has made this many model calls.
     pub max_steps: u64,
     /// How a failed summary is retried before the compaction gives up (or falls back to
-    /// the extractive summary when the context would overflow): keel's one
+    /// the extractive summary, see [`CompactionConfig::fallback_after_failures`]): keel's one
     /// [`RetryPolicy`], the type graph nodes and model clients use (default 2 attempts
     /// in all, 500 ms apart, with jitter).
     pub summary_retry: RetryPolicy,
@@ -216,6 +216,15 @@ pub struct CompactionConfig {
     /// fifth fewer for `", "`-separated JSON, more for indented JSON. The length before
     /// is recorded in the message's metadata. Turn it off to keep results byte-exact.
     pub minify_json: bool,
+    /// When a summary that keeps failing is written by the fallback summarizer (the
+    /// extractive one unless replaced) instead of failing the compaction: always when
+    /// the context would overflow, and also once this many compactions in a row have
+    /// failed ([`ContextState::failures_in_a_row`](crate::ContextState::failures_in_a_row)).
+    /// Default `Some(1)`: a summarizer that fails once (its server is down, its replies
+    /// are rejected) costs one missed compaction, not a context that can no longer
+    /// shrink. `Some(0)` falls back at once; `None` only when the context would
+    /// overflow.
+    pub fallback_after_failures: Option<u32>,
 }
 
 impl Default for CompactionConfig {
@@ -241,11 +250,29 @@ impl Default for CompactionConfig {
             max_steps: 500,
             summary_retry: RetryPolicy::default().max_attempts(2),
             minify_json: true,
+            fallback_after_failures: Some(1),
         }
     }
 }
 
 impl CompactionConfig {
+    /// Sets when a failing summary falls back to the fallback summarizer
+    /// ([`CompactionConfig::fallback_after_failures`]).
+    ///
+    /// ```
+    /// use keel_compaction::CompactionConfig;
+    ///
+    /// // Only when the context would overflow: a failing summarizer shows as failures.
+    /// let config = CompactionConfig::default().with_fallback_after_failures(None);
+    /// assert_eq!(config.fallback_after_failures, None);
+    /// assert_eq!(CompactionConfig::default().fallback_after_failures, Some(1));
+    /// ```
+    #[must_use]
+    pub fn with_fallback_after_failures(mut self, failures: Option<u32>) -> Self {
+        self.fallback_after_failures = failures;
+        self
+    }
+
     /// Sets the strategy.
     #[must_use]
     pub fn with_strategy(mut self, strategy: Strategy) -> Self {

@@ -117,6 +117,13 @@ pub struct ContextState {
     /// [`Lineage::unscoped`] (everything of the thread, as before).
     #[serde(default)]
     pub lineage: Lineage,
+    /// Compactions in a row at which the summarizer failed, whether they failed or the
+    /// fallback wrote their summary (one that found nothing to compact, or a result no
+    /// smaller, does not count; one the summarizer wrote resets it). From
+    /// [`CompactionConfig::fallback_after_failures`](crate::CompactionConfig::fallback_after_failures)
+    /// of them on, a summary the summarizer fails at is written by the fallback.
+    #[serde(default)]
+    pub failures_in_a_row: u32,
     /// Token counts of what the compactor has seen (recounted lazily after a load).
     #[serde(skip)]
     pub(crate) ledger: Ledger,
@@ -244,6 +251,7 @@ impl ContextState {
             milestones_made: 0,
             epochs_made: 0,
             lineage: Lineage::new(),
+            failures_in_a_row: 0,
             ledger: Ledger::default(),
         }
     }

@@ -262,10 +262,13 @@ async fn a_failed_compaction_leaves_the_whole_state_as_it_was_even_when_truncati
         )
         .unwrap();
     assert!(!stored.is_empty(), "the truncation policy ran");
-    // ...and the state is exactly as it was, but for the failed event.
+    // ...and the state is exactly as it was, but for the failed event and the count of
+    // failures in a row.
     assert_eq!(state.events.len(), before.events.len() + 1);
     assert!(state.events.last().unwrap().error.is_some());
     state.events.pop();
+    assert_eq!(state.failures_in_a_row, before.failures_in_a_row + 1);
+    state.failures_in_a_row = before.failures_in_a_row;
     assert_eq!(state, before);
     // The same compaction with a working summarizer does rewrite the arguments.
     let working = rig(config, window, extractive());
@@ -356,4 +359,38 @@ async fn a_copy_of_the_goal_pushed_as_a_turn_does_not_stop_compaction() {
     assert_eq!(archived.text(), "Read every part.");
     assert!(!keel_summarize::is_goal(&archived));
     assert!(keel_summarize::is_goal(state.goal.message()));
+}
+
+#[tokio::test]
+async fn a_failing_summarizer_falls_back_from_the_second_compaction_in_a_row() {
+    for (setting, fallbacks) in [(Some(1), true), (None, false)] {
+        let config = CompactionConfig::default()
+            .with_every_steps(Some(3))
+            .with_keep_recent_tokens(60)
+            .with_fallback_after_failures(setting);
+        let rig = rig(config, 100_000, Arc::new(Failing));
+        let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+        let mut outcomes = Vec::new();
+        for i in 1..=9 {
+            let (reply, results) = step(i, 8);
+            rig.compactor.push_step(&mut state, reply, results);
+            if let Some(trigger) = rig.compactor.check(&mut state, &[]) {
+                let result = rig.compactor.compact(&mut state, trigger, &[]).await;
+                outcomes.push(result.map(|e| e.fallback).map_err(|e| e.to_string()));
+            }
+        }
+        assert!(outcomes.len() >= 3, "{outcomes:?}");
+        // The first compaction fails and changes nothing, whatever the setting.
+        assert!(outcomes[0].is_err(), "{outcomes:?}");
+        if fallbacks {
+            // From the second on, the extractive fallback writes every summary, and
+            // the streak counts them all: the summarizer failed at each.
+            assert!(outcomes[1..].iter().all(|o| *o == Ok(true)), "{outcomes:?}");
+            assert_eq!(state.failures_in_a_row as usize, outcomes.len());
+            assert!(!state.milestones.is_empty());
+        } else {
+            assert!(outcomes.iter().all(Result::is_err), "{outcomes:?}");
+            assert!(state.milestones.is_empty());
+        }
+    }
 }
