@@ -192,10 +192,23 @@ impl OpenAiModel {
         let mut body = Map::new();
         let model = options.model.as_deref().unwrap_or(&self.config.model);
         body.insert("model".into(), Value::from(model));
-        body.insert("messages".into(), Value::Array(openai::to_values(messages)));
+        let mut wire = openai::to_values(messages);
+        // An assistant turn of tool calls alone goes out with `"content": ""`, not the
+        // `null` OpenAI writes: OpenAI takes both, and several compatible servers
+        // (llama-cpp-python, SGLang, older llama.cpp) refuse `null`.
+        for m in &mut wire {
+            if let Some(content @ Value::Null) = m.get_mut("content") {
+                *content = Value::String(String::new());
+            }
+        }
+        body.insert("messages".into(), Value::Array(wire));
         if !tools.is_empty() {
             let tools = tools.iter().map(openai::tool_to_value).collect();
             body.insert("tools".into(), Value::Array(tools));
+            // OpenAI's default when tools are given, said outright: some compatible
+            // servers (llama-cpp-python's function-calling handlers) take a missing
+            // `tool_choice` as "none" and drop the tools from the prompt.
+            body.insert("tool_choice".into(), Value::from("auto"));
         }
         if let Some(t) = options.temperature {
             body.insert("temperature".into(), json!(t));

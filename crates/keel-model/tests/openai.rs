@@ -132,7 +132,8 @@ async fn non_streamed_call_sends_the_real_request_shape_and_reads_tool_calls_and
             "messages": [
                 {"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": null, "tool_calls": [{
+                // `""`, not `null`: llama-cpp-python and SGLang refuse `null`.
+                {"role": "assistant", "content": "", "tool_calls": [{
                     "id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}
                 }]},
@@ -142,6 +143,8 @@ async fn non_streamed_call_sends_the_real_request_shape_and_reads_tool_calls_and
                 "name": "get_weather", "description": "Current weather.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
             }}],
+            // Said outright: llama-cpp-python takes a missing tool_choice as "none".
+            "tool_choice": "auto",
             "temperature": 0.0,
             "max_tokens": 64,
             "stop": ["END"],
