@@ -2,16 +2,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, Stop};
-use keel::compaction::CompactionConfig;
+use keel::agent::{Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, Stop};
+use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::message::{Message, Role};
-use keel::offload::EvictLargeResults;
-use keel::token::TokenCounter;
+use keel::offload::{EvictLargeResults, MemoryStore};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -102,24 +102,34 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     }
     let home = settings.home(args.home.as_deref());
     let url = settings.store_url(args.database_url.as_deref(), args.home.as_deref());
-    // Only a run that may start a thread creates the embedded file.
+    // Only a run that may start a thread creates the embedded file, and only once the
+    // run is known to fit its window: a database that already exists is opened now to
+    // read the thread's settings.
     let creates = args.thread.is_none() || args.goal.is_some();
-    let storage = store::open(&home, url.as_deref(), creates).await?;
+    let opened = if url.is_some() || !creates || store::sqlite_path(&home).exists() {
+        Some(store::open(&home, url.as_deref(), creates).await?)
+    } else {
+        None
+    };
 
     let thread = args
         .thread
         .clone()
         .unwrap_or_else(|| store::new_thread_id("run"));
-    let saved = saved_settings(&*storage.saver, &thread).await?;
+    let saved = match &opened {
+        Some(storage) => saved_settings(&*storage.saver, &thread).await?,
+        None => None,
+    };
     if saved.is_none() && args.goal.is_none() {
         bail!(
             "there is no thread `{thread}` ({}): `{}` lists the threads there; give --goal to start a new thread",
-            storage.described,
+            opened.as_ref().map_or_else(
+                || format!("SQLite file {}", store::sqlite_path(&home).display()),
+                |s| s.described.clone()
+            ),
             threads_list_hint(&args)
         );
     }
-    let offload = store::offload_for(&home, url.as_deref(), true)?
-        .context("no offload store could be opened")?;
     let spec = args
         .model
         .clone()
@@ -144,26 +154,19 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let live = args.live.connect(&spec, window, settings)?;
     let counter = model::counter(&live.profile)?;
 
-    let agent = {
-        let mut tools = FileTools::new(&dir)
-            .with_context(|| format!("cannot root the file tools at {}", dir.display()))?;
-        if !args.approve {
-            tools = tools.read_only();
-        }
+    let mut tools = FileTools::new(&dir)
+        .with_context(|| format!("cannot root the file tools at {}", dir.display()))?;
+    if !args.approve {
+        tools = tools.read_only();
+    }
+    let builder = || {
         let mut builder = Agent::builder()
             .model(live.client.clone())
             .options(live.options.clone())
             .profile(live.profile.clone())
             .counter(counter.clone())
-            .summarizer(model::summarizer(
-                &args.summarizer,
-                settings,
-                live.http.clone(),
-            )?)
             .system(LIVE_SYSTEM)
-            .file_tools(tools)
-            .checkpointer(storage.saver.clone())
-            .offload_store(offload.clone())
+            .file_tools(tools.clone())
             .evict(Some(EvictLargeResults::new()))
             // --max-steps is each run's budget (AgentInput::max_steps), not a ceiling
             // on the thread.
@@ -171,8 +174,43 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         if args.approve {
             builder = builder.approve(["write_file", "edit_file"]);
         }
-        builder.build().context("cannot build the agent")?
+        builder
     };
+    if let (None, Some(goal)) = (&saved, &args.goal) {
+        // A new thread: its system prompt, goal and tool specs head every prompt and
+        // are never compacted. Refused before anything is written. The tool specs
+        // read the same with any offload store, so a memory one stands in.
+        let probe = builder()
+            .offload_store(Arc::new(MemoryStore::new()))
+            .build()
+            .context("cannot build the agent")?;
+        let fixed = probe.fixed_prompt_tokens(Some(&GoalAnchor::new(goal.as_str())), None);
+        if let Err(e) = model::check_fixed_part_fits(
+            "the goal, system prompt and tool specs take",
+            fixed,
+            2,
+            &live.profile,
+            "put the long material in a file under --dir and make the goal say where it is, or ",
+        ) {
+            return Ok(crate::ui::usage_error(&e));
+        }
+    }
+    let storage = match opened {
+        Some(storage) => storage,
+        None => store::open(&home, url.as_deref(), true).await?,
+    };
+    let offload = store::offload_for(&home, url.as_deref(), true)?
+        .context("no offload store could be opened")?;
+    let agent = builder()
+        .summarizer(model::summarizer(
+            &args.summarizer,
+            settings,
+            live.http.clone(),
+        )?)
+        .checkpointer(storage.saver.clone())
+        .offload_store(offload.clone())
+        .build()
+        .context("cannot build the agent")?;
     let existing = agent
         .state(&thread)
         .await
@@ -184,17 +222,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         (Some(_), Some(_)) => bail!(
             "thread `{thread}` already has a goal (a goal is written once); continue it without --goal, or add --message \"...\""
         ),
-        (None, Some(goal)) => {
-            // Refused before the thread is created.
-            model::check_fixed_part_fits(
-                "the goal is",
-                counter.count_text(goal),
-                2,
-                &live.profile,
-                "put the long material in a file under --dir and make the goal say where it is, or ",
-            )?;
-            input = input.goal(goal.clone());
-        }
+        (None, Some(goal)) => input = input.goal(goal.clone()),
         (Some(_), None) => {}
     }
     if let Some(m) = &args.message {
@@ -357,17 +385,7 @@ async fn drive(
         };
         let update = match update {
             Ok(u) => u,
-            Err(e) => {
-                let message = match model::what_to_fix(&e, spec, settings) {
-                    Some(fix) => format!(
-                        "the run of thread `{thread}` failed: {fix}. It resumes from its last checkpoint with: {resume}"
-                    ),
-                    None => format!(
-                        "the run of thread `{thread}` failed; it resumes from its last checkpoint with: {resume}"
-                    ),
-                };
-                return Err(anyhow::Error::new(e).context(message));
-            }
+            Err(e) => return Err(failed(agent, thread, resume, e, (spec, settings)).await),
         };
         print_update(&update);
         match update {
@@ -380,6 +398,42 @@ async fn drive(
             _ => {}
         }
     }
+}
+
+/// The error of a failed run: what to fix, and how to resume the thread when it has a
+/// checkpoint to resume from (a run refused before its first step left none).
+async fn failed(
+    agent: &Agent,
+    thread: &str,
+    resume: &str,
+    error: AgentError,
+    (spec, settings): (&ModelSpec, &Settings),
+) -> anyhow::Error {
+    if let AgentError::PromptTooLarge { tokens, .. } = &error {
+        // The thread ran with a larger window than this run gives it.
+        let least = model::smallest_window(*tokens, 1);
+        let message = format!(
+            "thread `{thread}` cannot run with this window: give --window {least} or more, e.g. {resume} --window {least}"
+        );
+        return anyhow::Error::new(error).context(message);
+    }
+    let resumable = matches!(agent.state(thread).await, Ok(Some(_)));
+    let fix = model::what_to_fix(&error, spec, settings);
+    let message = match (fix, resumable) {
+        (Some(fix), true) => format!(
+            "the run of thread `{thread}` failed: {fix}. It resumes from its last checkpoint with: {resume}"
+        ),
+        (None, true) => format!(
+            "the run of thread `{thread}` failed; it resumes from its last checkpoint with: {resume}"
+        ),
+        (Some(fix), false) => format!(
+            "the run of thread `{thread}` failed before its first checkpoint, so there is nothing to resume: {fix}, then run the command again"
+        ),
+        (None, false) => format!(
+            "the run of thread `{thread}` failed before its first checkpoint, so there is nothing to resume: run the command again once the cause below is fixed"
+        ),
+    };
+    anyhow::Error::new(error).context(message)
 }
 
 fn print_update(update: &AgentUpdate) {

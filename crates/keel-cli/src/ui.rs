@@ -94,6 +94,8 @@ pub fn thread_id(text: &str) -> Result<String, String> {
 pub mod exit {
     /// An error (a sentence on stderr says what to do).
     pub const ERROR: u8 = 1;
+    /// Bad usage: a flag, or a combination of them, that cannot work.
+    pub const USAGE: u8 = 2;
     /// The demo's final answer was wrong.
     pub const WRONG_ANSWER: u8 = 3;
     /// `keel replay` skipped files it could not read (the rest were replayed).
@@ -108,6 +110,15 @@ pub fn fail(error: &anyhow::Error) -> ExitCode {
         write_err(format_args!("{line}\n"));
     }
     ExitCode::from(exit::ERROR)
+}
+
+/// Prints a refusal of the command line as given (and its causes) and returns exit
+/// code 2, as clap does for a bad flag.
+pub fn usage_error(error: &anyhow::Error) -> ExitCode {
+    for line in error_lines(error) {
+        write_err(format_args!("{line}\n"));
+    }
+    ExitCode::from(exit::USAGE)
 }
 
 /// `error: ...` and one `caused by: ...` per cause, leaving out a cause whose text the

@@ -2453,3 +2453,80 @@ fn replay_notes_a_replay_that_compacted_nothing_and_how_to_see_compaction() {
     assert!(out.status.success(), "{stderr}");
     assert!(!stdout.contains("nothing was compacted"), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anything_is_written() {
+    let server = server(true).await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let url = format!("{}/v1", server.uri());
+    let run = |window: String, thread: &'static str| {
+        let (h, d, url) = (home.path().to_owned(), proj.path().to_owned(), url.clone());
+        move || {
+            keel()
+                .args(["run", "--model", "openai/local", "--goal", "What is here?"])
+                .args(["--thread", thread, "--window", &window])
+                .arg("--home")
+                .arg(&h)
+                .arg("--dir")
+                .arg(&d)
+                .env("OPENAI_BASE_URL", url)
+                .output()
+                .unwrap()
+        }
+    };
+    let out = tokio::task::spawn_blocking(run("1024".into(), "small"))
+        .await
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("the goal, system prompt and tool specs take")
+            && !stderr.contains("resume"),
+        "{stderr}"
+    );
+    assert!(
+        server.received_requests().await.unwrap().is_empty(),
+        "no model call"
+    );
+    assert!(
+        !home.path().join("keel.sqlite").exists(),
+        "no database is left behind"
+    );
+    let at = stderr.rfind("at least ").unwrap();
+    let least = stderr[at + "at least ".len()..].trim().replace(',', "");
+    least.parse::<usize>().unwrap();
+    // The window it names does.
+    let out = tokio::task::spawn_blocking(run(least, "fits"))
+        .await
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("The directory holds README.md and src."),
+        "{stdout}"
+    );
+
+    // Resumed with a window its fixed part does not fit: refused, saying which does.
+    let (h, d) = (home.path().to_owned(), proj.path().to_owned());
+    let out = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["run", "--thread", "fits", "--window", "1024"])
+            .arg("--home")
+            .arg(&h)
+            .arg("--dir")
+            .arg(&d)
+            .env("OPENAI_BASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot run with this window: give --window")
+            && stderr.contains("keel run --thread fits"),
+        "{stderr}"
+    );
+}
