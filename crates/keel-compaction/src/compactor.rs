@@ -1407,7 +1407,16 @@ impl Compactor {
                     return Ok((s.text.clone(), s, false));
                 }
                 Ok(_) => last_error = Some(keel_summarize::SummarizeError::EmptyInput),
-                Err(e) => last_error = Some(e),
+                Err(e) => {
+                    // Only a failed model call can pass: the same request again gets
+                    // the same rejection (an LLM summarizer at temperature 0 has
+                    // already retried with the reason) or the same refusal.
+                    let again = matches!(e, keel_summarize::SummarizeError::Model(_));
+                    last_error = Some(e);
+                    if !again {
+                        break;
+                    }
+                }
             }
             if attempt < attempts {
                 tokio::time::sleep(retry.delay(attempt - 1)).await;

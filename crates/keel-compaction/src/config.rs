@@ -205,10 +205,12 @@ pub struct CompactionConfig {
     /// The hard step ceiling: [`crate::Compactor::check`] reports
     /// [`crate::Trigger::StepCeiling`] once the run has made this many model calls.
     pub max_steps: u64,
-    /// How a failed summary is retried before the compaction gives up (or falls back to
-    /// the extractive summary, see [`CompactionConfig::fallback_after_failures`]): keel's one
+    /// How a summary whose model call failed ([`keel_summarize::SummarizeError::Model`])
+    /// is retried before the compaction gives up (or falls back to the extractive
+    /// summary, see [`CompactionConfig::fallback_after_failures`]): keel's one
     /// [`RetryPolicy`], the type graph nodes and model clients use (default 2 attempts
-    /// in all, 500 ms apart, with jitter).
+    /// in all, 500 ms apart, with jitter). A rejected reply or a refused request is not
+    /// retried: the same request would get the same answer.
     pub summary_retry: RetryPolicy,
     /// Drop the whitespace between the tokens of JSON tool results as they arrive
     /// ([`keel_offload::minify_json`]; default `true`). Strings, numbers and key order

@@ -394,3 +394,67 @@ async fn a_failing_summarizer_falls_back_from_the_second_compaction_in_a_row() {
         }
     }
 }
+
+/// Fails every call with `error()`, counting the calls.
+struct Counting<F> {
+    calls: std::sync::atomic::AtomicUsize,
+    error: F,
+}
+
+#[async_trait]
+impl<F: Fn() -> SummarizeError + Send + Sync> Summarizer for Counting<F> {
+    async fn summarize(&self, _: &SummaryRequest<'_>) -> Result<Summary, SummarizeError> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Err((self.error)())
+    }
+}
+
+#[tokio::test]
+async fn only_a_failed_model_call_is_summarized_again() {
+    let rejected = || SummarizeError::Rejected {
+        reason: keel_summarize::Rejection::Truncated,
+        attempts: 2,
+    };
+    let down = || {
+        SummarizeError::Model(keel_model::ModelError::Connection(
+            "connection refused".into(),
+        ))
+    };
+    let retry = keel_model::RetryPolicy::default()
+        .max_attempts(3)
+        .initial_backoff(std::time::Duration::from_millis(1));
+    for (error, calls) in [
+        (
+            Box::new(rejected) as Box<dyn Fn() -> SummarizeError + Send + Sync>,
+            1,
+        ),
+        (Box::new(down), 3),
+    ] {
+        let summarizer = Arc::new(Counting {
+            calls: std::sync::atomic::AtomicUsize::new(0),
+            error,
+        });
+        let config = CompactionConfig::default()
+            .with_every_steps(None)
+            .with_keep_recent_tokens(50)
+            .with_summary_retry(retry.clone())
+            .with_fallback_after_failures(None);
+        let rig = rig(config, 100_000, summarizer.clone());
+        let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+        for i in 0..6 {
+            let (reply, results) = step(i, 8);
+            rig.compactor.push_step(&mut state, reply, results);
+        }
+        let err = rig
+            .compactor
+            .compact(&mut state, Trigger::Force, &[])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CompactionError::Summarize(_)), "{err}");
+        assert_eq!(
+            summarizer.calls.load(std::sync::atomic::Ordering::SeqCst),
+            calls,
+            "{err}"
+        );
+    }
+}
