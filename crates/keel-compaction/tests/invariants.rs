@@ -34,7 +34,10 @@ impl Summarizer for Recording {
             .unwrap()
             .push((request.level, request.messages.to_vec()));
         if self.fail {
-            return Err(SummarizeError::EmptyInput);
+            // A summarizer whose server is down: the kind of failure retried.
+            return Err(SummarizeError::Model(keel_model::ModelError::Connection(
+                "connection refused".into(),
+            )));
         }
         ExtractiveSummarizer::new().summarize(request).await
     }
@@ -272,7 +275,7 @@ async fn a_failed_compaction_changes_nothing() {
     let event = &state.events[0];
     assert!(event.error.is_some());
     assert_eq!(event.tokens_before, event.tokens_after);
-    // Retried before giving up.
+    // A failed model call is tried again before the compaction gives up.
     assert_eq!(rig.summarizer.requests.lock().unwrap().len(), 2);
 }
 
