@@ -16,7 +16,7 @@ use anyhow::Context as _;
 use serde::Deserialize;
 
 /// What `keel.toml` may hold. Unknown keys are an error, so a typo is not ignored.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// Directory of the embedded SQLite file and offload store.

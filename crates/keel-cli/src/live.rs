@@ -32,7 +32,9 @@ Examples:
   keel run --model ollama/qwen2.5:7b --goal \"Fix the typo in README.md\" --approve
 
 Ctrl-C stops after the current step; `--thread T` resumes the thread where it stopped,
-with the model, --dir and --window it ran with (flags given again override them).
+with the model, server address, --dir, --window, --max-tokens, --timeout and
+--summarizer it ran with (flags given again override them, and so does a base URL set
+in the environment or keel.toml; the API key is never stored).
 Servers: OLLAMA_BASE_URL (default http://127.0.0.1:11434), OPENAI_BASE_URL and
 OPENAI_API_KEY. Threads live in --home (SQLite) or --database-url / DATABASE_URL.")]
 pub struct RunArgs {
@@ -64,9 +66,10 @@ pub struct RunArgs {
     approve: bool,
     #[command(flatten)]
     live: LiveArgs,
-    /// `extractive` (no model) or a model for summaries.
-    #[arg(long, default_value = "extractive", value_parser = crate::model::summarizer_flag)]
-    summarizer: String,
+    /// `extractive` (no model) or a model for summaries (default: the thread's, else
+    /// extractive).
+    #[arg(long, value_parser = crate::model::summarizer_flag)]
+    summarizer: Option<String>,
     /// Model calls at most in this run; the thread then stops resumably.
     #[arg(long, value_name = "CALLS", default_value_t = 100, value_parser = crate::ui::at_least_one::<u64>)]
     max_steps: u64,
@@ -76,12 +79,19 @@ pub struct RunArgs {
 const RUN_METADATA: &str = "keel_run";
 
 /// What a thread ran with, stored in its checkpoints' metadata so `--thread T` alone
-/// resumes it the same way.
+/// resumes it the same way. Every field is optional: threads saved by older versions
+/// have only the first three. Never the API key.
 #[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 struct Saved {
     model: Option<String>,
     dir: Option<PathBuf>,
     window: Option<usize>,
+    /// The model server's base URL (OpenAI-compatible or Ollama, as `model` says).
+    base_url: Option<String>,
+    max_tokens: Option<u32>,
+    timeout: Option<u64>,
+    summarizer: Option<String>,
 }
 
 /// Runs `keel run`.
@@ -137,6 +147,31 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         .or_else(|| settings.model(None))
         .context(NEEDS_MODEL)?;
     let spec = ModelSpec::parse(&spec)?;
+    // The server the thread ran with, unless the environment or keel.toml names one:
+    // a local thread's content must not go to the provider's default server.
+    let saved_url = saved
+        .as_ref()
+        .filter(|s| {
+            s.model
+                .as_deref()
+                .and_then(|m| ModelSpec::parse(m).ok())
+                .is_some_and(|m| m.same_provider(&spec))
+        })
+        .and_then(|s| s.base_url.clone());
+    let resolved;
+    let settings = match (spec.explicit_base_url(settings), saved_url) {
+        (None, Some(url)) => {
+            resolved = spec.with_base_url(settings, url);
+            &resolved
+        }
+        (Some(given), Some(url)) if given.trim_end_matches('/') != url.trim_end_matches('/') => {
+            errln!(
+                "note: thread `{thread}` ran with the server at {url}; this run uses {given}, as the environment or keel.toml says"
+            );
+            settings
+        }
+        _ => settings,
+    };
     let dir = args
         .dir
         .clone()
@@ -151,7 +186,23 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let window = args
         .live
         .window(settings, saved.as_ref().and_then(|s| s.window))?;
-    let live = args.live.connect(&spec, window, settings)?;
+    let live_args = LiveArgs {
+        window: args.live.window,
+        max_tokens: args
+            .live
+            .max_tokens
+            .or_else(|| saved.as_ref().and_then(|s| s.max_tokens)),
+        timeout: args
+            .live
+            .timeout
+            .or_else(|| saved.as_ref().and_then(|s| s.timeout)),
+    };
+    let summarizer = args
+        .summarizer
+        .clone()
+        .or_else(|| saved.as_ref().and_then(|s| s.summarizer.clone()))
+        .unwrap_or_else(|| "extractive".to_owned());
+    let live = live_args.connect(&spec, window, settings)?;
     let counter = model::counter(&live.profile)?;
 
     let mut tools = FileTools::new(&dir)
@@ -202,11 +253,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let offload = store::offload_for(&home, url.as_deref(), true)?
         .context("no offload store could be opened")?;
     let agent = builder()
-        .summarizer(model::summarizer(
-            &args.summarizer,
-            settings,
-            live.http.clone(),
-        )?)
+        .summarizer(model::summarizer(&summarizer, settings, live.http.clone())?)
         .checkpointer(storage.saver.clone())
         .offload_store(offload.clone())
         .build()
@@ -232,6 +279,10 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         model: Some(spec.to_string()),
         dir: Some(dir.clone()),
         window,
+        base_url: Some(spec.base_url(settings)),
+        max_tokens: Some(live_args.max_tokens.unwrap_or(model::DEFAULT_MAX_TOKENS)),
+        timeout: Some(live_args.timeout.unwrap_or(model::DEFAULT_TIMEOUT_SECS)),
+        summarizer: Some(summarizer.clone()),
     };
     outln!("model: {spec} at {}", spec.base_url(settings));
     outln!(
@@ -528,4 +579,20 @@ async fn ask(question: &Value) -> anyhow::Result<Value> {
         answers.insert(id, json!(yes));
     }
     Ok(Value::Object(answers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_saved_by_older_versions_still_read() {
+        let old: Saved = serde_json::from_value(json!({
+            "model": "openai/local", "dir": "/srv/p", "window": 8000
+        }))
+        .unwrap();
+        assert_eq!(old.model.as_deref(), Some("openai/local"));
+        assert_eq!(old.window, Some(8000));
+        assert!(old.base_url.is_none() && old.max_tokens.is_none() && old.summarizer.is_none());
+    }
 }

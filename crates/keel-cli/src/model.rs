@@ -29,15 +29,22 @@ pub struct LiveArgs {
     /// keel.toml, else keel's profile of the model).
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
-    /// The longest reply the model may write, in tokens.
-    #[arg(long, value_name = "TOKENS", default_value_t = 1024, value_parser = crate::ui::at_least_one::<u32>)]
-    pub max_tokens: u32,
-    /// Seconds one model call may take. A call that takes longer is not retried: the
-    /// run fails and its thread resumes from its last checkpoint (HTTP 429 and 5xx
-    /// replies and failed connections are retried before a run fails).
-    #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = crate::ui::at_least_one::<u64>)]
-    pub timeout: u64,
+    /// The longest reply the model may write, in tokens (default: 1024; `keel run
+    /// --thread T`: the thread's).
+    #[arg(long, value_name = "TOKENS", value_parser = crate::ui::at_least_one::<u32>)]
+    pub max_tokens: Option<u32>,
+    /// Seconds one model call may take (default: 300; `keel run --thread T`: the
+    /// thread's). A call that takes longer is not retried: the run fails and its
+    /// thread resumes from its last checkpoint (HTTP 429 and 5xx replies and failed
+    /// connections are retried before a run fails).
+    #[arg(long, value_name = "SECS", value_parser = crate::ui::at_least_one::<u64>)]
+    pub timeout: Option<u64>,
 }
+
+/// `--max-tokens` when none is given.
+pub const DEFAULT_MAX_TOKENS: u32 = 1024;
+/// `--timeout` when none is given, in seconds.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
 
 /// A live model ready for the agent builder.
 pub struct Live {
@@ -74,13 +81,13 @@ impl LiveArgs {
         settings: &Settings,
     ) -> anyhow::Result<Live> {
         let profile = profile(spec.name(), window)?;
-        let timeout = Duration::from_secs(self.timeout);
+        let timeout = Duration::from_secs(self.timeout.unwrap_or(DEFAULT_TIMEOUT_SECS));
         let http = HttpConfig::default()
             .request_timeout(timeout)
             .stream_timeout(timeout);
         Ok(Live {
             client: spec.client_with(settings, http.clone(), window)?,
-            options: ChatOptions::new().max_tokens(self.max_tokens),
+            options: ChatOptions::new().max_tokens(self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
             profile,
             http,
         })
@@ -274,6 +281,31 @@ impl ModelSpec {
                 .or_else(|| settings.openai_base_url.clone())
                 .unwrap_or_else(|| OpenAiConfig::DEFAULT_BASE_URL.to_owned()),
         }
+    }
+
+    /// The base URL the environment or keel.toml gives for this model's provider, if
+    /// any (`None`: [`base_url`](Self::base_url) is the provider's default).
+    pub fn explicit_base_url(&self, settings: &Settings) -> Option<String> {
+        match self {
+            Self::Ollama(_) => env("OLLAMA_BASE_URL").or_else(|| settings.ollama_base_url.clone()),
+            Self::OpenAi(_) => env("OPENAI_BASE_URL").or_else(|| settings.openai_base_url.clone()),
+        }
+    }
+
+    /// `settings` with this provider's base URL set to `url` in the place of keel.toml
+    /// (the environment still wins).
+    pub fn with_base_url(&self, settings: &Settings, url: String) -> Settings {
+        let mut settings = settings.clone();
+        match self {
+            Self::Ollama(_) => settings.ollama_base_url = Some(url),
+            Self::OpenAi(_) => settings.openai_base_url = Some(url),
+        }
+        settings
+    }
+
+    /// Whether `other` is served by the same provider (and so the same base URL).
+    pub fn same_provider(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
     }
 
     /// A client for the model, with the default HTTP limits.

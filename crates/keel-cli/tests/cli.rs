@@ -1388,11 +1388,11 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
         "--max-tokens reaches every request"
     );
 
-    // Resumed from another directory with only --thread: same files, window, model;
-    // --max-steps 3 allows three more calls, not one.
-    let (h, u, t, cwd) = (
+    // Resumed from another directory with only --thread, and no OPENAI_BASE_URL: same
+    // files, window, model, server and --max-tokens; --max-steps 3 allows three more
+    // calls, not one.
+    let (h, t, cwd) = (
         home.path().to_owned(),
-        url.clone(),
         thread.clone(),
         elsewhere.path().to_owned(),
     );
@@ -1402,7 +1402,6 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
             .args(["run", "--thread", &t, "--max-steps", "3"])
             .arg("--home")
             .arg(&h)
-            .env("OPENAI_BASE_URL", u)
             .output()
             .unwrap()
     })
@@ -1428,7 +1427,42 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
         stdout.contains("this run's budget of 3 model calls was used (3 made)"),
         "{stdout}"
     );
-    assert_eq!(seen.lock().unwrap().len(), 5);
+    assert!(
+        stdout.contains(&format!("model: openai/local at {url}")),
+        "the thread's server, not api.openai.com:\n{stdout}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().as_slice(),
+        vec![json!(77); 5].as_slice(),
+        "the thread's --max-tokens"
+    );
+
+    // A server named in the environment wins, with a note saying the thread ran with
+    // another.
+    let (h, t) = (home.path().to_owned(), thread.clone());
+    let third = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["run", "--thread", &t, "--max-steps", "1", "--timeout", "1"])
+            .arg("--home")
+            .arg(&h)
+            .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (_, stderr) = text(&third);
+    assert!(
+        stderr.contains(&format!(
+            "note: thread `{thread}` ran with the server at {url}"
+        )) && stderr.contains("this run uses http://127.0.0.1:9/v1"),
+        "{stderr}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        5,
+        "nothing went to the saved server"
+    );
 }
 
 #[test]
