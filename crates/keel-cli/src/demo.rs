@@ -336,6 +336,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         Some(w) if w < model::MIN_WINDOW => model::with_window(&profile, &model_name, w),
         _ => profile.clone(),
     };
+    let planned_window = profile.context_window;
     let storage = store::open(&home, None, true).await?;
     let offload = store::offload(&home)?;
     let agent = Agent::builder()
@@ -343,7 +344,16 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .options(options)
         .profile(profile)
         .counter(counter.clone())
-        .summarizer(model::summarizer(&args.summarizer, settings, http)?)
+        .summarizer(model::summarizer(
+            &args.summarizer,
+            settings,
+            http,
+            live.as_ref().map(|spec| model::RunModel {
+                spec,
+                given: window,
+                planned: planned_window,
+            }),
+        )?)
         .system(scenario.system())
         .goal(scenario.goal())
         .file_tools(

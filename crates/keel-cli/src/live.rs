@@ -253,7 +253,16 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     let offload = store::offload_for(&home, url.as_deref(), true)?
         .context("no offload store could be opened")?;
     let agent = builder()
-        .summarizer(model::summarizer(&summarizer, settings, live.http.clone())?)
+        .summarizer(model::summarizer(
+            &summarizer,
+            settings,
+            live.http.clone(),
+            Some(model::RunModel {
+                spec: &spec,
+                given: window,
+                planned: live.profile.context_window,
+            }),
+        )?)
         .checkpointer(storage.saver.clone())
         .offload_store(offload.clone())
         .build()

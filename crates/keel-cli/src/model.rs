@@ -470,22 +470,52 @@ pub fn summarizer_flag(text: &str) -> Result<String, String> {
     model_flag(text).map_err(|e| format!("{e}; or `extractive` (no model needed)"))
 }
 
+/// The model the agent runs with, for a summarizer that may be the same one: its spec,
+/// the window the user gave (`--window`, the thread's, ...) if any, and the window the
+/// run plans for.
+#[derive(Debug, Clone, Copy)]
+pub struct RunModel<'a> {
+    /// The agent's model.
+    pub spec: &'a ModelSpec,
+    /// The window given for the run, if any (an Ollama model is run with it).
+    pub given: Option<usize>,
+    /// The window the run plans for (its profile's).
+    pub planned: usize,
+}
+
 /// `extractive` (no model) or a model spec for LLM summaries, called with `http`'s
-/// limits.
+/// limits. A summarizer that is the run's own model (`run`) on the same server fits its
+/// input to the run's window; another model fits it to keel's profile of that model.
 pub fn summarizer(
     text: &str,
     settings: &Settings,
     http: HttpConfig,
+    run: Option<RunModel<'_>>,
 ) -> anyhow::Result<Arc<dyn Summarizer>> {
     if text == "extractive" {
         return Ok(Arc::new(ExtractiveSummarizer::new()));
     }
+    Ok(Arc::new(llm_summarizer(text, settings, http, run)?))
+}
+
+/// The LLM summarizer of [`summarizer`].
+fn llm_summarizer(
+    text: &str,
+    settings: &Settings,
+    http: HttpConfig,
+    run: Option<RunModel<'_>>,
+) -> anyhow::Result<LlmSummarizer> {
     let spec = ModelSpec::parse(text).context(
         "--summarizer takes `extractive` (no model needed) or a model such as ollama/<name>",
     )?;
-    Ok(Arc::new(LlmSummarizer::new(
-        spec.client_with(settings, http, None)?,
-    )))
+    // The same settings give the same server to the same model.
+    match run.filter(|r| *r.spec == spec) {
+        Some(run) => Ok(
+            LlmSummarizer::new(spec.client_with(settings, http, run.given)?)
+                .with_window_tokens(run.planned),
+        ),
+        None => Ok(LlmSummarizer::new(spec.client_with(settings, http, None)?)),
+    }
 }
 
 #[cfg(test)]
@@ -529,6 +559,31 @@ mod tests {
         assert!(
             crowded.ends_with(&format!("give a --window of at least {least}")),
             "{crowded}"
+        );
+    }
+
+    #[test]
+    fn a_summarizer_that_is_the_run_model_fits_its_input_to_the_run_window() {
+        let settings = Settings::default();
+        let spec = ModelSpec::parse("openai/local").unwrap();
+        let run = RunModel {
+            spec: &spec,
+            given: Some(2_048),
+            planned: 2_048,
+        };
+        let same =
+            llm_summarizer("openai/local", &settings, HttpConfig::default(), Some(run)).unwrap();
+        assert!(
+            format!("{same:?}").contains("window_tokens: 2048"),
+            "{same:?}"
+        );
+        // Another model keeps keel's profile of it.
+        let other =
+            llm_summarizer("openai/gpt-4o", &settings, HttpConfig::default(), Some(run)).unwrap();
+        let profile = ModelProfiles::new().lookup("gpt-4o").context_window;
+        assert!(
+            format!("{other:?}").contains(&format!("window_tokens: {profile}")),
+            "{other:?}"
         );
     }
 
