@@ -465,6 +465,13 @@ impl ExtractiveSummarizer {
             .iter()
             .filter_map(|m| m.tool_call_id.as_deref())
             .collect();
+        // Calls whose result says they failed: their paths were not read or changed.
+        let failed: HashSet<&str> = messages
+            .iter()
+            .zip(texts)
+            .filter(|(m, t)| m.role == Role::Tool && reads_as_failure(t))
+            .filter_map(|(m, _)| m.tool_call_id.as_deref())
+            .collect();
         // Errors a later call of the same tool with the same arguments got past: the
         // output's index, and the call that succeeded.
         // Each tool output's keyword lines, found once for both uses below.
@@ -537,7 +544,9 @@ impl ExtractiveSummarizer {
                 for call in &m.tool_calls {
                     let head = call_head(call);
                     if answered.contains(call.id.as_str()) {
-                        files.note_call(call);
+                        if !failed.contains(call.id.as_str()) {
+                            files.note_call(call);
+                        }
                         heads.insert(call.id.as_str(), (head, call));
                     } else {
                         let src = pool.owned(cut(&head, 0, self.max_item_chars).into_owned());
@@ -1497,6 +1506,15 @@ fn fenced_commands(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// Files the span's calls and commands read and changed, in first-seen order.
+/// Whether a tool result reports that its call failed or did not run: it opens with
+/// `Error` (as keel's tool runner writes a failed call's result) or says the call was
+/// not approved.
+fn reads_as_failure(text: &str) -> bool {
+    let head: String = text.trim_start().chars().take(40).collect();
+    let head = head.to_ascii_lowercase();
+    head.starts_with("error") || head.starts_with("the user did not approve")
+}
+
 #[derive(Default)]
 struct Files {
     read: Vec<String>,

@@ -529,3 +529,29 @@ fn a_large_span_is_summarized_while_a_current_thread_runtime_serves_other_tasks(
         );
     }
 }
+
+#[test]
+fn paths_of_failed_calls_are_not_files_read_or_changed() {
+    let call = |id: &str, name: &str, path: &str| {
+        Message::assistant("").with_tool_calls(vec![ToolCall::new(id, name, json!({"path": path}))])
+    };
+    let messages = vec![
+        Message::user("Survey src/ and fix the config."),
+        call("c1", "read_file", "src/missing.rs"),
+        Message::tool("c1", "Error: src/missing.rs does not exist"),
+        call("c2", "read_file", "src/lib.rs"),
+        Message::tool("c2", "pub fn run() {}"),
+        call("c3", "write_file", "config/app.toml"),
+        Message::tool("c3", "error: permission denied"),
+        call("c4", "write_file", "config/new.toml"),
+        Message::tool("c4", "wrote 12 bytes"),
+    ];
+    let s = run(&messages, 400);
+    let artifacts = s.section(ARTIFACTS).unwrap();
+    assert!(
+        artifacts
+            .iter()
+            .any(|l| l == "files read: src/lib.rs; files changed: config/new.toml"),
+        "{artifacts:?}"
+    );
+}
