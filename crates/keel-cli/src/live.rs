@@ -479,6 +479,21 @@ async fn failed(
     }
     let resumable = matches!(agent.state(thread).await, Ok(Some(_)));
     let fix = model::what_to_fix(&error, spec, settings);
+    if let (Some(server), Some(fix)) = (model::context_overflow(&error), &fix) {
+        // Resuming as it ran would overflow the server again: resume with a smaller
+        // window.
+        let window = server.map_or_else(|| "N".to_owned(), |n| n.to_string());
+        let message = if resumable {
+            format!(
+                "the run of thread `{thread}` failed: {fix}. It resumes from its last checkpoint with a window the server holds: {resume} --window {window}"
+            )
+        } else {
+            format!(
+                "the run of thread `{thread}` failed before its first checkpoint: {fix}, then run the command again with that --window"
+            )
+        };
+        return anyhow::Error::new(error).context(message);
+    }
     let message = match (fix, resumable) {
         (Some(fix), true) => format!(
             "the run of thread `{thread}` failed: {fix}. It resumes from its last checkpoint with: {resume}"

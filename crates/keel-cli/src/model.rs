@@ -376,13 +376,7 @@ pub fn what_to_fix_at(
     spec: &ModelSpec,
     url: &str,
 ) -> Option<String> {
-    let mut cause = Some(error);
-    let model_error = std::iter::from_fn(|| {
-        let e = cause?;
-        cause = e.source();
-        Some(e)
-    })
-    .find_map(|e| e.downcast_ref::<ModelError>())?;
+    let model_error = model_error(error)?;
     let name = spec.name();
     let ollama = matches!(spec, ModelSpec::Ollama(_));
     Some(match model_error {
@@ -429,12 +423,62 @@ pub fn what_to_fix_at(
         ModelError::Api { status: 404, .. } => format!(
             "{url} has no chat completions endpoint (HTTP 404): check OPENAI_BASE_URL (it usually ends in /v1) and the model name after `openai/` in --model"
         ),
+        ModelError::ContextOverflow { message } => {
+            let says = format!(
+                "the server at {url} says the prompt does not fit its context (\"{message}\")"
+            );
+            match server_context_length(message) {
+                Some(n) => format!(
+                    "{says}: its context ({} tokens) is smaller than the window keel plans for; give --window {n} or less (or start the server with a larger context)",
+                    thousands(n as u64)
+                ),
+                None => format!(
+                    "{says}: its context is smaller than the window keel plans for; give a --window at or below the server's context length (llama.cpp's --ctx-size, n_ctx), or start the server with a larger context"
+                ),
+            }
+        }
         ModelError::Timeout(after) => format!(
             "the model gave no complete answer within {} s: give a larger --timeout, a smaller --max-tokens, or a faster model",
             after.as_secs()
         ),
         _ => return None,
     })
+}
+
+/// The [`ModelError`] somewhere in `error`'s chain of causes.
+fn model_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a ModelError> {
+    let mut cause = Some(error);
+    std::iter::from_fn(|| {
+        let e = cause?;
+        cause = e.source();
+        Some(e)
+    })
+    .find_map(|e| e.downcast_ref::<ModelError>())
+}
+
+/// `Some` when `error` is the server saying the prompt does not fit its context
+/// ([`ModelError::ContextOverflow`]), holding the context length its message states, if
+/// it states one.
+pub fn context_overflow(error: &(dyn std::error::Error + 'static)) -> Option<Option<usize>> {
+    match model_error(error)? {
+        ModelError::ContextOverflow { message } => Some(server_context_length(message)),
+        _ => None,
+    }
+}
+
+/// The context length a server's overflow message states: the first number after
+/// "context" ("maximum context length is 8192 tokens", "exceed context window of 2048",
+/// "exceeds the available context size (4096 tokens)").
+fn server_context_length(message: &str) -> Option<usize> {
+    let lower = message.to_ascii_lowercase();
+    let after = &lower[lower.find("context")?..];
+    let start = after.find(|c: char| c.is_ascii_digit())?;
+    let digits: String = after[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == ',')
+        .filter(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok().filter(|n| *n > 0)
 }
 
 /// The token counter of a model profile: exact for the OpenAI encodings, an estimate
@@ -585,6 +629,44 @@ mod tests {
             format!("{other:?}").contains(&format!("window_tokens: {profile}")),
             "{other:?}"
         );
+    }
+
+    #[test]
+    fn a_context_overflow_names_the_window_to_give() {
+        for (message, n) in [
+            (
+                "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
+                Some(8192),
+            ),
+            (
+                "Requested tokens (9000) exceed context window of 2048",
+                Some(2048),
+            ),
+            (
+                "request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it",
+                Some(4096),
+            ),
+            (
+                "the request exceeds the available context size, try increasing it",
+                None,
+            ),
+        ] {
+            assert_eq!(server_context_length(message), n, "{message}");
+            let error = ModelError::ContextOverflow {
+                message: message.into(),
+            };
+            let spec = ModelSpec::parse("openai/local").unwrap();
+            let fix = what_to_fix_at(&error, &spec, "http://127.0.0.1:8000/v1").unwrap();
+            assert!(fix.contains(message), "the server's words: {fix}");
+            match n {
+                Some(n) => assert!(fix.contains(&format!("give --window {n} or less")), "{fix}"),
+                None => assert!(
+                    fix.contains("at or below the server's context length"),
+                    "{fix}"
+                ),
+            }
+            assert_eq!(context_overflow(&error), Some(n));
+        }
     }
 
     #[test]

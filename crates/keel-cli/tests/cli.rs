@@ -2564,3 +2564,39 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_give() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(400).set_body_json(json!({"error": {
+            "message": "Requested tokens (9000) exceed context window of 2048",
+            "type": "invalid_request_error", "code": "context_length_exceeded"}})))
+        .mount(&server)
+        .await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let (h, d, url) = (
+        home.path().to_owned(),
+        proj.path().to_owned(),
+        format!("{}/v1", server.uri()),
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        run_live("openai/local", ("OPENAI_BASE_URL", url), &h, &d, &[])
+    })
+    .await
+    .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let first = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(
+        first.contains("exceed context window of 2048")
+            && first.contains("give --window 2048 or less")
+            && first.contains("--window 2048"),
+        "{stderr}"
+    );
+    assert!(
+        !first.contains("resumes from its last checkpoint with: keel run --thread live-1 --home"),
+        "not resumed as it ran: {stderr}"
+    );
+}
