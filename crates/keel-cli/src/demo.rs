@@ -613,20 +613,48 @@ async fn stop_if_compaction_failed(
         return Ok(());
     };
     watch.bar.finish_and_clear();
-    let fix = match ModelSpec::parse(watch.summarizer) {
-        Ok(spec) => format!(
-            "The summarizer {spec} at {} made no summary: start its server or set {} to where it listens, or run the demo with --summarizer extractive (no model needed)",
-            spec.base_url(watch.settings),
-            match spec {
-                ModelSpec::Ollama(_) => "OLLAMA_BASE_URL",
-                ModelSpec::OpenAi(_) => "OPENAI_BASE_URL",
-            }
-        ),
-        Err(_) => "Fix the cause and run the demo again".to_owned(),
+    let fix = match (ModelSpec::parse(watch.summarizer), stop) {
+        (Ok(spec), Stop::CompactionFailing { error, .. }) => {
+            summarizer_fix(&spec, &spec.base_url(watch.settings), error)
+        }
+        _ => "Fix the cause and run the demo again".to_owned(),
     };
     anyhow::bail!(
         "the demo stopped after {} because compaction failed: {stop}. {fix}",
         count(state.step, "model call")
+    )
+}
+
+/// What to do when the summarizer `spec` at `url` failed the compactions with `error`
+/// (the last failure's text): a server that did not answer is started or pointed at; a
+/// model whose summaries were rejected is replaced.
+fn summarizer_fix(spec: &ModelSpec, url: &str, error: &str) -> String {
+    let lower = error.to_ascii_lowercase();
+    if lower.contains("summary rejected") {
+        let why = error
+            .split_once("summary rejected")
+            .map_or(error, |(_, rest)| rest)
+            .trim_start_matches(|c: char| c != ':')
+            .trim_start_matches(':')
+            .trim();
+        return format!(
+            "The summarizer {spec} at {url} answered, but its summaries were rejected ({why}): run the demo with --summarizer extractive (no model needed), or give a larger summarizer model"
+        );
+    }
+    let unreachable = ["connection failed", "timed out", "error sending request"]
+        .iter()
+        .any(|w| lower.contains(w));
+    if unreachable {
+        return format!(
+            "The summarizer {spec} at {url} made no summary: start its server or set {} to where it listens, or run the demo with --summarizer extractive (no model needed)",
+            match spec {
+                ModelSpec::Ollama(_) => "OLLAMA_BASE_URL",
+                ModelSpec::OpenAi(_) => "OPENAI_BASE_URL",
+            }
+        );
+    }
+    format!(
+        "The summarizer {spec} at {url} made no usable summary: fix the cause above, or run the demo with --summarizer extractive (no model needed)"
     )
 }
 
@@ -763,4 +791,36 @@ fn print_summary(r: &Report, survey_answer: Option<&str>) {
         r.question.expected
     );
     crate::outln!("report: {}\nchart:  {}", r.files.report, r.files.chart);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_summaries_get_advice_for_why_they_failed() {
+        let spec = ModelSpec::parse("openai/local").unwrap();
+        let url = "http://127.0.0.1:8000/v1";
+        let rejected = summarizer_fix(
+            &spec,
+            url,
+            "milestone failed: summary rejected after 2 attempts: the reply was cut off at the token limit",
+        );
+        assert!(
+            rejected.contains("summaries were rejected (the reply was cut off at the token limit)")
+                && rejected.contains("--summarizer extractive")
+                && rejected.contains("larger summarizer model")
+                && !rejected.contains("start its server"),
+            "{rejected}"
+        );
+        let down = summarizer_fix(
+            &spec,
+            url,
+            "summarizer model failed: connection failed: error sending request",
+        );
+        assert!(
+            down.contains("start its server") && down.contains("OPENAI_BASE_URL"),
+            "{down}"
+        );
+    }
 }
