@@ -32,6 +32,12 @@ pub enum AgentEvent {
         /// Context overflows the provider reported before this call succeeded (each
         /// one compacted the context once).
         overflow_retries: u32,
+        /// The reply stopped at the token limit of the call (`max_tokens`), not where
+        /// the model ended it: its text, or a tool call's arguments, may be cut off.
+        /// An answer cut off ends the run like any other; raise the limit and send
+        /// the thread a message to go on.
+        #[serde(default)]
+        cut_off: bool,
     },
     /// A tool call finished (successfully or not).
     #[non_exhaustive]

@@ -461,6 +461,7 @@ impl AgentNodes {
                 tool_calls: reply.tool_calls.len(),
                 duration_ms: ms(started),
                 overflow_retries: retries,
+                cut_off: response.finish_reason == Some(keel_model::FinishReason::Length),
             });
             let mut new = vec![];
             let empty = reply.tool_calls.is_empty() && reply.text().trim().is_empty();

@@ -1120,6 +1120,29 @@ async fn model_call_events_carry_the_providers_cached_tokens() {
     assert_eq!(*completion_tokens, Some(12));
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_stopped_at_the_token_limit_says_so() {
+    for (finish, cut) in [
+        (Some(keel_model::FinishReason::Length), true),
+        (Some(keel_model::FinishReason::Stop), false),
+        (None, false),
+    ] {
+        let reason = finish.clone();
+        let model = PolicyModel::new("limited", move |_m, _t| {
+            let mut r = ChatResponse::new(Message::assistant("The answer is that the"), "m");
+            r.finish_reason = reason.clone();
+            Ok(r)
+        });
+        let agent = builder(model).build().unwrap();
+        let run = agent.run("c", AgentInput::new()).await.unwrap();
+        let cut_off = run.state.events.iter().find_map(|e| match e {
+            AgentEvent::ModelCall { cut_off, .. } => Some(*cut_off),
+            _ => None,
+        });
+        assert_eq!(cut_off, Some(cut), "{finish:?}");
+    }
+}
+
 /// A tool answering indented JSON.
 struct Pretty;
 
