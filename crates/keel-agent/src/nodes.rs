@@ -593,9 +593,12 @@ impl AgentNodes {
         calls: &[ToolCall],
         ctx: &NodeContext,
     ) -> Result<BTreeSet<String>, NodeError> {
+        // A call whose arguments are not JSON never runs (its result says why), so
+        // nobody is asked to approve it.
         let asked: Vec<&ToolCall> = calls
             .iter()
             .filter(|c| self.parts.approve.contains(&c.name))
+            .filter(|c| !matches!(c.arguments, keel_message::ToolArguments::Invalid(_)))
             .collect();
         if asked.is_empty() {
             return Ok(BTreeSet::new());

@@ -1,7 +1,7 @@
 //! The compacting agent end to end: compaction, events, bad input, stops, storage.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -919,6 +919,38 @@ async fn the_last_checkpoint_of_a_compaction_is_a_metadata_lookup() {
         .unwrap();
     assert_eq!(snap.values.milestones_made, 1);
     assert!(snap.metadata.writes.iter().any(|w| w == COMPACT));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_whose_arguments_are_not_json_is_not_put_to_approval() {
+    let calls = AtomicUsize::new(0);
+    let model = PolicyModel::new("bad-args", move |_m, _t| {
+        let reply = if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            Message::assistant("").with_tool_calls(vec![ToolCall::from_raw_arguments(
+                "c1",
+                "echo",
+                "{\"text\": \"unterminated",
+            )])
+        } else {
+            Message::assistant("done")
+        };
+        Ok(ChatResponse::new(reply, "bad-args"))
+    });
+    let agent = builder(model)
+        .approve(["echo"])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("bad", AgentInput::new()).await.unwrap();
+    assert!(run.interrupts.is_empty(), "{:?}", run.interrupts);
+    assert_eq!(run.answer.as_deref(), Some("done"));
+    let result = run
+        .state
+        .messages
+        .iter()
+        .find(|m| m.role == Role::Tool)
+        .unwrap();
+    assert!(result.text().contains("JSON"), "{}", result.text());
 }
 
 #[tokio::test(flavor = "multi_thread")]
