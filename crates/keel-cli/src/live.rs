@@ -313,9 +313,9 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     loop {
         let (stopped, interrupts) =
             drive(&agent, &thread, &resume, input, (&spec, settings)).await?;
-        if stopped {
+        if let Some(signal) = stopped {
             outln!("\nstopped after the current step. Resume with: {resume}");
-            return Ok(ExitCode::from(exit::INTERRUPTED));
+            return Ok(ExitCode::from(signal.exit_code()));
         }
         let Some(question) = interrupts else {
             break;
@@ -413,35 +413,107 @@ fn resume_hint(args: &RunArgs, thread: &str) -> String {
     hint
 }
 
-/// Streams one run. Returns whether Ctrl-C stopped it, and the pending approval
-/// question, if any.
+/// A signal that stops a run after its current step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Signal {
+    /// Ctrl-C (SIGINT).
+    CtrlC,
+    /// SIGTERM (unix).
+    Term,
+}
+
+impl Signal {
+    fn exit_code(self) -> u8 {
+        match self {
+            Self::CtrlC => exit::INTERRUPTED,
+            Self::Term => exit::TERMINATED,
+        }
+    }
+}
+
+#[cfg(unix)]
+type TermListener = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type TermListener = ();
+
+/// A listener for SIGTERM (none where there is no such signal, or it cannot be had).
+fn listen_for_term() -> Option<TermListener> {
+    #[cfg(unix)]
+    {
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok()
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
+
+/// Completes at the next SIGTERM; never without a listener.
+async fn terminated(listener: &mut Option<TermListener>) {
+    #[cfg(unix)]
+    if let Some(l) = listener
+        && l.recv().await.is_some()
+    {
+        return;
+    }
+    #[cfg(not(unix))]
+    let _ = listener;
+    std::future::pending::<()>().await;
+}
+
+/// Streams one run. Returns the signal that stopped it after a step (none when the
+/// run ended on its own, an answer given while stopping included), and the pending
+/// approval question, if any.
 async fn drive(
     agent: &Agent,
     thread: &str,
     resume: &str,
     input: AgentInput,
     (spec, settings): (&ModelSpec, &Settings),
-) -> anyhow::Result<(bool, Option<Value>)> {
+) -> anyhow::Result<(Option<Signal>, Option<Value>)> {
     let mut updates = agent.stream(thread, input);
-    let mut stopping = false;
+    let mut stopping = None;
+    let mut answered = false;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
+    let mut term = listen_for_term();
     loop {
-        let update = tokio::select! {
-            u = updates.next() => u,
-            _ = &mut ctrl_c, if !stopping => {
-                stopping = true;
-                errln!("\nCtrl-C: stopping after the current step (Ctrl-C again to quit at once)");
+        let signal = tokio::select! {
+            u = updates.next() => Err(u),
+            _ = &mut ctrl_c, if stopping.is_none() => Ok(Signal::CtrlC),
+            () = terminated(&mut term), if stopping.is_none() => Ok(Signal::Term),
+        };
+        let update = match signal {
+            Ok(signal) => {
+                stopping = Some(signal);
+                match signal {
+                    Signal::CtrlC => errln!(
+                        "\nCtrl-C: stopping after the current step (Ctrl-C again to quit at once)"
+                    ),
+                    Signal::Term => errln!(
+                        "\nSIGTERM: stopping after the current step (a second SIGTERM or Ctrl-C quits at once)"
+                    ),
+                }
                 tokio::spawn(async {
-                    if tokio::signal::ctrl_c().await.is_ok() {
-                        std::process::exit(i32::from(exit::INTERRUPTED));
-                    }
+                    let mut term = listen_for_term();
+                    let code = tokio::select! {
+                        r = tokio::signal::ctrl_c() => {
+                            if r.is_err() {
+                                return;
+                            }
+                            exit::INTERRUPTED
+                        }
+                        () = terminated(&mut term) => exit::TERMINATED,
+                    };
+                    std::process::exit(i32::from(code));
                 });
                 continue;
             }
+            Err(update) => update,
         };
+        let stopped = stopping.filter(|_| !answered);
         let Some(update) = update else {
-            return Ok((stopping, None));
+            return Ok((stopped, None));
         };
         let update = match update {
             Ok(u) => u,
@@ -451,10 +523,16 @@ async fn drive(
         match update {
             AgentUpdate::Done { interrupts, .. } => {
                 let question = interrupts.first().map(|i| i.value.clone());
-                return Ok((stopping && question.is_none(), question));
+                return Ok((stopped.filter(|_| question.is_none()), question));
+            }
+            // The final answer: the run ends with it, so it is shown as usual.
+            AgentUpdate::Message(m)
+                if stopping.is_some() && m.role == Role::Assistant && m.tool_calls.is_empty() =>
+            {
+                answered = true;
             }
             // A step's messages come after its events: the step is done.
-            AgentUpdate::Message(_) if stopping => return Ok((true, None)),
+            AgentUpdate::Message(_) if stopped.is_some() => return Ok((stopped, None)),
             _ => {}
         }
     }

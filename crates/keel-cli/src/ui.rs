@@ -102,6 +102,8 @@ pub mod exit {
     pub const SKIPPED_FILES: u8 = 4;
     /// Stopped by Ctrl-C after a step; the thread resumes.
     pub const INTERRUPTED: u8 = 130;
+    /// Stopped by SIGTERM after a step; the thread resumes.
+    pub const TERMINATED: u8 = 143;
 }
 
 /// Prints an error and its causes, one per line, and returns exit code 1.

@@ -2600,3 +2600,87 @@ async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_giv
         "not resumed as it ran: {stderr}"
     );
 }
+
+/// [`Scripted`] (OpenAI), each reply `delay` late.
+struct Slow(std::time::Duration);
+
+impl Respond for Slow {
+    fn respond(&self, request: &Request) -> ResponseTemplate {
+        Scripted { openai: true }.respond(request).set_delay(self.0)
+    }
+}
+
+/// `keel run` against `server`, sent `signal` once the server has `after` requests;
+/// its output.
+#[cfg(unix)]
+async fn signalled_run(server: &MockServer, signal: &str, after: usize) -> Output {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["run", "--model", "openai/local", "--goal", "What is here?"])
+        .args(["--thread", "signalled", "--window", "8000"])
+        .arg("--home")
+        .arg(home.path())
+        .arg("--dir")
+        .arg(proj.path())
+        .env("OPENAI_BASE_URL", format!("{}/v1", server.uri()))
+        .env_remove("OPENAI_API_KEY")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while server.received_requests().await.unwrap().len() < after {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "the run never made request {after}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let kill = std::process::Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap()
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_it() {
+    let delay = std::time::Duration::from_millis(1500);
+    // SIGTERM during the first step: the step ends, then the run stops with 143.
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(Slow(delay))
+        .mount(&server)
+        .await;
+    let out = signalled_run(&server, "-TERM", 1).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("SIGTERM: stopping after the current step")
+            && stdout.contains(
+                "stopped after the current step. Resume with: keel run --thread signalled"
+            ),
+        "{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("-> ls({})"), "the step finished: {stdout}");
+
+    // Ctrl-C while the final answer is being written: the run ends with it.
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(Slow(delay))
+        .mount(&server)
+        .await;
+    let out = signalled_run(&server, "-INT", 2).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("answer:\nThe directory holds README.md and src.")
+            && !stdout.contains("stopped after the current step"),
+        "{stdout}\n{stderr}"
+    );
+}
