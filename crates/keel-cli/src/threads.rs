@@ -123,10 +123,23 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
         ThreadsCommand::Prune { thread, keep } => {
             exists(&saver, &thread).await?;
             let keep = usize::try_from(keep).unwrap_or(usize::MAX);
-            let removed = saver
-                .prune(&ThreadKey::new(thread.clone()), keep)
-                .await
-                .with_context(|| format!("cannot prune thread `{thread}`"))?;
+            // With the offload store, through the agent: the archive records and large
+            // results only the pruned checkpoints saw go with them.
+            let removed = match &offload {
+                Some(store) => keel::agent::Agent::builder()
+                    .model(Arc::new(keel::model::ScriptedModel::new(Vec::new())))
+                    .checkpointer(saver.clone())
+                    .offload_store(store.clone())
+                    .build()
+                    .context("cannot set up the pruning")?
+                    .prune(&thread, keep)
+                    .await
+                    .with_context(|| format!("cannot prune thread `{thread}`"))?,
+                None => saver
+                    .prune(&ThreadKey::new(thread.clone()), keep)
+                    .await
+                    .with_context(|| format!("cannot prune thread `{thread}`"))?,
+            };
             report(
                 args.json,
                 json!({"thread": thread, "removed": removed, "kept": keep}),

@@ -257,6 +257,14 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
     let rows: Value = serde_json::from_slice(&history.stdout).unwrap();
     assert_eq!(rows.as_array().unwrap().len(), 3);
 
+    // An abandoned fork's file, which no checkpoint reads: the prune removes it.
+    let fork = home
+        .path()
+        .join("offload")
+        .join(&thread)
+        .join(".keel/forks/abandoned/large_tool_results");
+    std::fs::create_dir_all(&fork).unwrap();
+    std::fs::write(fork.join("call_9"), "only an abandoned branch saw this").unwrap();
     let prune = keel()
         .args([
             "threads", "prune", &thread, "--keep", "2", "--json", "--home",
@@ -272,6 +280,10 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
         .unwrap();
     let rows: Value = serde_json::from_slice(&history.stdout).unwrap();
     assert_eq!(rows.as_array().unwrap().len(), 2, "pruned to 2");
+    assert!(
+        !fork.join("call_9").exists(),
+        "the files only pruned checkpoints could see go with them"
+    );
 
     let gc = keel()
         .args(["threads", "gc", "--older-than", "1d", "--json", "--home"])
