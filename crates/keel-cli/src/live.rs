@@ -9,6 +9,7 @@ use clap::Args;
 use futures::StreamExt;
 use keel::agent::tools::FileTools;
 use keel::agent::{Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, Stop};
+use keel::checkpoint::MemorySaver;
 use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::message::{Message, Role};
 use keel::offload::{EvictLargeResults, MemoryStore};
@@ -230,9 +231,11 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     if let (None, Some(goal)) = (&saved, &args.goal) {
         // A new thread: its system prompt, goal and tool specs head every prompt and
         // are never compacted. Refused before anything is written. The tool specs
-        // read the same with any offload store, so a memory one stands in.
+        // read the same with any offload store, so memory ones stand in (approvals
+        // need a checkpointer).
         let probe = builder()
             .offload_store(Arc::new(MemoryStore::new()))
+            .checkpointer(Arc::new(MemorySaver::new()))
             .build()
             .context("cannot build the agent")?;
         let fixed = probe.fixed_prompt_tokens(Some(&GoalAnchor::new(goal.as_str())), None);
