@@ -222,6 +222,10 @@ pub fn compaction(e: &keel::compaction::CompactionEvent) -> String {
             count(e.messages_archived as u64, "message")
         );
     }
+    if e.fallback {
+        // The summarizer failed at it; the fallback (extractive) wrote the summary.
+        let _ = write!(line, " (written by the {} fallback)", e.summarizer_model);
+    }
     line
 }
 

@@ -1518,10 +1518,12 @@ fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd(
 }
 
 #[test]
-fn a_demo_whose_compactions_keep_failing_says_so_and_exits_1() {
+fn a_demo_whose_summarizer_is_down_misses_one_compaction_and_says_who_wrote_the_rest() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
-    // Nothing listens on port 9 (discard) on loopback: every summary fails.
+    // Nothing listens on port 9 (discard) on loopback: every LLM summary fails. The
+    // first compaction fails; from the second in a row on, the extractive fallback
+    // writes the summaries, so the run goes on and says so.
     let out = keel()
         .args(["demo", "--steps", "40", "--summarizer", "ollama/local"])
         .arg("--dir")
@@ -1532,21 +1534,15 @@ fn a_demo_whose_compactions_keep_failing_says_so_and_exits_1() {
         .output()
         .unwrap();
     let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("milestone failed: "),
-        "each failure is shown as it happens:\n{stdout}"
-    );
-    let error = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
-    assert!(
-        error.contains("because compaction failed")
-            && error.contains("OLLAMA_BASE_URL")
-            && error.contains("--summarizer extractive"),
-        "{stderr}"
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.matches("milestone failed: ").count(),
+        1,
+        "one failure, shown as it happens:\n{stdout}"
     );
     assert!(
-        !stdout.contains("saved"),
-        "no savings table for a run that could not compact:\n{stdout}"
+        stdout.contains("(written by the extractive fallback)"),
+        "{stdout}"
     );
 }
 
