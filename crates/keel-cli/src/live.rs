@@ -600,6 +600,7 @@ fn print_update(update: &AgentUpdate) {
             completion_tokens,
             cached_tokens,
             duration_ms,
+            cut_off,
             ..
         }) => {
             let cached = cached_tokens
@@ -608,8 +609,13 @@ fn print_update(update: &AgentUpdate) {
             let out_tokens = completion_tokens
                 .map(|c| format!(" -> {} out", thousands(c)))
                 .unwrap_or_default();
+            let cut = if *cut_off {
+                " (stopped at --max-tokens: the reply may be cut off; raise it and send a message to go on)"
+            } else {
+                ""
+            };
             outln!(
-                "step {step:>3}  model: {} prompt tokens{cached}{out_tokens}, {duration_ms} ms",
+                "step {step:>3}  model: {} prompt tokens{cached}{out_tokens}, {duration_ms} ms{cut}",
                 thousands(*prompt_tokens)
             );
         }

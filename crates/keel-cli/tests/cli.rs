@@ -1012,6 +1012,40 @@ impl Respond for Writer {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_stopped_at_max_tokens_is_said_to_be_cut_off() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/chat/completions"))
+        .respond_with(openai_reply(
+            json!({"role": "assistant", "content": "The directory holds README.md and"}),
+            "length",
+            json!({"prompt_tokens": 120, "completion_tokens": 8, "total_tokens": 128}),
+        ))
+        .mount(&server)
+        .await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let (h, d, uri) = (home.path().to_owned(), proj.path().to_owned(), server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        run_live(
+            "openai/local",
+            ("OPENAI_BASE_URL", format!("{uri}/v1")),
+            &h,
+            &d,
+            &["--max-tokens", "8"],
+        )
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("(stopped at --max-tokens: the reply may be cut off"),
+        "{stdout}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approve_asks_at_the_terminal_before_a_write() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
