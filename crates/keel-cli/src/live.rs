@@ -291,7 +291,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         model: Some(spec.to_string()),
         dir: Some(dir.clone()),
         window,
-        base_url: Some(spec.base_url(settings)),
+        base_url: Some(without_credentials(spec.base_url(settings))),
         max_tokens: Some(live_args.max_tokens.unwrap_or(model::DEFAULT_MAX_TOKENS)),
         timeout: Some(live_args.timeout.unwrap_or(model::DEFAULT_TIMEOUT_SECS)),
         summarizer: Some(summarizer.clone()),
@@ -692,9 +692,36 @@ async fn ask(question: &Value) -> anyhow::Result<Value> {
     Ok(Value::Object(answers))
 }
 
+/// `url` without a user name or password written into it: they are as secret as the
+/// API key, which is never stored either.
+fn without_credentials(url: String) -> String {
+    match keel::model::reqwest::Url::parse(&url) {
+        Ok(mut parsed) if !parsed.username().is_empty() || parsed.password().is_some() => {
+            // Both succeed on a URL with a host, as one with credentials has.
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            parsed.to_string()
+        }
+        _ => url,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_base_url_keeps_no_credentials() {
+        assert_eq!(
+            without_credentials("https://ada:s3cret@llm.example/v1".to_owned()),
+            "https://llm.example/v1"
+        );
+        assert_eq!(
+            without_credentials("http://127.0.0.1:8089/v1".to_owned()),
+            "http://127.0.0.1:8089/v1"
+        );
+        assert_eq!(without_credentials("not a url".to_owned()), "not a url");
+    }
 
     #[test]
     fn settings_saved_by_older_versions_still_read() {
