@@ -184,6 +184,13 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             dir.display()
         )
     })?;
+    if args.dir.is_none() && saved.as_ref().is_some_and(|s| s.dir.is_none()) {
+        // A thread another command started (`keel demo`) saved no directory.
+        errln!(
+            "note: thread `{thread}` saved no directory (keel run did not start it); the file tools use {}: give --dir to choose",
+            dir.display()
+        );
+    }
     let window = args
         .live
         .window(settings, saved.as_ref().and_then(|s| s.window))?;

@@ -1012,6 +1012,48 @@ impl Respond for Writer {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demo_thread_run_again_without_dir_says_where_its_file_tools_are() {
+    let server = server(true).await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let demo = keel()
+        .args([
+            "demo",
+            "--steps",
+            "5",
+            "-q",
+            "--thread",
+            "from-demo",
+            "--dir",
+        ])
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    assert!(demo.status.success(), "{:?}", text(&demo));
+    let (h, uri) = (home.path().to_owned(), server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["run", "--thread", "from-demo", "--model", "openai/local"])
+            .args(["--window", "8000", "--message", "And now?"])
+            .arg("--home")
+            .arg(&h)
+            .env("OPENAI_BASE_URL", format!("{uri}/v1"))
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(
+        stderr.contains("note: thread `from-demo` saved no directory")
+            && stderr.contains("give --dir"),
+        "{stdout}\n{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_stopped_at_max_tokens_is_said_to_be_cut_off() {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
