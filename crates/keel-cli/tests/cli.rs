@@ -1665,9 +1665,11 @@ fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
         .output()
         .unwrap();
     let (_, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // A window too small for the goal is a usage error.
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains("the goal is") && stderr.contains("--window"),
+        stderr.contains("the goal, system prompt and tool specs take")
+            && stderr.contains("--window"),
         "{stderr}"
     );
     let list = keel()
