@@ -395,6 +395,14 @@ async fn saved_settings(
     Ok(exists.then(Saved::default))
 }
 
+/// The model `keel run` last ran `thread` with (`provider/name`), if it saved one.
+pub async fn saved_model(
+    saver: &dyn keel::checkpoint::Checkpointer,
+    thread: &str,
+) -> anyhow::Result<Option<String>> {
+    Ok(saved_settings(saver, thread).await?.and_then(|s| s.model))
+}
+
 /// The command that lists the threads where this run looked.
 fn threads_list_hint(args: &RunArgs) -> String {
     let mut hint = "keel threads list".to_owned();

@@ -540,7 +540,18 @@ async fn show(
     let state = state_of(saver, thread)
         .await?
         .with_context(|| format!("thread `{thread}` has no state"))?;
-    let counter = crate::model::counter(ModelProfiles::new().lookup("gpt-4o"))?;
+    // Counted as the thread's model counts (as gpt-4o's o200k for a thread that saved
+    // no model, as the demo's).
+    let profiles = ModelProfiles::new();
+    let profile = crate::live::saved_model(&**saver, thread)
+        .await?
+        .and_then(|m| crate::model::ModelSpec::parse(&m).ok())
+        .map_or_else(
+            || profiles.lookup("gpt-4o"),
+            |spec| profiles.lookup(spec.name()),
+        );
+    let encoding = profile.encoding;
+    let counter = crate::model::counter(profile)?;
     let count = |m: &Message| counter.count_message(m);
     let system = state.system.as_ref();
     let goal = state.goal();
@@ -588,7 +599,7 @@ async fn show(
         crate::outln!("  {line}");
     }
     crate::outln!(
-        "the prompt in order, {} tokens (o200k) before tool specs:\n",
+        "the prompt in order, {} tokens ({encoding}) before tool specs:\n",
         thousands(total as u64)
     );
     let section = |name: &str, tokens: usize| {

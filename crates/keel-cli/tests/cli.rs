@@ -218,6 +218,11 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
         .unwrap();
     let (show_out, show_err) = text(&show);
     assert!(show.status.success(), "{show_err}");
+    // The demo saved no model: counted as gpt-4o counts.
+    assert!(
+        show_out.contains("tokens (o200k_base) before tool specs"),
+        "{show_out}"
+    );
     for layer in [
         "== system",
         "== goal (never compacted)",
@@ -1312,6 +1317,14 @@ async fn threads_admin_works_on_postgres() {
     let show = admin(&["show", &thread]);
     assert!(
         text(&show).0.contains("What is in this directory?"),
+        "{:?}",
+        text(&show)
+    );
+    // Counted as the thread's model counts: keel has no profile of `local`.
+    assert!(
+        text(&show)
+            .0
+            .contains("tokens (approximate) before tool specs"),
         "{:?}",
         text(&show)
     );
