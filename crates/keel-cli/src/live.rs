@@ -613,14 +613,29 @@ fn print_update(update: &AgentUpdate) {
             step,
             prompt_tokens,
             completion_tokens,
+            provider_prompt_tokens,
             cached_tokens,
             duration_ms,
             cut_off,
+            overflow_retries,
             ..
         }) => {
+            // keel's count, and the server's when it reports one that differs.
+            let server = provider_prompt_tokens
+                .filter(|p| p != prompt_tokens)
+                .map(|p| format!(" (server: {})", thousands(p)))
+                .unwrap_or_default();
             let cached = cached_tokens
                 .map(|c| format!(", {} cached", thousands(c)))
                 .unwrap_or_default();
+            let retried = if *overflow_retries > 0 {
+                format!(
+                    ", after {} the server refused as over its context",
+                    crate::ui::count(u64::from(*overflow_retries), "prompt")
+                )
+            } else {
+                String::new()
+            };
             let out_tokens = completion_tokens
                 .map(|c| format!(" -> {} out", thousands(c)))
                 .unwrap_or_default();
@@ -630,7 +645,7 @@ fn print_update(update: &AgentUpdate) {
                 ""
             };
             outln!(
-                "step {step:>3}  model: {} prompt tokens{cached}{out_tokens}, {duration_ms} ms{cut}",
+                "step {step:>3}  model: {} prompt tokens{server}{cached}{out_tokens}, {duration_ms} ms{retried}{cut}",
                 thousands(*prompt_tokens)
             );
         }

@@ -791,6 +791,10 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
             stdout.contains("The directory holds README.md and src."),
             "{model}:\n{stdout}"
         );
+        assert!(
+            stdout.contains("prompt tokens (server: 120)"),
+            "{model}: the server's own count is shown beside keel's:\n{stdout}"
+        );
         if openai {
             assert!(
                 stdout.contains("64 cached"),
