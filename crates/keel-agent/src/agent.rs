@@ -1167,6 +1167,12 @@ impl AgentBuilder {
     }
 
     /// Compaction settings: triggers, strategy, budgets, step ceiling.
+    ///
+    /// A run stops after [`MAX_FAILED_COMPACTIONS`](crate::MAX_FAILED_COMPACTIONS) (3)
+    /// compactions fail in a row, so a
+    /// [`fallback_after_failures`](CompactionConfig::fallback_after_failures) of 3 or
+    /// more never comes into play in an agent: it acts as `None` (the fallback only
+    /// when the context would overflow).
     pub fn compaction(mut self, config: CompactionConfig) -> Self {
         self.compaction = config;
         self

@@ -117,24 +117,27 @@ impl AgentState {
     /// Compactions that failed since the last one that succeeded, as the latest
     /// compaction events show.
     pub(crate) fn failed_in_a_row(&self) -> u32 {
-        let failed = self
-            .compactions
-            .iter()
-            .rev()
-            .take_while(|e| e.error.is_some());
-        u32::try_from(failed.count()).unwrap_or(u32::MAX)
+        self.latest_compactions_where(|e| e.error.is_some())
     }
 
     /// Compactions in a row at which the summarizer failed (failed, or written by the
     /// fallback), as the latest compaction events show:
     /// [`ContextState::failures_in_a_row`].
     fn summarizer_failures_in_a_row(&self) -> u32 {
-        let failed = self
+        self.latest_compactions_where(|e| e.error.is_some() || e.fallback)
+    }
+
+    /// How many of the newest compaction events in a row match `pred`. The state keeps
+    /// the newest [`RECENT_COMPACTIONS`], so the count stops there, far above
+    /// [`MAX_FAILED_COMPACTIONS`], where a run stops.
+    fn latest_compactions_where(&self, pred: impl Fn(&CompactionEvent) -> bool) -> u32 {
+        let n = self
             .compactions
             .iter()
             .rev()
-            .take_while(|e| e.error.is_some() || e.fallback);
-        u32::try_from(failed.count()).unwrap_or(u32::MAX)
+            .take_while(|e| pred(e))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
     }
 
     /// The compaction engine's view of this state (a copy; token counts are taken

@@ -1510,6 +1510,15 @@ impl keel_summarize::Summarizer for Flaky {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost() {
+    // No fallback unless the context would overflow (`None`), or a fallback threshold
+    // the stop comes first to (as `compaction`'s docs say): the failures show.
+    for fallback in [None, Some(keel_agent::MAX_FAILED_COMPACTIONS)] {
+        failing_compactions_stop_the_run(fallback).await;
+    }
+}
+
+async fn failing_compactions_stop_the_run(fallback: Option<u32>) {
+    let thread = format!("flaky-{fallback:?}");
     let summarizer = Arc::new(Flaky {
         down: std::sync::atomic::AtomicBool::new(true),
         inner: keel_summarize::ExtractiveSummarizer::new(),
@@ -1520,14 +1529,13 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
             CompactionConfig::default()
                 .with_every_steps(Some(4))
                 .with_keep_recent_tokens(20)
-                // No fallback unless the context would overflow: the failures show.
-                .with_fallback_after_failures(None),
+                .with_fallback_after_failures(fallback),
         )
         .summarizer(summarizer.clone())
         .checkpointer(Arc::new(MemorySaver::new()))
         .build()
         .unwrap();
-    let run = agent.run("flaky", AgentInput::new()).await.unwrap();
+    let run = agent.run(&thread, AgentInput::new()).await.unwrap();
     let Some(Stop::CompactionFailing { failures, error }) = &run.stop else {
         panic!("{:?}", run.stop);
     };
@@ -1554,7 +1562,7 @@ async fn compactions_failing_in_a_row_stop_the_run_resumably_with_nothing_lost()
 
     // The summarizer is back: the thread continues, compacts and finishes.
     summarizer.down.store(false, Ordering::SeqCst);
-    let run = agent.run("flaky", AgentInput::new()).await.unwrap();
+    let run = agent.run(&thread, AgentInput::new()).await.unwrap();
     assert_eq!(run.stop, None);
     assert_eq!(run.answer.as_deref(), Some("The last number was 39."));
     assert!(
