@@ -236,7 +236,9 @@ pub async fn replay_trajectory(
         Arc::clone(&counter),
         config.profile(),
     )
-    .with_config(config.compaction.clone());
+    // A recorded run already happened: its length is measured, not stopped at the
+    // live agent's step ceiling (which would fail the replay of any run past it).
+    .with_config(config.compaction.clone().with_max_steps(u64::MAX));
     let compactor = match &config.summary_model {
         Some(model) => compactor.with_prefix_summarizer(crate::PrefixSummarizer::new(
             Arc::clone(model),
@@ -658,4 +660,27 @@ pub async fn replay_all(
         &runs,
     );
     Ok((report, runs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_token::ApproxCounter;
+
+    /// A recorded run longer than the live agent's step ceiling (500 model calls)
+    /// replays to its end instead of failing at the ceiling.
+    #[tokio::test]
+    async fn a_run_past_the_step_ceiling_replays_to_its_end() {
+        let mut messages = vec![Message::system("be brief"), Message::user("count")];
+        for k in 0..510 {
+            messages.push(Message::assistant(format!("{k}")));
+            messages.push(Message::user("next"));
+        }
+        let run = Trajectory::new("hand-made", "long", messages).unwrap();
+        let config = ReplayConfig::new(8_000, Strategy::Hierarchical);
+        assert_eq!(config.compaction.max_steps, 500);
+        let counter: Arc<dyn TokenCounter> = Arc::new(ApproxCounter::default());
+        let report = replay_trajectory(&run, &config, counter).await.unwrap();
+        assert_eq!(report.turns.len(), 510);
+    }
 }
