@@ -214,6 +214,14 @@ pub fn detect(path: &Path, bytes: &[u8]) -> anyhow::Result<Format> {
     if value.get("history").is_some_and(Value::is_array) {
         return Ok(Format::SweAgent);
     }
+    // `[]` or `{"messages": []}`: a conversation with nothing in it, whatever its format.
+    let empty = |v: &Value| v.as_array().is_some_and(Vec::is_empty);
+    if empty(&value) || value.get("messages").is_some_and(empty) {
+        bail!(
+            "{} is an empty conversation (no messages): there is no run to replay",
+            path.display()
+        );
+    }
     if let Some(items) = value.as_array()
         && items
             .first()
@@ -496,6 +504,17 @@ mod tests {
             err.contains("cut.json") && err.contains("line") && err.contains("cut short"),
             "{err}"
         );
+
+        for (name, text) in [("none.json", "[]"), ("nothing.json", r#"{"messages": []}"#)] {
+            let p = write(d.path(), name, text);
+            let err = format!("{:#}", load(&p, Format::Auto, 1 << 20).unwrap_err());
+            assert!(
+                err.contains(name)
+                    && err.contains("empty conversation")
+                    && !err.contains("--format"),
+                "an empty conversation is not an unknown format: {err}"
+            );
+        }
 
         let empty = write(d.path(), "empty.json", "  \n");
         let err = format!("{:#}", load(&empty, Format::Auto, 1 << 20).unwrap_err());
