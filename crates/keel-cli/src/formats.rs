@@ -94,6 +94,24 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// `files` with each file once, in the order first named: a file named twice, or named
+/// and also found in a directory named, would be replayed twice and counted twice in
+/// the totals. Returns the files kept and the repeats left out.
+pub fn without_repeats(files: Vec<PathBuf>) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let mut seen = std::collections::HashSet::new();
+    let mut kept = Vec::with_capacity(files.len());
+    let mut repeats = Vec::new();
+    for file in files {
+        let same = std::fs::canonicalize(&file).unwrap_or_else(|_| file.clone());
+        if seen.insert(same) {
+            kept.push(file);
+        } else {
+            repeats.push(file);
+        }
+    }
+    (kept, repeats)
+}
+
 /// A size over a limit (`limit` bytes) in MiB with one decimal, never reading as the
 /// limit or below it: 3.9 MiB over 1 MiB, not 3; 1.1 for a byte over 1 MiB.
 fn mib_over(bytes: u64, limit: u64) -> String {
@@ -584,5 +602,12 @@ mod tests {
         assert_eq!(names, ["a.traj", "b.json"]);
         let empty = tempfile::tempdir().unwrap();
         assert!(expand(&[empty.path().to_owned()]).is_err());
+
+        // The directory and one of its files: that file once.
+        let named = d.path().join("a.traj");
+        let both = expand(&[d.path().to_owned(), named.clone(), named.clone()]).unwrap();
+        let (kept, repeats) = without_repeats(both);
+        assert_eq!(kept, files);
+        assert_eq!(repeats, [named.clone(), named]);
     }
 }

@@ -120,7 +120,13 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         }
     };
     let started = Instant::now();
-    let files = formats::expand(&args.inputs)?;
+    let (files, repeats) = formats::without_repeats(formats::expand(&args.inputs)?);
+    for path in &repeats {
+        crate::errln!(
+            "note: {} was named more than once (or also lies in a directory named): it is replayed once",
+            path.display()
+        );
+    }
     let profiles = ModelProfiles::new();
     let profile = profiles.lookup(&args.model).clone();
     let given = match args.window {

@@ -2787,3 +2787,38 @@ async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_i
         "{stdout}\n{stderr}"
     );
 }
+
+#[test]
+fn replay_counts_a_file_named_twice_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("a.json"), OPENAI_RUN).unwrap();
+    let out = keel()
+        .arg("replay")
+        .arg(d)
+        .arg(d.join("a.json"))
+        .arg(d.join("a.json"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("a.json was named more than once") && stderr.contains("replayed once"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stdout.matches("a.json: openai (detected)").count(),
+        1,
+        "{stdout}"
+    );
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("hierarchical"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cells[1..3],
+        ["1", "3"],
+        "one run of 3 turns, not three: {row}"
+    );
+}
