@@ -202,6 +202,12 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         for run in loaded.iter_mut().flat_map(|l| &mut l.runs) {
             set_goal(run, goal);
         }
+    } else {
+        for l in &loaded {
+            if let Some(note) = no_goal_note(l) {
+                crate::errln!("{note}");
+            }
+        }
     }
     let runs: Vec<&Trajectory> = loaded.iter().flat_map(|l| &l.runs).collect();
     let goal_used = if args.goal.is_some() {
@@ -209,7 +215,6 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
     } else {
         "each run's task statement (its first user message that is not a demonstration)"
     };
-    let turns: usize = runs.iter().map(|r| r.turns()).sum();
 
     // Replay each run under each strategy.
     let bar = progress(
@@ -292,6 +297,9 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
             serde_json::to_string_pretty(&out).context("cannot encode the report")?
         );
     } else {
+        // The model turns replayed, as the table counts them (a run without a user
+        // message has no goal, so none of its turns is).
+        let turns = totals.first().map_or(0, |(_, r)| r.turns);
         crate::outln!(
             "\n{}, {}; window {} tokens ({}); summaries: {}; goal: {goal_used}\n",
             count(runs.len() as u64, "run"),
@@ -514,6 +522,26 @@ fn share(r: &Report, value: f64) -> String {
     } else {
         percent(value)
     }
+}
+
+/// A note for a file whose runs have model turns but no user message: keel anchors a
+/// run on its task statement (a user message), so without one the run is not
+/// replayed, and its turns are not in the totals.
+fn no_goal_note(l: &Loaded) -> Option<String> {
+    let goalless = l
+        .runs
+        .iter()
+        .filter(|r| r.turns() > 0 && r.goal().is_none())
+        .count();
+    (goalless > 0).then(|| {
+        format!(
+            "note: {}: {} with model turns but no user message (no task statement to anchor as the goal) {} not replayed: give --goal to replay {}",
+            l.path.display(),
+            count(goalless as u64, "run"),
+            if goalless == 1 { "was" } else { "were" },
+            if goalless == 1 { "it" } else { "them" },
+        )
+    })
 }
 
 /// A share as JSON: `null` when the report has no model turns.

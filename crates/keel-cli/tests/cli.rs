@@ -2822,3 +2822,43 @@ fn replay_counts_a_file_named_twice_once() {
         "one run of 3 turns, not three: {row}"
     );
 }
+
+#[test]
+fn replay_says_which_runs_had_no_goal_and_counts_the_turns_it_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("a.json"), OPENAI_RUN).unwrap();
+    // Model turns but no user message: no task statement to anchor.
+    std::fs::write(
+        d.join("b.json"),
+        r#"[{"role":"system","content":"be brief"},{"role":"assistant","content":"hello"},{"role":"assistant","content":"still here"}]"#,
+    )
+    .unwrap();
+    let out = keel().arg("replay").arg(d).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("b.json: 1 run with model turns but no user message")
+            && stderr.contains("--goal"),
+        "{stderr}"
+    );
+    // a.json's 3 turns; b.json's 2 were not replayed: the header and the table agree.
+    assert!(stdout.contains("2 runs, 3 model turns;"), "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("hierarchical"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[1..3], ["2", "3"], "{row}");
+
+    // With --goal the run has one, and its turns are replayed.
+    let out = keel()
+        .args(["replay", "--goal", "Greet the user."])
+        .arg(d.join("b.json"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("no user message"), "{stderr}");
+    assert!(stdout.contains("1 run, 2 model turns;"), "{stdout}");
+}
