@@ -498,7 +498,7 @@ fn row(name: &str, r: &Report) -> Vec<String> {
         thousands(r.tokens as u64),
         share(r, r.token_reduction()),
         share(r, r.cost_reduction()),
-        share(r, r.cacheable_share()),
+        cacheable(r),
         format!("{}/{}", r.full_over_window, r.over_window),
         if r.needed_facts == 0 {
             "-".to_owned()
@@ -521,6 +521,16 @@ fn share(r: &Report, value: f64) -> String {
         "-".to_owned()
     } else {
         percent(value)
+    }
+}
+
+/// The share of follow-up turns whose prompt extends the previous one, or `-` when
+/// no run had a second turn (there is no previous prompt to share a prefix with).
+fn cacheable(r: &Report) -> String {
+    if r.followup_turns == 0 {
+        "-".to_owned()
+    } else {
+        percent(r.cacheable_share())
     }
 }
 
@@ -580,7 +590,8 @@ fn report_json(r: &Report) -> serde_json::Value {
         "runs": r.runs, "turns": r.turns,
         "tokens_full": r.full_tokens, "tokens": r.tokens, "tokens_saved": share_json(r, r.token_reduction()),
         "cost_full": r.full_cost, "cost": r.cost, "cost_saved": share_json(r, r.cost_reduction()),
-        "cacheable_turns": r.cacheable_turns, "cacheable_share": share_json(r, r.cacheable_share()),
+        "cacheable_turns": r.cacheable_turns,
+        "cacheable_share": if r.followup_turns == 0 { serde_json::Value::Null } else { json!(r.cacheable_share()) },
         "peak_full": r.full_peak, "peak": r.peak,
         "turns_over_window_full": r.full_over_window, "turns_over_window": r.over_window,
         "goal_intact_share": share_json(r, r.goal_share()),

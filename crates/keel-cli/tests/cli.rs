@@ -2862,3 +2862,33 @@ fn replay_says_which_runs_had_no_goal_and_counts_the_turns_it_replayed() {
     assert!(!stderr.contains("no user message"), "{stderr}");
     assert!(stdout.contains("1 run, 2 model turns;"), "{stdout}");
 }
+
+#[test]
+fn replay_of_one_model_turn_has_no_cacheable_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("one-turn.json");
+    std::fs::write(
+        &file,
+        r#"[{"role":"user","content":"Say hi."},{"role":"assistant","content":"hi"}]"#,
+    )
+    .unwrap();
+    let out = keel().arg("replay").arg(&file).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("hierarchical"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    // No second turn, so no previous prompt to extend: not 0% cacheable.
+    assert_eq!(cells[7], "-", "{row}");
+    let out = keel()
+        .args(["replay", "--json"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let total = &report["strategies"][0]["total"];
+    assert_eq!(total["cacheable_share"], Value::Null, "{total}");
+    assert_eq!(total["turns"], 1, "{total}");
+}
