@@ -598,7 +598,7 @@ fn report_json(r: &Report) -> serde_json::Value {
         "compactions": r.compactions, "failed_compactions": r.failed_compactions,
         "needed_facts": r.needed_facts, "facts_in_prompt": r.facts_in_prompt, "facts_in_archive": r.facts_in_archive,
         "recall": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.recall()) },
-        "recall_with_archive": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.archive_recall()) },
+        "recall_with_archive": if r.needed_facts == 0 { serde_json::Value::Null } else { json!(r.reachable()) },
     })
 }
 

@@ -2892,3 +2892,59 @@ fn replay_of_one_model_turn_has_no_cacheable_share() {
     assert_eq!(total["cacheable_share"], Value::Null, "{total}");
     assert_eq!(total["turns"], 1, "{total}");
 }
+
+#[test]
+fn replay_json_recall_with_archive_is_at_least_the_recall_and_runs_add_up_to_totals() {
+    let Some(data) = shared_data() else { return };
+    let out = keel()
+        .args(["replay", "--window", "4000", "--json"])
+        .args(["--strategy", "hierarchical", "--strategy", "masking"])
+        .arg(data.join("tau-bench/gpt-4o-airline.json"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    for strategy in report["strategies"].as_array().unwrap() {
+        let total = &strategy["total"];
+        let runs = strategy["runs"].as_array().unwrap();
+        for key in [
+            "runs",
+            "turns",
+            "tokens_full",
+            "tokens",
+            "needed_facts",
+            "facts_in_prompt",
+            "facts_in_archive",
+        ] {
+            let sum: u64 = runs
+                .iter()
+                .map(|r| r["report"][key].as_u64().unwrap())
+                .sum();
+            assert_eq!(Some(sum), total[key].as_u64(), "{key}: {total}");
+        }
+        let mut archived = 0;
+        for r in runs.iter().map(|r| &r["report"]).chain([total]) {
+            assert!(r["tokens"].as_u64() <= r["tokens_full"].as_u64(), "{r}");
+            let Some(needed) = r["needed_facts"].as_u64().filter(|&n| n > 0) else {
+                assert_eq!(r["recall_with_archive"], Value::Null, "{r}");
+                continue;
+            };
+            let recall = r["recall"].as_f64().unwrap();
+            let reach = r["recall_with_archive"].as_f64().unwrap();
+            let found =
+                r["facts_in_prompt"].as_u64().unwrap() + r["facts_in_archive"].as_u64().unwrap();
+            assert!(
+                (0.0..=1.0).contains(&recall) && (0.0..=1.0).contains(&reach),
+                "{r}"
+            );
+            assert!(reach >= recall, "the archive only adds: {r}");
+            assert!((reach - found as f64 / needed as f64).abs() < 1e-9, "{r}");
+            archived += r["facts_in_archive"].as_u64().unwrap();
+        }
+        assert!(
+            archived > 0,
+            "some facts were read back from the archive at 4,000 tokens"
+        );
+    }
+}
