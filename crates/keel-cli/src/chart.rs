@@ -31,10 +31,23 @@ const COMPACTED: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
 const FULL: RGBColor = RGBColor(0xd6, 0x27, 0x28);
 const MILESTONE: RGBColor = RGBColor(0x99, 0x99, 0x99);
 const EPOCH: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
+const MASK: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
 
 /// Writes the chart to `path` as SVG.
 pub fn write_svg(path: &Path, title: &str, turns: &[Turn], marks: &[Mark]) -> anyhow::Result<()> {
-    let svg = render_svg(title, turns, marks)?;
+    write_svg_with_masks(path, title, turns, marks, &[])
+}
+
+/// [`write_svg`], with the turns before which old tool results were masked (observation
+/// masking: neither a milestone nor an epoch) marked and named apart.
+pub fn write_svg_with_masks(
+    path: &Path,
+    title: &str,
+    turns: &[Turn],
+    marks: &[Mark],
+    masks: &[u64],
+) -> anyhow::Result<()> {
+    let svg = render_svg_with_masks(title, turns, marks, masks)?;
     if let Some(dir) = path.parent()
         && !dir.as_os_str().is_empty()
     {
@@ -45,12 +58,23 @@ pub fn write_svg(path: &Path, title: &str, turns: &[Turn], marks: &[Mark]) -> an
         .with_context(|| format!("cannot write the chart to {}", path.display()))
 }
 
-/// The chart as an SVG document.
+/// The chart as an SVG document (what [`write_svg`] writes).
+#[cfg(test)]
 pub fn render_svg(title: &str, turns: &[Turn], marks: &[Mark]) -> anyhow::Result<String> {
+    render_svg_with_masks(title, turns, marks, &[])
+}
+
+/// The chart as an SVG document, with masking marked ([`write_svg_with_masks`]).
+pub fn render_svg_with_masks(
+    title: &str,
+    turns: &[Turn],
+    marks: &[Mark],
+    masks: &[u64],
+) -> anyhow::Result<String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (960, 520)).into_drawing_area();
-        draw(&root, title, turns, marks)
+        draw(&root, title, turns, marks, masks)
             .map_err(|e| anyhow::anyhow!("cannot draw the chart: {e}"))?;
         root.present()
             .map_err(|e| anyhow::anyhow!("cannot finish the chart: {e}"))?;
@@ -63,6 +87,7 @@ fn draw<DB: DrawingBackend>(
     title: &str,
     turns: &[Turn],
     marks: &[Mark],
+    masks: &[u64],
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     root.fill(&WHITE)?;
     let last = turns.last().map_or(1, |t| t.turn.max(1));
@@ -92,6 +117,12 @@ fn draw<DB: DrawingBackend>(
             color.mix(if m.epoch { 0.8 } else { 0.5 }).stroke_width(1),
         )))?;
     }
+    for &turn in masks {
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![(turn, 0), (turn, top)],
+            MASK.mix(0.6).stroke_width(1),
+        )))?;
+    }
     chart
         .draw_series(LineSeries::new(
             turns.iter().map(|t| (t.turn, t.full)),
@@ -117,6 +148,12 @@ fn draw<DB: DrawingBackend>(
             .draw_series(std::iter::empty::<PathElement<(u64, u64)>>())?
             .label("epoch summary")
             .legend(|(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], EPOCH));
+    }
+    if !masks.is_empty() {
+        chart
+            .draw_series(std::iter::empty::<PathElement<(u64, u64)>>())?
+            .label("tool results masked")
+            .legend(|(x, y)| PathElement::new(vec![(x + 10, y - 6), (x + 10, y + 6)], MASK));
     }
     chart
         .configure_series_labels()
@@ -156,6 +193,23 @@ mod tests {
         assert!(svg.contains("keel (compacted)"));
         assert!(svg.contains("epoch summary"));
         assert!(svg.matches("<polyline").count() >= 2, "two series");
+    }
+
+    #[test]
+    fn masking_is_marked_as_masking_not_as_a_milestone() {
+        let turns: Vec<Turn> = (1..=20)
+            .map(|t| Turn {
+                turn: t,
+                compacted: 500 + t * 10,
+                full: 500 + t * 100,
+            })
+            .collect();
+        let svg = render_svg_with_masks("masking", &turns, &[], &[5, 12]).unwrap();
+        assert!(svg.contains("tool results masked"), "{svg}");
+        assert!(!svg.contains("milestone"), "no milestone was made: {svg}");
+        assert!(!svg.contains("epoch summary"), "{svg}");
+        let plain = render_svg("masking", &turns, &[]).unwrap();
+        assert!(!plain.contains("tool results masked"));
     }
 
     #[test]

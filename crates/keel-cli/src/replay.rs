@@ -351,16 +351,19 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
                     full: t.full_tokens as u64,
                 })
                 .collect();
-            let marks: Vec<Mark> = rr
-                .events
-                .iter()
-                .filter(|e| e.error.is_none())
+            let made = || rr.events.iter().filter(|e| e.error.is_none());
+            let marks: Vec<Mark> = made()
+                .filter(|e| e.kind != EventKind::Mask)
                 .map(|e| Mark {
                     turn: e.step + 1,
                     epoch: e.kind == EventKind::Epoch,
                 })
                 .collect();
-            chart::write_svg(
+            let masks: Vec<u64> = made()
+                .filter(|e| e.kind == EventKind::Mask)
+                .map(|e| e.step + 1)
+                .collect();
+            chart::write_svg_with_masks(
                 path,
                 &format!(
                     "{} ({}, {} window): prompt tokens per turn",
@@ -370,11 +373,13 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
                 ),
                 &turns,
                 &marks,
+                &masks,
             )?;
             if !args.json {
                 crate::outln!(
-                    "chart of {} ({} turns): {}",
+                    "chart of {} ({}, {} turns): {}",
                     rr.id,
+                    name.name(),
                     turns.len(),
                     path.display()
                 );

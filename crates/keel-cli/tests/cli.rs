@@ -2948,3 +2948,49 @@ fn replay_json_recall_with_archive_is_at_least_the_recall_and_runs_add_up_to_tot
         );
     }
 }
+
+#[test]
+fn a_masking_chart_marks_masking_not_milestones() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coder."}),
+        json!({"role": "user", "content": "Find the bug."}),
+    ];
+    for i in 0..12 {
+        let id = format!("c{i}");
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "cat", "arguments": format!("{{\"path\":\"f{i}.py\"}}")}}]}));
+        let body: String = (0..60)
+            .map(|k| format!("line {k} of file {i}: value = {}\n", k * i))
+            .collect();
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": body}));
+    }
+    messages.push(json!({"role": "assistant", "content": "Done."}));
+    let file = dir.path().join("masky.json");
+    std::fs::write(&file, Value::Array(messages).to_string()).unwrap();
+    let svg = dir.path().join("m.svg");
+    let out = keel()
+        .args([
+            "replay",
+            "--window",
+            "4000",
+            "--strategy",
+            "masking",
+            "--chart",
+        ])
+        .arg(&svg)
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("chart of masky (masking, 13 turns)"),
+        "{stdout}"
+    );
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(chart.contains("tool results masked"), "{chart}");
+    assert!(
+        !chart.contains("milestone"),
+        "masking makes no milestones: {chart}"
+    );
+}
