@@ -2994,3 +2994,24 @@ fn a_masking_chart_marks_masking_not_milestones() {
         "masking makes no milestones: {chart}"
     );
 }
+
+#[test]
+fn replay_of_a_run_longer_than_the_agents_step_ceiling_reaches_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut messages = vec![json!({"role": "user", "content": "Count to 520."})];
+    for k in 0..520 {
+        messages.push(json!({"role": "assistant", "content": format!("{k}")}));
+        messages.push(json!({"role": "user", "content": "next"}));
+    }
+    let file = dir.path().join("long.json");
+    std::fs::write(&file, Value::Array(messages).to_string()).unwrap();
+    let out = keel()
+        .args(["replay", "--json"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["strategies"][0]["total"]["turns"], 520);
+}
