@@ -140,14 +140,13 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                     .await
                     .with_context(|| format!("cannot prune thread `{thread}`"))?,
             };
+            // What is left, not what was asked for: a thread with fewer checkpoints
+            // than --keep keeps them all.
+            let kept = checkpoints(&saver, &thread).await?;
             report(
                 args.json,
-                json!({"thread": thread, "removed": removed, "kept": keep}),
-                || {
-                    format!(
-                        "thread `{thread}`: removed {removed} checkpoint(s), kept the newest {keep}"
-                    )
-                },
+                json!({"thread": thread, "removed": removed, "kept": kept}),
+                || pruned_line(&thread, removed, kept, keep),
             );
         }
         ThreadsCommand::Delete { thread } => {
@@ -297,6 +296,29 @@ async fn exists(saver: &Arc<dyn Checkpointer>, thread: &str) -> anyhow::Result<(
         bail!("no thread `{thread}`: `keel threads list` shows the stored ones");
     }
     Ok(())
+}
+
+/// How many checkpoints `thread` has.
+async fn checkpoints(saver: &Arc<dyn Checkpointer>, thread: &str) -> anyhow::Result<u64> {
+    let key = ThreadKey::new(thread.to_owned());
+    let mut items = saver.list(&key, ListOptions::default());
+    let mut n = 0;
+    while let Some(item) = items.next().await {
+        item.with_context(|| format!("cannot read the history of `{thread}`"))?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// What `keel threads prune` did: `kept` checkpoints are left of the `keep` asked for.
+fn pruned_line(thread: &str, removed: impl std::fmt::Display, kept: u64, keep: usize) -> String {
+    if (kept as usize) < keep {
+        format!(
+            "thread `{thread}`: removed {removed} checkpoint(s); it has {kept}, fewer than --keep {keep}, so all are kept"
+        )
+    } else {
+        format!("thread `{thread}`: removed {removed} checkpoint(s), kept the newest {kept}")
+    }
 }
 
 async fn delete_offloaded(store: Option<&dyn OffloadStore>, thread: &str) -> anyhow::Result<u64> {
@@ -828,6 +850,19 @@ mod tests {
         assert!(
             half.contains("whole number") && !half.contains("unit must"),
             "{half}"
+        );
+    }
+
+    #[test]
+    fn a_prune_that_keeps_all_says_so() {
+        assert_eq!(
+            pruned_line("t", 6, 3, 3),
+            "thread `t`: removed 6 checkpoint(s), kept the newest 3"
+        );
+        let all = pruned_line("t", 0, 9, 100);
+        assert!(
+            all.contains("it has 9, fewer than --keep 100") && !all.contains("newest 100"),
+            "{all}"
         );
     }
 

@@ -3015,3 +3015,61 @@ fn replay_of_a_run_longer_than_the_agents_step_ceiling_reaches_its_end() {
     let report: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(report["strategies"][0]["total"]["turns"], 520);
 }
+
+/// A demo thread `few` of more than two checkpoints in a new home, and how many it has.
+fn few_checkpoints() -> (tempfile::TempDir, usize) {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let out = demo(
+        &["--steps", "5", "--json", "-q", "--thread", "few"],
+        proj.path(),
+        home.path(),
+    );
+    assert!(out.status.success(), "{:?}", text(&out));
+    let all = threads_in(
+        home.path(),
+        &["history", "few", "--limit", "1000", "--json"],
+    );
+    let stored = serde_json::from_slice::<Value>(&all.stdout)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(stored > 2, "{stored}");
+    (home, stored)
+}
+
+fn threads_in(home: &Path, args: &[&str]) -> Output {
+    keel()
+        .arg("threads")
+        .args(args)
+        .arg("--home")
+        .arg(home)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn threads_prune_says_how_many_it_kept() {
+    let (home, stored) = few_checkpoints();
+    // More kept than there are: all of them, said as such.
+    let prune = threads_in(home.path(), &["prune", "few", "--keep", "1000", "--json"]);
+    let pruned: Value = serde_json::from_slice(&prune.stdout).unwrap();
+    assert_eq!(pruned["kept"], stored, "{pruned}");
+    assert_eq!(pruned["removed"], 0, "{pruned}");
+    let prune = threads_in(home.path(), &["prune", "few", "--keep", "1000"]);
+    let (stdout, _) = text(&prune);
+    assert!(
+        stdout.contains(&format!("it has {stored}, fewer than --keep 1000")),
+        "{stdout}"
+    );
+    let prune = threads_in(home.path(), &["prune", "few", "--keep", "2"]);
+    let (stdout, _) = text(&prune);
+    assert!(stdout.contains("kept the newest 2"), "{stdout}");
+    let show = threads_in(home.path(), &["show", "few"]);
+    assert!(
+        show.status.success(),
+        "a pruned thread still shows: {:?}",
+        text(&show)
+    );
+}
