@@ -710,7 +710,9 @@ async fn history(
 ) -> anyhow::Result<()> {
     exists(saver, thread).await?;
     let key = ThreadKey::new(thread.to_owned());
-    let mut items = saver.list(&key, ListOptions::default().limit(limit));
+    // One more than shown, to say when there are more.
+    let mut items = saver.list(&key, ListOptions::default().limit(limit.saturating_add(1)));
+    let mut more = false;
     let mut rows = vec![vec![
         "checkpoint".to_owned(),
         "made (UTC)".into(),
@@ -721,6 +723,10 @@ async fn history(
     let mut out = Vec::new();
     while let Some(item) = items.next().await {
         let c = item.with_context(|| format!("cannot read the history of `{thread}`"))?;
+        if out.len() == limit {
+            more = true;
+            break;
+        }
         let when = utc(c.checkpoint.id.timestamp_millis());
         let source = format!("{:?}", c.metadata.source).to_lowercase();
         out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": iso_utc(c.checkpoint.id.timestamp_millis()), "step": c.metadata.step, "source": source, "writes": c.metadata.writes}));
@@ -736,6 +742,12 @@ async fn history(
         crate::outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         crate::out!("{}", table(&rows));
+        if more {
+            crate::outln!(
+                "(the newest {limit} shown; older ones follow: --limit {} shows more)",
+                limit.saturating_mul(2)
+            );
+        }
     }
     Ok(())
 }

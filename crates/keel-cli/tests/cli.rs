@@ -3050,6 +3050,29 @@ fn threads_in(home: &Path, args: &[&str]) -> Output {
 }
 
 #[test]
+fn threads_history_says_when_older_checkpoints_follow() {
+    let (home, stored) = few_checkpoints();
+    let two = threads_in(home.path(), &["history", "few", "--limit", "2"]);
+    let (stdout, _) = text(&two);
+    assert_eq!(
+        stdout.lines().count(),
+        2 + 2 + 1,
+        "header, rule, 2 rows, the hint: {stdout}"
+    );
+    assert!(
+        stdout.contains("(the newest 2 shown; older ones follow: --limit 4 shows more)"),
+        "{stdout}"
+    );
+    let limit = stored.to_string();
+    let every = threads_in(home.path(), &["history", "few", "--limit", &limit]);
+    let (stdout, _) = text(&every);
+    assert!(
+        !stdout.contains("older ones follow"),
+        "all {stored} shown: {stdout}"
+    );
+}
+
+#[test]
 fn threads_prune_says_how_many_it_kept() {
     let (home, stored) = few_checkpoints();
     // More kept than there are: all of them, said as such.
