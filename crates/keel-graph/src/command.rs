@@ -1,5 +1,6 @@
 //! What nodes return and what they can ask of the engine.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,14 +16,22 @@ use crate::State;
 ///
 /// Most nodes just return an update (`#[derive(State)]` generates
 /// `From<YourStateUpdate> for Command<YourState>`); a node that routes by itself adds
-/// [`Command::goto`]. A caller resumes an interrupted thread with [`Command::resume`].
+/// [`Command::goto`]. A caller resumes an interrupted thread with [`Command::resume`]
+/// (one answer for every pending interrupt) or [`Command::resume_each`] (an answer per
+/// interrupt, as LangGraph's `Command(resume={id: value})`).
 pub struct Command<S: State> {
     /// The update to fold into the state.
     pub update: Option<S::Update>,
     /// Nodes (or [`SendTo`] packets) to run next, in addition to the node's edges.
     pub goto: Vec<Goto>,
-    /// For input to `invoke`: the answer to a pending `interrupt`.
+    /// For input to `invoke`: the answer to every pending `interrupt` not answered in
+    /// [`resume_each`](Self::resume_each).
     pub resume: Option<Value>,
+    /// For input to `invoke`: answers to pending interrupts, keyed by the
+    /// [`Interrupt::task_id`](crate::Interrupt::task_id) that raised each. A pending
+    /// interrupt with no answer here (nor in [`resume`](Self::resume)) stays pending:
+    /// its node runs again and asks again.
+    pub resume_each: BTreeMap<String, Value>,
 }
 
 impl<S: State> Default for Command<S> {
@@ -31,6 +40,7 @@ impl<S: State> Default for Command<S> {
             update: None,
             goto: Vec::new(),
             resume: None,
+            resume_each: BTreeMap::new(),
         }
     }
 }
@@ -41,6 +51,7 @@ impl<S: State> fmt::Debug for Command<S> {
             .field("update", &self.update.as_ref().map(|_| ".."))
             .field("goto", &self.goto)
             .field("resume", &self.resume)
+            .field("resume_each", &self.resume_each)
             .finish()
     }
 }
@@ -60,12 +71,54 @@ impl<S: State> Command<S> {
         Self::default()
     }
 
-    /// Input that answers a pending interrupt with `value`.
+    /// Input that answers every pending interrupt with `value`.
     pub fn resume(value: impl Into<Value>) -> Self {
         Command {
             resume: Some(value.into()),
             ..Self::default()
         }
+    }
+
+    /// Input that answers pending interrupts one by one: each pair is the
+    /// [`Interrupt::task_id`](crate::Interrupt::task_id) of an interrupt (from
+    /// [`Run::interrupts`](crate::Run::interrupts) or
+    /// [`StateSnapshot::interrupts`](crate::StateSnapshot::interrupts)) and its answer.
+    /// Interrupts not named stay pending, and the run pauses again with them; a task
+    /// id that has no pending interrupt is
+    /// [`GraphError::UnknownInterrupt`](crate::GraphError::UnknownInterrupt), and nothing
+    /// is stored.
+    ///
+    /// ```
+    /// use keel_graph::{Command, State};
+    /// use serde_json::json;
+    ///
+    /// #[derive(Clone, Debug, State)]
+    /// struct S {
+    ///     n: i64,
+    /// }
+    ///
+    /// // After a step in which two parallel nodes each asked a question:
+    /// let answers = Command::<S>::resume_each([("task-a", json!("yes")), ("task-b", json!(3))]);
+    /// assert_eq!(answers.resume_each.len(), 2);
+    /// ```
+    pub fn resume_each<K, V>(answers: impl IntoIterator<Item = (K, V)>) -> Self
+    where
+        K: Into<String>,
+        V: Into<Value>,
+    {
+        Command {
+            resume_each: answers
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Whether this input answers interrupts ([`resume`](Self::resume) or
+    /// [`resume_each`](Self::resume_each)).
+    pub fn is_resume(&self) -> bool {
+        self.resume.is_some() || !self.resume_each.is_empty()
     }
 
     /// Adds targets to run next.

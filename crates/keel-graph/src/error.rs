@@ -93,6 +93,19 @@ pub enum GraphError {
         /// The thread.
         thread_id: String,
     },
+    /// [`Command::resume_each`](crate::Command::resume_each) named a task with no
+    /// pending interrupt (nothing was stored).
+    #[error(
+        "thread `{thread_id}` has no pending interrupt from task `{task_id}`; the pending ones are from tasks {pending:?} (see Run::interrupts or StateSnapshot::interrupts)"
+    )]
+    UnknownInterrupt {
+        /// The thread.
+        thread_id: String,
+        /// The task named.
+        task_id: String,
+        /// The tasks whose interrupts are pending.
+        pending: Vec<String>,
+    },
     /// The requested checkpoint does not exist.
     #[error("checkpoint {id} not found in thread `{thread_id}`")]
     CheckpointNotFound {

@@ -625,6 +625,101 @@ async fn a_node_that_interrupts_twice_is_resumed_twice_in_memory_and_on_sqlite()
     }
 }
 
+/// Two nodes in one step, each asking its own question.
+fn two_askers(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
+    let asker = |name: &'static str| {
+        move |_s: Arc<S>, ctx: keel_graph::NodeContext| async move {
+            let answer = ctx.interrupt(format!("{name}?"))?;
+            Ok(log(&format!("{name}={answer}")))
+        }
+    };
+    StateGraph::<S>::new()
+        .add_node("a", asker("a"))
+        .add_node("b", asker("b"))
+        .add_edge(START, "a")
+        .add_edge(START, "b")
+        .add_edge("a", END)
+        .add_edge("b", END)
+        .with_checkpointer(cp)
+        .compile()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parallel_interrupts_are_answered_one_by_one_with_resume_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite: Arc<dyn Checkpointer> = Arc::new(
+        keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("t.db"))
+            .await
+            .unwrap(),
+    );
+    for cp in [saver(), sqlite] {
+        let g = two_askers(cp);
+        let config = RunConfig::thread("t");
+        let run = g.invoke(log("in"), &config).await.unwrap();
+        let mut asked: Vec<_> = run.interrupts.iter().map(|i| i.value.clone()).collect();
+        asked.sort_by_key(|v| v.to_string());
+        assert_eq!(asked, [json!("a?"), json!("b?")]);
+        let task = |node: &str| {
+            run.interrupts
+                .iter()
+                .find(|i| i.node == node)
+                .unwrap()
+                .task_id
+                .clone()
+        };
+        let (a, b) = (task("a"), task("b"));
+
+        // A task with no pending interrupt: refused, and nothing is stored.
+        let err = g
+            .invoke(
+                Command::resume_each([(a.clone(), json!(1)), ("nope".to_owned(), json!(2))]),
+                &config,
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, GraphError::UnknownInterrupt { task_id, pending, .. }
+                if task_id == "nope" && pending.len() == 2),
+            "{err:?}"
+        );
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert_eq!(snap.interrupts.len(), 2);
+
+        // Only `a` answered: `b` asks again and the step waits for it.
+        let run = g
+            .invoke(Command::resume_each([(a.clone(), json!("yes"))]), &config)
+            .await
+            .unwrap();
+        assert_eq!(run.interrupts.len(), 1, "{:?}", run.interrupts);
+        assert_eq!(run.interrupts[0].task_id, b);
+        assert_eq!(run.interrupts[0].value, json!("b?"));
+        assert_eq!(run.state.log, ["in"], "the step is not applied yet");
+
+        // `b`'s answer finishes the step with both answers, each to its own node.
+        let run = g
+            .invoke(Command::resume_each([(b.clone(), json!(7))]), &config)
+            .await
+            .unwrap();
+        assert!(run.interrupts.is_empty());
+        assert!(!run.is_paused());
+        assert_eq!(run.state.log, ["in", "a=\"yes\"", "b=7"]);
+    }
+}
+
+#[tokio::test]
+async fn resume_answers_the_interrupts_resume_each_does_not_name() {
+    let g = two_askers(saver());
+    let config = RunConfig::thread("t");
+    let run = g.invoke(log("in"), &config).await.unwrap();
+    let a = run.interrupts.iter().find(|i| i.node == "a").unwrap();
+    let mut both = Command::resume_each([(a.task_id.clone(), json!("mine"))]);
+    both.resume = Some(json!("default"));
+    let run = g.invoke(both, &config).await.unwrap();
+    assert!(run.interrupts.is_empty());
+    assert_eq!(run.state.log, ["in", "a=\"mine\"", "b=\"default\""]);
+}
+
 #[tokio::test]
 async fn a_resume_with_an_update_is_refused_and_changes_nothing() {
     let g = approval_graph(saver());

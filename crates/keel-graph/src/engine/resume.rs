@@ -154,7 +154,7 @@ impl<S: State> RunState<S> {
         Ok(Some(Outcome::Done(Command {
             update,
             goto,
-            resume: None,
+            ..Command::default()
         })))
     }
 }

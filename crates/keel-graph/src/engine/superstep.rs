@@ -72,7 +72,7 @@ impl<S: State> CompiledGraph<S> {
         let g = &*self.inner;
         let mut skip_breakpoint = false;
 
-        if let Some(answer) = input.resume {
+        if input.is_resume() {
             if input.update.is_some() || !input.goto.is_empty() {
                 return Err(GraphError::ResumeWithUpdate);
             }
@@ -90,8 +90,24 @@ impl<S: State> CompiledGraph<S> {
                     thread_id: thread.thread_id,
                 });
             }
+            if let Some(unknown) = input
+                .resume_each
+                .keys()
+                .find(|id| !interrupted.iter().any(|i| &i.task_id == *id))
+            {
+                return Err(GraphError::UnknownInterrupt {
+                    thread_id: thread.thread_id,
+                    task_id: unknown.clone(),
+                    pending: interrupted.iter().map(|i| i.task_id.clone()).collect(),
+                });
+            }
             let mut writes = Vec::new();
             for i in interrupted {
+                // Unanswered, it stays pending: its node asks again.
+                let Some(answer) = input.resume_each.get(&i.task_id).or(input.resume.as_ref())
+                else {
+                    continue;
+                };
                 let path = tasks
                     .iter()
                     .find(|t| t.id == i.task_id)
@@ -100,7 +116,7 @@ impl<S: State> CompiledGraph<S> {
                 // The task's earlier answers again under their own keys, then this one:
                 // a node that interrupts several times gets them in order.
                 let earlier = resume::task_values(&run.pending, &i.task_id, RESUME);
-                for a in earlier.into_iter().chain([&answer]) {
+                for a in earlier.into_iter().chain([answer]) {
                     writes.push(PendingWrite::new(
                         i.task_id.clone(),
                         path.clone(),
