@@ -98,8 +98,9 @@ pub struct WorkerArgs {
     /// The worker's name in run statuses (default: host name and process id).
     #[arg(long)]
     name: Option<String>,
-    /// Seconds a silent worker keeps its runs before another takes them over.
-    #[arg(long, default_value_t = 30, value_parser = crate::ui::at_least_one::<u64>)]
+    /// Seconds a silent worker keeps its runs before another takes them over (1 to
+    /// 86400, a day).
+    #[arg(long, default_value_t = 30, value_parser = lease_secs)]
     lease: u64,
     /// Model calls at most per thread, over all its runs (the thread then stops
     /// resumably; a worker with a higher limit continues it).
@@ -107,6 +108,19 @@ pub struct WorkerArgs {
     max_steps: u64,
     #[command(flatten)]
     live: LiveArgs,
+}
+
+/// `--lease`: whole seconds from 1 to a day ([`keel_fleet::MAX_LEASE`]); a longer lease
+/// would leave the worker unable to claim anything.
+fn lease_secs(text: &str) -> Result<u64, String> {
+    let secs = crate::ui::at_least_one::<u64>(text)?;
+    let max = keel_fleet::MAX_LEASE.as_secs();
+    if secs > max {
+        return Err(format!(
+            "it must be at most {max} (a day): a lease is how long a silent worker's runs wait for another worker"
+        ));
+    }
+    Ok(secs)
 }
 
 fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyhow::Result<String> {

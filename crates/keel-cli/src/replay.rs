@@ -331,7 +331,7 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         crate::outln!(
             "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
         );
-        if let Some(note) = nothing_compacted_note(&totals, window) {
+        if let Some(note) = nothing_compacted_note(&totals, window, args.every) {
             crate::outln!("{note}");
         }
         crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
@@ -570,7 +570,13 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
 
 /// A note for a replay in which no strategy compacted anything (the runs stayed under
 /// the triggers at this window), so a 0% saving is not read as keel failing.
-fn nothing_compacted_note(totals: &[(StrategyName, Report)], window: usize) -> Option<String> {
+/// It suggests only what would change something: a window smaller than this one, an
+/// `--every` smaller than the one given.
+fn nothing_compacted_note(
+    totals: &[(StrategyName, Report)],
+    window: usize,
+    every: Option<usize>,
+) -> Option<String> {
     let compacted = totals
         .iter()
         .any(|(_, r)| r.compactions + r.failed_compactions > 0);
@@ -578,11 +584,24 @@ fn nothing_compacted_note(totals: &[(StrategyName, Report)], window: usize) -> O
     if compacted || totals.iter().all(|(_, r)| r.turns == 0) {
         return None;
     }
-    let smaller = ((peak * 2).max(1_000) as u64).next_multiple_of(1_000);
-    let hint = format!(
-        "a smaller --window (e.g. {}) or a smaller --every (a milestone every N steps)",
-        thousands(smaller)
-    );
+    let smaller = (peak * 2).max(MIN_REPLAY_WINDOW).next_multiple_of(1_000);
+    let hints: Vec<String> = [
+        (smaller < window)
+            .then(|| format!("a smaller --window (e.g. {})", thousands(smaller as u64))),
+        // Only the hierarchical strategy makes a milestone every N steps.
+        (every != Some(1) && totals.iter().any(|(n, _)| *n == StrategyName::Hierarchical))
+            .then(|| "a smaller --every (a milestone every N steps)".to_owned()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if hints.is_empty() {
+        return Some(format!(
+            "note: nothing was compacted, and no smaller --window or --every would change that: the runs are too short (the largest full prompt is {} tokens) for compaction to make a prompt smaller",
+            thousands(peak as u64),
+        ));
+    }
+    let hint = hints.join(" or ");
     Some(format!(
         "note: nothing was compacted: the largest full prompt ({} tokens) stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction",
         thousands(peak as u64),
@@ -621,6 +640,48 @@ mod tests {
         assert_eq!(parse_chart("c.SVG"), Ok(PathBuf::from("c.SVG")));
         let png = parse_chart("out/c.png").unwrap_err();
         assert!(png.contains("ending in .svg"), "{png}");
+    }
+
+    /// A report of `turns` turns of `peak` tokens at most that compacted nothing.
+    fn quiet(name: StrategyName, peak: usize) -> (StrategyName, Report) {
+        let mut r = Report::from_runs("x", name.name(), 8_000, &[]);
+        r.turns = 2;
+        r.full_peak = peak;
+        (name, r)
+    }
+
+    #[test]
+    fn the_nothing_compacted_note_suggests_only_what_would_change_something() {
+        let h = [quiet(StrategyName::Hierarchical, 65)];
+        let both = nothing_compacted_note(&h, 128_000, None).unwrap();
+        assert!(
+            both.contains("--window (e.g. 1,000)") && both.contains("smaller --every"),
+            "{both}"
+        );
+        // Already at the least window: no window to suggest.
+        let every = nothing_compacted_note(&h, 1_000, None).unwrap();
+        assert!(
+            !every.contains("--window (e.g.") && every.contains("smaller --every"),
+            "{every}"
+        );
+        // A milestone every step at the least window: nothing left to suggest.
+        let none = nothing_compacted_note(&h, 1_000, Some(1)).unwrap();
+        assert!(
+            none.contains("too short") && !none.contains("e.g."),
+            "{none}"
+        );
+        // A window never suggested larger than the one replayed.
+        let big =
+            nothing_compacted_note(&[quiet(StrategyName::Hierarchical, 70_000)], 128_000, None)
+                .unwrap();
+        assert!(!big.contains("--window (e.g."), "{big}");
+        // Masking makes no milestones: --every changes nothing for it.
+        let m = [quiet(StrategyName::Masking, 65)];
+        let window = nothing_compacted_note(&m, 128_000, None).unwrap();
+        assert!(
+            window.contains("--window (e.g. 1,000)") && !window.contains("--every"),
+            "{window}"
+        );
     }
 
     #[test]

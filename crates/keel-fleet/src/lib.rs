@@ -56,7 +56,7 @@
 //! saver.setup().await?;
 //! // The archive and offloaded results, in the same database: every worker reads what
 //! // any other compacted away.
-//! let store = PostgresStore::connect_async(url, PostgresStoreOptions::new()).await?;
+//! let store = PostgresStore::connect_with_async(url, PostgresStoreOptions::new()).await?;
 //!
 //! // Anyone, anywhere: submit a run. It is stored when `submit` returns.
 //! let run = queue
@@ -100,6 +100,6 @@ pub use queue::{
 };
 pub use schema::SCHEMA_VERSION;
 pub use worker::{
-    DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, RunEnd, RunOutcome, Worker,
+    DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, MAX_LEASE, RunEnd, RunOutcome, Worker,
     WorkerBuilder, WorkerReport,
 };

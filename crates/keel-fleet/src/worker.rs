@@ -20,6 +20,10 @@ use crate::queue::{Claimed, Queue, Renewal, RunId, RunResult};
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The default interval between lease renewals (each also reads the cancel flag).
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(2);
+/// The longest lease a worker takes: a silent worker's runs wait at most this long
+/// for another worker. (Far longer leases do not fit the database's time arithmetic,
+/// and every claim would fail.)
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 /// The default wait before claiming again when the queue had nothing to claim.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(250);
 /// How often a run is retried in one claim when another writer moved its thread's
@@ -152,7 +156,8 @@ impl WorkerBuilder {
     }
 
     /// The lease (default 30 s): how long after its last renewal a silent worker's runs
-    /// can be taken over. Measured by the database's clock.
+    /// can be taken over. Measured by the database's clock. From 100 ms to
+    /// [`MAX_LEASE`] (a day); [`build`](Self::build) refuses others.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -196,6 +201,14 @@ impl WorkerBuilder {
         if self.lease < Duration::from_millis(100) {
             return Err(FleetError::Config {
                 reason: format!("a lease of {:?} is too short (at least 100 ms)", self.lease),
+            });
+        }
+        if self.lease > MAX_LEASE {
+            return Err(FleetError::Config {
+                reason: format!(
+                    "a lease of {:?} is too long (at most {:?}, a day)",
+                    self.lease, MAX_LEASE
+                ),
             });
         }
         if self.heartbeat.is_zero() || self.heartbeat >= self.lease - margin(self.lease) {
