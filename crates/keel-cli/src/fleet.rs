@@ -510,13 +510,25 @@ async fn existing_queue(
 ) -> anyhow::Result<(Queue, String)> {
     let url = database_url(flag, settings, command)?;
     let queue = queue(&url)?;
-    queue.check().await.with_context(|| {
-        format!(
-            "no usable run queue at {}: `keel submit` creates it",
-            store::redact(&url)
-        )
-    })?;
-    Ok((queue, url))
+    match queue.check().await {
+        Ok(()) => Ok((queue, url)),
+        // Only a database without the tables is one `keel submit` would fix.
+        Err(e @ FleetError::NotSetUp { .. }) => Err(e).with_context(|| {
+            format!(
+                "no run queue at {} yet: `keel submit` creates it",
+                store::redact(&url)
+            )
+        }),
+        Err(e @ (FleetError::Pool(_) | FleetError::Query(_))) => Err(e).with_context(|| {
+            format!(
+                "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names the fleet's database",
+                store::redact(&url)
+            )
+        }),
+        Err(e) => Err(e).with_context(|| {
+            format!("the run queue at {} cannot be used", store::redact(&url))
+        }),
+    }
 }
 
 /// A run id the queue at `url` has no run of: where the right id is found.

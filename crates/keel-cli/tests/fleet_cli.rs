@@ -60,3 +60,27 @@ fn a_lease_longer_than_a_day_is_a_usage_error() {
         "{stderr}"
     );
 }
+
+#[test]
+fn status_and_cancel_on_an_unreachable_database_say_so() {
+    // They used to say "no usable run queue ...: `keel submit` creates it", advice that
+    // fits a database without the queue's tables, not a server that cannot be reached.
+    for args in [
+        vec!["status", "--database-url", NOWHERE, "--thread", "t"],
+        vec![
+            "cancel",
+            "--database-url",
+            NOWHERE,
+            "0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80",
+        ],
+    ] {
+        let (out, stdout, stderr) = run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+        assert!(
+            stderr.contains("cannot reach Postgres at postgres://postgres@127.0.0.1:1/fleet")
+                && !stderr.contains("creates it"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
