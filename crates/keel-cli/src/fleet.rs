@@ -41,9 +41,11 @@ Examples:
 
 Prints the run's id (and with --wait, how it ended). The run is stored when the command returns; a `keel worker`
 on the same database runs it. A thread with a queued or running run refuses a second
-one unless --policy says otherwise: enqueue (run after it) or interrupt (cancel it at
-its next step, keeping its steps, and run this one next). The URL may also come from
-DATABASE_URL or keel.toml; the queue's tables are created when missing."
+one unless --policy says otherwise: enqueue (run after them) or interrupt (cancel the
+queued ones, stop the running one at its next step, keeping its steps, and run this one
+next). A thread's goal is written once: --goal starts a thread, --message continues it.
+The URL may also come from DATABASE_URL or keel.toml; the queue's tables are created
+when missing."
 )]
 pub struct SubmitArgs {
     /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
@@ -151,14 +153,31 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             args.thread
         );
     }
-    if args.goal.is_none()
-        && !thread_started(&queue, &url, &args.thread).await
-        && !has_pending_run(&queue, &args.thread).await?
-    {
-        bail!(
-            "thread `{}` has no goal yet, so a worker could not run this message: start the thread with --goal \"...\" (a follow-up --message comes after that)",
-            args.thread
-        );
+    let policy: Policy = args.policy.parse()?;
+    if args.goal.is_none() && !thread_started(&queue, &url, &args.thread).await {
+        let pending = pending_runs(&queue, &args.thread).await?;
+        if pending.is_empty() {
+            bail!(
+                "thread `{}` has no goal yet, so a worker could not run this message: start the thread with --goal \"...\" (a follow-up --message comes after that)",
+                args.thread
+            );
+        }
+        // An interrupt cancels the queued runs, the one with the thread's goal too
+        // (a running one has written it by its first step).
+        if policy == Policy::Interrupt
+            && !pending
+                .iter()
+                .any(|r| matches!(r.status, RunStatus::Running { .. }))
+        {
+            bail!(
+                "thread `{}` has no goal yet: it is in queued run {}, which --policy interrupt would cancel, so a worker could not run this message; submit it with --policy enqueue to run after that run",
+                args.thread,
+                pending
+                    .first()
+                    .map(|r| r.id.to_string())
+                    .unwrap_or_default()
+            );
+        }
     }
     let mut input = RunInput::new();
     if let Some(goal) = args.goal {
@@ -167,7 +186,6 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
     if let Some(message) = args.message {
         input = input.message(Message::user(message));
     }
-    let policy: Policy = args.policy.parse()?;
     let run = match queue.submit_with(&args.thread, input, policy).await {
         Ok(run) => run,
         Err(FleetError::ThreadBusy {
@@ -178,6 +196,11 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
         }) => {
             bail!(
                 "thread `{thread}` is busy: run {run} is {status}; pass --policy enqueue to run after it, or --policy interrupt to cancel it"
+            )
+        }
+        Err(FleetError::GoalTaken { thread, run }) => {
+            bail!(
+                "thread `{thread}` already has a goal, from run {run} (a goal is written once); continue it with --message \"...\" instead of --goal, or submit to a new thread"
             )
         }
         Err(e) => return Err(e).context("cannot submit the run"),
@@ -220,16 +243,17 @@ async fn thread_started(queue: &Queue, url: &str, thread: &str) -> bool {
     matches!(saver.get(&ThreadKey::new(thread), None).await, Ok(Some(_)))
 }
 
-/// Whether `thread` has a queued or running run (which may carry its goal: a message
-/// submitted after it runs once it has).
-async fn has_pending_run(queue: &Queue, thread: &str) -> anyhow::Result<bool> {
+/// The queued and running runs of `thread` (which may carry its goal: a message
+/// submitted after them runs once it has), oldest first.
+async fn pending_runs(queue: &Queue, thread: &str) -> anyhow::Result<Vec<keel_fleet::RunInfo>> {
     let runs = queue
         .runs(thread)
         .await
         .with_context(|| format!("cannot read the runs of thread `{thread}` in the queue"))?;
     Ok(runs
-        .iter()
-        .any(|r| matches!(r.status, RunStatus::Queued | RunStatus::Running { .. })))
+        .into_iter()
+        .filter(|r| matches!(r.status, RunStatus::Queued | RunStatus::Running { .. }))
+        .collect())
 }
 
 /// Runs `keel worker`.

@@ -84,3 +84,70 @@ fn status_and_cancel_on_an_unreachable_database_say_so() {
         );
     }
 }
+
+fn database_url() -> Option<String> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ if std::env::var("CI").is_ok_and(|v| v == "true") => {
+            panic!("CI=true but DATABASE_URL is unset: the fleet CLI tests must run in CI")
+        }
+        _ => {
+            eprintln!(
+                "skipped: DATABASE_URL is unset, so the fleet CLI tests did not run (cargo xtask test starts a throwaway cluster)"
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn submits_a_worker_could_not_run_are_refused_at_once() {
+    let Some(url) = database_url() else { return };
+    let thread = format!("fleet-cli-goal-{}", std::process::id());
+    let submit = |args: &[&str]| {
+        let mut all = vec!["submit", "--database-url", &url, "--thread", &thread];
+        all.extend_from_slice(args);
+        run(&all)
+    };
+    let (out, stdout, stderr) = submit(&["--goal", "What is here?"]);
+    assert!(out.status.success(), "{stderr}");
+    let first = stdout.trim().to_owned();
+
+    // An interrupting message would cancel the queued run that carries the thread's
+    // goal: it used to be queued, then fail on a worker for want of a goal.
+    let (out, stdout, stderr) = submit(&["--message", "Stop.", "--policy", "interrupt"]);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.is_empty()
+            && stderr.contains("no goal yet")
+            && stderr.contains(&first)
+            && stderr.contains("--policy enqueue"),
+        "{stderr}"
+    );
+
+    // A second goal behind the queued one: it used to be queued, then fail.
+    let (out, stdout, stderr) = submit(&["--goal", "Another.", "--policy", "enqueue"]);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.is_empty()
+            && stderr.contains("already has a goal, from run")
+            && stderr.contains(&first)
+            && stderr.contains("--message"),
+        "{stderr}"
+    );
+
+    // Nothing was queued but the first run; leave nothing for a worker to claim.
+    let (out, stdout, stderr) = run(&[
+        "status",
+        "--database-url",
+        &url,
+        "--thread",
+        &thread,
+        "--json",
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    let runs: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(runs.as_array().unwrap().len(), 1, "{stdout}");
+    let (out, _, stderr) = run(&["cancel", "--database-url", &url, &first]);
+    assert!(out.status.success(), "{stderr}");
+}

@@ -85,6 +85,18 @@ pub enum FleetError {
         /// Its status (`queued` or `running`).
         status: &'static str,
     },
+    /// A run with a goal for a thread that has one, or will before this run starts (a
+    /// goal is written once): the run named is the one that brought it. Continue the
+    /// thread with a run without a goal (a message), or start another thread.
+    #[error(
+        "thread {thread:?} already has a goal, from run {run} (a goal is written once): submit a run without a goal (a message) to continue it, or use another thread"
+    )]
+    GoalTaken {
+        /// The thread.
+        thread: String,
+        /// The run whose goal the thread has or will have.
+        run: RunId,
+    },
     /// [`Queue::forget_thread`](crate::Queue::forget_thread) while the thread has a
     /// run that is queued or running.
     #[error(

@@ -457,6 +457,11 @@ impl Queue {
     }
 
     /// Submits a run with a policy for a busy thread.
+    ///
+    /// A run with a goal is refused with [`FleetError::GoalTaken`] when a goal run of
+    /// the thread reached it, or (but under [`Policy::Interrupt`], which cancels them)
+    /// one is queued or running: the thread would have its goal before this run starts,
+    /// and a goal is written once.
     pub async fn submit_with(
         &self,
         thread: &str,
@@ -469,6 +474,7 @@ impl Queue {
                 reason: e.to_string(),
             })?;
             let run = RunId::new();
+            let input_goal = input.get_goal().is_some();
             let stored = input
                 .with_ids(&run.to_string())
                 .encode()
@@ -482,6 +488,24 @@ impl Queue {
                 .query_one(&tx.prepare_cached(&sql.lock_thread).await?, &[&thread])
                 .await?
                 .get(0);
+            if input_goal {
+                // A goal is written once: one already on the thread, or in a run that
+                // runs before this one, would fail this run on its worker.
+                let goals = tx
+                    .query(&tx.prepare_cached(&sql.goal_runs).await?, &[&thread])
+                    .await?;
+                // An interrupt cancels the queued ones and stops a running one, so then
+                // only a goal that reached the thread stands in the way.
+                let taken = goals
+                    .iter()
+                    .find(|row| policy != Policy::Interrupt || row.get::<_, bool>(1));
+                if let Some(row) = taken {
+                    return Err(FleetError::GoalTaken {
+                        thread: thread.to_owned(),
+                        run: RunId(row.get(0)),
+                    });
+                }
+            }
             let busy = tx
                 .query(&tx.prepare_cached(&sql.in_flight).await?, &[&thread])
                 .await?;
@@ -893,6 +917,7 @@ struct Statements {
     forget_runs: String,
     forget_thread: String,
     in_flight: String,
+    goal_runs: String,
     interrupt_running: String,
     interrupt_queued: String,
     insert: String,
@@ -935,6 +960,13 @@ impl Statements {
             in_flight: format!(
                 "SELECT run_id, status FROM {runs} \
                  WHERE thread_id = $1 AND status IN ('queued', 'running') ORDER BY seq"
+            ),
+            // The runs of a thread whose goal reached it, or may still: a goal run that
+            // was applied, or is queued or running.
+            goal_runs: format!(
+                "SELECT run_id, input_applied FROM {runs} \
+                 WHERE thread_id = $1 AND input -> 'input' ? 'goal' \
+                   AND (input_applied OR status IN ('queued', 'running')) ORDER BY seq"
             ),
             interrupt_running: format!(
                 "UPDATE {runs} SET cancel_requested = true, \
