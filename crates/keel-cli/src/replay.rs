@@ -63,11 +63,14 @@ pub struct ReplayArgs {
     /// The goal of every run, instead of each run's own task statement.
     #[arg(long, value_parser = crate::ui::some_text)]
     goal: Option<String>,
-    /// Print a JSON report to stdout instead of tables.
+    /// Print a JSON report to stdout instead of tables: the model, window, files read and
+    /// skipped, and for each strategy its `total` and every run's `report` (token
+    /// counts, costs, and shares as fractions from 0 to 1: `null` where there is
+    /// nothing to share, as `-` in the tables).
     #[arg(long)]
     json: bool,
-    /// Write an SVG chart of prompt tokens per turn for the longest run (a `.svg` file;
-    /// missing directories are created).
+    /// Write an SVG chart of prompt tokens per turn for the longest run, under the first
+    /// --strategy given (a `.svg` file; missing directories are created).
     #[arg(long, value_name = "FILE", value_parser = parse_chart)]
     chart: Option<PathBuf>,
     /// Largest file read, in MiB.
@@ -640,6 +643,19 @@ mod tests {
         assert_eq!(parse_chart("c.SVG"), Ok(PathBuf::from("c.SVG")));
         let png = parse_chart("out/c.png").unwrap_err();
         assert!(png.contains("ending in .svg"), "{png}");
+    }
+
+    #[test]
+    fn the_help_says_which_strategy_the_chart_shows_and_what_json_holds() {
+        use clap::CommandFactory as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            replay: ReplayArgs,
+        }
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("under the first --strategy given"), "{help}");
+        assert!(help.contains("shares as fractions from 0 to 1"), "{help}");
     }
 
     /// A report of `turns` turns of `peak` tokens at most that compacted nothing.
