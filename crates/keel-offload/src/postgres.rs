@@ -730,20 +730,26 @@ impl PostgresStore {
         Self::connect_with(url, PostgresStoreOptions::default())
     }
 
-    /// [`connect_with`](Self::connect_with) for async code: connecting waits on the
-    /// database (a connection opened, the tables checked or created), so it runs on
-    /// tokio's blocking pool and the caller's runtime thread stays free.
+    /// [`connect`](Self::connect) for async code: connecting waits on the database (a
+    /// connection opened, the tables checked or created), so it runs on tokio's
+    /// blocking pool and the caller's runtime thread stays free.
+    pub async fn connect_async(url: &str) -> Result<Self, OffloadError> {
+        Self::connect_with_async(url, PostgresStoreOptions::default()).await
+    }
+
+    /// [`connect_with`](Self::connect_with) for async code, as
+    /// [`connect_async`](Self::connect_async).
     ///
     /// ```no_run
     /// use keel_offload::{PostgresStoreOptions, PostgresStore};
     ///
     /// # async fn demo() -> Result<(), keel_offload::OffloadError> {
     /// let options = PostgresStoreOptions::new().schema("agents")?;
-    /// let store = PostgresStore::connect_async("postgres://keel@localhost/app", options).await?;
+    /// let store = PostgresStore::connect_with_async("postgres://keel@localhost/app", options).await?;
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn connect_async(
+    pub async fn connect_with_async(
         url: &str,
         options: PostgresStoreOptions,
     ) -> Result<Self, OffloadError> {

@@ -393,10 +393,10 @@ fn connect_async_connects_off_the_runtime() {
         .schema(db.schema.clone())
         .unwrap();
     let store = current
-        .block_on(PostgresStore::connect_async(&db.url, options))
+        .block_on(PostgresStore::connect_with_async(&db.url, options))
         .unwrap();
     exercise(&store, "connect-async");
-    let bad = current.block_on(PostgresStore::connect_async(
+    let bad = current.block_on(PostgresStore::connect_with_async(
         "not a connection string",
         PostgresStoreOptions::new(),
     ));

@@ -68,7 +68,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
         redact(&url),
     );
     let store =
-        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?;
+        PostgresStore::connect_with_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?)
+            .await?;
     let agent = build_agent(&repo, saver, Arc::new(store))?;
     {
         let mut updates = agent.stream(&thread, AgentInput::new());
@@ -103,7 +104,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
         storage.total_bytes() / 1024
     );
     let store: Arc<dyn OffloadStore> = Arc::new(
-        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?,
+        PostgresStore::connect_with_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?)
+            .await?,
     );
     let archived = {
         let (store, id) = (store.clone(), ThreadId::new(thread.as_str())?);

@@ -63,7 +63,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     saver.setup().await?;
     // The archive and offloaded results, in the same database and schema.
     let store: Arc<dyn OffloadStore> = Arc::new(
-        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?,
+        PostgresStore::connect_with_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?)
+            .await?,
     );
 
     // ---- Anyone, anywhere: submit runs. Each is stored when `submit` returns. ----
@@ -124,7 +125,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     // ---- Another machine: a fresh connection reads what left the context. ----
     let elsewhere =
-        PostgresStore::connect_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?).await?;
+        PostgresStore::connect_with_async(&url, PostgresStoreOptions::new().schema(SCHEMA)?)
+            .await?;
     let thread = ThreadId::new(threads[0].as_str())?;
     let found = tokio::task::spawn_blocking(move || {
         let archive = Archive::new(Arc::new(elsewhere));
