@@ -607,48 +607,60 @@ async fn failed(
     anyhow::Error::new(error).context(message)
 }
 
+/// The step line of a model call (`None` for other events).
+fn model_call_line(event: &AgentEvent) -> Option<String> {
+    let AgentEvent::ModelCall {
+        step,
+        prompt_tokens,
+        completion_tokens,
+        provider_prompt_tokens,
+        cached_tokens,
+        duration_ms,
+        cut_off,
+        overflow_retries,
+        ..
+    } = event
+    else {
+        return None;
+    };
+    // keel's count, and the server's when it reports one that differs.
+    let server = provider_prompt_tokens
+        .filter(|p| p != prompt_tokens)
+        .map(|p| format!(" (server: {})", thousands(p)))
+        .unwrap_or_default();
+    let cached = cached_tokens
+        .map(|c| format!(", {} cached", thousands(c)))
+        .unwrap_or_default();
+    let retried = if *overflow_retries > 0 {
+        format!(
+            ", after {} the server refused as over its context",
+            crate::ui::count(u64::from(*overflow_retries), "prompt")
+        )
+    } else {
+        String::new()
+    };
+    let out_tokens = completion_tokens
+        .map(|c| format!(" -> {} out", thousands(c)))
+        .unwrap_or_default();
+    let cut = if *cut_off {
+        " (stopped at --max-tokens: the reply may be cut off; raise it and send a message to go on)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "step {step:>3}  model: {} prompt tokens{server}{cached}{out_tokens}, {duration_ms} ms{retried}{cut}",
+        thousands(*prompt_tokens)
+    ))
+}
+
 fn print_update(update: &AgentUpdate) {
+    if let AgentUpdate::Event(event) = update
+        && let Some(line) = model_call_line(event)
+    {
+        outln!("{line}");
+        return;
+    }
     match update {
-        AgentUpdate::Event(AgentEvent::ModelCall {
-            step,
-            prompt_tokens,
-            completion_tokens,
-            provider_prompt_tokens,
-            cached_tokens,
-            duration_ms,
-            cut_off,
-            overflow_retries,
-            ..
-        }) => {
-            // keel's count, and the server's when it reports one that differs.
-            let server = provider_prompt_tokens
-                .filter(|p| p != prompt_tokens)
-                .map(|p| format!(" (server: {})", thousands(p)))
-                .unwrap_or_default();
-            let cached = cached_tokens
-                .map(|c| format!(", {} cached", thousands(c)))
-                .unwrap_or_default();
-            let retried = if *overflow_retries > 0 {
-                format!(
-                    ", after {} the server refused as over its context",
-                    crate::ui::count(u64::from(*overflow_retries), "prompt")
-                )
-            } else {
-                String::new()
-            };
-            let out_tokens = completion_tokens
-                .map(|c| format!(" -> {} out", thousands(c)))
-                .unwrap_or_default();
-            let cut = if *cut_off {
-                " (stopped at --max-tokens: the reply may be cut off; raise it and send a message to go on)"
-            } else {
-                ""
-            };
-            outln!(
-                "step {step:>3}  model: {} prompt tokens{server}{cached}{out_tokens}, {duration_ms} ms{retried}{cut}",
-                thousands(*prompt_tokens)
-            );
-        }
         AgentUpdate::Event(AgentEvent::ToolCall {
             name,
             error,
@@ -739,6 +751,52 @@ fn without_credentials(url: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn model_call(extra: serde_json::Value) -> AgentEvent {
+        let mut event = json!({
+            "event": "model_call", "step": 7, "model": "m", "prompt_tokens": 1234,
+            "provider_prompt_tokens": null, "completion_tokens": 56, "cached_tokens": null,
+            "tool_calls": 1, "duration_ms": 80, "overflow_retries": 0
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            event[k] = v.clone();
+        }
+        serde_json::from_value(event).unwrap()
+    }
+
+    #[test]
+    fn the_step_line_says_what_the_server_saw_and_refused() {
+        let plain = model_call_line(&model_call(json!({}))).unwrap();
+        assert_eq!(
+            plain,
+            "step   7  model: 1,234 prompt tokens -> 56 out, 80 ms"
+        );
+        // The server's own count only when it differs from keel's.
+        let same = model_call_line(&model_call(json!({"provider_prompt_tokens": 1234})));
+        assert_eq!(same.unwrap(), plain);
+        let line = model_call_line(&model_call(json!({
+            "provider_prompt_tokens": 1300, "cached_tokens": 1024,
+            "overflow_retries": 2, "cut_off": true
+        })))
+        .unwrap();
+        assert_eq!(
+            line,
+            "step   7  model: 1,234 prompt tokens (server: 1,300), 1,024 cached -> 56 out, 80 ms, \
+             after 2 prompts the server refused as over its context \
+             (stopped at --max-tokens: the reply may be cut off; raise it and send a message to go on)"
+        );
+        let one = model_call_line(&model_call(json!({"overflow_retries": 1}))).unwrap();
+        assert!(
+            one.ends_with(", after 1 prompt the server refused as over its context"),
+            "{one}"
+        );
+        let tool: AgentEvent = serde_json::from_value(json!({
+            "event": "tool_call", "step": 7, "call_id": "c", "name": "ls", "ok": true,
+            "error": null, "result_chars": 3, "duration_ms": 1
+        }))
+        .unwrap();
+        assert_eq!(model_call_line(&tool), None);
+    }
 
     #[test]
     fn a_saved_base_url_keeps_no_credentials() {
