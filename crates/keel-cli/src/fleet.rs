@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -20,14 +21,14 @@ use keel::model::{ChatModel, ChatOptions, ChatResponse, PolicyModel};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::token::{Encoding, ModelProfile};
 use keel_fleet::{
-    FleetError, Policy, Queue, RunEnd, RunId, RunInput, RunOutcome, RunStatus, Worker,
+    ClaimTrouble, FleetError, Policy, Queue, RunEnd, RunId, RunInput, RunOutcome, RunStatus, Worker,
 };
 use serde_json::json;
 
 use crate::config::Settings;
 use crate::model::{self, LIVE_SYSTEM, LiveArgs, ModelSpec};
-use crate::outln;
 use crate::store;
+use crate::{errln, outln};
 
 /// `keel submit`
 #[derive(Debug, Args)]
@@ -332,7 +333,8 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         .concurrency(args.concurrency)
         .lease(Duration::from_secs(args.lease.max(1)))
         .heartbeat(Duration::from_secs(args.lease.max(1)) / 10)
-        .on_run_end(move |end| outln!("{}", run_end_line(end, fix.as_ref())));
+        .on_run_end(move |end| outln!("{}", run_end_line(end, fix.as_ref())))
+        .on_claim_trouble(claim_trouble(store::redact(&url)));
     if let Some(name) = &args.name {
         builder = builder.name(name.clone());
     }
@@ -360,6 +362,26 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         report.superseded
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `keel worker` says when its claims fail (the database went away) and when they
+/// work again: one line each, however many slots (and retries) there are.
+fn claim_trouble(url: String) -> impl Fn(&ClaimTrouble<'_>) + Send + Sync + 'static {
+    let failing = AtomicUsize::new(0);
+    move |trouble| {
+        let line = match trouble {
+            ClaimTrouble::Failing { error, .. } => (failing.fetch_add(1, Ordering::SeqCst) == 0)
+                .then(|| format!(
+                    "cannot claim runs from the queue at {url}: {error}; retrying every few seconds (queued runs wait; held runs keep their lease only while renewals get through)"
+                )),
+            ClaimTrouble::Recovered { .. } => (failing.fetch_sub(1, Ordering::SeqCst) == 1)
+                .then(|| format!("the queue at {url} answers again; claiming runs")),
+            _ => None,
+        };
+        if let Some(line) = line {
+            errln!("{line}");
+        }
+    }
 }
 
 /// The line `keel worker` prints as a run it claimed ends: done (the answer, or why

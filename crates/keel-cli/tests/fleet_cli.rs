@@ -85,6 +85,10 @@ fn status_and_cancel_on_an_unreachable_database_say_so() {
     }
 }
 
+/// Held by the tests that use the database: one starts a worker, which would claim
+/// the runs another leaves queued for a moment.
+static DB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn database_url() -> Option<String> {
     match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => Some(url),
@@ -103,6 +107,7 @@ fn database_url() -> Option<String> {
 #[test]
 fn submits_a_worker_could_not_run_are_refused_at_once() {
     let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let thread = format!("fleet-cli-goal-{}", std::process::id());
     let submit = |args: &[&str]| {
         let mut all = vec!["submit", "--database-url", &url, "--thread", &thread];
@@ -150,4 +155,184 @@ fn submits_a_worker_could_not_run_are_refused_at_once() {
     assert_eq!(runs.as_array().unwrap().len(), 1, "{stdout}");
     let (out, _, stderr) = run(&["cancel", "--database-url", &url, &first]);
     assert!(out.status.success(), "{stderr}");
+}
+
+/// A TCP proxy to the database that can cut every connection and refuse new ones,
+/// as a database server going away does.
+struct Proxy {
+    port: u16,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(target: String) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (o, c) = (open.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if !o.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = std::net::TcpStream::connect(&target) else {
+                    continue;
+                };
+                let mut held = c.lock().unwrap();
+                held.push(client.try_clone().unwrap());
+                held.push(server.try_clone().unwrap());
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, open, conns }
+    }
+
+    fn set_open(&self, open: bool) {
+        self.open.store(open, std::sync::atomic::Ordering::SeqCst);
+        if !open {
+            for conn in self.conns.lock().unwrap().drain(..) {
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// A child process killed when dropped (a failed assertion leaves no worker running).
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Reads lines from a child's pipe into a shared buffer.
+fn collect(pipe: impl std::io::Read + Send + 'static) -> std::sync::Arc<std::sync::Mutex<String>> {
+    let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let t = text.clone();
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            let mut t = t.lock().unwrap();
+            t.push_str(&line);
+            t.push('\n');
+        }
+    });
+    text
+}
+
+fn wait_until(what: &str, text: &std::sync::Mutex<String>, f: impl Fn(&str) -> bool) {
+    let start = std::time::Instant::now();
+    while !f(&text.lock().unwrap()) {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "not {what} after 60 s: {}",
+            text.lock().unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_worker_says_when_its_database_goes_away_and_comes_back() {
+    let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // postgres://user@host:port/db: the proxy stands in for host:port.
+    let Some((before, rest)) = url.split_once('@') else {
+        eprintln!("skipped: DATABASE_URL has no user@host part to put a proxy in");
+        return;
+    };
+    let Some((target, after)) = rest.split_once('/') else {
+        eprintln!("skipped: DATABASE_URL has no /database part");
+        return;
+    };
+    let target = if target.contains(':') {
+        target.to_owned()
+    } else {
+        format!("{target}:5432")
+    };
+    let proxy = Proxy::start(target);
+    let proxied = format!("{before}@127.0.0.1:{}/{after}", proxy.port);
+    // The queue's tables exist before the worker starts (a submit creates them).
+    let thread = format!("fleet-cli-away-{}", std::process::id());
+    let (out, stdout, stderr) = run(&[
+        "submit",
+        "--database-url",
+        &proxied,
+        "--thread",
+        &thread,
+        "--goal",
+        "What is here?",
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    let run_id = stdout.trim().to_owned();
+
+    let dir = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args([
+            "worker",
+            "--database-url",
+            &proxied,
+            "--model",
+            "scripted",
+            "--concurrency",
+            "2",
+            "--lease",
+            "2",
+        ])
+        .arg("--dir")
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Killed(child);
+    let stdout = collect(child.0.stdout.take().unwrap());
+    let stderr = collect(child.0.stderr.take().unwrap());
+    wait_until("ran the submitted run", &stdout, |t| {
+        t.contains(&format!("run {run_id}"))
+    });
+
+    proxy.set_open(false);
+    wait_until("said it cannot claim", &stderr, |t| {
+        t.contains("cannot claim runs from the queue at")
+    });
+    // Two slots, many retries: one line.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert_eq!(
+        stderr.lock().unwrap().matches("cannot claim runs").count(),
+        1,
+        "{}",
+        stderr.lock().unwrap()
+    );
+
+    proxy.set_open(true);
+    wait_until("said the queue answers again", &stderr, |t| {
+        t.contains("answers again")
+    });
+    drop(child);
+    assert_eq!(
+        stderr.lock().unwrap().matches("answers again").count(),
+        1,
+        "{}",
+        stderr.lock().unwrap()
+    );
 }

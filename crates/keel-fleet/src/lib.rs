@@ -23,7 +23,9 @@
 //! * [`Queue::status`] and [`Queue::runs`] say where a run is: queued, running (by
 //!   which worker, since when, lease until when), done, failed (with the error) or
 //!   cancelled; [`WorkerBuilder::on_run_end`] tells the worker's host as each of its
-//!   runs ends, with the agent's error itself when one failed;
+//!   runs ends, with the agent's error itself when one failed, and
+//!   [`WorkerBuilder::on_claim_trouble`] when its claims start failing (the database
+//!   went away) and when they work again;
 //! * [`Queue::forget_thread`] removes a thread's runs once none is in flight (delete
 //!   its checkpoints with the checkpointer), and [`Queue::thread_ids`] pages through
 //!   the threads the queue knows;
@@ -100,6 +102,6 @@ pub use queue::{
 };
 pub use schema::SCHEMA_VERSION;
 pub use worker::{
-    DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, MAX_LEASE, RunEnd, RunOutcome, Worker,
-    WorkerBuilder, WorkerReport,
+    ClaimTrouble, DEFAULT_HEARTBEAT, DEFAULT_LEASE, DEFAULT_POLL_INTERVAL, MAX_LEASE, RunEnd,
+    RunOutcome, Worker, WorkerBuilder, WorkerReport,
 };

@@ -106,6 +106,29 @@ pub enum RunOutcome<'a> {
 /// A callback given each run's end.
 type OnRunEnd = Arc<dyn Fn(&RunEnd<'_>) + Send + Sync>;
 
+/// A slot's claims started failing or work again, as given to
+/// [`WorkerBuilder::on_claim_trouble`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ClaimTrouble<'a> {
+    /// A claim failed after the last one worked (the database cannot be reached, or a
+    /// query failed); the slot retries, waiting up to 5 s between tries.
+    Failing {
+        /// The slot (`name/0`, ...).
+        slot: &'a str,
+        /// Why the claim failed.
+        error: &'a FleetError,
+    },
+    /// A claim worked again after failing.
+    Recovered {
+        /// The slot.
+        slot: &'a str,
+    },
+}
+
+/// A callback given each change in a slot's claims.
+type OnClaimTrouble = Arc<dyn Fn(&ClaimTrouble<'_>) + Send + Sync>;
+
 /// Builds a [`Worker`].
 #[must_use]
 pub struct WorkerBuilder {
@@ -118,6 +141,7 @@ pub struct WorkerBuilder {
     heartbeat: Duration,
     poll_interval: Duration,
     on_run_end: Option<OnRunEnd>,
+    on_claim_trouble: Option<OnClaimTrouble>,
 }
 
 impl std::fmt::Debug for WorkerBuilder {
@@ -195,6 +219,27 @@ impl WorkerBuilder {
         self
     }
 
+    /// Called when a slot's claims start failing (once, however long they keep
+    /// failing) and when they work again: without it a worker whose database went
+    /// away only logs each failure (`tracing`, warn level) and otherwise looks idle.
+    ///
+    /// ```
+    /// # fn doc(queue: keel_fleet::Queue, saver: std::sync::Arc<dyn keel_checkpoint::Checkpointer>) {
+    /// use keel_fleet::{ClaimTrouble, Worker};
+    /// let builder = Worker::builder(queue, saver).on_claim_trouble(|t| match t {
+    ///     ClaimTrouble::Failing { slot, error } => eprintln!("{slot}: cannot claim: {error}"),
+    ///     other => eprintln!("{other:?}"),
+    /// });
+    /// # }
+    /// ```
+    pub fn on_claim_trouble(
+        mut self,
+        f: impl Fn(&ClaimTrouble<'_>) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_claim_trouble = Some(Arc::new(f));
+        self
+    }
+
     /// Builds the worker and its agent.
     pub fn build(self) -> Result<Worker, FleetError> {
         let builder = self.agent.ok_or(FleetError::NoAgent)?;
@@ -236,6 +281,7 @@ impl WorkerBuilder {
                 heartbeat: self.heartbeat,
                 poll_interval: self.poll_interval,
                 on_run_end: self.on_run_end,
+                on_claim_trouble: self.on_claim_trouble,
             }),
         })
     }
@@ -264,6 +310,7 @@ struct WorkerInner {
     heartbeat: Duration,
     poll_interval: Duration,
     on_run_end: Option<OnRunEnd>,
+    on_claim_trouble: Option<OnClaimTrouble>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -298,6 +345,7 @@ impl Worker {
             heartbeat: DEFAULT_HEARTBEAT,
             poll_interval: DEFAULT_POLL_INTERVAL,
             on_run_end: None,
+            on_claim_trouble: None,
         }
     }
 
@@ -385,12 +433,21 @@ impl Worker {
         let w = &*self.inner;
         let mut report = WorkerReport::default();
         let mut backoff = w.poll_interval;
+        let mut failing = false;
         loop {
             if *shutdown.borrow() {
                 break;
             }
             let started = Instant::now();
-            match w.queue.claim(&name, w.lease).await {
+            let claim = w.queue.claim(&name, w.lease).await;
+            if claim.is_ok() && failing {
+                failing = false;
+                tracing::info!(slot = %name, "claiming works again");
+                if let Some(f) = &w.on_claim_trouble {
+                    f(&ClaimTrouble::Recovered { slot: &name });
+                }
+            }
+            match claim {
                 Ok(Some(claimed)) => {
                     report.claim_latencies.push(started.elapsed());
                     report.claimed += 1;
@@ -403,6 +460,15 @@ impl Worker {
                 Ok(None) => {}
                 Err(e) => {
                     tracing::warn!(slot = %name, error = %e, "claiming failed; retrying");
+                    if !failing {
+                        failing = true;
+                        if let Some(f) = &w.on_claim_trouble {
+                            f(&ClaimTrouble::Failing {
+                                slot: &name,
+                                error: &e,
+                            });
+                        }
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
