@@ -33,6 +33,9 @@ const RECORD: &str = "evicted";
 /// original text is freed as soon as its stub replaces it. A 200 MB result costs one
 /// copy of itself, never two (see the `large_result` test).
 ///
+/// A result whose stub would not be smaller (a threshold of a few hundred tokens, a
+/// result of few long lines) stays in context as it is: evicting it would cost tokens.
+///
 /// If the store fails (disk full, permission denied), the result stays in context as
 /// it was and the error is in [`PolicyOutcome::failures`].
 ///
@@ -211,6 +214,13 @@ impl EvictLargeResults {
             return Ok(None);
         }
         let name = safe_component(&call_id);
+        // On a threshold near the stub's own size, the stub of a result just over it
+        // can be the larger: the result then stays as it is.
+        let (draft, _) = self.stub(&text, tokens, &nth_place(&self.dir, &name, 1)?);
+        if env.counter.count_text(&draft) >= tokens {
+            return Ok(None);
+        }
+        drop(draft);
         let (path, bytes) = env.put_new(&text, |n| nth_place(&self.dir, &name, n))?;
         let (stub, lines) = self.stub(&text, tokens, &path);
         drop(text);
@@ -333,6 +343,32 @@ To see more, call read_file(path=\"large_tool_results/call_1\", offset=5, limit=
         let (stub, lines) = stub_of("", 5, 5);
         assert_eq!(lines, 0);
         assert!(stub.contains("All 0 lines:"), "{stub}");
+    }
+
+    #[test]
+    fn a_result_whose_stub_is_not_smaller_stays() {
+        use keel_token::TokenCounter as _;
+        let store = crate::MemoryStore::new();
+        let thread = crate::ThreadId::new("t").unwrap();
+        let counter = keel_token::ApproxCounter::new();
+        let env = PolicyEnv::new(&store, &thread, &counter);
+        // Ten lines of 100 characters: about 250 tokens, over a threshold of 200, but
+        // a stub showing 5 + 5 lines is as large.
+        let text: String = (0..10)
+            .map(|i| format!("{i}{}\n", "x".repeat(99)))
+            .collect();
+        let policy = EvictLargeResults::new().with_threshold(200);
+        let out = policy.apply(vec![Message::tool("call_1", text.clone())], &env);
+        assert!(out.is_complete());
+        assert!(out.stored.is_empty(), "{:?}", out.stored);
+        assert_eq!(out.messages[0].text(), text);
+        // Fifty such lines: the stub is far smaller, so it is evicted.
+        let long: String = (0..50)
+            .map(|i| format!("{i}{}\n", "x".repeat(99)))
+            .collect();
+        let out = policy.apply(vec![Message::tool("call_2", long.clone())], &env);
+        assert_eq!(out.stored.len(), 1);
+        assert!(counter.count_text(&out.messages[0].text()) < counter.count_text(&long));
     }
 
     #[test]
