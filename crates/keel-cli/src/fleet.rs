@@ -210,8 +210,20 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
     if !args.wait {
         return Ok(ExitCode::SUCCESS);
     }
+    let waiting_since = std::time::Instant::now();
+    let mut noted = false;
     loop {
         let info = queue.status(run).await?;
+        if !noted
+            && matches!(info.status, RunStatus::Queued)
+            && waiting_since.elapsed() >= QUEUED_NOTE_AFTER
+        {
+            noted = true;
+            errln!(
+                "run {run} is still queued after {} s: no worker has taken it. Is a `keel worker` running on this database? (Workers busy with other runs take it when they can; Ctrl-C stops waiting and leaves it queued.)",
+                QUEUED_NOTE_AFTER.as_secs()
+            );
+        }
         match info.status {
             RunStatus::Done { result, .. } => {
                 outln!("done{}", result_outcome(&result, usize::MAX));
@@ -229,6 +241,10 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
         }
     }
 }
+
+/// How long `keel submit --wait` waits on a run no worker has taken before it asks
+/// whether a worker is running.
+const QUEUED_NOTE_AFTER: Duration = Duration::from_secs(5);
 
 /// Whether `thread` has a checkpoint in the database at `url` (read over the queue's
 /// pool, in the schema `keel worker` uses), so its goal is set. Only reads: a database

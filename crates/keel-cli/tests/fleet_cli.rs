@@ -336,3 +336,32 @@ fn a_worker_says_when_its_database_goes_away_and_comes_back() {
         stderr.lock().unwrap()
     );
 }
+
+#[test]
+fn submit_wait_asks_whether_a_worker_runs_when_none_takes_the_run() {
+    // It used to wait without a word for as long as no worker ran.
+    let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let thread = format!("fleet-cli-wait-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["submit", "--database-url", &url, "--thread", &thread])
+        .args(["--goal", "What is here?", "--wait"])
+        .current_dir(dir.path())
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = collect(child.stdout.take().unwrap());
+    let stderr = collect(child.stderr.take().unwrap());
+    let _child = Killed(child);
+    wait_until("asking for a worker", &stderr, |t| {
+        t.contains("still queued after 5 s") && t.contains("keel worker")
+    });
+    // The run stays queued; nothing else may take it from this test's database.
+    let run_id = stdout.lock().unwrap().trim().to_owned();
+    assert!(!run_id.is_empty(), "{}", stderr.lock().unwrap());
+    let (out, _, err) = run(&["cancel", "--database-url", &url, &run_id]);
+    assert!(out.status.success(), "{err}");
+}
