@@ -145,7 +145,9 @@ async fn fresh(url: &str, schema: &str) -> (Queue, Arc<PostgresSaver>, Arc<Postg
         .schema(schema)
         .unwrap()
         .pool_size(4);
-    let store = PostgresStore::connect_with_async(url, options).await.unwrap();
+    let store = PostgresStore::connect_with_async(url, options)
+        .await
+        .unwrap();
     (queue, saver, Arc::new(store))
 }
 
