@@ -5,6 +5,13 @@
 //! `arguments` a JSON *string*.
 //!
 //! * `developer` imports as [`Role::System`] and exports as `developer` again.
+//! * The legacy function-calling shape (before `tool_calls`) imports too: an
+//!   assistant's `function_call` becomes one tool call and a `function` message its
+//!   tool result. That shape has no call ids, so keel makes them: read as a list, the
+//!   nth message's call gets `function-call-<n>` and each `function` result the id of
+//!   the latest call of its name before it; read alone, a call and a result are
+//!   paired by name (`function-call-<name>`). Such messages export in the current
+//!   shape.
 //! * Fields keel does not model (`refusal`, `audio`, SWE-agent's `thought`, ...) are
 //!   kept in `metadata["openai"]` and written back on export.
 //! * Arguments that are not valid JSON are kept verbatim ([`ToolArguments::Invalid`])
@@ -31,7 +38,16 @@ use crate::value::{Obj, metadata_with_extras, restore_extras};
 use crate::{Content, FormatError, Message, Problem, Role, ToolArguments, ToolCall, ToolSpec};
 
 const EXTRAS: &str = "openai";
-const KNOWN: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+const KNOWN: &[&str] = &[
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "function_call",
+];
+/// The prefix of the call ids keel makes for the legacy `function_call` shape.
+const LEGACY_ID: &str = "function-call-";
 
 /// Reads a JSON array of OpenAI messages from bytes.
 pub fn from_json(bytes: &[u8]) -> Result<Vec<Message>, FormatError> {
@@ -40,15 +56,21 @@ pub fn from_json(bytes: &[u8]) -> Result<Vec<Message>, FormatError> {
 
 /// Reads a slice of OpenAI message values.
 pub fn from_values(values: &[Value]) -> Result<Vec<Message>, FormatError> {
-    values
+    let mut messages = values
         .iter()
         .enumerate()
         .map(|(i, v)| from_value(v).map_err(|e| e.at_index(i)))
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    number_legacy_calls(values, &mut messages);
+    Ok(messages)
 }
 
 fn from_values_value(v: &Value) -> Result<Vec<Message>, FormatError> {
-    each(v, from_value)
+    let mut messages = each(v, from_value)?;
+    if let Some(values) = v.as_array() {
+        number_legacy_calls(values, &mut messages);
+    }
+    Ok(messages)
 }
 
 /// Reads one OpenAI message.
@@ -60,15 +82,26 @@ pub fn from_value(v: &Value) -> Result<Message, FormatError> {
         "developer" => (Role::System, true),
         "user" => (Role::User, false),
         "assistant" => (Role::Assistant, false),
-        "tool" => (Role::Tool, false),
+        "tool" | "function" => (Role::Tool, false),
         other => return Err(obj.error("role", Problem::UnknownRole(other.to_owned()))),
     };
-    let tool_calls = obj
+    let mut tool_calls = obj
         .objects("tool_calls")?
         .iter()
         .map(tool_call_from)
         .collect::<Result<Vec<_>, _>>()?;
-    let tool_call_id = obj.opt_str("tool_call_id")?.map(str::to_owned);
+    if let Some(call) = obj.opt_object("function_call")? {
+        let name = call.str("name")?;
+        tool_calls.push(ToolCall {
+            id: format!("{LEGACY_ID}{name}"),
+            name: name.to_owned(),
+            arguments: arguments_of(&call),
+        });
+    }
+    let mut tool_call_id = obj.opt_str("tool_call_id")?.map(str::to_owned);
+    if role_name == "function" && tool_call_id.is_none() {
+        tool_call_id = Some(format!("{LEGACY_ID}{}", obj.str("name")?));
+    }
     if role == Role::Tool && tool_call_id.is_none() {
         return Err(obj.error("tool_call_id", Problem::Missing));
     }
@@ -94,17 +127,41 @@ fn tool_call_from(call: &Obj<'_>) -> Result<ToolCall, FormatError> {
         return Err(call.error("type", Problem::UnknownType(kind.to_owned())));
     }
     let function = call.object("function")?;
-    let arguments = match function.get("arguments") {
+    Ok(ToolCall {
+        id: call.str("id")?.to_owned(),
+        name: function.str("name")?.to_owned(),
+        arguments: arguments_of(&function),
+    })
+}
+
+/// The `arguments` of a `function` object (a tool call's, or a legacy `function_call`).
+fn arguments_of(function: &Obj<'_>) -> ToolArguments {
+    match function.get("arguments") {
         None => ToolArguments::Json(Value::Object(Map::new())),
         Some(Value::String(raw)) => ToolArguments::parse(raw.clone()),
         // Some servers (Ollama's OpenAI shim among them) send an object.
         Some(v) => ToolArguments::Json(v.clone()),
-    };
-    Ok(ToolCall {
-        id: call.str("id")?.to_owned(),
-        name: function.str("name")?.to_owned(),
-        arguments,
-    })
+    }
+}
+
+/// Gives the legacy calls read from `values` ids unique in the list: the nth
+/// message's call `function-call-<n>`, and each `function` result without an id the id
+/// of the latest call of its name before it.
+fn number_legacy_calls(values: &[Value], messages: &mut [Message]) {
+    let mut latest: std::collections::HashMap<String, String> = Default::default();
+    for (i, (v, m)) in values.iter().zip(messages.iter_mut()).enumerate() {
+        if v.get("function_call").is_some_and(Value::is_object)
+            && let Some(call) = m.tool_calls.last_mut()
+        {
+            call.id = format!("{LEGACY_ID}{i}");
+            latest.insert(call.name.clone(), call.id.clone());
+        } else if v.get("role").and_then(Value::as_str) == Some("function")
+            && v.get("tool_call_id").is_none()
+            && let Some(id) = m.name.as_ref().and_then(|name| latest.get(name))
+        {
+            m.tool_call_id = Some(id.clone());
+        }
+    }
 }
 
 /// Writes messages as OpenAI message values.

@@ -100,6 +100,53 @@ fn openai_import_maps_roles_and_flags_invalid_arguments() {
 }
 
 #[test]
+fn openai_legacy_function_calls_import_as_tool_calls_with_made_ids() {
+    let wire = json!([
+        {"role": "user", "content": "Weather in Paris, then Rome?"},
+        {"role": "assistant", "content": null,
+         "function_call": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}},
+        {"role": "function", "name": "weather", "content": "18C"},
+        {"role": "assistant", "content": null,
+         "function_call": {"name": "weather", "arguments": "{\"city\":\"Rome\"}"}},
+        {"role": "function", "name": "weather", "content": "24C"},
+        {"role": "assistant", "content": "Paris 18C, Rome 24C."}
+    ]);
+    let from_bytes = openai::from_json(wire.to_string().as_bytes()).unwrap();
+    let msgs = openai::from_values(wire.as_array().unwrap()).unwrap();
+    assert_eq!(from_bytes, msgs);
+    // Each call has an id of its own, and each result answers the call before it.
+    assert_eq!(msgs[1].tool_calls.len(), 1);
+    assert_eq!(msgs[1].tool_calls[0].name, "weather");
+    assert_eq!(
+        msgs[1].tool_calls[0].arguments,
+        ToolArguments::Json(json!({"city": "Paris"}))
+    );
+    assert_eq!(msgs[1].tool_calls[0].id, "function-call-1");
+    assert_eq!(msgs[2].role, Role::Tool);
+    assert_eq!(msgs[2].tool_call_id.as_deref(), Some("function-call-1"));
+    assert_eq!(msgs[3].tool_calls[0].id, "function-call-3");
+    assert_eq!(msgs[4].tool_call_id.as_deref(), Some("function-call-3"));
+    // No trace of the legacy fields is kept: they export in the current shape.
+    let out = openai::to_values(&msgs);
+    assert!(out[1].get("function_call").is_none(), "{}", out[1]);
+    assert_eq!(out[1]["tool_calls"][0]["id"], "function-call-1");
+    assert_eq!(out[2]["role"], "tool");
+    // One message alone: a call and a result pair by name.
+    let call = openai::from_value(&wire[1]).unwrap();
+    let result = openai::from_value(&wire[2]).unwrap();
+    assert_eq!(call.tool_calls[0].id, "function-call-weather");
+    assert_eq!(
+        result.tool_call_id.as_deref(),
+        Some("function-call-weather")
+    );
+    // A function result without a name cannot be paired.
+    check_error(
+        openai::from_values(&[json!({"role": "function", "content": "18C"})]),
+        "message 0: field `name`: missing",
+    );
+}
+
+#[test]
 fn keel_to_openai_and_back_keeps_what_openai_can_express() {
     let history = rich_history();
     let back = openai::from_values(&openai::to_values(&history)).unwrap();
@@ -180,8 +227,8 @@ fn malformed_input_names_what_and_where() {
         "expected a JSON array of messages, found an object",
     );
     check_error(
-        openai::from_json(br#"[{"role":"user","content":"a"},{"role":"function","content":"b"}]"#),
-        "message 1: field `role`: unknown role `function`",
+        openai::from_json(br#"[{"role":"user","content":"a"},{"role":"critic","content":"b"}]"#),
+        "message 1: field `role`: unknown role `critic`",
     );
     check_error(
         openai::from_json(br#"[{"content":"a"}]"#),
