@@ -81,7 +81,8 @@ pub enum Rejection {
     /// successful reply, not a summary.
     ProviderError(String),
     /// The reply shares no distinctive term (a name, path, number, word) with the
-    /// input: whatever it is, it does not summarize this span.
+    /// input, or, with ten terms or more, fewer than one in ten: whatever it is, it
+    /// does not summarize this span.
     Unrelated,
 }
 
@@ -108,7 +109,7 @@ impl fmt::Display for Rejection {
                 "the reply looks like a provider error (\"{phrase}\"), not a summary of the input"
             ),
             Rejection::Unrelated => f.write_str(
-                "the reply names nothing from the input (no file, command, value or word of it)",
+                "the reply names nothing, or almost nothing, from the input (its files, commands, values and words)",
             ),
         }
     }

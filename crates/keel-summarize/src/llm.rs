@@ -41,7 +41,8 @@ pub enum SummaryFormat {
 ///   non-empty, not cut off, within the budget (counted with this summarizer's
 ///   counter), in the requested shape (bullet count, or all four sections), and about
 ///   the input: it must share at least one distinctive term (a name, path, number or
-///   uncommon word) with the span it summarizes ([`Rejection::Unrelated`]), and one
+///   uncommon word) with the span it summarizes, and a reply of ten or more such terms
+///   must find at least one in ten of them in it ([`Rejection::Unrelated`]), and one
 ///   that reads like a provider's error ("rate limit exceeded", "internal server
 ///   error", "upstream", "quota", ...) must share at least two
 ///   ([`Rejection::ProviderError`]): some proxies answer 200 with their error as the
@@ -492,11 +493,18 @@ fn check_grounded(input: &Terms, sections: &[Section]) -> Result<(), Rejection> 
     {
         return Err(Rejection::ProviderError((*phrase).to_owned()));
     }
-    if shared == 0 {
+    // None shared, or one in ten at most from a reply long enough to judge: it is
+    // about something else (a small model's invention sharing a word by chance).
+    let terms = reply.0.len();
+    if shared == 0 || (terms >= MIN_TERMS_TO_JUDGE && shared * 10 < terms) {
         return Err(Rejection::Unrelated);
     }
     Ok(())
 }
+
+/// The fewest distinct terms a reply needs before the share of them found in the
+/// input is judged (below it, one shared term is enough).
+const MIN_TERMS_TO_JUDGE: usize = 10;
 
 fn is_none_item(item: &str) -> bool {
     let t = item.trim().trim_end_matches('.');
@@ -620,6 +628,28 @@ mod tests {
         );
         // An input with nothing distinctive cannot be checked.
         assert_eq!(grounded("ok", &["Everything went well"]), Ok(()));
+    }
+
+    #[test]
+    fn a_long_reply_must_find_one_in_ten_of_its_terms_in_the_input() {
+        let input = "cargo test -p keel-agent\ntest tools::timeout ... FAILED\n\
+                     thread panicked at crates/keel-agent/src/tools.rs:88: deadline elapsed";
+        // An invention that shares one word by chance (`cargo`) among a dozen others.
+        let invented = [
+            "Booked a flight to Lisbon for the cargo shipment",
+            "Hotel reservation confirmed with breakfast included",
+            "Customer asked about refund policy details",
+        ];
+        assert_eq!(grounded(input, &invented), Err(Rejection::Unrelated));
+        // A paraphrase in words of its own, naming a few things of the input.
+        let paraphrase = [
+            "The keel-agent suite has one failing check: tools timeout",
+            "It panicked in tools.rs line 88 because the deadline elapsed",
+            "Next: investigate why the scheduled work overruns its allowance",
+        ];
+        assert_eq!(grounded(input, &paraphrase), Ok(()));
+        // Short replies are judged by one shared term, as before.
+        assert_eq!(grounded(input, &["Flight to Lisbon, cargo"]), Ok(()));
     }
 
     #[test]
