@@ -104,6 +104,13 @@ fn database_url() -> Option<String> {
     }
 }
 
+/// Removes `thread` from the database (its checkpoints, archive and runs), so the
+/// tests leave nothing behind in a database they were given.
+fn forget(url: &str, thread: &str) {
+    let (out, stdout, stderr) = run(&["threads", "delete", "--database-url", url, thread]);
+    assert!(out.status.success(), "{stdout}{stderr}");
+}
+
 #[test]
 fn submits_a_worker_could_not_run_are_refused_at_once() {
     let Some(url) = database_url() else { return };
@@ -155,6 +162,7 @@ fn submits_a_worker_could_not_run_are_refused_at_once() {
     assert_eq!(runs.as_array().unwrap().len(), 1, "{stdout}");
     let (out, _, stderr) = run(&["cancel", "--database-url", &url, &first]);
     assert!(out.status.success(), "{stderr}");
+    forget(&url, &thread);
 }
 
 /// A TCP proxy to the database that can cut every connection and refuse new ones,
@@ -335,6 +343,10 @@ fn a_worker_says_when_its_database_goes_away_and_comes_back() {
         "{}",
         stderr.lock().unwrap()
     );
+    // The worker is gone; its run, if it was still running, is cancelled first.
+    let (out, _, err) = run(&["cancel", "--database-url", &url, &run_id]);
+    assert!(out.status.success(), "{err}");
+    forget(&url, &thread);
 }
 
 #[test]
@@ -364,4 +376,5 @@ fn submit_wait_asks_whether_a_worker_runs_when_none_takes_the_run() {
     assert!(!run_id.is_empty(), "{}", stderr.lock().unwrap());
     let (out, _, err) = run(&["cancel", "--database-url", &url, &run_id]);
     assert!(out.status.success(), "{err}");
+    forget(&url, &thread);
 }
