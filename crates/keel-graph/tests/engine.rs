@@ -707,6 +707,47 @@ async fn parallel_interrupts_are_answered_one_by_one_with_resume_each() {
     }
 }
 
+/// `get_state` lists pending interrupts in task order, as the run that paused did, not
+/// in the order the tasks happened to finish and store them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_snapshot_lists_interrupts_in_task_order_whichever_task_finished_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite: Arc<dyn Checkpointer> = Arc::new(
+        keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("t.db"))
+            .await
+            .unwrap(),
+    );
+    for cp in [saver(), sqlite] {
+        // `a` comes first in task order but asks last.
+        let asker = |name: &'static str, wait_ms: u64| {
+            move |_s: Arc<S>, ctx: keel_graph::NodeContext| async move {
+                tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+                let answer = ctx.interrupt(format!("{name}?"))?;
+                Ok(log(&format!("{name}={answer}")))
+            }
+        };
+        let g = StateGraph::<S>::new()
+            .add_node("a", asker("a", 200))
+            .add_node("b", asker("b", 0))
+            .add_edge(START, "a")
+            .add_edge(START, "b")
+            .add_edge("a", END)
+            .add_edge("b", END)
+            .with_checkpointer(cp)
+            .compile()
+            .unwrap();
+        let config = RunConfig::thread("t");
+        let run = g.invoke(log("in"), &config).await.unwrap();
+        let nodes =
+            |i: &[keel_graph::Interrupt]| i.iter().map(|i| i.node.clone()).collect::<Vec<_>>();
+        assert_eq!(nodes(&run.interrupts), ["a", "b"]);
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert_eq!(snap.interrupts, run.interrupts);
+        let newest = full_history(&g, &config).await.remove(0);
+        assert_eq!(nodes(&newest.interrupts), ["a", "b"]);
+    }
+}
+
 #[tokio::test]
 async fn resume_answers_the_interrupts_resume_each_does_not_name() {
     let g = two_askers(saver());

@@ -169,7 +169,8 @@ pub(super) fn task_names(specs: &[TaskSpec], checkpoint: &CheckpointId) -> Vec<(
         .collect()
 }
 
-/// The interrupts not answered yet; `tasks` gives each task id's node name.
+/// The interrupts not answered yet, in the order of `tasks` (task path order, as
+/// `Run::interrupts`); `tasks` gives each task id's node name.
 pub(super) fn pending_interrupts(
     pending: &[PendingWrite],
     tasks: &[(String, String)],
@@ -197,6 +198,14 @@ pub(super) fn pending_interrupts(
             });
         }
     }
+    // In the order of the step's tasks (task path), as `Run::interrupts` lists them: the
+    // stored writes are in the order the tasks finished, which is anyone's guess.
+    out.sort_by_key(|i| {
+        tasks
+            .iter()
+            .position(|(id, _)| *id == i.task_id)
+            .unwrap_or(usize::MAX)
+    });
     out
 }
 
