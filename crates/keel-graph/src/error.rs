@@ -87,11 +87,17 @@ pub enum GraphError {
         "this graph has a checkpointer, so each run needs a thread id: RunConfig::thread(\"...\")"
     )]
     NoThreadId,
-    /// `Command::resume` on a thread with no pending interrupt.
-    #[error("thread `{thread_id}` has no pending interrupt to resume")]
+    /// `Command::resume` (or `resume_each`) on a thread with no pending interrupt. A
+    /// thread that still has nodes to run (`next`: paused at a breakpoint, or stopped by
+    /// a failure or a crash) continues with [`Command::none`](crate::Command::none); one
+    /// with nothing to run (finished, or never run) takes a new input.
+    #[error("thread `{thread_id}` has no pending interrupt to resume{}", no_interrupt_hint(.next))]
     NoPendingInterrupt {
         /// The thread.
         thread_id: String,
+        /// The nodes the thread would run next (empty when it has finished or never
+        /// ran).
+        next: Vec<String>,
     },
     /// [`Command::resume_each`](crate::Command::resume_each) named a task with no
     /// pending interrupt (nothing was stored).
@@ -152,4 +158,17 @@ pub enum GraphError {
         "the graph runs on Tokio: call it inside a Tokio runtime (#[tokio::main], #[tokio::test] or Runtime::block_on)"
     )]
     NoRuntime,
+}
+
+/// What to do instead of resuming a thread that waits on no interrupt.
+fn no_interrupt_hint(next: &[String]) -> String {
+    if next.is_empty() {
+        "; it has nothing to run (it finished, or never ran): start a run with a new input"
+            .to_owned()
+    } else {
+        format!(
+            "; it waits to run {next:?} (paused at a breakpoint, or stopped before they ran): \
+             continue it with Command::none()"
+        )
+    }
 }

@@ -559,6 +559,47 @@ async fn interrupt_pauses_and_resume_reruns_the_node_with_the_answer() {
     );
 }
 
+/// `Command::resume` on a thread paused at a breakpoint says what continues it
+/// (`Command::none`), and on a finished thread that it needs a new input.
+#[tokio::test]
+async fn resuming_a_thread_at_a_breakpoint_names_what_continues_it() {
+    let g = StateGraph::<S>::new()
+        .add_node("draft", logger("draft"))
+        .add_node("publish", logger("publish"))
+        .add_edge(START, "draft")
+        .add_edge("draft", "publish")
+        .add_edge("publish", END)
+        .interrupt_before(&["publish"])
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("t");
+    let run = g.invoke(log("in"), &config).await.unwrap();
+    assert_eq!(run.next, ["publish"]);
+
+    let err = g.invoke(Command::resume("go"), &config).await.unwrap_err();
+    match &err {
+        GraphError::NoPendingInterrupt { thread_id, next } => {
+            assert_eq!(thread_id, "t");
+            assert_eq!(next, &["publish"]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        err.to_string().contains("continue it with Command::none()"),
+        "{err}"
+    );
+
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["in", "draft", "publish"]);
+    let err = g.invoke(Command::resume("go"), &config).await.unwrap_err();
+    assert!(
+        matches!(&err, GraphError::NoPendingInterrupt { next, .. } if next.is_empty()),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("new input"), "{err}");
+}
+
 /// A node that asks twice; each answer is matched to its question by order.
 fn two_questions(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
     StateGraph::<S>::new()

@@ -83,11 +83,12 @@ impl<S: State> CompiledGraph<S> {
             let tasks = tasks_with_ids(g, &run.tasks, &run.checkpoint.id)?;
             // Before anything is written: a thread this graph cannot run stays as it was.
             run.check_stored_writes()?;
-            let interrupted =
-                pending_interrupts(&run.pending, &task_names(&run.tasks, &run.checkpoint.id));
+            let names = task_names(&run.tasks, &run.checkpoint.id);
+            let interrupted = pending_interrupts(&run.pending, &names);
             if interrupted.is_empty() {
                 return Err(GraphError::NoPendingInterrupt {
                     thread_id: thread.thread_id,
+                    next: names.into_iter().map(|(_, node)| node).collect(),
                 });
             }
             if let Some(unknown) = input
