@@ -174,8 +174,48 @@ impl SendTo {
 }
 
 /// Where a router sends the run: any number of nodes and [`SendTo`] packets.
+///
+/// A router (or [`Command::goto`]) returns anything that converts into one: a node
+/// name (`&str`, `String`), several (`Vec<&str>`, `Vec<String>`, `[&str; N]`,
+/// `&[&str]`), one or more [`SendTo`] packets, or [`Goto`]s mixing both.
+///
+/// ```
+/// use keel_graph::{END, Goto, Route, SendTo};
+/// use serde_json::json;
+///
+/// // Names computed at run time, e.g. from the state.
+/// let teams: Vec<String> = vec!["billing".into(), "tech".into()];
+/// assert_eq!(Route::from(teams).0.len(), 2);
+/// assert_eq!(Route::from(["billing", END]), Route::from(vec!["billing", END]));
+/// let listed: &[&str] = &["tech"];
+/// assert_eq!(Route::from(listed), Route::from("tech"));
+/// let mixed = Route::from(vec![Goto::Node("audit".into()), Goto::Send(SendTo::new("work", json!(1)))]);
+/// assert_eq!(mixed.0.len(), 2);
+/// assert_eq!(Route::from(Goto::Node("audit".into())), Route::from("audit"));
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Route(pub Vec<Goto>);
+
+impl From<Goto> for Route {
+    fn from(g: Goto) -> Self {
+        Route(vec![g])
+    }
+}
+impl From<Vec<String>> for Route {
+    fn from(v: Vec<String>) -> Self {
+        Route(v.into_iter().map(Goto::Node).collect())
+    }
+}
+impl From<&[&str]> for Route {
+    fn from(v: &[&str]) -> Self {
+        Route(v.iter().map(|s| Goto::Node((*s).to_owned())).collect())
+    }
+}
+impl<const N: usize> From<[&str; N]> for Route {
+    fn from(v: [&str; N]) -> Self {
+        Route(v.into_iter().map(|s| Goto::Node(s.to_owned())).collect())
+    }
+}
 
 impl From<&str> for Route {
     fn from(s: &str) -> Self {
