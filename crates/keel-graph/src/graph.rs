@@ -224,14 +224,19 @@ impl<S: State> StateGraph<S> {
             .collect();
         let known_source = |n: &str| n == START || index.contains_key(n);
         let known_target = |n: &str| n == END || index.contains_key(n);
-        let unknown = |n: &str| BuildError::UnknownNode { name: n.to_owned() };
+        let unknown = |n: &str, used_in: String| BuildError::UnknownNode {
+            name: n.to_owned(),
+            used_in,
+            nodes: self.nodes.iter().map(|n| n.name.to_string()).collect(),
+        };
 
         for (from, to) in &self.edges {
+            let edge = || format!("the edge `{from}` -> `{to}`");
             if !known_source(from) {
-                return Err(unknown(from));
+                return Err(unknown(from, edge()));
             }
             if !known_target(to) {
-                return Err(unknown(to));
+                return Err(unknown(to, edge()));
             }
         }
         for j in &self.joins {
@@ -240,24 +245,31 @@ impl<S: State> StateGraph<S> {
                     target: j.target.clone(),
                 });
             }
+            let join = || format!("the join {:?} -> `{}`", j.sources, j.target);
             if let Some(s) = j.sources.iter().find(|s| !index.contains_key(s.as_str())) {
-                return Err(unknown(s));
+                return Err(unknown(s, join()));
             }
             if !known_target(&j.target) {
-                return Err(unknown(&j.target));
+                return Err(unknown(&j.target, join()));
             }
         }
         for (from, r) in &self.routers {
             if !known_source(from) {
-                return Err(unknown(from));
+                return Err(unknown(
+                    from,
+                    format!("add_conditional_edges from `{from}`"),
+                ));
             }
             if let Some(t) = r.targets.iter().flatten().find(|t| !known_target(t)) {
-                return Err(unknown(t));
+                return Err(unknown(
+                    t,
+                    format!("the targets of the router after `{from}`"),
+                ));
             }
         }
         for n in &self.nodes {
             if let Some(d) = n.options.destinations.iter().find(|d| !known_target(d)) {
-                return Err(unknown(d));
+                return Err(unknown(d, format!("the destinations of node `{}`", n.name)));
             }
             if let Some(Err(e)) = n.options.retry.as_ref().map(|r| r.validate()) {
                 return Err(BuildError::InvalidRetryPolicy {
@@ -267,9 +279,14 @@ impl<S: State> StateGraph<S> {
                 });
             }
         }
-        for n in self.interrupt_before.iter().chain(&self.interrupt_after) {
+        for n in &self.interrupt_before {
             if !index.contains_key(n.as_str()) {
-                return Err(unknown(n));
+                return Err(unknown(n, "interrupt_before".to_owned()));
+            }
+        }
+        for n in &self.interrupt_after {
+            if !index.contains_key(n.as_str()) {
+                return Err(unknown(n, "interrupt_after".to_owned()));
             }
         }
         if !self.edges.iter().any(|(f, _)| f == START)
@@ -348,10 +365,15 @@ pub enum BuildError {
         name: String,
     },
     /// An edge, join, router or breakpoint names a node that does not exist.
-    #[error("unknown node `{name}`")]
+    #[error("unknown node `{name}` in {used_in}; the graph's nodes are {nodes:?}")]
     UnknownNode {
         /// The name.
         name: String,
+        /// Where it is named: ``the edge `a` -> `b` ``, ``the router after `a` ``, ...
+        used_in: String,
+        /// The nodes the graph has (besides `START` and `END`), in the order added: a
+        /// misspelt name is often here, or in the edges, spelt otherwise.
+        nodes: Vec<String>,
     },
     /// A join with no sources.
     #[error("join into `{target}` has no sources")]

@@ -245,6 +245,8 @@ fn compile_rejects_bad_graphs_with_typed_errors() {
         base().add_edge(START, "a").add_edge("a", "nowhere"),
         BuildError::UnknownNode {
             name: "nowhere".into(),
+            used_in: "the edge `a` -> `nowhere`".into(),
+            nodes: vec!["a".into()],
         },
     );
     check(
@@ -275,7 +277,43 @@ fn compile_rejects_bad_graphs_with_typed_errors() {
             .add_edge(START, "a")
             .add_edge("a", END)
             .interrupt_before(&["zz"]),
-        BuildError::UnknownNode { name: "zz".into() },
+        BuildError::UnknownNode {
+            name: "zz".into(),
+            used_in: "interrupt_before".into(),
+            nodes: vec!["a".into()],
+        },
+    );
+}
+
+/// A misspelt name says where it is used and which nodes the graph has, so a typo in
+/// `add_node` (the edges all right) is as plain as one in an edge.
+#[test]
+fn an_unknown_node_names_where_it_is_used_and_the_graphs_nodes() {
+    let misspelt_node = StateGraph::<S>::new()
+        .add_node("clasify", logger("c"))
+        .add_node("close", logger("x"))
+        .add_edge(START, "classify")
+        .add_edge("classify", "close")
+        .add_edge("close", END)
+        .compile()
+        .err()
+        .unwrap();
+    assert_eq!(
+        misspelt_node.to_string(),
+        "unknown node `classify` in the edge `__start__` -> `classify`; \
+         the graph's nodes are [\"clasify\", \"close\"]"
+    );
+    let in_router = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_conditional_edges("a", |_s: &S| END, Some(&["b", END]))
+        .compile()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&in_router, BuildError::UnknownNode { name, used_in, .. }
+            if name == "b" && used_in == "the targets of the router after `a`"),
+        "{in_router:?}"
     );
 }
 

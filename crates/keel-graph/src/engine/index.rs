@@ -68,12 +68,17 @@ impl<S: State> Inner<S> {
             .enumerate()
             .map(|(i, n)| (n.name.to_string(), NodeIx(i)))
             .collect();
-        let lookup = |n: &str| {
-            index
-                .get(n)
-                .copied()
-                .ok_or_else(|| BuildError::UnknownNode { name: n.to_owned() })
+        // `compile` checked every name before: this is for a graph built otherwise.
+        let unknown = |n: &str| {
+            let mut nodes: Vec<String> = index.keys().cloned().collect();
+            nodes.sort();
+            BuildError::UnknownNode {
+                name: n.to_owned(),
+                used_in: "the graph".to_owned(),
+                nodes,
+            }
         };
+        let lookup = |n: &str| index.get(n).copied().ok_or_else(|| unknown(n));
         let target = |n: &str| {
             if n == END {
                 Ok(Target::End)
@@ -91,7 +96,6 @@ impl<S: State> Inner<S> {
             })
             .collect();
         let mut start = Outgoing::default();
-        let unknown = |n: &str| BuildError::UnknownNode { name: n.to_owned() };
         for (f, t) in &edges {
             let t = target(t)?;
             let out = if f == START {
