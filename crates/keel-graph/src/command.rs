@@ -414,12 +414,68 @@ impl NodeContext {
     }
 
     /// Pauses the thread and asks for a value, or returns the value if the thread was
-    /// resumed with [`Command::resume`].
+    /// resumed with [`Command::resume`] or [`Command::resume_each`].
     ///
     /// Propagate the error with `?`: the engine stores the interrupt with the thread's
     /// checkpoint and `invoke` returns with [`crate::Run::interrupts`] set. On resume the
     /// node runs again from its start, and this call returns the answer. A node may
-    /// interrupt several times; answers are matched by order.
+    /// interrupt several times; answers are matched by order. Interrupts need a
+    /// checkpointer and a thread id (without them the run fails with
+    /// [`GraphError::CheckpointerRequired`](crate::GraphError::CheckpointerRequired)).
+    ///
+    /// Two parallel approvals, answered one at a time by task id (the answers could
+    /// come from another process: the thread is resumed from its checkpointer):
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use keel_graph::checkpoint::MemorySaver;
+    /// use keel_graph::reducer::Append;
+    /// use keel_graph::{Command, END, NodeContext, RunConfig, START, State, StateGraph};
+    /// use serde_json::json;
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Review {
+    ///     #[reducer(Append<String>)]
+    ///     verdicts: Vec<String>,
+    /// }
+    ///
+    /// let approver = |team: &'static str| {
+    ///     move |_state: Arc<Review>, ctx: NodeContext| async move {
+    ///         let answer = ctx.interrupt(json!({ "team": team, "question": "approve?" }))?;
+    ///         Ok(ReviewUpdate::default().verdicts(vec![format!("{team}: {answer}")]))
+    ///     }
+    /// };
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Review>::new()
+    ///     .add_node("billing", approver("billing"))
+    ///     .add_node("tech", approver("tech"))
+    ///     .add_edge(START, "billing")
+    ///     .add_edge(START, "tech")
+    ///     .add_edge("billing", END)
+    ///     .add_edge("tech", END)
+    ///     .with_checkpointer(Arc::new(MemorySaver::new()))
+    ///     .compile()?;
+    /// let config = RunConfig::thread("ticket-1");
+    ///
+    /// let run = graph.invoke(ReviewUpdate::default(), &config).await?;
+    /// assert_eq!(run.interrupts.len(), 2);
+    /// // Answer billing's only: tech's stays pending, and nothing is applied yet.
+    /// let billing = run.interrupts.iter().find(|i| i.node == "billing").map(|i| i.task_id.clone());
+    /// let run = graph.invoke(Command::resume_each(billing.map(|id| (id, "yes"))), &config).await?;
+    /// assert_eq!(run.interrupts.len(), 1);
+    /// assert!(run.state.verdicts.is_empty());
+    ///
+    /// // Later (here, or in a new process): what is still waiting, and its answer.
+    /// let waiting = graph.get_state(&config).await?.map(|s| s.interrupts).unwrap_or_default();
+    /// let answers = waiting.iter().map(|i| (i.task_id.clone(), "no"));
+    /// let run = graph.invoke(Command::resume_each(answers), &config).await?;
+    /// assert!(!run.is_paused());
+    /// assert_eq!(run.state.verdicts, ["billing: \"yes\"", "tech: \"no\""]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn interrupt(&self, value: impl Into<Value>) -> Result<Value, NodeError> {
         let i = self
             .interrupts
