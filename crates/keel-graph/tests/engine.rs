@@ -638,6 +638,90 @@ async fn resuming_a_thread_at_a_breakpoint_names_what_continues_it() {
     assert!(err.to_string().contains("new input"), "{err}");
 }
 
+/// An edit (`update_state` with no `as_node`) of a thread waiting on an interrupt keeps
+/// it waiting: the resume the `ResumeWithUpdate` error points to after the edit answers
+/// it, and a task of the step that had finished does not run again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_edit_while_an_interrupt_waits_keeps_the_interrupt_and_the_finished_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite: Arc<dyn Checkpointer> = Arc::new(
+        keel_checkpoint_sqlite::SqliteSaver::open(dir.path().join("t.db"))
+            .await
+            .unwrap(),
+    );
+    for cp in [saver(), sqlite] {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&sent);
+        let g = StateGraph::<S>::new()
+            .add_node(
+                "ask",
+                |s: Arc<S>, ctx: keel_graph::NodeContext| async move {
+                    let answer = ctx.interrupt("ok?")?;
+                    Ok(log(&format!("ask={answer} seeing {:?}", s.log)))
+                },
+            )
+            .add_node("email", move |_s, _c| {
+                counter.fetch_add(1, Ordering::SeqCst);
+                futures::future::ready(Ok(log("emailed")))
+            })
+            .add_edge(START, "ask")
+            .add_edge(START, "email")
+            .add_edge("ask", END)
+            .add_edge("email", END)
+            .with_checkpointer(cp)
+            .compile()
+            .unwrap();
+        let config = RunConfig::thread("t");
+        let run = g.invoke(log("draft"), &config).await.unwrap();
+        assert_eq!(run.interrupts.len(), 1);
+
+        g.update_state(&config, log("edited"), None).await.unwrap();
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert_eq!(snap.values.log, ["draft", "edited"]);
+        assert_eq!(snap.next, ["ask", "email"]);
+        assert_eq!(snap.interrupts.len(), 1, "the edit keeps the pause");
+        assert_eq!(snap.interrupts[0].value, json!("ok?"));
+
+        let run = g.invoke(Command::resume("yes"), &config).await.unwrap();
+        assert!(!run.is_paused());
+        assert_eq!(
+            run.state.log,
+            [
+                "draft",
+                "edited",
+                "ask=\"yes\" seeing [\"draft\", \"edited\"]",
+                "emailed"
+            ]
+        );
+        assert_eq!(sent.load(Ordering::SeqCst), 1, "email ran once");
+
+        // A fork from the older, paused checkpoint runs its tasks anew: `ask` asks again.
+        let paused = full_history(&g, &config)
+            .await
+            .into_iter()
+            .find(|h| h.metadata.step == -1 && h.metadata.source == CheckpointSource::Input)
+            .unwrap();
+        g.update_state(
+            &config.clone().at(paused.checkpoint_id),
+            log("forked"),
+            None,
+        )
+        .await
+        .unwrap();
+        assert!(
+            g.get_state(&config)
+                .await
+                .unwrap()
+                .unwrap()
+                .interrupts
+                .is_empty()
+        );
+        let run = g.invoke(Command::none(), &config).await.unwrap();
+        assert_eq!(run.interrupts.len(), 1);
+        assert_eq!(sent.load(Ordering::SeqCst), 2, "the fork ran email again");
+    }
+}
+
 /// A node that asks twice; each answer is matched to its question by order.
 fn two_questions(cp: Arc<dyn Checkpointer>) -> keel_graph::CompiledGraph<S> {
     StateGraph::<S>::new()

@@ -193,8 +193,12 @@ impl<S: State> CompiledGraph<S> {
 
     /// Writes `update` into the thread as if node `as_node` had returned it (or, with
     /// `None`, as an edit that keeps the scheduled tasks), creating a new checkpoint with
-    /// source `update`. With `config.checkpoint_id` set, the update forks from that past
-    /// checkpoint. Returns the new checkpoint's id. The checkpoint's metadata `writes`
+    /// source `update`. An edit (`None`) of the thread's latest checkpoint also keeps what
+    /// those tasks stored: a thread waiting on an interrupt still waits on it (answer it
+    /// with [`Command::resume`]), and a task of the step that had finished is not run
+    /// again. With `as_node` the update is that node's result and the tasks are
+    /// scheduled anew from its edges. With `config.checkpoint_id` set to an older
+    /// checkpoint, the update forks from it, and its tasks run anew. Returns the new checkpoint's id. The checkpoint's metadata `writes`
     /// is `[as_node]` (empty without one).
     pub async fn update_state(
         &self,
@@ -227,11 +231,39 @@ impl<S: State> CompiledGraph<S> {
             run.tasks = run.specs(next, sends);
             run.writers.insert(self.inner.name(node).to_string());
         }
+        // An edit of the thread's latest checkpoint keeps the scheduled tasks, and with
+        // them what they stored: a pending interrupt (and the answers a task got) and the
+        // results of tasks that finished, moved to the same task paths under the new
+        // checkpoint. So an edit made while the thread waits on an interrupt keeps it
+        // waiting: `Command::resume` answers it, and a finished task does not run again.
+        // A fork from an older checkpoint runs its tasks anew.
+        let at_head = run.head.as_ref() == Some(&run.checkpoint.id);
+        let carried: Vec<PendingWrite> = match as_node {
+            None if at_head => std::mem::take(&mut run.pending)
+                .into_iter()
+                .filter(|w| w.channel != PendingWrite::ERROR)
+                .collect(),
+            _ => Vec::new(),
+        };
         let per_channel = group_by_channel(&written, vec![encoded]);
         run.step += 1;
         let id = run
             .commit(CheckpointSource::Update, per_channel, Some(&cp), &thread)
             .await?;
+        if !carried.is_empty() {
+            let moved = carried
+                .into_iter()
+                .map(|w| {
+                    PendingWrite::new(
+                        format!("{id}:{}", w.task_path),
+                        w.task_path,
+                        w.channel,
+                        w.value,
+                    )
+                })
+                .collect();
+            cp.put_writes(&thread, &id, moved).await?;
+        }
         Ok(id)
     }
 
