@@ -89,6 +89,9 @@ enum ThreadsCommand {
         thread: String,
     },
     /// Delete every thread idle for longer than a duration (`--dry-run` first to see which).
+    ///
+    /// On a fleet's database, a thread with a run queued or running is kept, however
+    /// old its last checkpoint: `keel cancel` the run first to delete it.
     Gc {
         /// `90s`, `30m`, `12h`, `7d` or `2w`.
         #[arg(long, value_parser = parse_duration)]
@@ -204,55 +207,80 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             older_than,
             dry_run: true,
         } => {
-            let idle = idle_threads(&saver, older_than).await?;
+            let (idle, busy) = gc_candidates(&saver, queue.as_ref(), older_than).await?;
             report(
                 args.json,
-                json!({"dry_run": true, "would_delete": idle}),
+                json!({"dry_run": true, "would_delete": idle, "kept_in_flight": busy_json(&busy)}),
                 || {
                     format!(
-                        "would delete {} thread(s) idle for over {}{}; nothing was deleted (run again without --dry-run to delete them)",
+                        "would delete {} thread(s) idle for over {}{}; nothing was deleted (run again without --dry-run to delete them){}",
                         idle.len(),
                         human_duration(older_than),
-                        listed(&idle)
+                        listed(&idle),
+                        busy_note(&busy)
                     )
                 },
             );
         }
         ThreadsCommand::Gc { older_than, .. } => {
             let mut deleted = Vec::new();
-            loop {
-                let batch = saver
-                    .sweep_idle(older_than, 500)
-                    .await
-                    .context("the idle-thread sweep failed")?;
-                let done = batch.len() < 500;
-                deleted.extend(batch);
-                if done {
-                    break;
+            let mut busy = Vec::new();
+            let mut files = 0;
+            match &queue {
+                // Without a fleet nothing else knows of a run in flight: the sweep
+                // deletes, in batches, what is idle at the moment it looks.
+                None => loop {
+                    let batch = saver
+                        .sweep_idle(older_than, 500)
+                        .await
+                        .context("the idle-thread sweep failed")?;
+                    let done = batch.len() < 500;
+                    deleted.extend(batch);
+                    if done {
+                        break;
+                    }
+                },
+                // With a fleet, a thread whose run is queued or running may be idle by
+                // its checkpoints (a long model call, a run waiting for a worker) and
+                // still in use: its runs are forgotten first, which the queue refuses
+                // while one is in flight, and only then are its checkpoints deleted.
+                Some(q) => {
+                    let (idle, _) = gc_candidates(&saver, None, older_than).await?;
+                    for t in idle {
+                        match q.forget_thread(&t).await {
+                            Ok(_) => {
+                                saver
+                                    .delete_thread(&t)
+                                    .await
+                                    .with_context(|| format!("cannot delete thread `{t}`"))?;
+                                deleted.push(t);
+                            }
+                            Err(keel_fleet::FleetError::ThreadActive { run, status, .. }) => {
+                                busy.push((t, run, status));
+                            }
+                            Err(e) => {
+                                return Err(e)
+                                    .with_context(|| format!("cannot delete thread `{t}`"));
+                            }
+                        }
+                    }
                 }
             }
             // In id order, as `--dry-run` lists them (the sweep returns them in its own).
             deleted.sort();
-            let mut files = 0;
             for t in &deleted {
                 files += delete_offloaded(offload.as_deref(), t).await?;
-                if let Some(q) = &queue {
-                    // An idle thread has no run in flight; one that got a run since the
-                    // sweep keeps its queue rows.
-                    if let Err(e) = q.forget_thread(t).await {
-                        crate::errln!("note: the fleet's runs of thread `{t}` were kept: {e}");
-                    }
-                }
             }
             report(
                 args.json,
-                json!({"deleted": deleted, "offloaded_files_deleted": files}),
+                json!({"deleted": deleted, "offloaded_files_deleted": files, "kept_in_flight": busy_json(&busy)}),
                 || {
                     format!(
-                        "deleted {} thread(s) idle for over {}{}",
+                        "deleted {} thread(s) idle for over {}{}{}",
                         deleted.len(),
                         human_duration(older_than),
-                        listed(&deleted)
+                        listed(&deleted),
+                        busy_note(&busy)
                     )
                 },
             );
@@ -359,6 +387,62 @@ async fn state_of(
         .state(thread)
         .await
         .with_context(|| format!("thread `{thread}` is not an agent thread keel can read"))
+}
+
+/// A thread kept by `gc` for its run in flight: the thread, the run and its status.
+type Busy = (String, keel_fleet::RunId, &'static str);
+
+/// The threads `gc` would delete now, and those it keeps for a run of theirs that is
+/// queued or running in the fleet's queue (when there is one).
+async fn gc_candidates(
+    saver: &Arc<dyn Checkpointer>,
+    queue: Option<&keel_fleet::Queue>,
+    older_than: Duration,
+) -> anyhow::Result<(Vec<String>, Vec<Busy>)> {
+    let idle = idle_threads(saver, older_than).await?;
+    let Some(q) = queue else {
+        return Ok((idle, Vec::new()));
+    };
+    let mut doomed = Vec::new();
+    let mut busy = Vec::new();
+    for t in idle {
+        let runs = q
+            .runs(&t)
+            .await
+            .with_context(|| format!("cannot read the fleet's runs of thread `{t}`"))?;
+        let in_flight = runs.iter().find_map(|r| match r.status {
+            keel_fleet::RunStatus::Queued => Some((r.id, "queued")),
+            keel_fleet::RunStatus::Running { .. } => Some((r.id, "running")),
+            _ => None,
+        });
+        match in_flight {
+            Some((run, status)) => busy.push((t, run, status)),
+            None => doomed.push(t),
+        }
+    }
+    Ok((doomed, busy))
+}
+
+fn busy_json(busy: &[Busy]) -> serde_json::Value {
+    busy.iter()
+        .map(|(t, run, status)| json!({"thread": t, "run": run.to_string(), "status": status}))
+        .collect()
+}
+
+/// What `gc` says of the threads it kept for their runs in flight.
+fn busy_note(busy: &[Busy]) -> String {
+    if busy.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = busy
+        .iter()
+        .map(|(t, run, status)| format!("`{t}` (run {run} {status})"))
+        .collect();
+    format!(
+        "; kept {} idle thread(s) whose fleet run is queued or running: {}",
+        busy.len(),
+        each.join(", ")
+    )
 }
 
 /// The threads `sweep_idle(older_than)` would delete now: those whose newest checkpoint,

@@ -378,3 +378,110 @@ fn submit_wait_asks_whether_a_worker_runs_when_none_takes_the_run() {
     assert!(out.status.success(), "{err}");
     forget(&url, &thread);
 }
+
+#[test]
+fn gc_keeps_an_idle_thread_whose_fleet_run_is_in_flight() {
+    // `keel threads gc` used to delete the checkpoints of every thread idle by its
+    // checkpoints, also one whose run waited for a worker or was held by one in a long
+    // model call: the worker's next write then failed, and the thread was lost.
+    let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let thread = format!("fleet-cli-gc-{}", std::process::id());
+    let (out, stdout, stderr) = run(&[
+        "submit",
+        "--database-url",
+        &url,
+        "--thread",
+        &thread,
+        "--goal",
+        "What is here?",
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    let first = stdout.trim().to_owned();
+
+    // A worker runs the goal to its end, which stores the thread's checkpoints.
+    let dir = tempfile::tempdir().unwrap();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["worker", "--database-url", &url, "--model", "scripted"])
+        .arg("--dir")
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Killed(child);
+    let worker_out = collect(child.0.stdout.take().unwrap());
+    let _worker_err = collect(child.0.stderr.take().unwrap());
+    wait_until("ran the goal", &worker_out, |t| {
+        t.contains(&format!("run {first}"))
+    });
+    let done = || {
+        let (out, stdout, stderr) = run(&["status", "--database-url", &url, &first, "--json"]);
+        assert!(out.status.success(), "{stderr}");
+        stdout.contains("\"done\"")
+    };
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "run {first} not done"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    drop(child);
+
+    // A follow-up waits in the queue, with no worker to take it.
+    let (out, stdout, stderr) = run(&[
+        "submit",
+        "--database-url",
+        &url,
+        "--thread",
+        &thread,
+        "--message",
+        "And the tests?",
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    let queued = stdout.trim().to_owned();
+
+    let gc = || {
+        let (out, stdout, stderr) = run(&[
+            "threads",
+            "gc",
+            "--database-url",
+            &url,
+            "--older-than",
+            "0s",
+            "--dry-run",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let names = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().or(t["thread"].as_str()).unwrap().to_owned())
+            .collect()
+    };
+    let plan = gc();
+    assert!(!names(&plan["would_delete"]).contains(&thread), "{plan}");
+    let kept = plan["kept_in_flight"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["thread"] == thread.as_str())
+        .unwrap_or_else(|| panic!("{plan}"));
+    assert_eq!(kept["run"], queued.as_str(), "{plan}");
+    assert_eq!(kept["status"], "queued", "{plan}");
+
+    // Once the run is cancelled the thread is idle and would go.
+    let (out, _, stderr) = run(&["cancel", "--database-url", &url, &queued]);
+    assert!(out.status.success(), "{stderr}");
+    let plan = gc();
+    assert!(names(&plan["would_delete"]).contains(&thread), "{plan}");
+    forget(&url, &thread);
+}
