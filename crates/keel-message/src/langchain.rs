@@ -56,7 +56,7 @@ const KNOWN: &[&str] = &[
 
 /// Reads a JSON array of LangChain message dicts from bytes.
 pub fn from_json(bytes: &[u8]) -> Result<Vec<Message>, FormatError> {
-    each(&parse_json(bytes)?, from_value)
+    each(&parse_json(bytes)?, "langchain", from_value)
 }
 
 /// Reads a slice of LangChain message dicts.

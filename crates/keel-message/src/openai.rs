@@ -66,7 +66,7 @@ pub fn from_values(values: &[Value]) -> Result<Vec<Message>, FormatError> {
 }
 
 fn from_values_value(v: &Value) -> Result<Vec<Message>, FormatError> {
-    let mut messages = each(v, from_value)?;
+    let mut messages = each(v, "openai", from_value)?;
     if let Some(values) = v.as_array() {
         number_legacy_calls(values, &mut messages);
     }

@@ -213,6 +213,52 @@ fn langchain_accepts_messages_to_dict_wrapper_and_keeps_extras() {
 }
 
 #[test]
+fn input_in_the_wrong_shape_says_what_to_pass() {
+    // An empty file, not "EOF while parsing a value at line 1 column 0".
+    check_error(
+        openai::from_json(b""),
+        "the input is empty: expected a JSON array of messages",
+    );
+    check_error(
+        langchain::from_json(b" \n "),
+        "the input is empty: expected a JSON array of messages",
+    );
+    // A logged chat request body, or a LangGraph state: the list is one field down.
+    let body = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+    let err = openai::from_json(body).unwrap_err();
+    assert_eq!(
+        err,
+        FormatError::ListInObject {
+            field: "messages",
+            module: "openai"
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "expected a JSON array of messages, found an object with one in its `messages` field: \
+         pass that array (`openai::from_values(&body[\"messages\"])`)"
+    );
+    check_error(
+        langchain::from_json(br#"{"messages":[{"type":"human","content":"hi"}]}"#),
+        "expected a JSON array of messages, found an object with one in its `messages` field: \
+         pass that array (`langchain::from_values(&body[\"messages\"])`)",
+    );
+    // JSON Lines: one message per line is not one array.
+    check_error(
+        openai::from_json(
+            b"{\"role\":\"user\",\"content\":\"a\"}\n{\"role\":\"user\",\"content\":\"b\"}\n",
+        ),
+        "malformed JSON at line 2, column 1: trailing characters (the input holds more than one \
+         JSON value: JSON Lines? Read each line with `from_value`)",
+    );
+    // Trailing garbage after one array is not called JSON Lines.
+    check_error(
+        openai::from_json(b"[] x"),
+        "malformed JSON at line 1, column 4: trailing characters",
+    );
+}
+
+#[test]
 fn malformed_input_names_what_and_where() {
     check_error(
         openai::from_json(b"[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]"),
@@ -220,7 +266,7 @@ fn malformed_input_names_what_and_where() {
     );
     check_error(
         openai::from_json(b"[{\"role\": \"user\",\n \"content\": }]"),
-        "malformed JSON at line 2, column 13: expected value at line 2 column 13",
+        "malformed JSON at line 2, column 13: expected value",
     );
     check_error(
         openai::from_json(br#"{"role":"user"}"#),
