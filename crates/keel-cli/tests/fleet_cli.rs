@@ -244,6 +244,28 @@ fn collect(pipe: impl std::io::Read + Send + 'static) -> std::sync::Arc<std::syn
     text
 }
 
+/// A `keel worker --model scripted` on `url` with `extra` flags, rooted at `dir`: the
+/// process (killed when dropped) and what it prints to stdout and stderr.
+type Printed = std::sync::Arc<std::sync::Mutex<String>>;
+fn worker(url: &str, extra: &[&str], dir: &tempfile::TempDir) -> (Killed, Printed, Printed) {
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["worker", "--database-url", url, "--model", "scripted"])
+        .args(extra)
+        .arg("--dir")
+        .arg(dir.path())
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Killed(child);
+    let stdout = collect(child.0.stdout.take().unwrap());
+    let stderr = collect(child.0.stderr.take().unwrap());
+    (child, stdout, stderr)
+}
+
 fn wait_until(what: &str, text: &std::sync::Mutex<String>, f: impl Fn(&str) -> bool) {
     let start = std::time::Instant::now();
     while !f(&text.lock().unwrap()) {
@@ -291,30 +313,7 @@ fn a_worker_says_when_its_database_goes_away_and_comes_back() {
     let run_id = stdout.trim().to_owned();
 
     let dir = tempfile::tempdir().unwrap();
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
-        .args([
-            "worker",
-            "--database-url",
-            &proxied,
-            "--model",
-            "scripted",
-            "--concurrency",
-            "2",
-            "--lease",
-            "2",
-        ])
-        .arg("--dir")
-        .arg(dir.path())
-        .env_remove("RUST_LOG")
-        .env("NO_COLOR", "1")
-        .current_dir(dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut child = Killed(child);
-    let stdout = collect(child.0.stdout.take().unwrap());
-    let stderr = collect(child.0.stderr.take().unwrap());
+    let (child, stdout, stderr) = worker(&proxied, &["--concurrency", "2", "--lease", "2"], &dir);
     wait_until("ran the submitted run", &stdout, |t| {
         t.contains(&format!("run {run_id}"))
     });
@@ -401,20 +400,7 @@ fn gc_keeps_an_idle_thread_whose_fleet_run_is_in_flight() {
 
     // A worker runs the goal to its end, which stores the thread's checkpoints.
     let dir = tempfile::tempdir().unwrap();
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
-        .args(["worker", "--database-url", &url, "--model", "scripted"])
-        .arg("--dir")
-        .arg(dir.path())
-        .env_remove("RUST_LOG")
-        .env("NO_COLOR", "1")
-        .current_dir(dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut child = Killed(child);
-    let worker_out = collect(child.0.stdout.take().unwrap());
-    let _worker_err = collect(child.0.stderr.take().unwrap());
+    let (child, worker_out, _worker_err) = worker(&url, &[], &dir);
     wait_until("ran the goal", &worker_out, |t| {
         t.contains(&format!("run {first}"))
     });
