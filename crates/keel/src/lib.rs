@@ -28,7 +28,7 @@
 //! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base); without it a profile's counter approximates (about 4 characters a token) |
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
 //! | `agent` | yes | `agent`: the compacting agent graph |
-//! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database) |
+//! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database); call `PostgresSaver::setup()` once to create or migrate its tables before the first run (`examples/agent_postgres.rs`) |
 //! | `fleet` | no | `fleet::{Queue, Worker}`: runs submitted to PostgreSQL, taken by any number of workers (turns on `postgres` and `agent`) |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |
