@@ -50,7 +50,7 @@ use crate::store::{GrepOptions, OffloadStore, Pattern};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use keel_message::Message;
+/// use keel_offload::message::Message;
 /// use keel_offload::{Archive, MemoryStore, Pattern, ThreadId};
 ///
 /// let archive = Archive::new(Arc::new(MemoryStore::new()));
@@ -619,7 +619,7 @@ impl Archive {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use keel_message::Message;
+    /// use keel_offload::message::Message;
     /// use keel_offload::{Archive, MemoryStore, ThreadId};
     ///
     /// let archive = Archive::new(Arc::new(MemoryStore::new()));

@@ -57,7 +57,7 @@
 //! use keel_offload::{
 //!     Archive, EvictLargeResults, FsStore, Fsync, OffloadStore, PolicyEnv, RetrievalTools, ThreadId,
 //! };
-//! use keel_token::ApproxCounter;
+//! use keel_offload::token::ApproxCounter;
 //! use serde_json::json;
 //!
 //! let dir = tempfile::tempdir()?;
@@ -132,6 +132,13 @@ pub use fs::{FsStore, Fsync};
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
+/// The token counters (keel-token) that [`PolicyEnv`] takes to price text, re-exported
+/// so a user of this crate alone needs no second dependency:
+/// `keel_offload::token::ApproxCounter`. Exact counts for OpenAI models need keel-token's
+/// `tiktoken` feature (add `keel-token` with `features = ["tiktoken"]`, or turn on this
+/// crate's `tiktoken` feature); sizing results for eviction needs no more than the
+/// estimate.
+pub use keel_token as token;
 pub use key::{Key, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, StorePath, ThreadId, safe_component};
 pub use lineage::{Collected, LINEAGE_DIR, LINEAGE_KEY, Lineage, LineageStore, collect_garbage};
 pub use memory::MemoryStore;

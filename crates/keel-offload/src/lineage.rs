@@ -60,7 +60,7 @@ const MAX_DIVERGE: usize = 8;
 ///
 /// ```
 /// use std::sync::Arc;
-/// use keel_message::Message;
+/// use keel_offload::message::Message;
 /// use keel_offload::{Archive, Lineage, MemoryStore, Pattern, ThreadId};
 ///
 /// let archive = Archive::new(Arc::new(MemoryStore::new()));
@@ -326,7 +326,7 @@ impl Lineage {
     /// handed none. A value that is not a lineage is an error, never a wider view.
     ///
     /// ```
-    /// use keel_message::ToolContext;
+    /// use keel_offload::message::ToolContext;
     /// use keel_offload::{LINEAGE_KEY, Lineage};
     ///
     /// let ctx = ToolContext::new("c1").with_configurable(LINEAGE_KEY, Lineage::new().to_value());

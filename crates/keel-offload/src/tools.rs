@@ -92,7 +92,7 @@ pub enum ToolError {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use keel_message::ToolCall;
+/// use keel_offload::message::ToolCall;
 /// use keel_offload::{Key, MemoryStore, OffloadStore, RetrievalTools, ThreadId};
 /// use serde_json::json;
 ///
@@ -151,7 +151,7 @@ impl RetrievalTools {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use keel_message::ToolCall;
+    /// use keel_offload::message::ToolCall;
     /// use keel_offload::{Key, Lineage, LineageStore, MemoryStore, OffloadStore, RetrievalTools, ThreadId};
     /// use serde_json::json;
     ///

@@ -40,9 +40,9 @@ const RECORD: &str = "evicted";
 /// it was and the error is in [`PolicyOutcome::failures`].
 ///
 /// ```
-/// use keel_message::Message;
+/// use keel_offload::message::Message;
 /// use keel_offload::{EvictLargeResults, Key, MemoryStore, OffloadStore, PolicyEnv, ThreadId};
-/// use keel_token::ApproxCounter;
+/// use keel_offload::token::ApproxCounter;
 ///
 /// let store = MemoryStore::new();
 /// let thread = ThreadId::new("t1")?;

@@ -80,7 +80,7 @@ fn is_json_whitespace(c: char) -> bool {
 /// as it is.
 ///
 /// ```
-/// use keel_message::Message;
+/// use keel_offload::message::Message;
 /// use keel_offload::minify_json_results;
 ///
 /// let mut results = vec![

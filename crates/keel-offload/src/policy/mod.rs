@@ -31,7 +31,7 @@ pub const METADATA_KEY: &str = "keel_offload";
 ///
 /// ```
 /// use keel_offload::{MemoryStore, PolicyEnv, ThreadId};
-/// use keel_token::ApproxCounter;
+/// use keel_offload::token::ApproxCounter;
 ///
 /// let store = MemoryStore::new();
 /// let thread = ThreadId::new("t1")?;
@@ -224,6 +224,30 @@ pub enum StoredWhat {
 }
 
 /// A message a policy could not offload; it stays in context unchanged.
+///
+/// It displays as one line naming the message and why, to log as it is:
+///
+/// ```
+/// use keel_offload::message::Message;
+/// use keel_offload::token::ApproxCounter;
+/// use keel_offload::{EvictLargeResults, MemoryStore, PolicyEnv, ThreadId};
+///
+/// let store = MemoryStore::with_limit(100); // too small for the result
+/// let thread = ThreadId::new("t1")?;
+/// let counter = ApproxCounter::new();
+/// let env = PolicyEnv::new(&store, &thread, &counter);
+/// let log: String = (1..=1000).map(|i| format!("line {i}: ok\n")).collect();
+/// let out = EvictLargeResults::new()
+///     .with_threshold(1_000)
+///     .apply(vec![Message::tool("call_1", log).with_id("m3")], &env);
+/// assert!(!out.is_complete());
+/// assert_eq!(
+///     out.failures[0].to_string(),
+///     "message 0 (id m3) not offloaded: t1/large_tool_results/call_1: could not write: \
+///      the memory store's limit of 100 bytes is reached",
+/// );
+/// # Ok::<(), keel_offload::OffloadError>(())
+/// ```
 #[derive(Debug)]
 pub struct Failure {
     /// Index of the message in the policy's input.
@@ -232,6 +256,22 @@ pub struct Failure {
     pub message_id: Option<String>,
     /// Why.
     pub error: OffloadError,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "message {}", self.index)?;
+        if let Some(id) = &self.message_id {
+            write!(f, " (id {id})")?;
+        }
+        write!(f, " not offloaded: {}", self.error)
+    }
+}
+
+impl std::error::Error for Failure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
 }
 
 /// The policy record `key` on a message, if any.

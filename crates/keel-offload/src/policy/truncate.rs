@@ -41,9 +41,9 @@ const RAW: &str = "@raw";
 /// in [`PolicyOutcome::failures`].
 ///
 /// ```
-/// use keel_message::{Message, ToolCall};
+/// use keel_offload::message::{Message, ToolCall};
 /// use keel_offload::{Key, MemoryStore, OffloadStore, PolicyEnv, ThreadId, TruncateArguments};
-/// use keel_token::ApproxCounter;
+/// use keel_offload::token::ApproxCounter;
 /// use serde_json::json;
 ///
 /// let store = MemoryStore::new();
