@@ -37,7 +37,7 @@
 //! | an error leaves the value unchanged | [`check_errors_are_atomic`] | every reducer |
 //! | `apply` is `reduce` with one update | [`check_apply_matches_reduce`] | every reducer |
 //! | `reduce(a ++ b)` = `reduce(a)`; `reduce(b)` | [`check_split_batches`] | [`Associative`] reducers |
-//! | an update applied twice = once | [`check_idempotent_update`] | e.g. [`SetUnion`](crate::SetUnion), [`Max`](crate::Max) |
+//! | an update applied twice = once | [`check_idempotent_update`] | e.g. [`SetUnion`](crate::SetUnion), [`MergeMap`](crate::MergeMap), [`Max`](crate::Max) |
 //! | `replace_all` twice = once | [`check_flush_idempotence`] | [`AddMessages`] |
 //! | the value never exceeds a bound | [`check_bounded_growth`], [`check_keep_last_bounded`] | [`KeepLast`] |
 

@@ -17,6 +17,7 @@
 //! | [`Sum<T>`] | `T` | `T` | add, refusing integer overflow |
 //! | [`Max<T>`] / [`Min<T>`] | `Option<T>` | `T` | keep the greatest / least |
 //! | [`SetUnion<T>`] | `BTreeSet<T>` | `BTreeSet<T>` | union |
+//! | [`MergeMap<K, V>`] | `BTreeMap<K, V>` | `BTreeMap<K, V>` | merge by key, the last write of a key wins |
 //! | [`KeepLast<T>`] | `VecDeque<T>` | `Vec<T>` | append, keep the last `n` |
 //!
 //! Every reducer is cheap to build (a unit struct, or [`KeepLast::new`]). When
@@ -103,4 +104,4 @@ pub mod laws;
 pub use keel_message as message;
 pub use messages::{AddMessages, AddMessagesUpdate, MessageOp, Messages, REMOVE_ALL_MESSAGES};
 pub use reducer::{Associative, ReduceError, Reducer};
-pub use standard::{Append, KeepLast, LastValue, Max, Min, SetUnion, Sum, Summand};
+pub use standard::{Append, KeepLast, LastValue, Max, MergeMap, Min, SetUnion, Sum, Summand};

@@ -1,7 +1,7 @@
 //! The standard reducers for plain values: last value, append, sum, max/min, set union,
-//! keep-last-n.
+//! map merge, keep-last-n.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -11,28 +11,31 @@ use crate::{Associative, ReduceError, Reducer};
 /// `Debug` without bounds on `T` (a derive would demand `T: Default` and so on).
 macro_rules! unit_reducer {
     ($name:ident) => {
-        impl<T> $name<T> {
+        unit_reducer!($name<T>);
+    };
+    ($name:ident<$($t:ident),+>) => {
+        impl<$($t),+> $name<$($t),+> {
             /// The reducer (it holds no data).
             pub const fn new() -> Self {
                 $name(PhantomData)
             }
         }
 
-        impl<T> Default for $name<T> {
+        impl<$($t),+> Default for $name<$($t),+> {
             fn default() -> Self {
                 Self::new()
             }
         }
 
-        impl<T> Clone for $name<T> {
+        impl<$($t),+> Clone for $name<$($t),+> {
             fn clone(&self) -> Self {
                 *self
             }
         }
 
-        impl<T> Copy for $name<T> {}
+        impl<$($t),+> Copy for $name<$($t),+> {}
 
-        impl<T> fmt::Debug for $name<T> {
+        impl<$($t),+> fmt::Debug for $name<$($t),+> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(stringify!($name))
             }
@@ -297,6 +300,61 @@ impl<T: Ord + Clone + Send + Sync + 'static> Reducer for SetUnion<T> {
 }
 
 impl<T: Ord + Clone + Send + Sync + 'static> Associative for SetUnion<T> {}
+
+/// Merges maps key by key: each key written takes the value of its last write, and
+/// keys no write names keep theirs (LangGraph's `operator.or_` on a dict channel).
+///
+/// A superstep's writes are folded in task order, so when two tasks write one key the
+/// later task's value wins, the same in every run. To remove a key, make the value an
+/// `Option` and write `None`, or keep the map in a [`LastValue`] channel.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use keel_reducer::{MergeMap, Reducer};
+///
+/// let r = MergeMap::<&str, u32>::new();
+/// let mut seen = r.empty();
+/// // Two tasks of one superstep report what they found.
+/// r.reduce(&mut seen, vec![
+///     BTreeMap::from([("src", 12), ("docs", 3)]),
+///     BTreeMap::from([("tests", 7), ("docs", 4)]),
+/// ])?;
+/// assert_eq!(seen, BTreeMap::from([("docs", 4), ("src", 12), ("tests", 7)]));
+/// # Ok::<(), keel_reducer::ReduceError>(())
+/// ```
+pub struct MergeMap<K, V>(PhantomData<fn() -> (K, V)>);
+unit_reducer!(MergeMap<K, V>);
+
+impl<K, V> Reducer for MergeMap<K, V>
+where
+    K: Ord + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    type Value = BTreeMap<K, V>;
+    type Update = BTreeMap<K, V>;
+
+    fn empty(&self) -> BTreeMap<K, V> {
+        BTreeMap::new()
+    }
+
+    fn reduce(
+        &self,
+        current: &mut BTreeMap<K, V>,
+        updates: Vec<BTreeMap<K, V>>,
+    ) -> Result<(), ReduceError> {
+        for u in updates {
+            current.extend(u);
+        }
+        Ok(())
+    }
+}
+
+impl<K, V> Associative for MergeMap<K, V>
+where
+    K: Ord + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+}
 
 /// Appends like [`Append`] but keeps only the last `n` items: the value never grows
 /// past `n`.

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use keel_message::Message;
 use keel_reducer::laws::{self, LawViolation};
 use keel_reducer::{
-    AddMessages, AddMessagesUpdate, Append, Associative, KeepLast, LastValue, Max, Min,
+    AddMessages, AddMessagesUpdate, Append, Associative, KeepLast, LastValue, Max, MergeMap, Min,
     ReduceError, Reducer, SetUnion, Sum,
 };
 use proptest::prelude::*;
@@ -126,6 +126,27 @@ proptest! {
         if let Some(u) = a.first() {
             laws::check_idempotent_update(&SetUnion::<u8>::new(), &v, u)?;
         }
+    }
+
+    #[test]
+    fn merge_map_laws(
+        v in prop::collection::btree_map(0u8..16, any::<u8>(), 0..8),
+        a in batch(prop::collection::btree_map(0u8..16, any::<u8>(), 0..4)),
+        b in batch(prop::collection::btree_map(0u8..16, any::<u8>(), 0..4)),
+    ) {
+        let r = MergeMap::<u8, u8>::new();
+        associative_laws(&r, &v, &a, &b)?;
+        if let Some(u) = a.first() {
+            laws::check_idempotent_update(&r, &v, u)?;
+        }
+        // Every key written holds its last write; every other key is as it was.
+        let mut merged = v.clone();
+        r.reduce(&mut merged, a.clone()).unwrap();
+        for (k, value) in &merged {
+            let last = a.iter().rev().find_map(|u| u.get(k));
+            prop_assert_eq!(Some(value), last.or_else(|| v.get(k)));
+        }
+        prop_assert!(v.keys().chain(a.iter().flat_map(|u| u.keys())).all(|k| merged.contains_key(k)));
     }
 
     #[test]
