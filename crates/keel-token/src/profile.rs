@@ -65,6 +65,25 @@ impl ModelProfile {
         self.context_window - self.input_budget()
     }
 
+    /// Whether [`ModelProfile::counter`] counts this model exactly: an OpenAI encoding
+    /// with the `tiktoken` feature on. False for [`Encoding::Approximate`] models, and
+    /// for every model in a build without `tiktoken` (a crate that depends on keel-token
+    /// without its default features, as keel-offload and keel-compaction do, leaves it
+    /// off unless something in the build turns it on). Check it where an estimate is
+    /// not good enough, e.g. a prompt kept within a small window:
+    ///
+    /// ```
+    /// use keel_token::ModelProfiles;
+    ///
+    /// let profiles = ModelProfiles::new();
+    /// let gpt = profiles.lookup("gpt-4o");
+    /// assert_eq!(gpt.counts_exactly(), cfg!(feature = "tiktoken"));
+    /// assert!(!profiles.lookup("claude-sonnet-4-5").counts_exactly());
+    /// ```
+    pub fn counts_exactly(&self) -> bool {
+        cfg!(feature = "tiktoken") && self.encoding.is_bpe()
+    }
+
     /// A counter for this model: exact [`TiktokenCounter`]s for OpenAI encodings
     /// (`o200k_base` for GPT-4o, GPT-4.1, GPT-5 and the o-series, `cl100k_base` for
     /// GPT-4 and GPT-3.5), an [`ApproxCounter`] for everything else. To count a model
@@ -72,7 +91,7 @@ impl ModelProfile {
     ///
     /// Without the `tiktoken` feature there is no vocabulary to count with: OpenAI
     /// encodings get an [`ApproxCounter`] as well, and a `tracing` warning says so (once
-    /// per process).
+    /// per process); [`ModelProfile::counts_exactly`] tells which you get.
     ///
     /// ```
     /// use keel_token::{ModelProfiles, TokenCounter};

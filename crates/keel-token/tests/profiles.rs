@@ -247,6 +247,11 @@ fn counters_follow_the_encoding() {
     assert_eq!(p.lookup("mistral").counter().unwrap().count_text(text), 12);
     assert_eq!(p.lookup("acme").counter().unwrap().count_text(text), 12);
     assert_eq!(p.lookup("gpt-4.1").input_budget(), 1_047_576 - 32_768);
+    // And the profiles say so.
+    assert!(p.lookup("gpt-4.1").counts_exactly());
+    assert!(p.lookup("gpt-4").counts_exactly());
+    assert!(!p.lookup("mistral").counts_exactly());
+    assert!(!p.lookup("acme").counts_exactly());
 }
 
 #[test]
@@ -261,6 +266,8 @@ fn without_tiktoken_every_model_is_estimated() {
             12,
             "{model}"
         );
+        // A caller that needs exact counts can tell before relying on them.
+        assert!(!p.lookup(model).counts_exactly(), "{model}");
     }
 }
 
