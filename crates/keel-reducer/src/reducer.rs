@@ -137,7 +137,7 @@ pub enum ReduceError {
         index: usize,
     },
     /// [`Sum`](crate::Sum) overflowed its integer type.
-    #[error("sum overflowed")]
+    #[error("the sum overflowed its type; the value is unchanged")]
     Overflow,
     /// A reducer outside this crate refused an update.
     #[error("{0}")]

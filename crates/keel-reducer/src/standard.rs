@@ -173,7 +173,12 @@ impl Summand for std::time::Duration {
 /// assert_eq!(tokens.apply(100, 23)?, 123);
 ///
 /// let mut small = 250u8;
-/// assert_eq!(Sum::<u8>::new().reduce(&mut small, vec![3, 3]), Err(ReduceError::Overflow));
+/// let err = Sum::<u8>::new().reduce(&mut small, vec![3, 3]).unwrap_err();
+/// assert_eq!(err, ReduceError::Overflow);
+/// assert_eq!(
+///     err.to_string(),
+///     "the sum overflowed its type; the value is unchanged"
+/// );
 /// assert_eq!(small, 250);
 /// # Ok::<(), ReduceError>(())
 /// ```
