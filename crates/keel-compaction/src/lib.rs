@@ -31,7 +31,72 @@
 //! The [`replay`] module feeds recorded trajectories through each strategy and reports
 //! what the model would have been sent.
 //!
-//! See the [`Compactor`] example.
+//! # In your own loop, with this crate alone
+//!
+//! [`Compactor::new`] takes a summarizer, an archive, a thread id, a token counter and
+//! a model profile, which come from keel-summarize, keel-offload and keel-token; this
+//! crate re-exports them as [`summarize`], [`offload`] and [`token`] (and keel-model,
+//! for [`Compactor::call`], as [`model`]), so `keel-compaction` is the one dependency
+//! to add (with its `fs` feature for `offload::FsStore`, an archive on disk).
+//! [`Compactor::after_step`] is async and runs on tokio (a current-thread runtime is
+//! enough); your loop needs one.
+//!
+//! Token counts are estimates (about 4 characters a token) unless keel-token's
+//! `tiktoken` feature is on: turn on this crate's `tiktoken` feature for exact counts
+//! of OpenAI models, and check [`ModelProfile::counts_exactly`](token::ModelProfile::counts_exactly)
+//! where an estimate would not do (a small window). A profile for a model keel does not
+//! know is [`ModelProfile::new`](token::ModelProfile::new) with its window and output
+//! limit.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use keel_compaction::message::{Message, ToolCall};
+//! use keel_compaction::offload::{Archive, MemoryStore, Pattern, ThreadId};
+//! use keel_compaction::summarize::ExtractiveSummarizer;
+//! use keel_compaction::token::{Encoding, ModelProfile, TokenCounter};
+//! use keel_compaction::{CompactionConfig, Compactor, ContextState, GoalAnchor};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! // A model with a 4,096-token window, 1,024 of them kept for the reply.
+//! let profile = ModelProfile::new("my-model", 4_096, 1_024, Encoding::Approximate);
+//! let counter = profile.counter()?;
+//! let archive = Arc::new(Archive::new(Arc::new(MemoryStore::new())));
+//! let thread = ThreadId::new("run-1")?;
+//! let compactor = Compactor::new(
+//!     Arc::new(ExtractiveSummarizer::new()), // offline, no model call
+//!     archive.clone(),
+//!     thread.clone(),
+//!     counter.clone(),
+//!     profile.clone(),
+//! )
+//! .with_config(CompactionConfig::default().with_every_steps(Some(10)));
+//!
+//! let goal = GoalAnchor::new("Find why the build fails.").with_constraints(["Never push."]);
+//! let mut state = ContextState::new(goal).with_system(Message::system("You are an agent."));
+//! for i in 0..200 {
+//!     // Your model call: send the assembled prompt (system, goal, summaries, recent steps).
+//!     let prompt = compactor.assemble(&mut state);
+//!     assert_eq!(&prompt[1], state.goal.message()); // the goal, byte for byte, every time
+//!     assert!(counter.count_prompt(&prompt, &[]) <= profile.input_budget());
+//!     let reply = Message::assistant(format!("Checking step {i}."))
+//!         .with_tool_calls(vec![ToolCall::new(format!("c{i}"), "sh", serde_json::json!({"cmd": "make"}))]);
+//!     // Your tool: its result joins the step.
+//!     let result = Message::tool(format!("c{i}"), format!("build {i}: exit code {}", 100 + i));
+//!     compactor.push_step(&mut state, reply, vec![result]);
+//!     compactor.after_step(&mut state, &[]).await?; // compacts when it is due
+//! }
+//! // Step 3's result left the prompt long ago, and is in the archive.
+//! let prompt = compactor.assemble(&mut state);
+//! assert!(!prompt.iter().any(|m| m.text().contains("exit code 103")));
+//! let found = archive.grep(&thread, &Pattern::literal("exit code 103")?, 1)?;
+//! assert_eq!(found.messages.len(), 1);
+//! assert!(state.epochs_made > 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! See also the [`Compactor`] example.
 
 mod compactor;
 pub mod config;
@@ -51,6 +116,21 @@ pub use goal::{GOAL_ID, GoalAnchor};
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
+/// The model contract (keel-model) that [`Compactor::call`] calls, re-exported so a user
+/// of this crate alone needs no second dependency. Built without providers: for
+/// `OpenAiModel` or `OllamaModel` add keel-model with its `openai` or `ollama` feature.
+pub use keel_model as model;
+/// The offload store and archive (keel-offload) that [`Compactor::new`] takes, re-exported
+/// so a user of this crate alone needs no second dependency. `MemoryStore` is always
+/// there; `FsStore` (an archive on disk) needs this crate's `fs` feature.
+pub use keel_offload as offload;
+/// The summarizers (keel-summarize) that [`Compactor::new`] takes, re-exported so a user
+/// of this crate alone needs no second dependency.
+pub use keel_summarize as summarize;
+/// The token counters and model profiles (keel-token) that [`Compactor::new`] takes,
+/// re-exported so a user of this crate alone needs no second dependency. Exact counts
+/// need this crate's `tiktoken` feature.
+pub use keel_token as token;
 pub use prefix::{PREFIX_VERSION, PrefixSummarizer};
 pub use state::{
     ContextParts, ContextState, LAYER_METADATA_KEY, Layer, LayerLevel, MASKED_METADATA_KEY,
