@@ -12,7 +12,7 @@ use keel_offload::{
 use keel_summarize::{ExtractiveSummarizer, Summarizer, SummaryRequest};
 use keel_token::{ModelProfile, TokenCounter};
 
-use crate::config::{CompactionConfig, StepTrigger, Strategy};
+use crate::config::{CompactionConfig, StepTrigger, Strategy, SummaryBudgets};
 use crate::cut::safe_cut_at_or_before;
 use crate::error::{CallError, CompactionError};
 use crate::event::{CompactionEvent, EventKind, Trigger};
@@ -610,7 +610,11 @@ impl Compactor {
             return Some(t);
         }
         let total = self.tokens(state, tools).total;
-        if self.over_threshold(state.parts(), || total) {
+        // Past the threshold a milestone that would free little waits, while the
+        // prompt still fits the budget (`CompactionConfig::min_token_gain`).
+        if self.over_threshold(state.parts(), || total)
+            && !self.token_milestone_waits(state, tools, total)
+        {
             return Some(Trigger::Tokens);
         }
         if self.steps_due(state.parts()) {
@@ -635,6 +639,66 @@ impl Compactor {
         None
     }
 
+    /// Whether a milestone the token trigger asks for waits: the prompt (`total`
+    /// tokens) still fits the budget and the milestone would free less than
+    /// [`CompactionConfig::min_token_gain`] of the room. Only the hierarchical
+    /// strategy waits (masking frees without a summarizer call).
+    fn token_milestone_waits(
+        &self,
+        state: &mut ContextState,
+        tools: &[ToolSpec],
+        total: usize,
+    ) -> bool {
+        if self.config.strategy != Strategy::Hierarchical || total >= self.budget() {
+            return false;
+        }
+        let floor = self
+            .config
+            .min_token_gain_tokens(self.prompt_budget(), self.fixed_of(state, tools));
+        if floor == 0 {
+            return false;
+        }
+        let gain = self.token_gain(state, tools);
+        if gain < floor {
+            tracing::debug!(
+                step = state.step,
+                total,
+                gain,
+                floor,
+                "token trigger waits: the milestone would free too little"
+            );
+            return true;
+        }
+        false
+    }
+
+    /// What a milestone for the token trigger would free now: the raw tokens leaving
+    /// less the summary replacing them (estimated at its budget).
+    pub fn token_gain(&self, state: &mut ContextState, tools: &[ToolSpec]) -> usize {
+        let cut = self.cut_for(state, Trigger::Tokens, tools).unwrap_or(0);
+        let leaving: usize = state.ledger.raw.iter().take(cut).sum();
+        let summary = self
+            .summary_budgets(state, tools)
+            .milestone_for(&self.config, leaving)
+            .min(leaving);
+        leaving - summary
+    }
+
+    /// The tokens of the prompt's fixed part: system prompt, goal, tool specs and the
+    /// reply's priming, which every prompt holds and no compaction shrinks.
+    fn fixed_of(&self, state: &mut ContextState, tools: &[ToolSpec]) -> usize {
+        let t = self.tokens(state, tools);
+        t.total.saturating_sub(t.epoch + t.milestones + t.raw)
+    }
+
+    /// The summary budgets for this context: the configured ones, scaled down on a
+    /// window whose fixed part (system prompt, goal, tool specs) leaves little room
+    /// ([`CompactionConfig::summary_budgets`]).
+    pub fn summary_budgets(&self, state: &mut ContextState, tools: &[ToolSpec]) -> SummaryBudgets {
+        let fixed = self.fixed_of(state, tools);
+        self.config.summary_budgets(self.prompt_budget(), fixed)
+    }
+
     /// What a step-triggered milestone now would cost and save (the cost model of
     /// [`StepTrigger::WhenItPays`]; with [`StepTrigger::Always`] the payback horizon is
     /// `every_steps`).
@@ -650,8 +714,8 @@ impl Compactor {
         let leaving: usize = state.ledger.raw.iter().take(cut).sum();
         let tail = state.ledger.raw_total.saturating_sub(leaving);
         let summary = self
-            .config
-            .milestone_budget_for(self.prompt_budget(), leaving)
+            .summary_budgets(state, tools)
+            .milestone_for(&self.config, leaving)
             .min(leaving);
         let p = self.config.cached_input_price.clamp(0.0, 1.0);
         let call = self
@@ -1015,8 +1079,11 @@ impl Compactor {
         let cut = self
             .cut_for(state, trigger, tools)
             .ok_or(CompactionError::NothingToCompact)?;
-        let leaving = &state.raw[..cut];
         let leaving_tokens: usize = state.ledger.raw.iter().take(cut).sum();
+        let budget = self
+            .summary_budgets(state, tools)
+            .milestone_for(&self.config, leaving_tokens);
+        let leaving = &state.raw[..cut];
 
         // What the agent's prompt had before the span: a prefix-reusing summarizer
         // sends it first.
@@ -1033,11 +1100,7 @@ impl Compactor {
         };
         let summary = self
             .summarize(
-                SummaryRequest::milestone(
-                    leaving,
-                    self.config
-                        .milestone_budget_for(self.prompt_budget(), leaving_tokens),
-                ),
+                SummaryRequest::milestone(leaving, budget),
                 fall_back,
                 (&prefix, tools),
             )
@@ -1201,6 +1264,7 @@ impl Compactor {
         } else {
             Vec::new()
         };
+        let budgets = self.summary_budgets(state, tools);
         let depth = u8::try_from(self.config.summary_tiers.clamp(2, 16)).unwrap_or(3);
         let keep = self.config.keep_summaries.max(1);
         let mut top = state.epoch.clone();
@@ -1218,6 +1282,7 @@ impl Compactor {
                     Some(made + 1),
                     fall_back,
                     (&fixed, tools),
+                    budgets,
                 )
                 .await?;
             made += 1;
@@ -1233,6 +1298,7 @@ impl Compactor {
                     Some(made + 1),
                     fall_back,
                     (&above_milestones, tools),
+                    budgets,
                 )
                 .await?;
             made += 1;
@@ -1251,7 +1317,15 @@ impl Compactor {
                 let upper = tier + 1;
                 let previous = if upper == depth { top.as_ref() } else { None };
                 let folded = self
-                    .fold_layers(&leaving, previous, upper, None, fall_back, (&fixed, tools))
+                    .fold_layers(
+                        &leaving,
+                        previous,
+                        upper,
+                        None,
+                        fall_back,
+                        (&fixed, tools),
+                        budgets,
+                    )
                     .await;
                 let (layer, u, f) = match folded {
                     Ok(f) => f,
@@ -1297,9 +1371,10 @@ impl Compactor {
         number: Option<u64>,
         fall_back: bool,
         context: (&[Message], &[ToolSpec]),
+        budgets: SummaryBudgets,
     ) -> Result<(Layer, (u64, u64, u64), bool), CompactionError> {
         let messages: Vec<Message> = inputs.iter().map(|l| l.message.clone()).collect();
-        let budget = self.config.tier_budget(self.prompt_budget(), tier);
+        let budget = budgets.tier(tier);
         let mut request = SummaryRequest::epoch(&messages, budget);
         if let Some(p) = previous {
             request = request.previous(&p.text);

@@ -67,8 +67,71 @@ impl Strategy {
     }
 }
 
-/// The smallest milestone budget: room for the section headings and a few items.
+/// The smallest milestone budget: room for the section headings and a few items. The
+/// smallest epoch and era budgets too, when a small window scales them down
+/// ([`CompactionConfig::summary_share`]).
 pub const MIN_MILESTONE_TOKENS: usize = 80;
+
+/// The token budgets of the summary layers for one prompt budget and fixed part
+/// ([`CompactionConfig::summary_budgets`]).
+///
+/// ```
+/// use keel_compaction::CompactionConfig;
+///
+/// let c = CompactionConfig::default();
+/// // A 128k window: the fixed part is a sliver of the room; the defaults stand.
+/// let large = c.summary_budgets(119_808, 834);
+/// assert_eq!((large.milestone, large.epoch, large.era), (2_000, 800, 1_200));
+/// // A 4k window with an 834-token system prompt, goal and tool specs: the layers
+/// // are held to half of what is left, so a compaction frees room that lasts.
+/// let small = c.summary_budgets(3_072, 834);
+/// assert!(small.milestone < 300 && small.epoch < 150 && small.era < 200);
+/// assert!(small.worst_case(&c) <= c.room(3_072, 834) / 2);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SummaryBudgets {
+    /// The most a milestone may take (its span's share may give it less:
+    /// [`SummaryBudgets::milestone_for`]).
+    pub milestone: usize,
+    /// An epoch summary's budget (tier 2).
+    pub epoch: usize,
+    /// An era summary's budget (tiers 3 and up).
+    pub era: usize,
+}
+
+impl SummaryBudgets {
+    /// The budget of a summary at `tier` (2: epoch, 3 and up: era).
+    pub fn tier(&self, tier: u8) -> usize {
+        if tier <= 2 { self.epoch } else { self.era }
+    }
+
+    /// The budget of a milestone replacing `span` tokens:
+    /// [`CompactionConfig::summary_ratio`] of the span, between [`MIN_MILESTONE_TOKENS`]
+    /// and [`SummaryBudgets::milestone`].
+    pub fn milestone_for(&self, config: &CompactionConfig, span: usize) -> usize {
+        let share = (span as f64 * config.summary_ratio.clamp(0.0, 1.0)) as usize;
+        share.clamp(MIN_MILESTONE_TOKENS.min(self.milestone), self.milestone)
+    }
+
+    /// The tokens the summary layers hold at their fullest: the top summary, the kept
+    /// epoch summaries and the milestones that wait for the next fold, each at its
+    /// budget (with two tiers, one epoch summary and the milestones).
+    pub fn worst_case(&self, config: &CompactionConfig) -> usize {
+        let waiting = config.epoch_every.max(1) - 1;
+        let kept = if config.summary_tiers <= 2 {
+            0
+        } else {
+            config.keep_summaries.max(1) * self.epoch
+        };
+        let top = if config.summary_tiers <= 2 {
+            self.epoch
+        } else {
+            self.era
+        };
+        top + kept + waiting * self.milestone
+    }
+}
 
 /// When the step trigger ([`CompactionConfig::every_steps`]) fires.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -200,6 +263,57 @@ pub struct CompactionConfig {
     /// Token budget of the epoch summary (`None`: 3% of the input budget, between 150
     /// and 800).
     pub epoch_budget_tokens: Option<usize>,
+    /// The most of the *room* the summary layers may hold at their fullest (0.5: at
+    /// least half of it stays for raw steps). The room is what the token threshold
+    /// leaves after the system prompt, goal and tool specs, which head every prompt and
+    /// never shrink. On a small window those are a large part of the budget, and
+    /// summary budgets sized from the budget alone (300 tokens a milestone, 150 an
+    /// epoch, 200 an era at the least) would fill most of the rest: each compaction
+    /// would free room for one step, and that step would trigger the next. The budgets
+    /// left at their defaults (`None` above) are scaled down together until the layers
+    /// at their fullest ([`SummaryBudgets::worst_case`]) fit this share, none below
+    /// [`MIN_MILESTONE_TOKENS`]; budgets set explicitly stay. With a fixed part of
+    /// about 800 tokens the defaults fit from a window of about 8,000 tokens up, and
+    /// nothing changes there.
+    ///
+    /// ```
+    /// use keel_compaction::CompactionConfig;
+    ///
+    /// let c = CompactionConfig::default();
+    /// assert_eq!(c.summary_share, 0.5);
+    /// // A 4k window (3,072-token budget) with an 834-token fixed part:
+    /// assert_eq!(c.summary_budgets(3_072, 834).milestone, 139);
+    /// // 1.0 lets the summaries take the whole room: the budgets of before.
+    /// let unscaled = c.clone().with_summary_share(1.0).summary_budgets(3_072, 0);
+    /// assert_eq!(unscaled.milestone, 300);
+    /// // An 8k window: the defaults already fit half the room.
+    /// assert_eq!(c.summary_budgets(6_000, 834).milestone, 300);
+    /// ```
+    pub summary_share: f64,
+    /// The least a milestone the token trigger asks for must free while the prompt
+    /// still fits the budget, as a fraction of the room (see
+    /// [`summary_share`](Self::summary_share); 0.5). Past the token threshold
+    /// ([`window_fraction`](Self::window_fraction)) a milestone that would free less
+    /// (the raw tokens leaving less the summary replacing them) waits: the prompt is
+    /// sent as it is, and the milestone comes once it frees enough, or once the prompt
+    /// reaches the budget, whatever it frees then, so the prompt never overflows. A
+    /// milestone that frees one step's worth costs a summarizer call and a reset of the
+    /// provider's prompt cache only to be due again a step later; on a roomy window the
+    /// raw tokens leaving at the threshold dwarf this floor and it never holds a
+    /// milestone back. `0.0` compacts at the threshold whatever it frees. Only
+    /// [`Strategy::Hierarchical`] uses it.
+    ///
+    /// ```
+    /// use keel_compaction::CompactionConfig;
+    ///
+    /// let c = CompactionConfig::default();
+    /// assert_eq!(c.min_token_gain, 0.5);
+    /// // The room of a 4k window with an 834-token fixed part: 2,611 - 834.
+    /// assert_eq!(c.room(3_072, 834), 1_777);
+    /// assert_eq!(c.min_token_gain_tokens(3_072, 834), 888);
+    /// assert_eq!(c.with_min_token_gain(0.0).min_token_gain_tokens(3_072, 834), 0);
+    /// ```
+    pub min_token_gain: f64,
     /// Compact at every check (for tests).
     pub force: bool,
     /// The hard step ceiling: [`crate::Compactor::check`] reports
@@ -248,6 +362,8 @@ impl Default for CompactionConfig {
             milestone_budget_tokens: None,
             summary_ratio: 0.3,
             epoch_budget_tokens: None,
+            summary_share: 0.5,
+            min_token_gain: 0.5,
             force: false,
             max_steps: 500,
             summary_retry: RetryPolicy::default().max_attempts(2),
@@ -417,6 +533,81 @@ impl CompactionConfig {
         share.clamp(MIN_MILESTONE_TOKENS.min(cap), cap)
     }
 
+    /// Sets the most of the room the summary layers may hold
+    /// ([`CompactionConfig::summary_share`]).
+    #[must_use]
+    pub fn with_summary_share(mut self, share: f64) -> Self {
+        self.summary_share = share;
+        self
+    }
+
+    /// Sets the least a token-triggered milestone must free below the budget, as a
+    /// fraction of the room ([`CompactionConfig::min_token_gain`]).
+    #[must_use]
+    pub fn with_min_token_gain(mut self, fraction: f64) -> Self {
+        self.min_token_gain = fraction;
+        self
+    }
+
+    /// The room for an input budget of `budget` tokens and a fixed part (system
+    /// prompt, goal, tool specs) of `fixed`: what the token threshold leaves after the
+    /// fixed part, which compaction cannot shrink.
+    pub fn room(&self, budget: usize, fixed: usize) -> usize {
+        let threshold = (budget as f64 * self.window_fraction.clamp(0.0, 1.0)) as usize;
+        threshold.saturating_sub(fixed)
+    }
+
+    /// The least a token-triggered milestone must free while the prompt fits the
+    /// budget ([`CompactionConfig::min_token_gain`] of the room), in tokens.
+    pub fn min_token_gain_tokens(&self, budget: usize, fixed: usize) -> usize {
+        let fraction = self.min_token_gain.clamp(0.0, 1.0);
+        (self.room(budget, fixed) as f64 * fraction) as usize
+    }
+
+    /// The summary budgets for an input budget of `budget` tokens and a fixed part of
+    /// `fixed`: [`milestone_budget`](Self::milestone_budget),
+    /// [`epoch_budget`](Self::epoch_budget) and the era's
+    /// [`tier_budget`](Self::tier_budget), with those left at their defaults scaled
+    /// down together so the layers at their fullest fit
+    /// [`summary_share`](Self::summary_share) of the room (none below
+    /// [`MIN_MILESTONE_TOKENS`]). See [`SummaryBudgets`] for an example.
+    pub fn summary_budgets(&self, budget: usize, fixed: usize) -> SummaryBudgets {
+        let full = SummaryBudgets {
+            milestone: self.milestone_budget(budget),
+            epoch: self.epoch_budget(budget),
+            era: self.tier_budget(budget, 3),
+        };
+        let cap = self.room(budget, fixed) as f64 * self.summary_share.clamp(0.0, 1.0);
+        if full.worst_case(self) as f64 <= cap {
+            return full;
+        }
+        let at = |scale: f64| {
+            let scaled = |n: usize, explicit: bool| {
+                if explicit || n <= MIN_MILESTONE_TOKENS {
+                    n
+                } else {
+                    ((n as f64 * scale) as usize).max(MIN_MILESTONE_TOKENS)
+                }
+            };
+            SummaryBudgets {
+                milestone: scaled(full.milestone, self.milestone_budget_tokens.is_some()),
+                epoch: scaled(full.epoch, self.epoch_budget_tokens.is_some()),
+                era: scaled(full.era, self.era_budget_tokens.is_some()),
+            }
+        };
+        // The largest common scale that fits (the floors make it no simple ratio).
+        let (mut fits, mut over) = (0.0, 1.0);
+        for _ in 0..24 {
+            let mid = (fits + over) / 2.0;
+            if at(mid).worst_case(self) as f64 <= cap {
+                fits = mid;
+            } else {
+                over = mid;
+            }
+        }
+        at(fits)
+    }
+
     /// The epoch summary budget for an input budget of `budget` tokens.
     pub fn epoch_budget(&self, budget: usize) -> usize {
         self.epoch_budget_tokens
@@ -447,5 +638,115 @@ impl CompactionConfig {
     pub fn forced(mut self) -> Self {
         self.force = true;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_budgets_fit_their_share_of_the_room_on_small_windows_only() {
+        let c = CompactionConfig::default();
+        // (input budget, fixed part): 3,331 / 4,096 / 8,000 / 16,000 / 128,000 windows
+        // with the demo's fixed part.
+        for (budget, fixed) in [(2_499, 834), (3_072, 834), (6_000, 834), (12_000, 834)] {
+            let b = c.summary_budgets(budget, fixed);
+            let cap = c.room(budget, fixed) / 2;
+            assert!(b.worst_case(&c) <= cap, "{budget}: {b:?} over {cap}");
+            assert!(b.milestone >= MIN_MILESTONE_TOKENS && b.epoch >= MIN_MILESTONE_TOKENS);
+        }
+        // Where the defaults fit, they stand.
+        for (budget, fixed) in [
+            (6_000, 834),
+            (12_000, 834),
+            (119_808, 834),
+            (119_808, 5_000),
+        ] {
+            let b = c.summary_budgets(budget, fixed);
+            assert_eq!(
+                (b.milestone, b.epoch, b.era),
+                (
+                    c.milestone_budget(budget),
+                    c.epoch_budget(budget),
+                    c.tier_budget(budget, 3)
+                ),
+                "{budget}"
+            );
+        }
+        // A smaller window scales each default budget down, none below the floor.
+        let small = c.summary_budgets(3_072, 834);
+        assert!(small.milestone < c.milestone_budget(3_072));
+        assert!(small.era < c.tier_budget(3_072, 3));
+        assert_eq!(small.epoch, MIN_MILESTONE_TOKENS);
+        // A fixed part that leaves no room: every budget at the floor.
+        let none = c.summary_budgets(3_072, 3_000);
+        assert_eq!(
+            (none.milestone, none.epoch, none.era),
+            (
+                MIN_MILESTONE_TOKENS,
+                MIN_MILESTONE_TOKENS,
+                MIN_MILESTONE_TOKENS
+            )
+        );
+    }
+
+    #[test]
+    fn explicit_summary_budgets_are_kept_and_the_rest_scale_around_them() {
+        let c = CompactionConfig::default().with_summary_budgets(250, 120);
+        let b = c.summary_budgets(3_072, 834);
+        assert_eq!((b.milestone, b.epoch), (250, 120));
+        assert!(b.era < c.tier_budget(3_072, 3));
+        // A share of 1.0 with no fixed part: the budgets of before at 4k.
+        let whole = CompactionConfig::default()
+            .with_summary_share(1.0)
+            .summary_budgets(3_072, 0);
+        assert_eq!((whole.milestone, whole.epoch, whole.era), (300, 150, 200));
+    }
+
+    #[test]
+    fn a_milestone_budget_follows_its_span_within_the_scaled_cap() {
+        let c = CompactionConfig::default();
+        let b = c.summary_budgets(3_072, 834);
+        assert_eq!(b.milestone_for(&c, 100), MIN_MILESTONE_TOKENS);
+        assert_eq!(b.milestone_for(&c, 400), 120);
+        assert_eq!(b.milestone_for(&c, 10_000), b.milestone);
+        assert_eq!(b.tier(2), b.epoch);
+        assert_eq!(b.tier(3), b.era);
+        assert_eq!(b.tier(4), b.era);
+    }
+
+    #[test]
+    fn the_token_gain_floor_is_a_share_of_the_room() {
+        let c = CompactionConfig::default();
+        assert_eq!(c.room(3_072, 834), 2_611 - 834);
+        assert_eq!(c.min_token_gain_tokens(3_072, 834), 888);
+        // No room, no floor; a fixed part past the threshold leaves none.
+        assert_eq!(c.room(3_072, 3_000), 0);
+        assert_eq!(c.min_token_gain_tokens(3_072, 3_000), 0);
+        assert_eq!(
+            c.clone()
+                .with_min_token_gain(0.0)
+                .min_token_gain_tokens(3_072, 834),
+            0
+        );
+        // Out-of-range fractions are clamped.
+        assert_eq!(
+            c.with_min_token_gain(2.0).min_token_gain_tokens(3_072, 834),
+            1_777
+        );
+    }
+
+    #[test]
+    fn worst_case_counts_the_layers_each_tier_setting_keeps() {
+        let b = SummaryBudgets {
+            milestone: 100,
+            epoch: 50,
+            era: 70,
+        };
+        let three = CompactionConfig::default(); // 3 tiers, keep 3, epoch every 5
+        assert_eq!(b.worst_case(&three), 70 + 3 * 50 + 4 * 100);
+        let two = CompactionConfig::default().with_summary_tiers(2, 3);
+        assert_eq!(b.worst_case(&two), 50 + 4 * 100);
     }
 }

@@ -109,7 +109,7 @@ pub mod replay;
 mod state;
 
 pub use compactor::{Compactor, LayerTokens};
-pub use config::{CompactionConfig, StepTrigger, Strategy};
+pub use config::{CompactionConfig, StepTrigger, Strategy, SummaryBudgets};
 pub use error::{CallError, CompactionError};
 pub use event::{CompactionEvent, EventKind, Trigger};
 pub use goal::{GOAL_ID, GoalAnchor};
