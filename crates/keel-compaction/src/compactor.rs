@@ -673,7 +673,45 @@ impl Compactor {
     }
 
     /// What a milestone for the token trigger would free now: the raw tokens leaving
-    /// less the summary replacing them (estimated at its budget).
+    /// less the summary replacing them (estimated at its budget). Below the budget the
+    /// token trigger waits while this is under
+    /// [`CompactionConfig::min_token_gain`] of the room.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_compaction::{Compactor, ContextState, GoalAnchor};
+    /// use keel_message::{Message, ToolCall};
+    /// use keel_offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_summarize::ExtractiveSummarizer;
+    /// use keel_token::{ApproxCounter, Encoding, ModelProfile};
+    ///
+    /// let compactor = Compactor::new(
+    ///     Arc::new(ExtractiveSummarizer::new()),
+    ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+    ///     ThreadId::new("t1")?,
+    ///     Arc::new(ApproxCounter::new()),
+    ///     ModelProfile::new("small", 4_096, 1_024, Encoding::Approximate),
+    /// );
+    /// let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    /// // One step: nothing can leave (the newest step always stays).
+    /// let step = |i: usize| {
+    ///     let call = ToolCall::new(format!("c{i}"), "sh", serde_json::json!({"cmd": "cat log"}));
+    ///     let log = format!("line {i} of the build log, nothing to see\n").repeat(40);
+    ///     (
+    ///         Message::assistant("Reading.").with_tool_calls(vec![call]),
+    ///         vec![Message::tool(format!("c{i}"), log)],
+    ///     )
+    /// };
+    /// let (reply, results) = step(0);
+    /// compactor.push_step(&mut state, reply, results);
+    /// assert_eq!(compactor.token_gain(&mut state, &[]), 0);
+    /// // A second: the first (half the raw buffer) would leave, less its summary.
+    /// let (reply, results) = step(1);
+    /// compactor.push_step(&mut state, reply, results);
+    /// let gain = compactor.token_gain(&mut state, &[]);
+    /// assert!(gain > 0 && gain < compactor.tokens(&mut state, &[]).raw / 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn token_gain(&self, state: &mut ContextState, tools: &[ToolSpec]) -> usize {
         let cut = self.cut_for(state, Trigger::Tokens, tools).unwrap_or(0);
         let leaving: usize = state.ledger.raw.iter().take(cut).sum();

@@ -227,7 +227,8 @@ pub struct CompactionConfig {
     /// windows. `None` (the default): the model's input budget alone.
     pub max_prompt_tokens: Option<usize>,
     /// Compact when the assembled prompt reaches this fraction of the model's input
-    /// budget (its window minus its maximum output).
+    /// budget (its window minus its maximum output). A milestone that would free
+    /// little there waits until the budget ([`min_token_gain`](Self::min_token_gain)).
     pub window_fraction: f64,
     /// Fold the milestones into an epoch summary once there are this many.
     pub epoch_every: usize,
@@ -242,7 +243,8 @@ pub struct CompactionConfig {
     /// Summaries kept per middle tier before the oldest fold into the tier above.
     pub keep_summaries: usize,
     /// Token budget of an era summary (tiers 3 and up; `None`: 4% of the input budget,
-    /// between 200 and 1,200).
+    /// between 200 and 1,200, scaled down on a small window:
+    /// [`summary_share`](Self::summary_share)).
     pub era_budget_tokens: Option<usize>,
     /// Fold milestones into the epoch within the compaction that made the last one
     /// (the default). A runtime with its own epoch step (keel-agent's `epoch` node)
@@ -253,7 +255,8 @@ pub struct CompactionConfig {
     /// from its results, so the tail may be longer.
     pub keep_recent_tokens: Option<usize>,
     /// Token budget of one milestone summary (`None`: 2.5% of the input budget, between
-    /// 300 and 2,000).
+    /// 300 and 2,000, scaled down on a small window:
+    /// [`summary_share`](Self::summary_share)).
     pub milestone_budget_tokens: Option<usize>,
     /// The most of its span a milestone may take: its budget is this fraction of the
     /// tokens it replaces, at least [`MIN_MILESTONE_TOKENS`] and at most the milestone
@@ -261,7 +264,7 @@ pub struct CompactionConfig {
     /// it resets sooner (0.3).
     pub summary_ratio: f64,
     /// Token budget of the epoch summary (`None`: 3% of the input budget, between 150
-    /// and 800).
+    /// and 800, scaled down on a small window: [`summary_share`](Self::summary_share)).
     pub epoch_budget_tokens: Option<usize>,
     /// The most of the *room* the summary layers may hold at their fullest (0.5: at
     /// least half of it stays for raw steps). The room is what the token threshold
