@@ -91,11 +91,11 @@ type LastCall = Arc<std::sync::Mutex<Option<(u64, u64, u64)>>>;
 ///
 /// ```
 /// use std::sync::Arc;
+/// use keel_compaction::message::{Message, ToolCall};
+/// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+/// use keel_compaction::summarize::ExtractiveSummarizer;
+/// use keel_compaction::token::{ApproxCounter, Encoding, ModelProfile};
 /// use keel_compaction::{CompactionConfig, Compactor, ContextState, GoalAnchor};
-/// use keel_message::{Message, ToolCall};
-/// use keel_offload::{Archive, MemoryStore, ThreadId};
-/// use keel_summarize::ExtractiveSummarizer;
-/// use keel_token::{ApproxCounter, Encoding, ModelProfile};
 ///
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 /// let compactor = Compactor::new(
@@ -225,10 +225,10 @@ impl Compactor {
     /// ```
     /// use std::sync::Arc;
     /// use keel_compaction::{Compactor, ContextState, GoalAnchor};
-    /// use keel_message::ToolSpec;
-    /// use keel_offload::{Archive, MemoryStore, ThreadId};
-    /// use keel_summarize::ExtractiveSummarizer;
-    /// use keel_token::{ApproxCounter, ModelProfile};
+    /// use keel_compaction::message::ToolSpec;
+    /// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_compaction::summarize::ExtractiveSummarizer;
+    /// use keel_compaction::token::{ApproxCounter, ModelProfile};
     ///
     /// let tools: Arc<[ToolSpec]> = Arc::from(vec![ToolSpec::new(
     ///     "ls",
@@ -240,7 +240,7 @@ impl Compactor {
     ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
     ///     ThreadId::new("t1")?,
     ///     Arc::new(ApproxCounter::new()),
-    ///     ModelProfile::new("m", 8_000, 1_000, keel_token::Encoding::Approximate),
+    ///     ModelProfile::new("m", 8_000, 1_000, keel_compaction::token::Encoding::Approximate),
     /// )
     /// .with_tools(tools.clone());
     /// let mut state = ContextState::new(GoalAnchor::new("Find the bug."));
@@ -529,10 +529,10 @@ impl Compactor {
     /// ```
     /// use std::sync::Arc;
     /// use keel_compaction::{CompactionConfig, Compactor, ContextParts, GoalAnchor};
-    /// use keel_message::Message;
-    /// use keel_offload::{Archive, MemoryStore, ThreadId};
-    /// use keel_summarize::ExtractiveSummarizer;
-    /// use keel_token::{ApproxCounter, Encoding, ModelProfile};
+    /// use keel_compaction::message::Message;
+    /// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_compaction::summarize::ExtractiveSummarizer;
+    /// use keel_compaction::token::{ApproxCounter, Encoding, ModelProfile};
     ///
     /// let compactor = Compactor::new(
     ///     Arc::new(ExtractiveSummarizer::new()),
@@ -680,10 +680,10 @@ impl Compactor {
     /// ```
     /// use std::sync::Arc;
     /// use keel_compaction::{Compactor, ContextState, GoalAnchor};
-    /// use keel_message::{Message, ToolCall};
-    /// use keel_offload::{Archive, MemoryStore, ThreadId};
-    /// use keel_summarize::ExtractiveSummarizer;
-    /// use keel_token::{ApproxCounter, Encoding, ModelProfile};
+    /// use keel_compaction::message::{Message, ToolCall};
+    /// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_compaction::summarize::ExtractiveSummarizer;
+    /// use keel_compaction::token::{ApproxCounter, Encoding, ModelProfile};
     ///
     /// let compactor = Compactor::new(
     ///     Arc::new(ExtractiveSummarizer::new()),

@@ -460,7 +460,7 @@ impl CompactionConfig {
     /// ```
     /// use std::time::Duration;
     /// use keel_compaction::CompactionConfig;
-    /// use keel_message::RetryPolicy;
+    /// use keel_compaction::message::RetryPolicy;
     ///
     /// let config = CompactionConfig::default()
     ///     .with_summary_retry(RetryPolicy::default().max_attempts(4).initial_backoff(Duration::from_secs(1)));

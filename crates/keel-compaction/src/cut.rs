@@ -9,7 +9,7 @@ use keel_message::{Message, Role};
 ///
 /// ```
 /// use keel_compaction::cut::is_safe_cut;
-/// use keel_message::{Message, ToolCall};
+/// use keel_compaction::message::{Message, ToolCall};
 ///
 /// let history = vec![
 ///     Message::user("go"),

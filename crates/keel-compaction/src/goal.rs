@@ -21,7 +21,7 @@ pub const GOAL_ID: &str = "keel-goal";
 ///     .with_constraints(["Never pay more than $400.", "Ask before charging a card."]);
 /// assert!(goal.text().starts_with("Book the cheapest flight"));
 /// assert!(goal.text().contains("- Never pay more than $400."));
-/// assert!(keel_summarize::is_goal(goal.message()));
+/// assert!(keel_compaction::summarize::is_goal(goal.message()));
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GoalAnchor {

@@ -26,11 +26,11 @@ use keel_token::TokenCounter;
 /// ```
 /// use std::sync::Arc;
 /// use keel_compaction::PrefixSummarizer;
-/// use keel_message::Message;
-/// use keel_summarize::SummaryRequest;
-/// use keel_token::ApproxCounter;
+/// use keel_compaction::message::Message;
+/// use keel_compaction::summarize::SummaryRequest;
+/// use keel_compaction::token::ApproxCounter;
 ///
-/// let s = PrefixSummarizer::new(Arc::new(keel_model::ScriptedModel::new([])), Arc::new(ApproxCounter::new()));
+/// let s = PrefixSummarizer::new(Arc::new(keel_compaction::model::ScriptedModel::new([])), Arc::new(ApproxCounter::new()));
 /// let prefix = [Message::system("You are a travel agent."), Message::user("Book me to Lisbon.")];
 /// let span = [Message::assistant("Searching."), Message::tool("c1", "TP123 at 08:00")];
 /// let request = s.request(&prefix, &SummaryRequest::milestone(&span, 200));

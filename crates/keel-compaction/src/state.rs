@@ -135,7 +135,7 @@ pub struct ContextState {
 ///
 /// ```
 /// use keel_compaction::{ContextParts, GoalAnchor};
-/// use keel_message::Message;
+/// use keel_compaction::message::Message;
 ///
 /// let goal = GoalAnchor::new("Summarize the logs.");
 /// let raw = vec![Message::user("start")];

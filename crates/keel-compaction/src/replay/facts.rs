@@ -314,7 +314,7 @@ fn strings_of(v: &Value, out: &mut String) {
 ///
 /// ```
 /// use keel_compaction::replay::needed_facts;
-/// use keel_message::{Message, ToolCall};
+/// use keel_compaction::message::{Message, ToolCall};
 ///
 /// let turn = Message::assistant("").with_tool_calls(vec![ToolCall::new(
 ///     "c1",

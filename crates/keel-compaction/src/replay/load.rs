@@ -27,7 +27,7 @@ impl Trajectory {
     ///
     /// ```
     /// use keel_compaction::replay::Trajectory;
-    /// use keel_message::Message;
+    /// use keel_compaction::message::Message;
     ///
     /// let t = Trajectory::new("mine", "run-1", vec![Message::user("Book a flight.")])?;
     /// assert_eq!(t.messages[0].id.as_deref(), Some("run-1-0"));

@@ -50,8 +50,8 @@ pub enum ScoreError {
 /// ```
 /// use std::sync::Arc;
 /// use keel_compaction::replay::{Report, Trajectory, score_prompts};
-/// use keel_message::Message;
-/// use keel_token::{ApproxCounter, TokenCounter};
+/// use keel_compaction::message::Message;
+/// use keel_compaction::token::{ApproxCounter, TokenCounter};
 ///
 /// let messages = vec![
 ///     Message::system("You are a travel agent."),
@@ -126,8 +126,8 @@ pub fn score_prompts(
 ///
 /// ```
 /// use keel_compaction::replay::external_summary_event;
-/// use keel_message::Message;
-/// use keel_token::{ApproxCounter, TokenCounter};
+/// use keel_compaction::message::Message;
+/// use keel_compaction::token::{ApproxCounter, TokenCounter};
 ///
 /// let prompt = [Message::user("Summarize: the user wants to cancel OI5L9G.")];
 /// let event = external_summary_event(3, &prompt, "Cancel OI5L9G.", 4, "peer", &ApproxCounter::default());
