@@ -83,10 +83,10 @@ pub const MIN_MILESTONE_TOKENS: usize = 80;
 /// let large = c.summary_budgets(119_808, 834);
 /// assert_eq!((large.milestone, large.epoch, large.era), (2_000, 800, 1_200));
 /// // A 4k window with an 834-token system prompt, goal and tool specs: the layers
-/// // are held to half of what is left, so a compaction frees room that lasts.
+/// // are held to 40% of what is left, so a compaction frees room that lasts.
 /// let small = c.summary_budgets(3_072, 834);
 /// assert!(small.milestone < 300 && small.epoch < 150 && small.era < 200);
-/// assert!(small.worst_case(&c) <= c.room(3_072, 834) / 2);
+/// assert!(small.worst_case(&c) as f64 <= 0.4 * c.summary_room(3_072, 834) as f64);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -266,10 +266,13 @@ pub struct CompactionConfig {
     /// Token budget of the epoch summary (`None`: 3% of the input budget, between 150
     /// and 800, scaled down on a small window: [`summary_share`](Self::summary_share)).
     pub epoch_budget_tokens: Option<usize>,
-    /// The most of the *room* the summary layers may hold at their fullest (0.5: at
-    /// least half of it stays for raw steps). The room is what the token threshold
+    /// The most of the prompt's room the summary layers may hold at their fullest
+    /// (0.4: most of it stays for raw steps). That room is what the prompt budget
     /// leaves after the system prompt, goal and tool specs, which head every prompt and
-    /// never shrink. On a small window those are a large part of the budget, and
+    /// never shrink ([`summary_room`](Self::summary_room)); it depends on the window,
+    /// not on where the token trigger is set, so a low
+    /// [`window_fraction`](Self::window_fraction) chosen to compact early does not
+    /// starve the summaries. On a small window the fixed part is a large part of the budget, and
     /// summary budgets sized from the budget alone (300 tokens a milestone, 150 an
     /// epoch, 200 an era at the least) would fill most of the rest: each compaction
     /// would free room for one step, and that step would trigger the next. The budgets
@@ -277,25 +280,29 @@ pub struct CompactionConfig {
     /// at their fullest ([`SummaryBudgets::worst_case`]) fit this share, none below
     /// [`MIN_MILESTONE_TOKENS`]; budgets set explicitly stay. With a fixed part of
     /// about 800 tokens the defaults fit from a window of about 8,000 tokens up, and
-    /// nothing changes there.
+    /// nothing changes there. (At the default `window_fraction` of 0.85, 40% of the
+    /// prompt's room is about half of what the token threshold leaves.)
     ///
     /// ```
     /// use keel_compaction::CompactionConfig;
     ///
     /// let c = CompactionConfig::default();
-    /// assert_eq!(c.summary_share, 0.5);
+    /// assert_eq!(c.summary_share, 0.4);
     /// // A 4k window (3,072-token budget) with an 834-token fixed part:
-    /// assert_eq!(c.summary_budgets(3_072, 834).milestone, 139);
+    /// assert!(c.summary_budgets(3_072, 834).milestone < 300);
     /// // 1.0 lets the summaries take the whole room: the budgets of before.
     /// let unscaled = c.clone().with_summary_share(1.0).summary_budgets(3_072, 0);
     /// assert_eq!(unscaled.milestone, 300);
-    /// // An 8k window: the defaults already fit half the room.
+    /// // An 8k window: the defaults already fit.
     /// assert_eq!(c.summary_budgets(6_000, 834).milestone, 300);
+    /// // A trigger set low to compact early leaves the summaries as they are.
+    /// let early = c.clone().with_window_fraction(0.15);
+    /// assert_eq!(early.summary_budgets(7_000, 600).milestone, 300);
     /// ```
     pub summary_share: f64,
     /// The least a milestone the token trigger asks for must free while the prompt
-    /// still fits the budget, as a fraction of the room (see
-    /// [`summary_share`](Self::summary_share); 0.5). Past the token threshold
+    /// still fits the budget, as a fraction of the room ([`room`](Self::room): what the
+    /// token threshold leaves after the fixed part; 0.5). Past the token threshold
     /// ([`window_fraction`](Self::window_fraction)) a milestone that would free less
     /// (the raw tokens leaving less the summary replacing them) waits: the prompt is
     /// sent as it is, and the milestone comes once it frees enough, or once the prompt
@@ -365,7 +372,7 @@ impl Default for CompactionConfig {
             milestone_budget_tokens: None,
             summary_ratio: 0.3,
             epoch_budget_tokens: None,
-            summary_share: 0.5,
+            summary_share: 0.4,
             min_token_gain: 0.5,
             force: false,
             max_steps: 500,
@@ -554,10 +561,18 @@ impl CompactionConfig {
 
     /// The room for an input budget of `budget` tokens and a fixed part (system
     /// prompt, goal, tool specs) of `fixed`: what the token threshold leaves after the
-    /// fixed part, which compaction cannot shrink.
+    /// fixed part, which compaction cannot shrink. [`min_token_gain`](Self::min_token_gain)
+    /// is a share of it.
     pub fn room(&self, budget: usize, fixed: usize) -> usize {
         let threshold = (budget as f64 * self.window_fraction.clamp(0.0, 1.0)) as usize;
         threshold.saturating_sub(fixed)
+    }
+
+    /// The prompt's room for an input budget of `budget` tokens and a fixed part of
+    /// `fixed`: what the budget leaves after the fixed part, whatever the token
+    /// threshold. [`summary_share`](Self::summary_share) is a share of it.
+    pub fn summary_room(&self, budget: usize, fixed: usize) -> usize {
+        budget.saturating_sub(fixed)
     }
 
     /// The least a token-triggered milestone must free while the prompt fits the
@@ -580,7 +595,7 @@ impl CompactionConfig {
             epoch: self.epoch_budget(budget),
             era: self.tier_budget(budget, 3),
         };
-        let cap = self.room(budget, fixed) as f64 * self.summary_share.clamp(0.0, 1.0);
+        let cap = self.summary_room(budget, fixed) as f64 * self.summary_share.clamp(0.0, 1.0);
         if full.worst_case(self) as f64 <= cap {
             return full;
         }
@@ -655,8 +670,8 @@ mod tests {
         // with the demo's fixed part.
         for (budget, fixed) in [(2_499, 834), (3_072, 834), (6_000, 834), (12_000, 834)] {
             let b = c.summary_budgets(budget, fixed);
-            let cap = c.room(budget, fixed) / 2;
-            assert!(b.worst_case(&c) <= cap, "{budget}: {b:?} over {cap}");
+            let cap = c.summary_room(budget, fixed) as f64 * 0.4;
+            assert!(b.worst_case(&c) as f64 <= cap, "{budget}: {b:?} over {cap}");
             assert!(b.milestone >= MIN_MILESTONE_TOKENS && b.epoch >= MIN_MILESTONE_TOKENS);
         }
         // Where the defaults fit, they stand.
@@ -682,6 +697,18 @@ mod tests {
         assert!(small.milestone < c.milestone_budget(3_072));
         assert!(small.era < c.tier_budget(3_072, 3));
         assert_eq!(small.epoch, MIN_MILESTONE_TOKENS);
+        // A token trigger set low to compact early (the evals' 15%) leaves the
+        // summaries their size: their share is of the budget, not the threshold.
+        let early = c.clone().with_window_fraction(0.15);
+        let b = early.summary_budgets(7_000, 600);
+        assert_eq!(
+            (b.milestone, b.epoch, b.era),
+            (
+                c.milestone_budget(7_000),
+                c.epoch_budget(7_000),
+                c.tier_budget(7_000, 3)
+            )
+        );
         // A fixed part that leaves no room: every budget at the floor.
         let none = c.summary_budgets(3_072, 3_000);
         assert_eq!(

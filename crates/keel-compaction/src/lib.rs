@@ -15,9 +15,9 @@
 //! Each tier has its own budget, so the summaries stay within a bound however long the
 //! run ([`CompactionConfig::summary_tiers`]). On a small window, where the system
 //! prompt, goal and tool specs take much of the budget, the default budgets shrink so
-//! the summaries hold at most half of what is left
+//! the summaries hold at most 40% of what is left
 //! ([`CompactionConfig::summary_share`]), and a milestone the token trigger asks for
-//! waits until it frees a good part of it, or the prompt reaches the budget
+//! waits until it frees a good part of the room under the trigger, or the prompt reaches the budget
 //! ([`CompactionConfig::min_token_gain`]): compaction frees room that lasts instead of
 //! one step's worth at every step.
 //!
