@@ -111,6 +111,21 @@ fn forget(url: &str, thread: &str) {
     assert!(out.status.success(), "{stdout}{stderr}");
 }
 
+/// Submits the goal "What is here?" to `thread` on `url`; returns the run id.
+fn submit_goal(url: &str, thread: &str) -> String {
+    let (out, stdout, stderr) = run(&[
+        "submit",
+        "--database-url",
+        url,
+        "--thread",
+        thread,
+        "--goal",
+        "What is here?",
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    stdout.trim().to_owned()
+}
+
 #[test]
 fn submits_a_worker_could_not_run_are_refused_at_once() {
     let Some(url) = database_url() else { return };
@@ -300,17 +315,7 @@ fn a_worker_says_when_its_database_goes_away_and_comes_back() {
     let proxied = format!("{before}@127.0.0.1:{}/{after}", proxy.port);
     // The queue's tables exist before the worker starts (a submit creates them).
     let thread = format!("fleet-cli-away-{}", std::process::id());
-    let (out, stdout, stderr) = run(&[
-        "submit",
-        "--database-url",
-        &proxied,
-        "--thread",
-        &thread,
-        "--goal",
-        "What is here?",
-    ]);
-    assert!(out.status.success(), "{stderr}");
-    let run_id = stdout.trim().to_owned();
+    let run_id = submit_goal(&proxied, &thread);
 
     let dir = tempfile::tempdir().unwrap();
     let (child, stdout, stderr) = worker(&proxied, &["--concurrency", "2", "--lease", "2"], &dir);
@@ -386,17 +391,7 @@ fn gc_keeps_an_idle_thread_whose_fleet_run_is_in_flight() {
     let Some(url) = database_url() else { return };
     let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let thread = format!("fleet-cli-gc-{}", std::process::id());
-    let (out, stdout, stderr) = run(&[
-        "submit",
-        "--database-url",
-        &url,
-        "--thread",
-        &thread,
-        "--goal",
-        "What is here?",
-    ]);
-    assert!(out.status.success(), "{stderr}");
-    let first = stdout.trim().to_owned();
+    let first = submit_goal(&url, &thread);
 
     // A worker runs the goal to its end, which stores the thread's checkpoints.
     let dir = tempfile::tempdir().unwrap();
