@@ -649,16 +649,17 @@ impl Compactor {
         tools: &[ToolSpec],
         total: usize,
     ) -> bool {
-        if self.config.strategy != Strategy::Hierarchical || total >= self.budget() {
+        if self.config.strategy != Strategy::Hierarchical || total >= self.prompt_budget() {
             return false;
         }
+        let fixed = self.fixed_of(state, tools);
         let floor = self
             .config
-            .min_token_gain_tokens(self.prompt_budget(), self.fixed_of(state, tools));
+            .min_token_gain_tokens(self.prompt_budget(), fixed);
         if floor == 0 {
             return false;
         }
-        let gain = self.token_gain(state, tools);
+        let gain = self.gain_given(state, tools, fixed);
         if gain < floor {
             tracing::debug!(
                 step = state.step,
@@ -713,10 +714,17 @@ impl Compactor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn token_gain(&self, state: &mut ContextState, tools: &[ToolSpec]) -> usize {
+        let fixed = self.fixed_of(state, tools);
+        self.gain_given(state, tools, fixed)
+    }
+
+    /// [`token_gain`](Self::token_gain) with the fixed part already counted.
+    fn gain_given(&self, state: &mut ContextState, tools: &[ToolSpec], fixed: usize) -> usize {
         let cut = self.cut_for(state, Trigger::Tokens, tools).unwrap_or(0);
         let leaving: usize = state.ledger.raw.iter().take(cut).sum();
         let summary = self
-            .summary_budgets(state, tools)
+            .config
+            .summary_budgets(self.prompt_budget(), fixed)
             .milestone_for(&self.config, leaving)
             .min(leaving);
         leaving - summary

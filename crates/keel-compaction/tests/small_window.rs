@@ -249,3 +249,18 @@ async fn a_roomy_window_is_not_held_back() {
         assert_eq!(default.raw, before.raw, "{window}");
     }
 }
+
+#[tokio::test]
+async fn a_waiting_milestone_keeps_the_prompt_within_max_prompt_tokens() {
+    // A roomy window held to a 3,072-token prompt: a milestone that would free little
+    // waits only while the prompt fits that ceiling, not the model's whole budget.
+    let config = CompactionConfig::default().with_max_prompt_tokens(Some(3_072));
+    let (compactor, _state, prompts) = survey(16_000, config).await;
+    assert_eq!(compactor.prompt_budget(), 3_072);
+    for (i, &tokens) in prompts.iter().enumerate() {
+        assert!(
+            tokens <= compactor.prompt_budget(),
+            "step {i}: a {tokens}-token prompt passes the 3,072-token ceiling"
+        );
+    }
+}
