@@ -72,6 +72,13 @@ impl Strategy {
 /// ([`CompactionConfig::summary_share`]).
 pub const MIN_MILESTONE_TOKENS: usize = 80;
 
+/// A milestone's budget for a span of `span` tokens: `summary_ratio` of the span,
+/// at least [`MIN_MILESTONE_TOKENS`] and at most `cap`.
+fn span_budget(config: &CompactionConfig, span: usize, cap: usize) -> usize {
+    let share = (span as f64 * config.summary_ratio.clamp(0.0, 1.0)) as usize;
+    share.clamp(MIN_MILESTONE_TOKENS.min(cap), cap)
+}
+
 /// The token budgets of the summary layers for one prompt budget and fixed part
 /// ([`CompactionConfig::summary_budgets`]).
 ///
@@ -110,8 +117,7 @@ impl SummaryBudgets {
     /// [`CompactionConfig::summary_ratio`] of the span, between [`MIN_MILESTONE_TOKENS`]
     /// and [`SummaryBudgets::milestone`].
     pub fn milestone_for(&self, config: &CompactionConfig, span: usize) -> usize {
-        let share = (span as f64 * config.summary_ratio.clamp(0.0, 1.0)) as usize;
-        share.clamp(MIN_MILESTONE_TOKENS.min(self.milestone), self.milestone)
+        span_budget(config, span, self.milestone)
     }
 
     /// The tokens the summary layers hold at their fullest: the top summary, the kept
@@ -538,9 +544,7 @@ impl CompactionConfig {
     /// assert_eq!(c.milestone_budget_for(7_200, 100_000), c.milestone_budget(7_200));
     /// ```
     pub fn milestone_budget_for(&self, budget: usize, span: usize) -> usize {
-        let cap = self.milestone_budget(budget);
-        let share = (span as f64 * self.summary_ratio.clamp(0.0, 1.0)) as usize;
-        share.clamp(MIN_MILESTONE_TOKENS.min(cap), cap)
+        span_budget(self, span, self.milestone_budget(budget))
     }
 
     /// Sets the most of the room the summary layers may hold
