@@ -354,7 +354,7 @@ impl AgentNodes {
                 return Ok(AgentStateUpdate::default());
             }
             let p = &self.parts;
-            let mut c = context(&s)?;
+            let parts = s.context_parts().ok_or_else(no_goal)?;
             let mut events = Vec::new();
             if p.profile_fallback && s.step == 0 {
                 events.push(AgentEvent::ProfileFallback {
@@ -363,15 +363,15 @@ impl AgentNodes {
                 });
             }
             let max = p.compaction.max_steps;
-            if c.step >= max {
-                tracing::warn!(steps = c.step, max, "step ceiling reached; the run stops");
-                events.push(AgentEvent::StepCeiling { steps: c.step, max });
+            if s.step >= max {
+                tracing::warn!(steps = s.step, max, "step ceiling reached; the run stops");
+                events.push(AgentEvent::StepCeiling { steps: s.step, max });
                 return Ok(AgentStateUpdate::default()
-                    .stop(Some(Stop::StepCeiling { steps: c.step, max }))
+                    .stop(Some(Stop::StepCeiling { steps: s.step, max }))
                     .events(events));
             }
             if let Some(budget) = RunBudget::of(ctx.config()) {
-                let steps = c.step.saturating_sub(budget.start);
+                let steps = s.step.saturating_sub(budget.start);
                 if steps >= budget.max {
                     let max = budget.max;
                     tracing::info!(steps, max, "the run's budget of model calls is used; the run stops");
@@ -383,33 +383,31 @@ impl AgentNodes {
             }
             let compactor = self.compactor(&thread)?;
             let specs = p.tools.specs();
-            let mut retries = 0u32;
+            // The prompt is read from the state as it is; a context of its own is made
+            // only when a provider overflow makes the node compact before retrying.
+            let mut compacted: Option<ContextState> = None;
             let (response, prompt_tokens, started) = loop {
-                let prompt_tokens = compactor.tokens(&mut c, specs).total as u64;
+                let now = compacted.as_ref().map_or(parts, ContextState::parts);
+                let prompt_tokens = compactor.tokens_of(now, specs).total as u64;
                 let started = Instant::now();
                 let reply = if let Some(overflow) = over_window(&p.profile, prompt_tokens) {
                     // Not sent: a provider would refuse it, or (Ollama) silently cut it.
                     Err(overflow)
                 } else {
-                    // The prompt takes the raw buffer (no second copy of it) and gives
-                    // it back when the context must be compacted.
-                    let mut prompt: Vec<Message> = c
+                    let prompt: Vec<Message> = now
                         .system
-                        .iter()
-                        .chain(std::iter::once(c.goal.message()))
-                        .chain(c.layers().map(|l| &l.message))
+                        .into_iter()
+                        .chain(std::iter::once(now.goal.message()))
+                        .chain(now.layers().map(|l| &l.message))
+                        .chain(now.raw)
                         .cloned()
                         .collect();
-                    let prefix = prompt.len();
-                    prompt.append(&mut c.raw);
-                    let reply = p.model.chat(&prompt, specs, &p.options).await;
-                    c.raw = prompt.split_off(prefix);
-                    reply
+                    p.model.chat(&prompt, specs, &p.options).await
                 };
                 match reply {
-                    Err(e) if e.is_context_overflow() && retries == 0 => {
-                        retries += 1;
+                    Err(e) if e.is_context_overflow() && compacted.is_none() => {
                         tracing::warn!(error = %e, "context overflow; compacting and retrying once");
+                        let mut c = context(&s)?;
                         if let Err(ce) = compactor.compact(&mut c, Trigger::Overflow, specs).await {
                             return Err(NodeError::new(crate::error::OverflowUnresolved {
                                 model: e,
@@ -420,24 +418,28 @@ impl AgentNodes {
                             // A failed epoch keeps the milestones (recorded as an event).
                             let _ = compactor.fold_epoch(&mut c, Trigger::Overflow, specs).await;
                         }
+                        compacted = Some(c);
                     }
                     Err(e) => return Err(NodeError::new(e)),
                     Ok(r) => break (r, prompt_tokens, started),
                 }
             };
-            let mut update = if retries > 0 {
-                diff(&s, &c)
-            } else {
-                AgentStateUpdate::default()
+            let retries = u32::from(compacted.is_some());
+            let mut update = match &mut compacted {
+                Some(c) => {
+                    let mut update = diff(&s, c);
+                    for e in std::mem::take(&mut c.events) {
+                        events.push(AgentEvent::Compaction(e.clone()));
+                        update.compactions.get_or_insert_with(Vec::new).push(e);
+                    }
+                    update
+                }
+                None => AgentStateUpdate::default(),
             };
-            for e in std::mem::take(&mut c.events) {
-                events.push(AgentEvent::Compaction(e.clone()));
-                update.compactions.get_or_insert_with(Vec::new).push(e);
-            }
             let mut reply = response.message;
             reply.role = Role::Assistant;
             let usage = response.usage;
-            let step = c.step + 1;
+            let step = s.step + 1;
             let span = tracing::Span::current();
             span.record("prompt_tokens", prompt_tokens);
             span.record("tool_calls", reply.tool_calls.len());
@@ -963,9 +965,11 @@ fn over_window(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError>
 }
 
 fn context(s: &AgentState) -> Result<ContextState, NodeError> {
-    s.context().ok_or_else(|| {
-        NodeError::msg("the thread has no goal: write one with the input of its first run")
-    })
+    s.context().ok_or_else(no_goal)
+}
+
+fn no_goal() -> NodeError {
+    NodeError::msg("the thread has no goal: write one with the input of its first run")
 }
 
 /// Words that approve a call, and words that deny it (compared trimmed, in lower case).
