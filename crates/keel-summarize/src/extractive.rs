@@ -1,5 +1,5 @@
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::borrow::Cow;
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
@@ -486,7 +486,7 @@ impl ExtractiveSummarizer {
             .find(|&i| messages[i].role != Role::Tool && is_summary(&texts[i]));
         let mut files = Files::default();
         // The call (or command) each observation answers.
-        let mut heads: std::collections::HashMap<&str, (String, &ToolCall)> = Default::default();
+        let mut heads: HashMap<&str, (String, &ToolCall)> = Default::default();
         let mut last_command: Option<String> = None;
         // Identifiers already given as facts in this span (kept once, first place).
         let mut seen_facts: HashSet<String> = HashSet::new();
@@ -835,8 +835,8 @@ impl ExtractiveSummarizer {
         messages: &[Message],
         texts: &[Cow<'_, str>],
         hits: &[Option<Vec<Hit>>],
-    ) -> std::collections::HashMap<usize, String> {
-        let calls: std::collections::HashMap<&str, &ToolCall> = messages
+    ) -> HashMap<usize, String> {
+        let calls: HashMap<&str, &ToolCall> = messages
             .iter()
             .flat_map(|m| &m.tool_calls)
             .map(|c| (c.id.as_str(), c))
@@ -853,7 +853,7 @@ impl ExtractiveSummarizer {
                 Some((i, call_head(call), failed))
             })
             .collect();
-        let mut resolved = std::collections::HashMap::new();
+        let mut resolved = HashMap::new();
         for (k, (i, head, failed)) in outputs.iter().enumerate() {
             if *failed
                 && outputs[k + 1..]
@@ -2221,6 +2221,10 @@ fn is_short_code(t: &str) -> bool {
 /// `08:00`, `14:30:00`, and timestamps (`2024-05-01T09:08:54`): when something
 /// happened, rarely what an agent passes on.
 fn is_clock_time(t: &str) -> bool {
+    // Both forms below need a `:`; most tokens have none.
+    if !t.as_bytes().contains(&b':') {
+        return false;
+    }
     if let Some((date, time)) = t.split_once('T')
         && date.len() == 10
         && date.bytes().filter(|b| *b == b'-').count() == 2
