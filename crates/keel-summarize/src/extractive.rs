@@ -2260,16 +2260,28 @@ fn has_extension(t: &str) -> bool {
 /// A file path: `src/lib.rs`, `/tmp/out`, `./run.sh`, `a/b/c`, `setup.py` (any
 /// extension).
 fn is_path(t: &str) -> bool {
-    if t.is_empty() || t.len() > 200 || !t.bytes().any(|b| b.is_ascii_alphabetic()) {
+    if t.is_empty() || t.len() > 200 {
         return false;
     }
-    if t.contains(char::is_whitespace) {
+    // One pass: whether there is a letter, how many slashes, and what rules a path
+    // out (whitespace, a URL's `://`). Whitespace beyond ASCII is looked for only in
+    // a token that has non-ASCII bytes.
+    let b = t.as_bytes();
+    let (mut letter, mut slashes, mut non_ascii) = (false, 0usize, false);
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b'/' => slashes += 1,
+            b':' if b[i + 1..].starts_with(b"//") => return false,
+            // `char::is_whitespace` in ASCII.
+            b' ' | b'\t' | b'\n' | b'\x0B' | b'\x0C' | b'\r' => return false,
+            c if c.is_ascii_alphabetic() => letter = true,
+            c if !c.is_ascii() => non_ascii = true,
+            _ => {}
+        }
+    }
+    if !letter || (non_ascii && t.contains(char::is_whitespace)) {
         return false;
     }
-    if t.contains("://") {
-        return false;
-    }
-    let slashes = t.matches('/').count();
     if slashes == 0 {
         return has_extension(t);
     }
@@ -2338,7 +2350,7 @@ mod tests {
     /// The first versions of the tokenizer and the identifier and clock-time tests,
     /// kept as the reference the faster ones must agree with.
     mod reference {
-        use super::super::{MAX_FACT_CHARS, is_path};
+        use super::super::{MAX_FACT_CHARS, has_extension};
 
         /// The separators as first written: whitespace and a list of punctuation.
         pub(super) fn is_separator(c: char) -> bool {
@@ -2396,6 +2408,29 @@ mod tests {
                     .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
         }
 
+        /// A file path: `src/lib.rs`, `/tmp/out`, `./run.sh`, `a/b/c`, `setup.py` (any
+        /// extension).
+        pub(super) fn is_path(t: &str) -> bool {
+            if t.is_empty() || t.len() > 200 || !t.bytes().any(|b| b.is_ascii_alphabetic()) {
+                return false;
+            }
+            if t.contains(char::is_whitespace) {
+                return false;
+            }
+            if t.contains("://") {
+                return false;
+            }
+            let slashes = t.matches('/').count();
+            if slashes == 0 {
+                return has_extension(t);
+            }
+            t.starts_with('/')
+                || t.starts_with("./")
+                || t.starts_with("~/")
+                || slashes >= 2
+                || has_extension(t)
+        }
+
         pub(super) fn is_clock_time(t: &str) -> bool {
             if let Some((date, time)) = t.split_once('T')
                 && date.len() == 10
@@ -2442,6 +2477,13 @@ mod tests {
                 proptest::prop_assert_eq!(super::is_identifier(t), reference::is_identifier(t), "{:?}", t);
                 proptest::prop_assert_eq!(super::is_clock_time(t), reference::is_clock_time(t), "{:?}", t);
             }
+        }
+
+        #[test]
+        fn paths_agree_with_the_reference(
+            text in "(/|\\.|[a-z]{1,3}|[0-9_~:@-]|[ \t\r\n\x0B\x0C]|é|\u{a0}|\u{85}|\u{3000}){0,10}"
+        ) {
+            proptest::prop_assert_eq!(super::is_path(&text), reference::is_path(&text), "{:?}", text);
         }
     }
     use super::*;
@@ -2571,10 +2613,23 @@ mod tests {
             "Cargo.lock",
             "a/b/c",
             "data.parquet",
+            "docs/é/x",
         ] {
             assert!(is_path(p), "{p}");
         }
-        for p in ["https://x.io/a.py", "and/or", "e.g", "1.2.3", "hello"] {
+        for p in [
+            "https://x.io/a.py",
+            "and/or",
+            "e.g",
+            "1.2.3",
+            "hello",
+            // Whitespace, ASCII or not, rules a path out.
+            "a/b/c\u{0B}",
+            "src/ lib.rs",
+            "a/b/c\u{a0}",
+            "a/b\u{3000}/c",
+            "x/y/z\u{85}",
+        ] {
             assert!(!is_path(p), "{p}");
         }
     }
