@@ -2279,9 +2279,12 @@ fn is_path(t: &str) -> bool {
             _ => {}
         }
     }
-    if !letter || (non_ascii && t.contains(char::is_whitespace)) {
-        return false;
-    }
+    letter && !(non_ascii && t.contains(char::is_whitespace)) && path_shaped(t, slashes)
+}
+
+/// Whether a token with `slashes` slashes, no whitespace and a letter reads as a path:
+/// rooted (`/`, `./`, `~/`), two or more slashes, or a file extension.
+fn path_shaped(t: &str, slashes: usize) -> bool {
     if slashes == 0 {
         return has_extension(t);
     }
@@ -2350,7 +2353,7 @@ mod tests {
     /// The first versions of the tokenizer and the identifier and clock-time tests,
     /// kept as the reference the faster ones must agree with.
     mod reference {
-        use super::super::{MAX_FACT_CHARS, has_extension};
+        use super::super::{MAX_FACT_CHARS, path_shaped};
 
         /// The separators as first written: whitespace and a list of punctuation.
         pub(super) fn is_separator(c: char) -> bool {
@@ -2420,15 +2423,7 @@ mod tests {
             if t.contains("://") {
                 return false;
             }
-            let slashes = t.matches('/').count();
-            if slashes == 0 {
-                return has_extension(t);
-            }
-            t.starts_with('/')
-                || t.starts_with("./")
-                || t.starts_with("~/")
-                || slashes >= 2
-                || has_extension(t)
+            path_shaped(t, t.matches('/').count())
         }
 
         pub(super) fn is_clock_time(t: &str) -> bool {
