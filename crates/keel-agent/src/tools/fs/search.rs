@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::{BufRead, BufReader, Cursor, Read};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 use super::args;
 use super::ops::{READ_BUFFER, count};
 use super::path::Root;
-use super::text::{LineReader, quoted, show_line, thousands};
+use super::text::{LineReader, SNIFF_BYTES, quoted, show_line, thousands};
 use super::{FileTools, OFFLOAD_DIRS};
 
 /// Bytes of each line matched against the pattern: a match further into a longer
@@ -40,7 +40,7 @@ const CACHED_IGNORES: usize = 256;
 /// each used again only while its modification time and length are unchanged.
 #[derive(Debug, Default)]
 pub(super) struct GrepCache {
-    patterns: Mutex<HashMap<String, Regex>>,
+    patterns: Mutex<HashMap<String, Pattern>>,
     ignores: Mutex<HashMap<PathBuf, (Stamp, Arc<Gitignore>)>>,
 }
 
@@ -48,24 +48,33 @@ pub(super) struct GrepCache {
 type Stamp = (Option<SystemTime>, u64);
 
 impl GrepCache {
-    fn regex(&self, pattern: &str) -> Result<Regex, ToolError> {
+    fn regex(&self, pattern: &str) -> Result<Pattern, ToolError> {
         let mut patterns = self.patterns.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(regex) = patterns.get(pattern) {
-            return Ok(regex.clone());
+        if let Some(compiled) = patterns.get(pattern) {
+            return Ok(compiled.clone());
         }
-        let regex = RegexBuilder::new(pattern)
-            .size_limit(REGEX_SIZE_LIMIT)
-            .build()
-            .map_err(|e| {
-                ToolError::bad_arguments(format!(
-                    "`pattern` is not a valid regular expression: {e}"
-                ))
-            })?;
+        let build = |multi_line| {
+            RegexBuilder::new(pattern)
+                .size_limit(REGEX_SIZE_LIMIT)
+                .multi_line(multi_line)
+                .build()
+        };
+        let line = build(false).map_err(|e| {
+            ToolError::bad_arguments(format!("`pattern` is not a valid regular expression: {e}"))
+        })?;
+        // Inline flags could turn multi-line mode back off, and `\A` / `\z` anchor
+        // at the ends of the whole text: such patterns keep to the line-by-line search.
+        let whole = ["(?", "\\A", "\\z"]
+            .iter()
+            .all(|s| !pattern.contains(s))
+            .then(|| build(true).ok())
+            .flatten();
+        let compiled = Pattern { line, whole };
         if patterns.len() >= CACHED_PATTERNS {
             patterns.clear();
         }
-        patterns.insert(pattern.to_owned(), regex.clone());
-        Ok(regex)
+        patterns.insert(pattern.to_owned(), compiled.clone());
+        Ok(compiled)
     }
 
     /// The parsed .gitignore at `file`, if it is a file.
@@ -90,6 +99,185 @@ impl GrepCache {
         ignores.insert(file, (stamp, Arc::clone(&gitignore)));
         Some(gitignore)
     }
+}
+
+/// A `grep` pattern, compiled twice.
+#[derive(Debug, Clone)]
+struct Pattern {
+    /// Matched against one line at a time: what decides whether a line matches.
+    line: Regex,
+    /// The same pattern in multi-line mode, run over a whole file to find the lines
+    /// worth trying `line` on; `None` when the pattern cannot be run so (see
+    /// [`scan_buffer`]).
+    whole: Option<Regex>,
+}
+
+/// Where [`scan_file`] puts the lines that match.
+struct Sink<'a> {
+    regex: &'a Pattern,
+    path: &'a str,
+    found: &'a mut Vec<Found>,
+    max_results: usize,
+    line_chars: usize,
+}
+
+impl Sink<'_> {
+    /// Records line `number` if it matches; true once `max_results` lines are found.
+    fn offer(&mut self, text: &[u8], number: u64, truncated: bool) -> bool {
+        if self.regex.line.is_match(text) {
+            self.found.push(Found {
+                path: self.path.to_owned(),
+                line: number,
+                text: show_line(text, truncated, self.line_chars),
+            });
+        }
+        self.found.len() >= self.max_results
+    }
+}
+
+/// How the search of one file ended.
+enum ScanEnd {
+    /// Searched to its end (or to the byte budget).
+    Done,
+    /// `max_results` lines were found.
+    Full,
+    /// Binary: a NUL byte at the start, or on a line (lines before it were searched).
+    Binary,
+    /// A read failed (lines before it were searched).
+    Unreadable,
+}
+
+/// What [`scan_file`] did with one file.
+struct Scan {
+    end: ScanEnd,
+    /// Bytes read up to the end of the last line searched.
+    consumed: u64,
+}
+
+/// Files up to this size are read whole and searched in one pass over the buffer.
+const WHOLE_FILE_BYTES: usize = 1024 * 1024;
+
+/// Searches `file`, at most `budget` bytes of it, line by line: each line (without its
+/// `\n` or `\r\n`, cut to [`GREP_LINE_BYTES`]) is offered to `sink` in order.
+///
+/// A file up to [`WHOLE_FILE_BYTES`] is first read whole into `buffer` and, when
+/// [`scan_buffer`] can, searched in one pass; otherwise, and for a larger file, the
+/// lines are read one at a time into `line`. Both ways find the same lines.
+fn scan_file(
+    mut file: File,
+    budget: u64,
+    sink: &mut Sink<'_>,
+    buffer: &mut Vec<u8>,
+    line: &mut Vec<u8>,
+) -> Scan {
+    let cap = budget.min(WHOLE_FILE_BYTES as u64 + 1);
+    buffer.clear();
+    let read = (&mut file).take(cap).read_to_end(buffer);
+    let head = buffer.get(..SNIFF_BYTES).unwrap_or(buffer);
+    if memchr::memchr(0, head).is_some() {
+        return Scan {
+            end: ScanEnd::Binary,
+            consumed: 0,
+        };
+    }
+    let whole = read.is_ok() && (buffer.len() as u64) < cap || buffer.len() as u64 == budget;
+    if whole && let Some(scan) = scan_buffer(buffer, sink) {
+        return scan;
+    }
+    // The bytes already read, then the rest of the file (a failed read is met again).
+    let rest = file.take(budget.saturating_sub(buffer.len() as u64));
+    let reader = BufReader::with_capacity(READ_BUFFER, Cursor::new(&buffer[..]).chain(rest));
+    scan_lines(LineReader::new(reader), sink, line)
+}
+
+/// The line-by-line search of [`scan_file`].
+fn scan_lines<R: BufRead>(
+    mut reader: LineReader<R>,
+    sink: &mut Sink<'_>,
+    line: &mut Vec<u8>,
+) -> Scan {
+    let mut number: u64 = 0;
+    let end = loop {
+        match reader.next_line(line, GREP_LINE_BYTES) {
+            Ok(Some(info)) => {
+                number += 1;
+                if info.nul {
+                    // Binary from here on, as ripgrep treats it.
+                    break ScanEnd::Binary;
+                }
+                if sink.offer(line, number, info.truncated) {
+                    break ScanEnd::Full;
+                }
+            }
+            Ok(None) => break ScanEnd::Done,
+            Err(_) => break ScanEnd::Unreadable,
+        }
+    };
+    Scan {
+        end,
+        consumed: reader.consumed(),
+    }
+}
+
+/// The one-pass search of a whole file in `buf`, or `None` when the file holds what
+/// only the line-by-line search handles as it must: a NUL byte, a `\r`, or a line
+/// longer than [`GREP_LINE_BYTES`] (or the pattern has no multi-line form).
+///
+/// The multi-line regex finds every line the line regex matches, and maybe more: a
+/// match of the line regex within a line is a match of the multi-line one at the same
+/// place of the buffer, since `^` and `$` then match at the line's ends, and a word
+/// boundary sees a `\n` beside the line as it sees nothing. So each match of the
+/// multi-line regex only points at a line, which the line regex then decides on; the
+/// search goes on from the line after it.
+fn scan_buffer(buf: &[u8], sink: &mut Sink<'_>) -> Option<Scan> {
+    let whole = sink.regex.whole.as_ref()?;
+    if memchr::memchr2(0, b'\r', buf).is_some() {
+        return None;
+    }
+    if buf.len() > GREP_LINE_BYTES {
+        let mut start = 0;
+        for end in memchr::memchr_iter(b'\n', buf).chain([buf.len()]) {
+            if end - start > GREP_LINE_BYTES {
+                return None;
+            }
+            start = end + 1;
+        }
+    }
+    // The text past the last `\n` is a line only if it is not empty.
+    let lines_end = match buf.last() {
+        Some(b'\n') => buf.len() - 1,
+        _ => buf.len(),
+    };
+    let (mut at, mut number, mut counted) = (0, 1u64, 0);
+    while at <= lines_end && !buf.is_empty() {
+        let Some(m) = whole.find_at(buf, at) else {
+            break;
+        };
+        let hit = m.start();
+        if hit > lines_end {
+            break;
+        }
+        let start = memchr::memrchr(b'\n', &buf[..hit]).map_or(0, |i| i + 1);
+        let end = memchr::memchr(b'\n', &buf[hit..]).map_or(buf.len(), |i| hit + i);
+        number += bytecount(&buf[counted..start]);
+        counted = start;
+        if sink.offer(&buf[start..end], number, false) {
+            return Some(Scan {
+                end: ScanEnd::Full,
+                consumed: (end + 1).min(buf.len()) as u64,
+            });
+        }
+        at = end + 1;
+    }
+    Some(Scan {
+        end: ScanEnd::Done,
+        consumed: buf.len() as u64,
+    })
+}
+
+/// The `\n` bytes in `bytes`.
+fn bytecount(bytes: &[u8]) -> u64 {
+    memchr::memchr_iter(b'\n', bytes).count() as u64
 }
 
 /// Why the walk stopped early.
@@ -150,7 +338,6 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let skip_offload_dirs = tools.offload.is_some() && target == tools.root.dir();
     walk.filter_entry(move |entry| keep_entry(entry, &above, skip_offload_dirs));
 
-    let keep = GREP_LINE_BYTES;
     let mut found: Vec<Found> = Vec::new();
     let mut files: u64 = 0;
     let mut visited: u64 = 0;
@@ -160,6 +347,7 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let mut unreadable: u64 = 0;
     let mut stop: Option<Stop> = None;
     let mut line = Vec::new();
+    let mut buffer = Vec::new();
     'walk: for entry in walk.build() {
         let Ok(entry) = entry else {
             unreadable += 1;
@@ -188,51 +376,26 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
             continue;
         };
         let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-        let mut reader = LineReader::new(BufReader::with_capacity(READ_BUFFER, file.take(budget)));
-        match reader.looks_binary() {
-            Ok(false) => {}
-            Ok(true) => {
-                binary += 1;
-                continue;
-            }
-            Err(_) => {
-                unreadable += 1;
-                continue;
-            }
-        }
         let shown = tools.root.relative_display(entry.path());
-        let mut number: u64 = 0;
-        loop {
-            match reader.next_line(&mut line, keep) {
-                Ok(Some(info)) => {
-                    number += 1;
-                    if info.nul {
-                        // Binary from here on, as ripgrep treats it.
-                        binary += 1;
-                        break;
-                    }
-                    if regex.is_match(&line) {
-                        found.push(Found {
-                            path: shown.clone(),
-                            line: number,
-                            text: show_line(&line, info.truncated, l.grep_line_chars),
-                        });
-                        if found.len() >= max_results {
-                            bytes = bytes.saturating_add(reader.consumed());
-                            stop = Some(Stop::Results);
-                            break 'walk;
-                        }
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => {
-                    unreadable += 1;
-                    break;
-                }
+        let mut sink = Sink {
+            regex: &regex,
+            path: &shown,
+            found: &mut found,
+            max_results,
+            line_chars: l.grep_line_chars,
+        };
+        let scan = scan_file(file, budget, &mut sink, &mut buffer, &mut line);
+        bytes = bytes.saturating_add(scan.consumed);
+        match scan.end {
+            ScanEnd::Binary => binary += 1,
+            ScanEnd::Unreadable => unreadable += 1,
+            ScanEnd::Full => {
+                stop = Some(Stop::Results);
+                break 'walk;
             }
+            ScanEnd::Done => {}
         }
-        bytes = bytes.saturating_add(reader.consumed());
-        if reader.consumed() >= budget && size > budget {
+        if scan.consumed >= budget && size > budget {
             stop = Some(Stop::Bytes);
             break;
         }
@@ -373,4 +536,94 @@ fn keep_entry(entry: &DirEntry, above: &[Arc<Gitignore>], skip_offload_dirs: boo
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// (line number, text) of the lines `pattern` matches in `text`, found line by
+    /// line, and found in one pass when [`scan_buffer`] takes the text (`None` if not).
+    #[allow(clippy::type_complexity)]
+    fn both(pattern: &str, text: &[u8]) -> (Vec<(u64, String)>, Option<Vec<(u64, String)>>) {
+        let cache = GrepCache::default();
+        let regex = cache.regex(pattern).unwrap();
+        let run = |one_pass: bool| {
+            let mut found = Vec::new();
+            let mut sink = Sink {
+                regex: &regex,
+                path: "f",
+                found: &mut found,
+                max_results: usize::MAX,
+                line_chars: usize::MAX,
+            };
+            let done = if one_pass {
+                scan_buffer(text, &mut sink).is_some()
+            } else {
+                let reader = LineReader::new(BufReader::with_capacity(7, text));
+                scan_lines(reader, &mut sink, &mut Vec::new());
+                true
+            };
+            done.then(|| found.into_iter().map(|f| (f.line, f.text)).collect())
+        };
+        (run(false).unwrap(), run(true))
+    }
+
+    const PATTERNS: &[&str] = &[
+        "a", "^a", "a$", "^$", "", "^", "$", r"\bab\b", r"\Bb", "a.b", "[^a]", r"\s", r"b\s*$",
+        "^a|b$", "x*", r"a\s+b", ".", "^.{3}$", "é", r"\w+$", "(?m)^b", r"\Aa", r"a\z", r"(?s)a.b",
+        "(?-m)^a",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// The one-pass search finds exactly the lines the line-by-line one does.
+        #[test]
+        fn one_pass_finds_the_lines_the_line_search_finds(
+            text in proptest::collection::vec(
+                prop::sample::select(&b"ab \n\n\tx"[..]), 0..40),
+            unicode in any::<bool>(),
+            p in 0..PATTERNS.len(),
+        ) {
+            let mut text = text;
+            if unicode {
+                text.extend_from_slice("é\nb".as_bytes());
+            }
+            let pattern = PATTERNS[p];
+            let (lines, one_pass) = both(pattern, &text);
+            let plain = !["(?", r"\A", r"\z"].iter().any(|s| pattern.contains(s));
+            prop_assert_eq!(one_pass.is_some(), plain);
+            if let Some(one_pass) = one_pass {
+                prop_assert_eq!(one_pass, lines);
+            }
+        }
+    }
+
+    #[test]
+    fn the_one_pass_search_takes_plain_text_and_leaves_the_rest() {
+        let (lines, one_pass) = both("^b", b"a\nb\nab\nb");
+        assert_eq!(lines, [(2, "b".to_owned()), (4, "b".to_owned())]);
+        assert_eq!(one_pass.as_deref(), Some(&lines[..]));
+        // An empty line after the last `\n` is no line; an empty one before it is.
+        let (lines, one_pass) = both("^$", b"a\n\nb\n");
+        assert_eq!(lines, [(2, String::new())]);
+        assert_eq!(one_pass.as_deref(), Some(&lines[..]));
+        // `\r`, NUL, a line too long to match whole, or a pattern with inline flags or
+        // whole-text anchors: line by line only.
+        assert_eq!(both("a", b"a\r\nb").1, None);
+        assert_eq!(both("a", b"a\nb\0").1, None);
+        let long = [vec![b'a'; GREP_LINE_BYTES + 1], b"\nb".to_vec()].concat();
+        assert_eq!(both("b", &long).1, None);
+        let fine = [vec![b'a'; GREP_LINE_BYTES], b"\nb".to_vec()].concat();
+        assert_eq!(
+            both("b$", &fine),
+            (vec![(2, "b".to_owned())], Some(vec![(2, "b".to_owned())]))
+        );
+        for pattern in ["(?i)A", r"\Aa", r"a\z"] {
+            assert_eq!(both(pattern, b"a").1, None, "{pattern}");
+        }
+    }
 }

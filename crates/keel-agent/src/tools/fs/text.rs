@@ -109,6 +109,10 @@ pub(super) fn thousands(n: u64) -> String {
 /// A line's bytes as text for the model, cut to `max_chars` characters. `cut_before`
 /// says the reader already dropped the line's tail (its full length is unknown).
 pub(super) fn show_line(bytes: &[u8], cut_before: bool, max_chars: usize) -> String {
+    // No more bytes than `max_chars`: no more characters either, nothing to count.
+    if bytes.len() <= max_chars && !cut_before {
+        return String::from_utf8_lossy(bytes).into_owned();
+    }
     let text = String::from_utf8_lossy(bytes);
     match text.char_indices().nth(max_chars) {
         Some((cut, _)) => {
