@@ -1,4 +1,5 @@
-//! `grep` on the disk: ripgrep's walker (the `ignore` crate) and a line-by-line regex.
+//! `grep` on the disk: ripgrep's walker (the `ignore` crate), and a regex that decides
+//! line by line, run over a small file's whole text to find the lines worth deciding on.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
