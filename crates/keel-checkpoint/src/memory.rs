@@ -1,10 +1,13 @@
 //! The in-memory checkpointer.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
+// Keys are thread ids, channel names and checkpoint ids: foldhash (randomly seeded)
+// hashes them several times faster than std's SipHash.
+use foldhash::{HashMap, HashMapExt, HashSet};
 use futures::StreamExt;
 use futures::stream::{self, BoxStream};
 
