@@ -97,7 +97,7 @@ impl std::fmt::Debug for Agent {
 ///
 /// ```
 /// use keel_agent::AgentInput;
-/// let input = AgentInput::new().goal("Fix the failing test.").message(keel_message::Message::user("It is in tests/io.rs."));
+/// let input = AgentInput::new().goal("Fix the failing test.").user("It is in tests/io.rs.");
 /// assert!(input.has_goal());
 /// ```
 #[derive(Debug, Clone, Default)]
@@ -138,6 +138,20 @@ impl AgentInput {
     pub fn message(mut self, message: Message) -> Self {
         self.messages.push(message);
         self
+    }
+
+    /// A user message to append before the model is called: the same as
+    /// `.message(Message::user(content))`.
+    ///
+    /// ```
+    /// use keel_agent::AgentInput;
+    ///
+    /// let input = AgentInput::new().user("And the second file?");
+    /// assert!(!input.has_goal());
+    /// ```
+    #[must_use]
+    pub fn user(self, content: impl Into<keel_message::Content>) -> Self {
+        self.message(Message::user(content))
     }
 
     /// The answer to a pending interrupt (tool approval).
@@ -1428,6 +1442,23 @@ impl AgentBuilder {
         .with_config(compaction.clone())
         .with_evict(None)
         .with_tools(toolbox.shared_specs());
+        // The part of every prompt no compaction shrinks must fit the prompt budget,
+        // or no thread could ever call the model: said now rather than at each run.
+        let fixed: Vec<Message> = self
+            .system
+            .iter()
+            .cloned()
+            .chain(self.goal.iter().map(|g| g.message().clone()))
+            .collect();
+        let tokens = counter.count_prompt(&fixed, toolbox.specs());
+        let budget = compactor.prompt_budget();
+        if tokens > budget {
+            return Err(BuildError::PromptTooLarge {
+                model: profile.name.clone(),
+                tokens,
+                budget,
+            });
+        }
         let parts = Parts {
             model,
             options: self.options,

@@ -45,6 +45,22 @@ pub enum BuildError {
         "tools that need approval pause the run until an answer comes, which needs a checkpointer: call `.checkpointer(..)` on the builder"
     )]
     ApprovalNeedsCheckpointer,
+    /// The system prompt, the builder's goal and the tools' specs alone take more
+    /// tokens than the prompt budget (the model's input budget, or
+    /// `CompactionConfig::max_prompt_tokens` when smaller): no thread could ever call
+    /// the model, whatever compaction does. A goal given per run is checked when the
+    /// run starts ([`AgentError::PromptTooLarge`]).
+    #[error(
+        "the system prompt, goal and tool specs take {tokens} tokens, over the prompt budget of {budget} for model `{model}`: give the builder a profile with a larger window or a smaller maximum output, fewer tools, or a shorter system prompt or goal"
+    )]
+    PromptTooLarge {
+        /// The model the budget is for.
+        model: String,
+        /// Tokens of the system prompt, goal and tool specs.
+        tokens: usize,
+        /// The prompt budget.
+        budget: usize,
+    },
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use keel_agent::{
-    Agent, AgentError, AgentEvent, AgentInput, AgentState, AgentStateUpdate, AgentUpdate, COMPACT,
-    Stop,
+    Agent, AgentError, AgentEvent, AgentInput, AgentState, AgentStateUpdate, AgentUpdate,
+    BuildError, COMPACT, Stop,
 };
 use keel_checkpoint::{Checkpointer, ListOptions, MemorySaver, ThreadKey};
 use keel_checkpoint_sqlite::SqliteSaver;
@@ -413,6 +413,45 @@ async fn a_goal_larger_than_the_prompt_budget_is_refused_before_anything_is_writ
         .await
         .unwrap();
     assert!(run.answer.is_some());
+}
+
+#[test]
+fn a_builder_whose_fixed_prompt_cannot_fit_is_refused_at_build() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let small = ModelProfile::new("small", 2_000, 500, Encoding::O200kBase);
+    let built = builder(counting_model(1, seen.clone()))
+        .profile(small.clone())
+        .system("word ".repeat(2_000))
+        .build();
+    match built {
+        Err(BuildError::PromptTooLarge {
+            ref model,
+            tokens,
+            budget,
+        }) => {
+            assert_eq!(model, "small");
+            assert_eq!(budget, 1_500);
+            assert!(tokens > 2_000, "{tokens}");
+            assert!(built.unwrap_err().to_string().contains("prompt budget"));
+        }
+        other => panic!("expected BuildError::PromptTooLarge, got {other:?}"),
+    }
+    // `max_prompt_tokens` is the budget when smaller than the model's.
+    let ceiling = builder(counting_model(1, seen.clone()))
+        .profile(small.clone())
+        .compaction(CompactionConfig::default().with_max_prompt_tokens(Some(20)))
+        .build();
+    assert!(
+        matches!(ceiling, Err(BuildError::PromptTooLarge { budget: 20, .. })),
+        "{ceiling:?}"
+    );
+    // The same builder with a prompt that fits builds.
+    assert!(
+        builder(counting_model(1, seen))
+            .profile(small)
+            .build()
+            .is_ok()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -5,12 +5,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, Stop};
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::model::{ChatModel, ChatOptions, HttpConfig};
@@ -373,17 +373,29 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
                 // Room for the survey and the final question's reads.
                 .with_max_steps(args.steps as u64 + 10),
         )
-        .build()
-        .context("cannot build the agent")?;
+        .build();
     // The system prompt, the goal and the tool specs head every prompt and are never
     // compacted; with the summaries and a step's results they must fit the budget.
-    model::check_fixed_part_fits(
-        "the demo's system prompt, goal and tool specs are",
-        agent.fixed_prompt_tokens(None, None),
-        3,
-        &planned,
-        "",
-    )?;
+    let fits = |tokens| {
+        model::check_fixed_part_fits(
+            "the demo's system prompt, goal and tool specs are",
+            tokens,
+            3,
+            &planned,
+            "",
+        )
+    };
+    let agent = match agent {
+        Err(BuildError::PromptTooLarge { tokens, .. }) => {
+            fits(tokens)?;
+            // Past the whole budget is past a third of it: not reached.
+            bail!(
+                "the demo's system prompt, goal and tool specs take {tokens} tokens, more than the prompt budget"
+            )
+        }
+        built => built.context("cannot build the agent")?,
+    };
+    fits(agent.fixed_prompt_tokens(None, None))?;
 
     let thread = args
         .thread

@@ -8,7 +8,7 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, Stop};
+use keel::agent::{Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop};
 use keel::checkpoint::MemorySaver;
 use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::message::{Message, Role};
@@ -243,9 +243,17 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         let probe = builder()
             .offload_store(Arc::new(MemoryStore::new()))
             .checkpointer(Arc::new(MemorySaver::new()))
-            .build()
-            .context("cannot build the agent")?;
-        let fixed = probe.fixed_prompt_tokens(Some(&GoalAnchor::new(goal.as_str())), None);
+            .build();
+        let goal = GoalAnchor::new(goal.as_str());
+        let fixed = match probe {
+            Ok(probe) => probe.fixed_prompt_tokens(Some(&goal), None),
+            // The system prompt and the tool specs alone are over the budget; the goal
+            // comes on top.
+            Err(BuildError::PromptTooLarge { tokens, .. }) => {
+                tokens + counter.count_message(goal.message())
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context("cannot build the agent")),
+        };
         if let Err(e) = model::check_fixed_part_fits(
             "the goal, system prompt and tool specs take",
             fixed,
@@ -275,8 +283,19 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         )?)
         .checkpointer(storage.saver.clone())
         .offload_store(offload.clone())
-        .build()
-        .context("cannot build the agent")?;
+        .build();
+    let agent = match agent {
+        // A thread resumed with a window its system prompt and tool specs alone
+        // overfill (its goal comes on top).
+        Err(e @ BuildError::PromptTooLarge { tokens, .. }) => {
+            let least = thousands(model::smallest_window(tokens, 1) as u64);
+            let resume = resume_hint(&args, &thread);
+            return Err(anyhow::Error::new(e).context(format!(
+                "thread `{thread}` cannot run with this window: give a --window over {least}, e.g. {resume} --window N"
+            )));
+        }
+        built => built.context("cannot build the agent")?,
+    };
     let existing = agent
         .state(&thread)
         .await

@@ -27,7 +27,6 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use keel::agent::{AgentInput, AgentUpdate};
-use keel::message::Message;
 use keel::offload::FsStore;
 use keel::sqlite::SqliteSaver;
 
@@ -98,9 +97,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     let question = "Follow-up: where is `DEFAULT_KEEP_CHECKPOINTS` defined?";
     println!("user: {question}");
-    let run = agent
-        .run(THREAD, AgentInput::new().message(Message::user(question)))
-        .await?;
+    let run = agent.run(THREAD, AgentInput::new().user(question)).await?;
     // `run` does not stream; the state keeps the latest events.
     let mut printer = Printer;
     for event in run.state.events.iter().filter(|e| step_of(e) > before.step) {
