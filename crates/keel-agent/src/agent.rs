@@ -144,10 +144,24 @@ impl AgentInput {
     /// `.message(Message::user(content))`.
     ///
     /// ```
-    /// use keel_agent::AgentInput;
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_model::ScriptedModel;
     ///
-    /// let input = AgentInput::new().user("And the second file?");
-    /// assert!(!input.has_goal());
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Two files.", "The second is b.rs."])))
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .goal("Count the files.")
+    ///     .build()?;
+    /// agent.run("t", AgentInput::new()).await?;
+    /// let run = agent.run("t", AgentInput::new().user("And the second file?")).await?;
+    /// assert_eq!(run.answer.as_deref(), Some("The second is b.rs."));
+    /// assert!(run.state.messages.iter().any(|m| m.text() == "And the second file?"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     #[must_use]
     pub fn user(self, content: impl Into<keel_message::Content>) -> Self {
