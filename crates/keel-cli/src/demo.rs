@@ -61,6 +61,17 @@ pub struct DemoArgs {
     /// An epoch summary every M milestones.
     #[arg(long, default_value_t = 5, value_parser = crate::ui::at_least_one::<usize>)]
     epoch: usize,
+    /// The most of the prompt's room (the budget less the system prompt, goal and
+    /// tool specs) the summary layers may hold, from 0 to 1 (default 0.4): on a small
+    /// window the summary budgets shrink to fit it.
+    #[arg(long, value_parser = crate::ui::fraction)]
+    summary_share: Option<f64>,
+    /// The least a milestone asked for by the token trigger must free, as a share of
+    /// the room, from 0 to 1 (default 0.5; 0 compacts at the threshold whatever it
+    /// frees). A milestone that would free less waits, until the prompt reaches the
+    /// budget.
+    #[arg(long, value_parser = crate::ui::fraction)]
+    min_token_gain: Option<f64>,
     /// A live model instead of the script: `ollama/<name>` or `openai/<name>`.
     #[arg(long, value_parser = crate::model::model_flag)]
     model: Option<String>,
@@ -366,13 +377,20 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .checkpointer(storage.saver.clone())
         .offload_store(offload)
         .evict(Some(EvictLargeResults::new()))
-        .compaction(
-            CompactionConfig::default()
+        .compaction({
+            let mut c = CompactionConfig::default()
                 .with_every_steps(Some(args.every))
                 .with_epoch_every(args.epoch)
                 // Room for the survey and the final question's reads.
-                .with_max_steps(args.steps as u64 + 10),
-        )
+                .with_max_steps(args.steps as u64 + 10);
+            if let Some(share) = args.summary_share {
+                c = c.with_summary_share(share);
+            }
+            if let Some(gain) = args.min_token_gain {
+                c = c.with_min_token_gain(gain);
+            }
+            c
+        })
         .build();
     // The system prompt, the goal and the tool specs head every prompt and are never
     // compacted; with the summaries and a step's results they must fit the budget.

@@ -68,6 +68,16 @@ where
     }
 }
 
+/// A flag's fraction, from 0 to 1 (clap turns the error into a usage error, exit code
+/// 2, naming the flag).
+pub fn fraction(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        Ok(_) => Err("it must be from 0 to 1 (e.g. 0.4)".to_owned()),
+        Err(_) => Err("give a number from 0 to 1 (e.g. 0.4)".to_owned()),
+    }
+}
+
 /// A flag's text that must say something (not empty, not only spaces).
 pub fn some_text(text: &str) -> Result<String, String> {
     if text.trim().is_empty() {

@@ -1870,6 +1870,42 @@ fn values_that_cannot_work_are_usage_errors_with_exit_2() {
 }
 
 #[test]
+fn the_demo_takes_the_summary_share_and_the_token_gain_floor() {
+    let proj = project();
+    // The report's compactions at a 4k window, with the settings given as `extra`.
+    let compactions = |extra: &[&str]| {
+        let home = tempfile::tempdir().unwrap();
+        let mut args = vec!["--steps", "60", "--window", "4096", "--json", "-q"];
+        args.extend_from_slice(extra);
+        let out = demo(&args, proj.path(), home.path());
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let report: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(report["question"]["correct"], true, "{extra:?}: {report:#}");
+        report["compactions"].as_array().unwrap().len()
+    };
+    let default = compactions(&[]);
+    // No floor on what a milestone frees, summaries as large as the room allows: the
+    // token trigger compacts as soon as it fires.
+    let eager = compactions(&["--min-token-gain", "0", "--summary-share", "1"]);
+    assert!(eager > default, "{eager} compactions against {default}");
+    for (flag, value) in [
+        ("--summary-share", "1.5"),
+        ("--min-token-gain", "2"),
+        ("--min-token-gain", "half"),
+    ] {
+        let home = tempfile::tempdir().unwrap();
+        let out = demo(&[flag, value], proj.path(), home.path());
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("from 0 to 1"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
 fn the_demo_states_one_least_window_and_runs_with_it() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
