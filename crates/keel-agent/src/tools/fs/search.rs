@@ -227,9 +227,12 @@ fn scan_lines<R: BufRead>(
 /// The multi-line regex finds every line the line regex matches, and maybe more: a
 /// match of the line regex within a line is a match of the multi-line one at the same
 /// place of the buffer, since `^` and `$` then match at the line's ends, and a word
-/// boundary sees a `\n` beside the line as it sees nothing. So each match of the
-/// multi-line regex only points at a line, which the line regex then decides on; the
-/// search goes on from the line after it.
+/// boundary sees a `\n` beside the line as it sees nothing. So the line where the
+/// earliest-ending multi-line match ends is the first that may match (a line before it
+/// holding a match would hold an earlier end), and the line regex decides on it; the
+/// search goes on from the line after it. Asking only where the earliest match ends
+/// stops each search there: a pattern whose matches run far (`a[^z]*z`) costs one
+/// pass over the file, not one per line.
 fn scan_buffer(buf: &[u8], sink: &mut Sink<'_>) -> Option<Scan> {
     let whole = sink.regex.whole.as_ref()?;
     if memchr::memchr2(0, b'\r', buf).is_some() {
@@ -251,10 +254,9 @@ fn scan_buffer(buf: &[u8], sink: &mut Sink<'_>) -> Option<Scan> {
     };
     let (mut at, mut number, mut counted) = (0, 1u64, 0);
     while at <= lines_end && !buf.is_empty() {
-        let Some(m) = whole.find_at(buf, at) else {
+        let Some(hit) = whole.shortest_match_at(buf, at) else {
             break;
         };
-        let hit = m.start();
         if hit > lines_end {
             break;
         }
@@ -573,9 +575,37 @@ mod tests {
     }
 
     const PATTERNS: &[&str] = &[
-        "a", "^a", "a$", "^$", "", "^", "$", r"\bab\b", r"\Bb", "a.b", "[^a]", r"\s", r"b\s*$",
-        "^a|b$", "x*", r"a\s+b", ".", "^.{3}$", "é", r"\w+$", "(?m)^b", r"\Aa", r"a\z", r"(?s)a.b",
+        "a",
+        "^a",
+        "a$",
+        "^$",
+        "",
+        "^",
+        "$",
+        r"\bab\b",
+        r"\Bb",
+        "a.b",
+        "[^a]",
+        r"\s",
+        r"b\s*$",
+        "^a|b$",
+        "x*",
+        r"a\s+b",
+        ".",
+        "^.{3}$",
+        "é",
+        r"\w+$",
+        "(?m)^b",
+        r"\Aa",
+        r"a\z",
+        r"(?s)a.b",
         "(?-m)^a",
+        "a[^x]*x",
+        r"\n",
+        r"b\n^a",
+        r"\bb",
+        r"a$\n",
+        r"(a|\n)+b",
     ];
 
     proptest! {
