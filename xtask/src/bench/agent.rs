@@ -1,6 +1,8 @@
 //! `cargo xtask bench agent`: keel's full compacting agent loop beside the same pattern
 //! written in LangGraph.js (`xtask/peers/langgraphjs-agent/agent.mjs`), in one run, plus
-//! pgbench's single-client commit rate on the same PostgreSQL server.
+//! pgbench's single-client commit rate on the same PostgreSQL server (and, for context,
+//! the same INSERT's latency when each follows 300 µs of idle, as an agent step's
+//! commits do: on a virtual machine a commit after idle costs more than back to back).
 //!
 //! Configurations: memory (LangGraph.js's MemorySaver), SQLite (its SqliteSaver from
 //! `@langchain/langgraph-checkpoint-sqlite`; both sides on a file in WAL mode with
@@ -548,6 +550,14 @@ impl Report<'_> {
                 "; {t:.0} tps on -N (simple update)"
             )),
         );
+        if let Some(gapped) = pg.gapped_insert_us {
+            let back_to_back = 1e6 / pg.insert_tps;
+            println!(
+                "  the INSERT after {GAP_US} µs idle, as between an agent step's commits: {gapped:.0} µs against {back_to_back:.0} back to back ({:.2}x); \
+                 the bound below is the back-to-back rate",
+                gapped / back_to_back
+            );
+        }
         if !pg.turns.is_empty() {
             let turns: Vec<String> = pg.turns.iter().map(|t| format!("{t:.0}")).collect();
             println!(
@@ -714,6 +724,9 @@ struct PgBench {
     secs: u64,
     /// One small INSERT (a ~1 kB row) per transaction.
     insert_tps: f64,
+    /// The INSERT's latency in µs when each follows an idle gap of [`GAP_US`] (what a
+    /// client working between its commits gets), when that measurement worked.
+    gapped_insert_us: Option<f64>,
     /// pgbench's built-in `-N` (simple update) script, when `pgbench -i` worked.
     simple_update_tps: Option<f64>,
     /// The insert rate measured again before each of keel's PostgreSQL sync
@@ -728,6 +741,8 @@ impl PgBench {
             "seconds": self.secs,
             "insert_tps": self.insert_tps,
             "simple_update_tps": self.simple_update_tps,
+            "gap_us": GAP_US,
+            "gapped_insert_us": self.gapped_insert_us,
             "insert_tps_in_turns": self.turns,
             "bound_tps": self.bound_tps(),
         })
@@ -796,8 +811,14 @@ struct Pgbench {
     url: String,
     schema: String,
     insert: PathBuf,
+    /// The same INSERT after an idle gap of [`GAP_US`].
+    gapped: PathBuf,
     teardown: PathBuf,
 }
+
+/// The idle gap before each INSERT of the gapped pgbench measurement: about what an
+/// agent step's other work leaves between two of its commits.
+const GAP_US: u64 = 300;
 
 impl Pgbench {
     /// Writes the scripts and creates the scratch schema.
@@ -824,6 +845,12 @@ impl Pgbench {
                 "INSERT INTO {schema}.commit_probe (thread, payload) VALUES ('bench', convert_to(repeat('x', 1000), 'UTF8'));\n"
             ),
         )?;
+        let gapped = script(
+            "insert_gapped.sql",
+            format!(
+                "\\sleep {GAP_US} us\nINSERT INTO {schema}.commit_probe (thread, payload) VALUES ('bench', convert_to(repeat('x', 1000), 'UTF8'));\n"
+            ),
+        )?;
         let teardown = script(
             "teardown.sql",
             format!("DROP SCHEMA IF EXISTS {schema} CASCADE;\n"),
@@ -833,6 +860,7 @@ impl Pgbench {
             url: url.to_owned(),
             schema,
             insert,
+            gapped,
             teardown,
         };
         probe
@@ -868,9 +896,28 @@ impl Pgbench {
         self.timed(secs, &["-f", &file], false)
     }
 
-    /// The first measurement: the insert rate, then pgbench's own `-N` script.
+    /// The INSERT's own latency in µs (pgbench's `-r`) when each follows an idle gap
+    /// of [`GAP_US`], for `secs` seconds.
+    fn gapped_insert_us(&self, secs: u64) -> Result<f64> {
+        let out = run_capture(
+            Command::new(&self.program)
+                .args(["-n", "-r", "-c", "1", "-j", "1", "-T"])
+                .arg(secs.to_string())
+                .arg("-f")
+                .arg(&self.gapped)
+                .arg(&self.url),
+        )?;
+        parse_statement_ms(&out, "INSERT").map(|ms| ms * 1e3)
+    }
+
+    /// The first measurement: the insert rate, the INSERT after idle gaps, then
+    /// pgbench's own `-N` script.
     fn measure(&self, secs: u64) -> Result<PgBench> {
         let insert_tps = self.insert_tps(secs)?;
+        let gapped_insert_us = self
+            .gapped_insert_us(secs.min(5))
+            .map_err(|e| eprintln!("pgbench with idle gaps failed: {e:#}"))
+            .ok();
         let init = run_capture(
             Command::new(&self.program)
                 .args(["-i", "-q", "-s", "1"])
@@ -891,6 +938,7 @@ impl Pgbench {
             program: self.program.clone(),
             secs,
             insert_tps,
+            gapped_insert_us,
             simple_update_tps,
             turns: Vec::new(),
         })
@@ -908,6 +956,18 @@ impl Drop for Pgbench {
     }
 }
 
+/// The latency in ms pgbench's `-r` gives the script line starting with `statement`.
+fn parse_statement_ms(out: &str, statement: &str) -> Result<f64> {
+    out.lines()
+        .find_map(|l| {
+            let mut fields = l.split_whitespace();
+            let ms = fields.next()?.parse::<f64>().ok()?;
+            let _failures = fields.next()?;
+            fields.next()?.starts_with(statement).then_some(ms)
+        })
+        .with_context(|| format!("pgbench -r printed no latency for `{statement}`"))
+}
+
 fn parse_tps(out: &str) -> Result<f64> {
     out.lines()
         .find_map(|l| {
@@ -919,13 +979,24 @@ fn parse_tps(out: &str) -> Result<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{median, parse_tps, thousands};
+    use super::{median, parse_statement_ms, parse_tps, thousands};
 
     #[test]
     fn parses_pgbench_tps() {
         let out = "latency average = 0.429 ms\ninitial connection time = 5.985 ms\ntps = 2331.673911 (without initial connection time)\n";
         assert!((parse_tps(out).unwrap() - 2331.673911).abs() < 1e-9);
         assert!(parse_tps("nothing").is_err());
+    }
+
+    #[test]
+    fn parses_a_statement_latency_of_pgbench_r() {
+        let out = "latency average = 0.656 ms\ntps = 1523.956549 (without initial connection time)\n\
+                   statement latencies in milliseconds and failures:\n\
+                   \x20        0.388           0  \\sleep 300 us\n\
+                   \x20        0.268           0  INSERT INTO s.commit_probe (thread) VALUES ('x');\n";
+        assert!((parse_statement_ms(out, "INSERT").unwrap() - 0.268).abs() < 1e-9);
+        assert!((parse_statement_ms(out, "\\sleep").unwrap() - 0.388).abs() < 1e-9);
+        assert!(parse_statement_ms(out, "UPDATE").is_err());
     }
 
     #[test]
