@@ -868,14 +868,12 @@ impl Agent {
         system: Option<&Message>,
     ) -> usize {
         let parts = &self.nodes.parts;
-        let mut fixed = Vec::with_capacity(2);
-        if let Some(system) = system.or(self.system.as_ref()) {
-            fixed.push(system.clone());
-        }
-        if let Some(goal) = goal.or(self.goal.as_ref()) {
-            fixed.push(goal.message().clone());
-        }
-        parts.counter.count_prompt(&fixed, parts.tools.specs())
+        fixed_tokens(
+            parts.counter.as_ref(),
+            system.or(self.system.as_ref()),
+            goal.or(self.goal.as_ref()),
+            parts.tools.specs(),
+        )
     }
 
     /// Fails with [`AgentError::PromptTooLarge`] when a thread's goal, system prompt
@@ -1458,13 +1456,12 @@ impl AgentBuilder {
         .with_tools(toolbox.shared_specs());
         // The part of every prompt no compaction shrinks must fit the prompt budget,
         // or no thread could ever call the model: said now rather than at each run.
-        let fixed: Vec<Message> = self
-            .system
-            .iter()
-            .cloned()
-            .chain(self.goal.iter().map(|g| g.message().clone()))
-            .collect();
-        let tokens = counter.count_prompt(&fixed, toolbox.specs());
+        let tokens = fixed_tokens(
+            counter.as_ref(),
+            self.system.as_ref(),
+            self.goal.as_ref(),
+            toolbox.specs(),
+        );
         let budget = compactor.prompt_budget();
         if tokens > budget {
             return Err(BuildError::PromptTooLarge {
@@ -1527,6 +1524,22 @@ impl AgentBuilder {
             durability: self.durability,
         })
     }
+}
+
+/// Tokens of the part of every prompt no compaction shrinks: the system prompt, the
+/// goal and the tools' specs.
+fn fixed_tokens(
+    counter: &dyn TokenCounter,
+    system: Option<&Message>,
+    goal: Option<&GoalAnchor>,
+    specs: &[keel_message::ToolSpec],
+) -> usize {
+    let fixed: Vec<Message> = system
+        .into_iter()
+        .cloned()
+        .chain(goal.map(|g| g.message().clone()))
+        .collect();
+    counter.count_prompt(&fixed, specs)
 }
 
 fn boxed<F>(f: F) -> BoxedNode

@@ -262,7 +262,7 @@ fn scan_buffer(buf: &[u8], sink: &mut Sink<'_>) -> Option<Scan> {
         }
         let start = memchr::memrchr(b'\n', &buf[..hit]).map_or(0, |i| i + 1);
         let end = memchr::memchr(b'\n', &buf[hit..]).map_or(buf.len(), |i| hit + i);
-        number += bytecount(&buf[counted..start]);
+        number += newlines(&buf[counted..start]);
         counted = start;
         if sink.offer(&buf[start..end], number, false) {
             return Some(Scan {
@@ -279,7 +279,7 @@ fn scan_buffer(buf: &[u8], sink: &mut Sink<'_>) -> Option<Scan> {
 }
 
 /// The `\n` bytes in `bytes`.
-fn bytecount(bytes: &[u8]) -> u64 {
+fn newlines(bytes: &[u8]) -> u64 {
     memchr::memchr_iter(b'\n', bytes).count() as u64
 }
 
