@@ -178,6 +178,12 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
          peer/keel for bytes). Targets are the ones the bench groups and \
          docs/architecture.md state; \"no target\" where none is stated.\n"
     );
+    let _ = writeln!(
+        md,
+        "Runs of single groups made since (`cargo xtask bench agent`, ...), and what was \
+         measured and tried along the way, are in [benchmark-notes.md](benchmark-notes.md), \
+         the latest agent-loop run first.\n"
+    );
     let mut sections: Vec<&str> = Vec::new();
     for r in rows {
         if !sections.contains(&r.section) {
