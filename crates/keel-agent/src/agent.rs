@@ -278,9 +278,12 @@ pub enum AgentUpdate {
     Done {
         /// The model's final answer, if the run ended with one.
         answer: Option<String>,
-        /// Why the run stopped early, if it did.
+        /// Why the run stopped early, if it did: the thread can go on from where it
+        /// stopped (run it again, after raising the limit or fixing the cause).
         stop: Option<Stop>,
-        /// Nodes that would run next (empty at the end).
+        /// Nodes that would run next: set when the run paused at an interrupt, empty
+        /// when it ended, with an answer or with a `stop` alike. Unlike LangGraph's
+        /// `next`, an empty list does not mean the thread is finished: check `stop`.
         next: Vec<String>,
         /// Pending interrupts.
         interrupts: Vec<Interrupt>,

@@ -167,7 +167,11 @@ impl AgentState {
 #[serde(rename_all = "snake_case", tag = "kind")]
 #[non_exhaustive]
 pub enum Stop {
-    /// The run reached the hard step ceiling.
+    /// The thread reached the hard step ceiling
+    /// ([`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps),
+    /// 500 model calls by default, counted over every run of the thread). Running the
+    /// thread again with the same ceiling stops here again at once; run it with an agent
+    /// built with a higher one (`CompactionConfig::with_max_steps`) to go on.
     StepCeiling {
         /// Model calls made.
         steps: u64,

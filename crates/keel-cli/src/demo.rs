@@ -759,11 +759,23 @@ fn marks_for(tally: &Tally) -> Vec<Mark> {
 }
 
 fn print_summary(r: &Report, survey_answer: Option<&str>) {
+    // The final question's calls: its tool calls and the answer.
+    let question_calls = (r.question.tool_calls + 1).min(r.model_calls);
+    let question_tools = r.question.tool_calls.min(r.tool_calls);
     let rows = vec![
         vec!["".to_owned(), "value".to_owned()],
-        vec!["model calls".into(), thousands(r.model_calls)],
         vec![
-            "tool calls (errors)".into(),
+            format!(
+                "model calls: {} survey + {question_calls} question",
+                thousands(r.model_calls - question_calls)
+            ),
+            thousands(r.model_calls),
+        ],
+        vec![
+            format!(
+                "tool calls: {} survey + {question_tools} question (errors)",
+                thousands(r.tool_calls - question_tools)
+            ),
             format!("{} ({})", thousands(r.tool_calls), r.tool_errors),
         ],
         vec!["large results offloaded".into(), thousands(r.offloads)],

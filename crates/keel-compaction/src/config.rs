@@ -332,8 +332,11 @@ pub struct CompactionConfig {
     pub min_token_gain: f64,
     /// Compact at every check (for tests).
     pub force: bool,
-    /// The hard step ceiling: [`crate::Compactor::check`] reports
-    /// [`crate::Trigger::StepCeiling`] once the run has made this many model calls.
+    /// The hard step ceiling (default 500): [`crate::Compactor::check`] reports
+    /// [`crate::Trigger::StepCeiling`] once the context has counted this many steps,
+    /// over every run of a thread, not per run. keel-agent stops there with a
+    /// resumable stop; raise it with [`CompactionConfig::with_max_steps`] on the
+    /// agent's builder and run the thread again to go on.
     pub max_steps: u64,
     /// How a summary whose model call failed ([`keel_summarize::SummarizeError::Model`])
     /// is retried before the compaction gives up (or falls back to the extractive
@@ -461,7 +464,8 @@ impl CompactionConfig {
         self
     }
 
-    /// Sets the hard step ceiling.
+    /// Sets the hard step ceiling ([`CompactionConfig::max_steps`]), counted over the
+    /// thread's every run.
     #[must_use]
     pub fn with_max_steps(mut self, steps: u64) -> Self {
         self.max_steps = steps;

@@ -24,7 +24,11 @@ pub enum Trigger {
 pub enum EventKind {
     /// Raw steps became a milestone.
     Milestone,
-    /// Milestones (and the previous epoch) became an epoch summary.
+    /// Milestones (and the previous epoch) became an epoch summary. From
+    /// [`Compactor::compact`](crate::Compactor::compact) (and so `after_step`), this
+    /// event also covers the milestone made just before the fold: one call, one event,
+    /// its tokens before and after spanning both. keel-agent's graph makes them in two
+    /// steps (`compact`, then `epoch`) and records two events.
     Epoch,
     /// Old tool results were masked.
     Mask,

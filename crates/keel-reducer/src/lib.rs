@@ -30,7 +30,8 @@
 //! # Example
 //!
 //! An agent's history, with no graph: a user turn, a tool call and its result, then
-//! compaction replacing the raw buffer with a summary.
+//! compaction replacing the raw buffer with a summary (tool-call arguments are
+//! `serde_json` values: the example needs `serde_json` beside `keel-reducer`).
 //!
 //! ```
 //! use keel_reducer::message::{Message, ToolCall};

@@ -20,6 +20,13 @@
 //! | `postgres` | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
 //! | `fleet` | keel-fleet | the run queue and workers on one PostgreSQL (feature `fleet`) |
 //!
+//! Each module is its crate, whole: the examples in a crate's own docs name it by its
+//! crate name, so with the facade read `keel_agent::Agent` as `keel::agent::Agent`,
+//! `keel_model::ScriptedModel` as `keel::model::ScriptedModel`, and `futures::StreamExt`
+//! as `keel::futures::StreamExt`. The examples of this crate
+//! (`examples/agent_sqlite.rs`, `examples/agent_postgres.rs`, ...) use the facade's
+//! names throughout.
+//!
 //! # Features
 //!
 //! | feature | default | what it adds |

@@ -95,6 +95,17 @@ pub enum FileToolsError {
 /// by [`FileLimits`], and `grep` stops after a number of files and bytes. Writes are
 /// atomic (a temporary file in the same directory, then a rename).
 ///
+/// The arguments each tool takes (its [`ToolSpec`]'s JSON schema says the same to the
+/// model; an argument not listed is refused with the list):
+///
+/// | tool | arguments (required in bold) |
+/// |---|---|
+/// | `ls` | `path` (default: the root) |
+/// | `read_file` | **`path`**, `offset` (lines to skip, default 0), `limit` (lines, default [`ToolLimits::default_read_lines`]) |
+/// | `grep` | **`pattern`** (a Rust regex), `path` (default: the root), `glob` (e.g. `*.rs`), `max_results` |
+/// | `write_file` | **`path`**, **`content`** (never overwrites) |
+/// | `edit_file` | **`path`**, **`old_string`**, **`new_string`**, `replace_all` (default false) |
+///
 /// # What left the context
 ///
 /// With [`with_offload`](FileTools::with_offload), `ls`, `read_file` and `grep` calls
