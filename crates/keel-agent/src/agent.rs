@@ -1165,6 +1165,7 @@ impl AgentBuilder {
     /// `archive/`), so they replace the default retrieval tools. Their results are capped
     /// by their limits (30,000 characters by default) and are never offloaded (the
     /// offload policy exempts reads, so reading an offloaded file back cannot loop).
+    /// [`FileTools`](crate::tools::FileTools) lists the arguments each one takes.
     #[cfg(feature = "fs")]
     pub fn file_tools(mut self, tools: crate::tools::FileTools) -> Self {
         self.retrieval = false;
