@@ -154,7 +154,7 @@ pub fn run() -> Result<Vec<Row>> {
                 last.map(|(m, secs)| secs * n as f64 / m as f64)
                     .filter(|est| *est > max_secs)
             };
-            let run_peer_side = match too_long(last_peer) {
+            let mut run_peer_side = match too_long(last_peer) {
                 Some(est) => {
                     skipped.push(format!(
                         "LangGraph.js {backend}/{durability} N={}: would take about {est:.0} s (> {max_secs:.0} s, KEEL_BENCH_AGENT_MAX_SECS)",
@@ -206,9 +206,22 @@ pub fn run() -> Result<Vec<Row>> {
                 };
                 if run_peer_side {
                     start("LangGraph.js");
-                    let rows = run_peer(&peer, postgres, &scratch, backend, durability, n, 1)?;
-                    peer_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
-                    peer_rows.extend(rows);
+                    match run_peer(&peer, postgres, &scratch, backend, durability, n, 1) {
+                        Ok(rows) => {
+                            peer_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
+                            peer_rows.extend(rows);
+                        }
+                        // One failed peer run costs its row, not the whole run's results.
+                        Err(e) => {
+                            eprintln!("LangGraph.js {backend}/{durability} N={n} failed: {e:#}");
+                            skipped.push(format!(
+                                "LangGraph.js {backend}/{durability} N={}: its run failed ({})",
+                                thousands(n),
+                                first_line(&format!("{e:#}"))
+                            ));
+                            run_peer_side = false;
+                        }
+                    }
                 }
                 if run_keel_side {
                     // The commit rate again, right before keel's repetition.
@@ -277,6 +290,15 @@ pub fn run() -> Result<Vec<Row>> {
         .with_context(|| format!("writing {}", out.display()))?;
     println!("raw results: {}", out.display());
     Ok(table)
+}
+
+/// The first line of an error's text, cut to 200 characters (for a table cell).
+fn first_line(text: &str) -> String {
+    let line = text.lines().next().unwrap_or_default();
+    match line.char_indices().nth(200) {
+        Some((cut, _)) => format!("{}...", &line[..cut]),
+        None => line.to_owned(),
+    }
 }
 
 fn run_peer(
