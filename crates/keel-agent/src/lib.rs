@@ -33,14 +33,14 @@
 //! the store still holds what the thread's checkpoint archived, and fails with
 //! [`AgentError::ArchiveUnavailable`] if not.
 //!
-//! A run stops at the thread's step ceiling (500 model calls by default, counted over
-//! every run of the thread:
-//! [`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps); a
-//! long-running agent raises it with `CompactionConfig::with_max_steps` on the builder,
-//! and a thread stopped there goes on once an agent built with a higher ceiling runs it
-//! again) or at its own budget ([`AgentInput::max_steps`]), both with a resumable
-//! [`Stop`] ([`AgentUpdate::Done`]'s `next` is then empty, as after an answer: the
-//! `stop` says the thread can go on), and
+//! A run stops with a resumable [`Stop`] at its own budget ([`AgentInput::max_steps`])
+//! or at the thread's step ceiling:
+//! [`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps), 500
+//! model calls by default, counted over every run of the thread. A long-running agent
+//! raises the ceiling with `CompactionConfig::with_max_steps` on the builder, and a
+//! thread stopped there goes on once an agent built with a higher ceiling runs it
+//! again. After such a stop [`AgentUpdate::Done`]'s `next` is empty, as after an
+//! answer: its `stop` says the thread can go on. A run also stops
 //! after [`MAX_FAILED_COMPACTIONS`] compactions fail in a row (nothing is removed from
 //! a context whose compaction fails, so it would only grow). A failing summarizer
 //! alone does not get there: from the second compaction in a row on, a summary it
