@@ -7,9 +7,10 @@
 //! Configurations: memory (LangGraph.js's MemorySaver), SQLite (its SqliteSaver from
 //! `@langchain/langgraph-checkpoint-sqlite`; both sides on a file in WAL mode with
 //! `synchronous=NORMAL`, keel's default) and PostgreSQL (PostgresSaver), each with sync and
-//! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs below
-//! 10,000, one run at 10,000; the two sides take turns, one process and one repetition
-//! at a time, so a slow spell of the machine falls on both; a 10,000-step run whose
+//! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs; one
+//! LangGraph.js run at 10,000, where each takes minutes; the two sides take turns, one
+//! process and one repetition at a time, so a slow spell of the machine falls on both; a
+//! 10,000-step run whose
 //! estimate from the 1,000-step one
 //! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
@@ -72,12 +73,32 @@ fn sizes() -> Vec<u64> {
     }
 }
 
-/// Repetitions for `n` steps: 3 where a run is cheap, 1 at 10,000 and more.
-fn reps_for(n: u64) -> u32 {
-    let default = if n >= 10_000 { 1 } else { 3 };
-    match std::env::var("KEEL_BENCH_AGENT_REPS") {
-        Ok(v) if n < 10_000 => v.trim().parse().unwrap_or(default),
-        _ => default,
+/// How many times each side runs one (backend, durability, N).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reps {
+    keel: u32,
+    peer: u32,
+}
+
+impl Reps {
+    /// Rounds of turns: the larger of the two counts.
+    fn rounds(self) -> u32 {
+        self.keel.max(self.peer)
+    }
+}
+
+/// Repetitions for `n` steps: `KEEL_BENCH_AGENT_REPS` (3) on each side, except that
+/// LangGraph.js runs once at 10,000 and more, where one of its runs takes minutes. keel's
+/// take seconds there, so it keeps its count: the 10,000/100 per-step ratio compares two
+/// medians instead of a median and one sample of a machine whose speed drifts.
+fn reps_for(n: u64, env: Option<&str>) -> Reps {
+    let reps = env
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&r| r > 0)
+        .unwrap_or(3);
+    Reps {
+        keel: reps,
+        peer: if n >= 10_000 { 1 } else { reps },
     }
 }
 
@@ -149,7 +170,7 @@ pub fn run() -> Result<Vec<Row>> {
         let mut last_peer: Option<(u64, f64)> = None;
         let mut last_keel: Option<(u64, f64)> = None;
         for &n in &sizes {
-            let reps = reps_for(n);
+            let reps = reps_for(n, std::env::var("KEEL_BENCH_AGENT_REPS").ok().as_deref());
             let too_long = |last: Option<(u64, f64)>| {
                 last.map(|(m, secs)| secs * n as f64 / m as f64)
                     .filter(|est| *est > max_secs)
@@ -193,19 +214,19 @@ pub fn run() -> Result<Vec<Row>> {
             // The sides take turns, one repetition each: a change in the machine's speed
             // during the run (the disk's commit latency swings by several times on a
             // shared machine) falls on both sides instead of on whichever ran then.
-            for rep in 1..=reps {
+            for rep in 1..=reps.rounds() {
                 // Says which side runs now, on a freshly vacuumed PostgreSQL.
-                let start = |side: &str| {
+                let start = |side: &str, of: u32| {
                     eprintln!(
-                        "{side} {backend}/{durability}: N = {}, repetition {rep}/{reps}",
+                        "{side} {backend}/{durability}: N = {}, repetition {rep}/{of}",
                         thousands(n)
                     );
                     if let Some(u) = postgres {
                         settle(u);
                     }
                 };
-                if run_peer_side {
-                    start("LangGraph.js");
+                if run_peer_side && rep <= reps.peer {
+                    start("LangGraph.js", reps.peer);
                     match run_peer(&peer, postgres, &scratch, backend, durability, n, 1) {
                         Ok(rows) => {
                             peer_walls.extend(rows.iter().map(|r| num(r, "wall_s")));
@@ -223,7 +244,7 @@ pub fn run() -> Result<Vec<Row>> {
                         }
                     }
                 }
-                if run_keel_side {
+                if run_keel_side && rep <= reps.keel {
                     // The commit rate again, right before keel's repetition.
                     if let (Some(probe), Some(pg)) = (&probe, &mut pgbench)
                         && backend == "postgres"
@@ -235,7 +256,7 @@ pub fn run() -> Result<Vec<Row>> {
                             Err(e) => eprintln!("pgbench in turns failed: {e:#}"),
                         }
                     }
-                    start("keel");
+                    start("keel", reps.keel);
                     match agent_keel::run(&config) {
                         Ok(ms) => {
                             let rows: Vec<Value> = ms.iter().map(measurement_json).collect();
@@ -532,7 +553,11 @@ impl Report<'_> {
             let (backend, durability) = CONFIGS.get(key.0).copied().unwrap_or(("?", "?"));
             let k = self.keel.get(key);
             let p = self.peer.get(key);
-            let reps = k.or(p).map_or(0, |s| s.reps);
+            // keel's count, then the peer's where they differ ("3/1").
+            let reps = match (k.map(|s| s.reps), p.map(|s| s.reps)) {
+                (Some(a), Some(b)) if a != b => format!("{a}/{b}"),
+                (a, b) => a.or(b).unwrap_or(0).to_string(),
+            };
             println!(
                 "{backend:<8} {durability:<5} {:>6} {reps:>4} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
                 key.1,
@@ -1001,7 +1026,19 @@ fn parse_tps(out: &str) -> Result<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{median, parse_statement_ms, parse_tps, thousands};
+    use super::{Reps, median, parse_statement_ms, parse_tps, reps_for, thousands};
+
+    #[test]
+    fn keel_keeps_its_repetitions_where_the_peer_runs_once() {
+        assert_eq!(reps_for(1_000, None), Reps { keel: 3, peer: 3 });
+        assert_eq!(reps_for(10_000, None), Reps { keel: 3, peer: 1 });
+        assert_eq!(reps_for(10_000, Some(" 5 ")), Reps { keel: 5, peer: 1 });
+        assert_eq!(reps_for(100, Some("2")), Reps { keel: 2, peer: 2 });
+        // Nothing sensible given: the default, not zero rounds.
+        assert_eq!(reps_for(100, Some("0")), Reps { keel: 3, peer: 3 });
+        assert_eq!(reps_for(100, Some("x")), Reps { keel: 3, peer: 3 });
+        assert_eq!(reps_for(10_000, None).rounds(), 3);
+    }
 
     #[test]
     fn parses_pgbench_tps() {

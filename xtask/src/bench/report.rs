@@ -180,9 +180,9 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
     );
     let _ = writeln!(
         md,
-        "Runs of single groups made since (`cargo xtask bench agent`, ...), and what was \
-         measured and tried along the way, are in [benchmark-notes.md](benchmark-notes.md), \
-         the latest agent-loop run first.\n"
+        "Runs of single groups (`cargo xtask bench agent`, ...), and what was measured and \
+         tried along the way, are in [benchmark-notes.md](benchmark-notes.md), with notes on \
+         the latest full run first.\n"
     );
     let mut sections: Vec<&str> = Vec::new();
     for r in rows {
