@@ -10,9 +10,8 @@
 //! async durability, at N = 100, 1,000 and 10,000 agent steps (medians of 3 runs; one
 //! LangGraph.js run at 10,000, where each takes minutes; the two sides take turns, one
 //! process and one repetition at a time, so a slow spell of the machine falls on both; a
-//! 10,000-step run whose
-//! estimate from the 1,000-step one
-//! exceeds `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
+//! 10,000-step run whose estimate from the 1,000-step one exceeds
+//! `KEEL_BENCH_AGENT_MAX_SECS`, 240 s by default, is skipped and said so).
 //! `KEEL_BENCH_AGENT_SIZES` (e.g. `100,1000`) and `KEEL_BENCH_AGENT_REPS` override the
 //! sizes and the repetitions, `KEEL_BENCH_AGENT_BACKENDS` (e.g. `postgres`) the backends,
 //! `KEEL_BENCH_AGENT_DURABILITIES` (e.g. `sync`) the durabilities,
@@ -750,14 +749,8 @@ impl Report<'_> {
             };
             // The same ratio with each repetition's step in units of the commit time
             // measured right before it (PostgreSQL sync), as context for the raw one.
-            let per_commit = match (
-                self.keel
-                    .get(&(c, 100))
-                    .and_then(|s| s.commit_times_per_step),
-                self.keel
-                    .get(&(c, 10_000))
-                    .and_then(|s| s.commit_times_per_step),
-            ) {
+            let commit_times = |n: u64| self.keel.get(&(c, n))?.commit_times_per_step;
+            let per_commit = match (commit_times(100), commit_times(10_000)) {
                 (Some(a), Some(b)) => format!(
                     "; per commit time measured before each repetition: {a:.2} -> {b:.2} = {:.2}x",
                     b / a
