@@ -883,6 +883,51 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_model_that_gives_every_tool_call_the_same_id_still_compacts() {
+    // Some servers number the calls of each reply, so `call_0` comes back every turn.
+    // Each result answers its own turn's call, and a small window still compacts.
+    let largest = Arc::new(AtomicU64::new(0));
+    let seen = largest.clone();
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("renumbering", move |messages, _t| {
+        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
+        seen.fetch_max(chars as u64, Ordering::SeqCst);
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        let reply = if n < 150 {
+            Message::assistant(format!("Next I will echo {n}."))
+                .with_tool_calls(vec![ToolCall::new("call_0", "echo", json!({"i": n}))])
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "renumbering"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new(
+            "small",
+            8_192,
+            1_024,
+            Encoding::Approximate,
+        ))
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("renumbered", AgentInput::new()).await.unwrap();
+    assert_eq!(run.stop, None, "{:?}", run.stop);
+    assert_eq!(run.state.step, 151);
+    assert!(
+        run.state.compactions.len() >= 4,
+        "{:?}",
+        run.state.compactions
+    );
+    assert_compactions_succeeded(&run.state);
+    // The prompt stayed well inside the window (about 4 characters a token).
+    assert!(largest.load(Ordering::SeqCst) < 4 * 8_192, "{largest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bytes_stored_per_step_stay_flat_over_1000_steps() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
     // One model and one offload store (the archive) drive the whole run; the ceiling

@@ -811,6 +811,16 @@ impl Compactor {
             }
             match self.compact(state, trigger, tools).await {
                 Ok(e) => events.push(e),
+                Err(CompactionError::NothingToCompact) if trigger == Trigger::Tokens => {
+                    // Over the threshold with no step the raw buffer can give up: the
+                    // prompt keeps growing until the provider refuses it.
+                    tracing::warn!(
+                        step = state.step,
+                        raw_messages = state.raw.len(),
+                        "over the compaction threshold, but no older step can be compacted"
+                    );
+                    break;
+                }
                 Err(CompactionError::NothingToCompact | CompactionError::NotSmaller { .. }) => {
                     break;
                 }

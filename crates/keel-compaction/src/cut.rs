@@ -1,8 +1,6 @@
 //! Where the raw buffer may be cut without separating a tool call from its results.
 
-use std::collections::HashSet;
-
-use keel_message::{Message, Role};
+use keel_message::{Message, answered_calls};
 
 /// True if cutting `messages` before index `cut` keeps every tool call on the same side
 /// as all of its results (invariant 3).
@@ -20,33 +18,15 @@ use keel_message::{Message, Role};
 /// assert!(is_safe_cut(&history, 1));
 /// assert!(!is_safe_cut(&history, 2)); // would separate c1 from its result
 /// assert!(is_safe_cut(&history, 3));
+///
+/// // An id a server uses again in a later turn pairs with that turn's call.
+/// let mut again = history.clone();
+/// again.extend_from_slice(&history[1..3]);
+/// assert!(is_safe_cut(&again, 4));
+/// assert!(!is_safe_cut(&again, 5));
 /// ```
 pub fn is_safe_cut(messages: &[Message], cut: usize) -> bool {
-    if cut == 0 || cut >= messages.len() {
-        return true;
-    }
-    let (before, after) = messages.split_at(cut);
-    let calls_before: HashSet<&str> = before
-        .iter()
-        .flat_map(|m| m.tool_calls.iter().map(|c| c.id.as_str()))
-        .collect();
-    let calls_after: HashSet<&str> = after
-        .iter()
-        .flat_map(|m| m.tool_calls.iter().map(|c| c.id.as_str()))
-        .collect();
-    fn result_id(m: &Message) -> Option<&str> {
-        (m.role == Role::Tool)
-            .then_some(m.tool_call_id.as_deref())
-            .flatten()
-    }
-    before
-        .iter()
-        .filter_map(result_id)
-        .all(|id| !calls_after.contains(id))
-        && after
-            .iter()
-            .filter_map(result_id)
-            .all(|id| !calls_before.contains(id))
+    cut == 0 || cut >= messages.len() || !unsafe_cuts(messages)[cut]
 }
 
 /// The latest safe cut at or before `target` that leaves at least one message before
@@ -59,28 +39,16 @@ pub fn safe_cut_at_or_before(messages: &[Message], target: usize) -> Option<usiz
 }
 
 /// `unsafe_at[c]` is true when cutting before `c` would split a tool call from one of
-/// its results: each call id spans from its first to its last appearance (as a call or
-/// as a result), and no cut may fall inside a span.
+/// its results: each result spans from the message of the call it answers (the latest
+/// earlier call with its id, see [`answered_calls`]) to itself, and no cut may fall
+/// inside a span.
 fn unsafe_cuts(messages: &[Message]) -> Vec<bool> {
-    let mut spans: std::collections::HashMap<&str, (usize, usize)> = Default::default();
-    for (i, m) in messages.iter().enumerate() {
-        let ids = m.tool_calls.iter().map(|c| c.id.as_str()).chain(
-            (m.role == Role::Tool)
-                .then_some(m.tool_call_id.as_deref())
-                .flatten(),
-        );
-        for id in ids {
-            let span = spans.entry(id).or_insert((i, i));
-            span.0 = span.0.min(i);
-            span.1 = span.1.max(i);
-        }
-    }
-    // Difference array over cut positions lo+1 ..= hi.
+    // Difference array over cut positions call+1 ..= result.
     let mut delta = vec![0i64; messages.len() + 2];
-    for (lo, hi) in spans.into_values() {
-        if hi > lo {
-            delta[lo + 1] += 1;
-            delta[hi + 1] -= 1;
+    for (result, call) in answered_calls(messages).into_iter().enumerate() {
+        if let Some(call) = call {
+            delta[call + 1] += 1;
+            delta[result + 1] -= 1;
         }
     }
     let mut open = 0;

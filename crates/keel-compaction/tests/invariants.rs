@@ -10,7 +10,7 @@ use keel_compaction::{
     CompactionConfig, CompactionError, Compactor, ContextState, EventKind, GoalAnchor,
     LAYER_METADATA_KEY, Strategy, Trigger,
 };
-use keel_message::{Message, Role, ToolCall};
+use keel_message::{Message, Role, ToolCall, answered_calls};
 use keel_offload::{Archive, MemoryStore, ThreadId};
 use keel_summarize::{
     ExtractiveSummarizer, Level, SummarizeError, Summarizer, Summary, SummaryRequest, is_goal,
@@ -80,26 +80,26 @@ fn goal() -> GoalAnchor {
 }
 
 /// Step `i`: an assistant turn with `calls` tool calls and their results.
-fn step(i: usize, calls: usize, result_len: usize) -> (Message, Vec<Message>) {
+/// Step `i`; its call ids are `c{i}-{k}`, or with `reuse` `call_{k}` in every step (as
+/// servers that number the calls of each reply give them).
+fn step(i: usize, calls: usize, result_len: usize, reuse: bool) -> (Message, Vec<Message>) {
+    let id = |k: usize| {
+        if reuse {
+            format!("call_{k}")
+        } else {
+            format!("c{i}-{k}")
+        }
+    };
     let tool_calls: Vec<ToolCall> = (0..calls)
-        .map(|k| {
-            ToolCall::new(
-                format!("c{i}-{k}"),
-                "sh",
-                json!({"cmd": format!("make {i}")}),
-            )
-        })
+        .map(|k| ToolCall::new(id(k), "sh", json!({"cmd": format!("make {i}")})))
         .collect();
     let reply = Message::assistant(format!("step {i}: trying make"))
         .with_id(format!("a{i}"))
         .with_tool_calls(tool_calls);
     let results = (0..calls)
         .map(|k| {
-            Message::tool(
-                format!("c{i}-{k}"),
-                format!("exit {k}: {}", "x".repeat(result_len)),
-            )
-            .with_id(format!("r{i}-{k}"))
+            Message::tool(id(k), format!("exit {k}: {}", "x".repeat(result_len)))
+                .with_id(format!("r{i}-{k}"))
         })
         .collect();
     (reply, results)
@@ -110,23 +110,25 @@ fn check_prompt(prompt: &[Message], anchor: &GoalAnchor) {
     // Invariant 1: the goal is the first message, byte-identical.
     assert_eq!(&prompt[0], anchor.message());
     assert_eq!(prompt[0].text(), anchor.text());
-    // Invariant 3: no orphans: every result has its call before it, every call its result.
-    let mut calls = HashSet::new();
-    for m in prompt {
-        for c in &m.tool_calls {
-            calls.insert(c.id.clone());
-        }
+    // Invariant 3: no orphans: every result answers a call before it (the latest with
+    // its id), and every call has its result.
+    let answers = answered_calls(prompt);
+    let mut answered = HashSet::new();
+    for (j, m) in prompt.iter().enumerate() {
         if m.role == Role::Tool {
             let id = m.tool_call_id.clone().unwrap();
-            assert!(calls.contains(&id), "orphaned result {id}");
+            let call = answers[j].unwrap_or_else(|| panic!("orphaned result {id}"));
+            answered.insert((call, id));
         }
     }
-    let answered: HashSet<_> = prompt
-        .iter()
-        .filter_map(|m| m.tool_call_id.clone())
-        .collect();
-    for id in &calls {
-        assert!(answered.contains(id), "call {id} lost its result");
+    for (i, m) in prompt.iter().enumerate() {
+        for c in &m.tool_calls {
+            assert!(
+                answered.contains(&(i, c.id.clone())),
+                "call {} lost its result",
+                c.id
+            );
+        }
     }
 }
 
@@ -134,11 +136,12 @@ async fn run_steps(
     rig: &Rig,
     state: &mut ContextState,
     steps: &[(usize, usize)],
+    reuse: bool,
 ) -> Vec<Vec<Message>> {
     let mut prompts = Vec::new();
     for (i, &(calls, len)) in steps.iter().enumerate() {
         prompts.push(rig.compactor.assemble(state));
-        let (reply, results) = step(i, calls, len);
+        let (reply, results) = step(i, calls, len, reuse);
         rig.compactor.push_step(state, reply, results);
         rig.compactor.after_step(state, &[]).await.unwrap();
     }
@@ -157,7 +160,7 @@ async fn goal_heads_every_prompt_and_is_never_summarized() {
     );
     let anchor = goal();
     let mut state = ContextState::new(anchor.clone());
-    let prompts = run_steps(&rig, &mut state, &[(1, 50); 40]).await;
+    let prompts = run_steps(&rig, &mut state, &[(1, 50); 40], false).await;
     for p in &prompts {
         check_prompt(p, &anchor);
     }
@@ -197,10 +200,10 @@ async fn everything_that_leaves_is_archived_exactly_once() {
     );
     let mut state = ContextState::new(goal());
     let steps: Vec<(usize, usize)> = (0..30).map(|i| (i % 3, 20 + i)).collect();
-    run_steps(&rig, &mut state, &steps).await;
+    run_steps(&rig, &mut state, &steps, false).await;
     let pushed: Vec<String> = (0..30)
         .flat_map(|i| {
-            let (reply, results) = step(i, i % 3, 0);
+            let (reply, results) = step(i, i % 3, 0, false);
             std::iter::once(reply).chain(results).map(|m| m.id.unwrap())
         })
         .collect();
@@ -241,7 +244,7 @@ async fn between_compactions_the_prompt_only_grows_at_its_end() {
         }
         events = state.events.len();
         previous = Some(prompt);
-        let (reply, results) = step(i, 1, 30);
+        let (reply, results) = step(i, 1, 30, false);
         rig.compactor.push_step(&mut state, reply, results);
         rig.compactor.after_step(&mut state, &[]).await.unwrap();
     }
@@ -259,7 +262,7 @@ async fn a_failed_compaction_changes_nothing() {
     );
     let mut state = ContextState::new(goal());
     for i in 0..2 {
-        let (reply, results) = step(i, 1, 10);
+        let (reply, results) = step(i, 1, 10, false);
         rig.compactor.push_step(&mut state, reply, results);
     }
     let before = state.clone();
@@ -288,7 +291,7 @@ async fn when_the_context_would_overflow_the_fallback_summarizer_steps_in() {
     );
     let mut state = ContextState::new(goal());
     for i in 0..12 {
-        let (reply, results) = step(i, 1, 1_000);
+        let (reply, results) = step(i, 1, 1_000, false);
         rig.compactor.push_step(&mut state, reply, results);
     }
     let event = rig
@@ -320,7 +323,7 @@ async fn token_trigger_fires_at_the_fraction_and_compaction_fits_the_budget() {
     let mut state = ContextState::new(anchor.clone());
     let budget = rig.compactor.budget();
     for i in 0..60 {
-        let (reply, results) = step(i, 1, 400);
+        let (reply, results) = step(i, 1, 400, false);
         rig.compactor.push_step(&mut state, reply, results);
         let events = rig.compactor.after_step(&mut state, &[]).await.unwrap();
         let tokens = rig.compactor.tokens(&mut state, &[]).total;
@@ -339,7 +342,7 @@ async fn the_step_ceiling_stops_the_run() {
     let rig = rig(config, 100_000, false);
     let mut state = ContextState::new(goal());
     for i in 0..3 {
-        let (reply, results) = step(i, 1, 1);
+        let (reply, results) = step(i, 1, 1, false);
         rig.compactor.push_step(&mut state, reply, results);
     }
     assert_eq!(
@@ -367,7 +370,7 @@ async fn masking_replaces_old_results_with_pointers_to_the_archive() {
     );
     let mut state = ContextState::new(goal());
     for i in 0..16 {
-        let (reply, results) = step(i, 1, 400);
+        let (reply, results) = step(i, 1, 400, false);
         rig.compactor.push_step(&mut state, reply, results);
         rig.compactor.after_step(&mut state, &[]).await.unwrap();
     }
@@ -401,7 +404,7 @@ async fn large_results_are_offloaded_on_arrival() {
     // The default threshold is the smaller of 20,000 tokens and a quarter of the budget.
     let rig = rig(CompactionConfig::default(), 8_000, false);
     let mut state = ContextState::new(goal());
-    let (reply, mut results) = step(0, 1, 0);
+    let (reply, mut results) = step(0, 1, 0, false);
     results[0].content = (0..2_000)
         .map(|i| format!("line {i}\n"))
         .collect::<String>()
@@ -415,7 +418,7 @@ async fn large_results_are_offloaded_on_arrival() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, .. ProptestConfig::default() })]
 
-    /// Random step sequences: the goal is byte-identical in every prompt, nothing is
+    /// Random step sequences (their call ids unique, or the same in every step): the goal is byte-identical in every prompt, nothing is
     /// orphaned, whatever left the context is in the archive exactly once, and two runs
     /// with the same input give the same state.
     #[test]
@@ -424,6 +427,7 @@ proptest! {
         every in prop::option::of(1usize..8),
         keep in 0usize..300,
         masking in any::<bool>(),
+        reuse in any::<bool>(),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let config = CompactionConfig::default()
@@ -435,7 +439,7 @@ proptest! {
         let run = || {
             let rig = rig(config.clone(), 6_000, false);
             let mut state = ContextState::new(anchor.clone());
-            let prompts = rt.block_on(run_steps(&rig, &mut state, &steps));
+            let prompts = rt.block_on(run_steps(&rig, &mut state, &steps, reuse));
             (rig, state, prompts)
         };
         let (rig, state, prompts) = run();
@@ -510,7 +514,7 @@ async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
     );
     let mut state = ContextState::new(goal());
     for i in 0..20 {
-        let (reply, results) = step(i, 1, 400);
+        let (reply, results) = step(i, 1, 400, false);
         rig.compactor.push_step(&mut state, reply, results);
     }
     let model = Limited {

@@ -458,3 +458,25 @@ async fn only_a_failed_model_call_is_summarized_again() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_tool_call_id_reused_every_turn_still_compacts() {
+    // Some servers number tool calls per reply (`call_0` every turn). Each result
+    // answers the latest call with its id, so the turns can still be cut apart.
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(5))
+        .with_keep_recent_tokens(0);
+    let rig = rig(config, 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    for i in 1..=12 {
+        let (mut reply, mut results) = step(i, 4);
+        reply.tool_calls[0].id = "call_0".to_owned();
+        results[0].tool_call_id = Some("call_0".to_owned());
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    assert_eq!(state.milestones.len(), 2, "{:?}", state.events);
+    // The second milestone (step 10) kept its newest turn whole, call and result.
+    let ids: Vec<_> = state.raw.iter().filter_map(|m| m.id.as_deref()).collect();
+    assert_eq!(ids, ["a10", "r10", "a11", "r11", "a12", "r12"]);
+}

@@ -193,3 +193,44 @@ impl Message {
         self.tool_calls.iter().any(|c| !c.arguments.is_valid())
     }
 }
+
+/// For each message, the index of the message holding the tool call it answers: a
+/// tool result answers the latest earlier call with its `tool_call_id`. `None` for a
+/// message that is not a tool result, and for a result no earlier call matches.
+///
+/// Pairing by position rather than by id alone keeps the turns of an id that comes
+/// back apart: some servers number the tool calls of each reply, so `call_0` is the id
+/// of a call in every turn.
+///
+/// ```
+/// use keel_message::{Message, ToolCall, answered_calls};
+/// use serde_json::json;
+///
+/// let call = || Message::assistant("").with_tool_calls(vec![ToolCall::new("call_0", "ls", json!({}))]);
+/// let history = vec![
+///     Message::user("go"),
+///     call(),
+///     Message::tool("call_0", "a.txt"),
+///     call(),
+///     Message::tool("call_0", "b.txt"),
+///     Message::tool("call_9", "an answer to no call"),
+/// ];
+/// assert_eq!(answered_calls(&history), [None, None, Some(1), None, Some(3), None]);
+/// ```
+pub fn answered_calls(messages: &[Message]) -> Vec<Option<usize>> {
+    let mut latest: std::collections::HashMap<&str, usize> = Default::default();
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let answers = match (m.role, m.tool_call_id.as_deref()) {
+                (Role::Tool, Some(id)) => latest.get(id).copied(),
+                _ => None,
+            };
+            for call in &m.tool_calls {
+                latest.insert(call.id.as_str(), i);
+            }
+            answers
+        })
+        .collect()
+}

@@ -180,6 +180,35 @@ fn exempt_tools_are_found_by_name_or_by_their_call() {
 }
 
 #[test]
+fn a_call_id_used_again_takes_the_tool_of_its_own_turn() {
+    // `call_0` in two turns: the first result is a `read_file` (exempt), the second a
+    // `shell` output, which is evicted; so is the third, under a path of its own.
+    let counter = ApproxCounter::new();
+    let store = MemoryStore::new();
+    let t = thread();
+    let env = PolicyEnv::new(&store, &t, &counter);
+    let big = log(200);
+    let call = |tool: &str| {
+        Message::assistant("").with_tool_calls(vec![ToolCall::new("call_0", tool, json!({}))])
+    };
+    let messages = vec![
+        call("read_file"),
+        Message::tool("call_0", big.clone()),
+        call("shell"),
+        Message::tool("call_0", big.clone()),
+        call("shell"),
+        Message::tool("call_0", log(300)),
+    ];
+    let out = EvictLargeResults::new()
+        .with_threshold(10)
+        .apply(messages, &env);
+    let evicted: Vec<usize> = out.stored.iter().map(|s| s.index).collect();
+    assert_eq!(evicted, [3, 5]);
+    assert_eq!(out.messages[1].text(), big);
+    assert_ne!(out.stored[0].path, out.stored[1].path);
+}
+
+#[test]
 fn evicting_twice_changes_nothing_the_second_time() {
     let counter = ApproxCounter::new();
     let store = MemoryStore::new();

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
 use async_trait::async_trait;
-use keel_message::{Message, Role, ToolCall};
+use keel_message::{Message, Role, ToolCall, answered_calls};
 use keel_token::{ApproxCounter, TokenCounter};
 
 use crate::summary::{bullet_text, heading_of, parse_bullets, parse_sections};
@@ -461,17 +461,18 @@ impl ExtractiveSummarizer {
         let last_caller = messages
             .iter()
             .rposition(|m| m.role == Role::Assistant && !m.tool_calls.is_empty());
-        let answered: HashSet<&str> = messages
-            .iter()
-            .filter_map(|m| m.tool_call_id.as_deref())
-            .collect();
+        // Calls with a result, as (index of the call's message, call id): a result
+        // answers the latest earlier call with its id.
+        let answers = answered_calls(messages);
+        let answered_by = |keep: &dyn Fn(usize) -> bool| -> HashSet<(usize, &str)> {
+            (0..messages.len())
+                .filter(|&j| keep(j))
+                .filter_map(|j| Some((answers[j]?, messages[j].tool_call_id.as_deref()?)))
+                .collect()
+        };
+        let answered = answered_by(&|_| true);
         // Calls whose result says they failed: their paths were not read or changed.
-        let failed: HashSet<&str> = messages
-            .iter()
-            .zip(texts)
-            .filter(|(m, t)| m.role == Role::Tool && reads_as_failure(t))
-            .filter_map(|(m, _)| m.tool_call_id.as_deref())
-            .collect();
+        let failed = answered_by(&|j| reads_as_failure(&texts[j]));
         // Errors a later call of the same tool with the same arguments got past: the
         // output's index, and the call that succeeded.
         // Each tool output's keyword lines, found once for both uses below.
@@ -543,8 +544,8 @@ impl ExtractiveSummarizer {
             if m.role == Role::Assistant {
                 for call in &m.tool_calls {
                     let head = call_head(call);
-                    if answered.contains(call.id.as_str()) {
-                        if !failed.contains(call.id.as_str()) {
+                    if answered.contains(&(i, call.id.as_str())) {
+                        if !failed.contains(&(i, call.id.as_str())) {
                             files.note_call(call);
                         }
                         heads.insert(call.id.as_str(), (head, call));
@@ -836,18 +837,18 @@ impl ExtractiveSummarizer {
         texts: &[Cow<'_, str>],
         hits: &[Option<Vec<Hit>>],
     ) -> HashMap<usize, String> {
-        let calls: HashMap<&str, &ToolCall> = messages
-            .iter()
-            .flat_map(|m| &m.tool_calls)
-            .map(|c| (c.id.as_str(), c))
-            .collect();
+        let answers = answered_calls(messages);
         // (output index, head, whether it reports an error)
         let outputs: Vec<(usize, String, bool)> = messages
             .iter()
             .enumerate()
             .filter(|(_, m)| m.role == Role::Tool)
             .filter_map(|(i, m)| {
-                let call = calls.get(m.tool_call_id.as_deref()?)?;
+                let id = m.tool_call_id.as_deref()?;
+                let call = messages[answers[i]?]
+                    .tool_calls
+                    .iter()
+                    .find(|c| c.id == id)?;
                 // Every tool output's lines were scanned (`hits`).
                 let failed = reports_error(texts.get(i)?, hits.get(i)?.as_deref()?);
                 Some((i, call_head(call), failed))

@@ -82,6 +82,34 @@ fn debugging_session() -> Vec<Message> {
 }
 
 #[test]
+fn a_call_id_used_again_in_a_later_turn_is_its_own_call() {
+    // Servers that number each reply's calls give both calls the id `call_0`: the
+    // first one's result does not answer the second, which is still pending.
+    let mut session = debugging_session();
+    for m in &mut session {
+        for c in &mut m.tool_calls {
+            c.id = "call_0".to_owned();
+        }
+        if m.tool_call_id.is_some() {
+            m.tool_call_id = Some("call_0".to_owned());
+        }
+    }
+    let s = run(&session, 400);
+    let next = s.section(NEXT_STEPS).unwrap();
+    assert!(
+        next.iter().any(|l| l.starts_with("edit(")),
+        "the unanswered call is pending: {next:?}"
+    );
+    let artifacts = s.section(ARTIFACTS).unwrap();
+    assert!(
+        artifacts
+            .iter()
+            .any(|l| l.contains("pytest tests/test_auth.py -q")),
+        "the answered call heads its output: {artifacts:?}"
+    );
+}
+
+#[test]
 fn keeps_the_lines_that_carry_signal_in_four_sections() {
     let s = run(&debugging_session(), 400);
     assert_eq!(

@@ -1,8 +1,8 @@
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
-use keel_message::{Content, Message, Role};
+use keel_message::{Content, Message, Role, answered_calls};
 use serde_json::json;
 
 use super::{
@@ -140,19 +140,25 @@ impl EvictLargeResults {
     /// Evicts every tool result over the threshold (see the type's docs).
     ///
     /// Tool names come from each result's `name`, or else from the assistant tool call
-    /// with its `tool_call_id` among `messages`.
+    /// it answers among `messages` (the latest earlier one with its `tool_call_id`).
     pub fn apply(&self, messages: Vec<Message>, env: &PolicyEnv<'_>) -> PolicyOutcome {
-        let tool_names: HashMap<String, String> = messages
-            .iter()
-            .flat_map(|m| &m.tool_calls)
-            .map(|c| (c.id.clone(), c.name.clone()))
+        // Each result's tool, from the call it answers (the latest earlier one with
+        // its id).
+        let tool_names: Vec<Option<String>> = answered_calls(&messages)
+            .into_iter()
+            .zip(&messages)
+            .map(|(call, m)| {
+                let id = m.tool_call_id.as_deref()?;
+                let call = messages[call?].tool_calls.iter().find(|c| c.id == id)?;
+                Some(call.name.clone())
+            })
             .collect();
         let mut out = PolicyOutcome {
             messages: Vec::with_capacity(messages.len()),
             ..PolicyOutcome::default()
         };
         for (index, mut message) in messages.into_iter().enumerate() {
-            match self.evict_one(&mut message, env, &tool_names) {
+            match self.evict_one(&mut message, env, tool_names[index].as_deref()) {
                 Ok(None) => {}
                 Ok(Some((path, bytes, what))) => out.stored.push(Stored {
                     index,
@@ -178,7 +184,7 @@ impl EvictLargeResults {
         &self,
         message: &mut Message,
         env: &PolicyEnv<'_>,
-        tool_names: &HashMap<String, String>,
+        tool_name: Option<&str>,
     ) -> Result<Option<(StorePath, u64, StoredWhat)>, OffloadError> {
         if message.role != Role::Tool || record(message, RECORD).is_some() {
             return Ok(None);
@@ -186,10 +192,7 @@ impl EvictLargeResults {
         let Some(call_id) = message.tool_call_id.clone() else {
             return Ok(None);
         };
-        let tool = message
-            .name
-            .as_deref()
-            .or_else(|| tool_names.get(&call_id).map(String::as_str));
+        let tool = message.name.as_deref().or(tool_name);
         if tool.is_some_and(|t| self.exempt_tools.contains(t)) {
             return Ok(None);
         }
