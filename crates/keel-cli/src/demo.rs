@@ -403,11 +403,17 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             "",
         )
     };
-    if let Err(BuildError::PromptTooLarge { tokens, .. }) = &agent {
-        fits(*tokens)?;
+    // A window too small for them is refused as bad usage (exit code 2), as `keel run`
+    // refuses one.
+    if let Err(BuildError::PromptTooLarge { tokens, .. }) = &agent
+        && let Err(e) = fits(*tokens)
+    {
+        return Ok(crate::ui::usage_error(&e));
     }
     let agent = agent.context("cannot build the agent")?;
-    fits(agent.fixed_prompt_tokens(None, None))?;
+    if let Err(e) = fits(agent.fixed_prompt_tokens(None, None)) {
+        return Ok(crate::ui::usage_error(&e));
+    }
 
     let thread = args
         .thread

@@ -99,17 +99,27 @@ struct Saved {
 pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     const NEEDS_MODEL: &str =
         "`keel run` needs a model: --model ollama/<name> or --model openai/<name> (or KEEL_MODEL)";
-    // What can be checked without the database is checked before it is created.
-    if let Some(m) = &args.model {
-        ModelSpec::parse(m)?;
-    }
-    if args.thread.is_none() {
-        if args.model.is_none() && settings.model(None).is_none() {
-            bail!(NEEDS_MODEL);
+    // What can be checked without the database is checked before it is created, and
+    // refused as bad usage (exit code 2).
+    let usage = || -> anyhow::Result<()> {
+        if let Some(m) = &args.model {
+            ModelSpec::parse(m)?;
         }
-        if args.goal.is_none() {
-            bail!("a new thread needs a --goal (or give --thread T to continue one)");
+        if let Some(w) = args.live.window {
+            model::check_least_window(w)?;
         }
+        if args.thread.is_none() {
+            if args.model.is_none() && settings.model(None).is_none() {
+                bail!(NEEDS_MODEL);
+            }
+            if args.goal.is_none() {
+                bail!("a new thread needs a --goal (or give --thread T to continue one)");
+            }
+        }
+        Ok(())
+    };
+    if let Err(e) = usage() {
+        return Ok(crate::ui::usage_error(&e));
     }
     let home = settings.home(args.home.as_deref());
     let url = settings.store_url(args.database_url.as_deref(), args.home.as_deref());

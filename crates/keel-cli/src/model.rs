@@ -169,19 +169,29 @@ pub fn smallest_window(tokens: usize, share: usize) -> usize {
     hi
 }
 
+/// Refuses a window under [`MIN_WINDOW`], which leaves no room for any prompt.
+pub fn check_least_window(window: usize) -> anyhow::Result<()> {
+    if window < MIN_WINDOW {
+        bail!(
+            "{} {}-token window leaves no room for the goal, the summaries and a reply: give --window at least {}",
+            a_or_an(&thousands(window as u64)),
+            thousands(window as u64),
+            thousands(MIN_WINDOW as u64)
+        );
+    }
+    Ok(())
+}
+
 /// keel's profile of `name`, with its window replaced by `window` when given. A model
 /// keel does not know, without a window, gets a note on stderr.
 pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile> {
     let known = ModelProfiles::new();
     let base = known.lookup(name).clone();
     match window {
-        Some(w) if w < MIN_WINDOW => bail!(
-            "{} {}-token window leaves no room for the goal, the summaries and a reply: give --window at least {}",
-            a_or_an(&thousands(w as u64)),
-            thousands(w as u64),
-            thousands(MIN_WINDOW as u64)
-        ),
-        Some(w) => Ok(with_window(&base, name, w)),
+        Some(w) => {
+            check_least_window(w)?;
+            Ok(with_window(&base, name, w))
+        }
         None => {
             if known.get(name).is_none() {
                 crate::errln!(

@@ -454,30 +454,49 @@ fn the_default_demo_runs_its_160_steps_over_this_repository() {
 }
 
 #[test]
-fn bad_arguments_are_sentences_with_exit_code_1() {
+fn bad_arguments_are_sentences_with_exit_code_2_or_1() {
+    // 2: refused as the command line is read, before anything runs; 1: refused by
+    // what the command found (the filesystem, the database).
     let home = tempfile::tempdir().unwrap();
     let h = home.path().to_str().unwrap();
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    let cases: Vec<(Vec<&str>, &str, i32)> = vec![
         (
             vec!["demo", "--home", h, "--dir", "/definitely/not/here"],
             "cannot open the directory",
+            1,
         ),
-        (vec!["run", "--home", h, "--goal", "x"], "needs a model"),
+        (vec!["run", "--home", h, "--goal", "x"], "needs a model", 2),
         (
             vec!["run", "--home", h, "--model", "gpt-4o", "--goal", "x"],
             "ollama/<name>",
+            2,
         ),
-        (vec!["threads", "--home", h, "list"], "no keel database"),
+        (
+            vec!["run", "--home", h, "--model", "ollama/x", "--window", "0"],
+            "give --window at least 1,024",
+            2,
+        ),
+        (
+            vec!["run", "--home", h, "--model", "ollama/x"],
+            "needs a --goal",
+            2,
+        ),
+        (vec!["threads", "--home", h, "list"], "no keel database", 1),
         (
             vec!["threads", "--home", h, "gc", "--older-than", "7"],
             "unit",
+            2,
         ),
-        (vec!["replay", "/definitely/not/here.json"], "cannot read"),
+        (
+            vec!["replay", "/definitely/not/here.json"],
+            "cannot read",
+            1,
+        ),
     ];
-    for (args, want) in cases {
+    for (args, want, code) in cases {
         let out = keel().args(&args).output().unwrap();
         let (_, stderr) = text(&out);
-        assert_ne!(out.status.code(), Some(0), "{args:?}");
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(
             stderr.contains(want),
@@ -1602,7 +1621,7 @@ fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd(
         home.path(),
     );
     let (_, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.contains("system prompt, goal and tool specs")
             && stderr.contains("give a --window of at least"),
@@ -1916,7 +1935,7 @@ fn the_demo_states_one_least_window_and_runs_with_it() {
             home.path(),
         );
         let (_, stderr) = text(&out);
-        assert_eq!(out.status.code(), Some(1), "{window}: {stderr}");
+        assert_eq!(out.status.code(), Some(2), "{window}: {stderr}");
         let at = stderr
             .rfind("at least ")
             .unwrap_or_else(|| panic!("{stderr}"));
