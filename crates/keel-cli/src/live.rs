@@ -105,7 +105,9 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         if let Some(m) = &args.model {
             ModelSpec::parse(m)?;
         }
-        if let Some(w) = args.live.window {
+        // A new thread's window is checked with its fixed prompt below, which names
+        // the one least window that fits it.
+        if let (Some(w), None) = (args.live.window, &args.goal) {
             model::check_least_window(w)?;
         }
         if args.thread.is_none() {
@@ -201,9 +203,17 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             dir.display()
         );
     }
-    let window = args
+    let asked = args
         .live
         .window(settings, saved.as_ref().and_then(|s| s.window))?;
+    if let (Some(w), Some(_)) = (asked, &saved)
+        && let Err(e) = model::check_least_window(w)
+    {
+        return Ok(crate::ui::usage_error(&e));
+    }
+    // Under keel's least, a new thread is refused below, with the least window its
+    // fixed prompt fits in.
+    let window = asked.map(|w| w.max(model::MIN_WINDOW));
     let live_args = LiveArgs {
         window: args.live.window,
         max_tokens: args
@@ -264,11 +274,15 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             }
             Err(e) => return Err(anyhow::Error::new(e).context("cannot build the agent")),
         };
+        let planned = match asked {
+            Some(w) if w < model::MIN_WINDOW => model::with_window(&live.profile, spec.name(), w),
+            _ => live.profile.clone(),
+        };
         if let Err(e) = model::check_fixed_part_fits(
             "the goal, system prompt and tool specs take",
             fixed,
             2,
-            &live.profile,
+            &planned,
             "put the long material in a file under --dir and make the goal say where it is, or ",
         ) {
             return Ok(crate::ui::usage_error(&e));

@@ -1925,6 +1925,39 @@ fn the_demo_takes_the_summary_share_and_the_token_gain_floor() {
 }
 
 #[test]
+fn keel_run_states_one_least_window_for_a_new_thread() {
+    let home = tempfile::tempdir().unwrap();
+    let least = |window: &str| {
+        let out = keel()
+            .args([
+                "run",
+                "--model",
+                "openai/local",
+                "--goal",
+                "y",
+                "--window",
+                window,
+            ])
+            .arg("--home")
+            .arg(home.path())
+            .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+            .output()
+            .unwrap();
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{window}: {stderr}");
+        let at = stderr
+            .rfind("at least ")
+            .unwrap_or_else(|| panic!("{stderr}"));
+        stderr[at + "at least ".len()..].trim().to_owned()
+    };
+    let minimum = least("0");
+    for window in ["1000", "1024", "2000"] {
+        assert_eq!(least(window), minimum, "--window {window}");
+    }
+    assert!(!home.path().join("keel.sqlite").exists());
+}
+
+#[test]
 fn the_demo_states_one_least_window_and_runs_with_it() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
