@@ -379,8 +379,15 @@ impl Agent {
     /// runs. Map ids of your own that break these rules (`user/123`) to ones that keep
     /// them (`user-123`, or a hash).
     ///
-    /// Run one thread at a time: a second run of a thread while one is going fails
-    /// when it first writes a checkpoint, with a stale-writer error of the checkpointer.
+    /// # One run of a thread at a time
+    ///
+    /// A second run of a thread while one is going fails when it first writes a
+    /// checkpoint, with the checkpointer's stale-writer error
+    /// ([`CheckpointError::is_conflict`](keel_checkpoint::CheckpointError::is_conflict)
+    /// is true for it). Nothing of that run is stored, its input's messages included:
+    /// run it again with the same input once the first has finished. Keep runs of one
+    /// thread apart in your own code (a lock per thread id), or submit them to
+    /// keel-fleet's queue, whose workers run each thread's runs in turn.
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let (agent, thread) = (self.clone(), thread_id.to_owned());
         on_own_task(async move {
@@ -956,6 +963,11 @@ impl Agent {
                         .ok_or_else(|| AgentError::NoGoal {
                             thread_id: thread_id.to_owned(),
                         })?;
+                if is_blank(&goal.message().content) {
+                    return Err(AgentError::EmptyGoal {
+                        thread_id: thread_id.to_owned(),
+                    });
+                }
                 let system = input.system.or_else(|| self.system.clone());
                 self.check_fixed_part(thread_id, &goal, system.as_ref())?;
                 // A new thread's files are scoped to its branches from the start.
@@ -969,6 +981,16 @@ impl Agent {
             update = update.messages(AddMessagesUpdate::append(input.messages));
         }
         Ok(update.stop(None).into())
+    }
+}
+
+/// Whether `content` says nothing: no parts, or only whitespace text.
+fn is_blank(content: &keel_message::Content) -> bool {
+    match content {
+        keel_message::Content::Text(t) => t.trim().is_empty(),
+        keel_message::Content::Parts(parts) => parts
+            .iter()
+            .all(|p| p.as_text().is_some_and(|t| t.trim().is_empty())),
     }
 }
 

@@ -79,6 +79,15 @@ pub enum AgentError {
         /// The thread.
         thread_id: String,
     },
+    /// The goal given for a new thread is empty (or only whitespace): there is nothing
+    /// to anchor the prompts on.
+    #[error(
+        "the goal given for thread `{thread_id}` is empty: give the task itself, with `.goal(..)` on the builder or `AgentInput::goal`"
+    )]
+    EmptyGoal {
+        /// The thread.
+        thread_id: String,
+    },
     /// The thread already has a goal, and the goal is written once.
     #[error(
         "thread `{thread_id}` already has a goal and a goal is written once; run it without a goal to continue it, or start a new thread for another goal"

@@ -159,6 +159,14 @@ fn milestone_pruned_this_step(s: &AgentState) -> bool {
 ///   `epoch`, `END`). In a graph with other names, write your router from
 ///   [`AgentNodes::trigger`] (when to compact) and [`AgentNodes::wants_epoch`] (when to
 ///   fold an epoch), as the `custom_graph` example of the `keel` crate does.
+/// - **Your graph's input writes the goal, and your node counts the steps.** The
+///   builder's [`goal`](crate::AgentBuilder::goal) is for [`Agent`](crate::Agent) runs:
+///   in a graph of your own, the first run's input writes it
+///   (`AgentStateUpdate::default().goal(..)`), and the node that makes a step
+///   advances `step` (`.step(state.step + 1)`), which the step trigger counts. A state
+///   with messages but no goal makes [`AgentNodes::trigger`] report
+///   [`Trigger::Force`], so the `compact` node runs and fails saying so, instead of
+///   never compacting.
 /// - **The nodes work on [`AgentState`].** To compact a state of your own, call
 ///   keel-compaction's `Compactor` from a node of yours (the `compaction` example).
 #[derive(Clone)]
@@ -319,13 +327,19 @@ impl AgentNodes {
 
     /// Which compaction trigger fires for `state`, if any. A trigger is reported only
     /// when compacting would move something out of the raw buffer (or it is the step
-    /// ceiling), so a compaction step is never scheduled for nothing.
+    /// ceiling), so a compaction step is never scheduled for nothing. A state with
+    /// messages but no goal (a graph of your own whose input did not write one) gets
+    /// [`Trigger::Force`]: the `compact` node then fails saying the goal is missing,
+    /// where no trigger would leave the raw buffer growing without a word.
     pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
         let compactor = &self.parts.compactor;
         let specs = self.parts.tools.specs();
+        let Some(parts) = state.context_parts() else {
+            return (!state.messages.is_empty()).then_some(Trigger::Force);
+        };
         // Most steps fire nothing: learn that from the state's parts as they are,
         // before copying them into a context.
-        if !compactor.may_trigger(state.context_parts()?, specs) {
+        if !compactor.may_trigger(parts, specs) {
             return None;
         }
         let mut c = state.context()?;
@@ -969,7 +983,10 @@ fn context(s: &AgentState) -> Result<ContextState, NodeError> {
 }
 
 fn no_goal() -> NodeError {
-    NodeError::msg("the thread has no goal: write one with the input of its first run")
+    NodeError::msg(
+        "the thread has no goal: write one in its first run's input \
+         (`AgentStateUpdate::default().goal(..)`); the builder's `.goal(..)` is for `Agent` runs",
+    )
 }
 
 /// Words that approve a call, and words that deny it (compared trimmed, in lower case).

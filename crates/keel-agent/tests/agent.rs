@@ -569,6 +569,26 @@ async fn a_goal_is_written_once() {
         .run("fresh", AgentInput::new())
         .await;
     assert!(matches!(no_goal, Err(AgentError::NoGoal { .. })));
+    // An empty goal, from the builder or the input, is refused before anything is
+    // written.
+    let saver = Arc::new(MemorySaver::new());
+    let blank = Agent::builder()
+        .model(Arc::new(counting_model(1, Arc::default())))
+        .goal(" \n ")
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let refused = blank.run("blank", AgentInput::new()).await;
+    assert!(
+        matches!(refused, Err(AgentError::EmptyGoal { ref thread_id }) if thread_id == "blank"),
+        "{refused:?}"
+    );
+    let refused = blank.run("blank", AgentInput::new().goal("")).await;
+    assert!(
+        matches!(refused, Err(AgentError::EmptyGoal { .. })),
+        "{refused:?}"
+    );
+    assert!(blank.state("blank").await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1515,6 +1535,64 @@ async fn a_thread_resumed_without_its_archive_says_the_store_lost_it() {
         .unwrap();
     assert!(run.state.milestones_made > head.milestones_made);
     assert_compactions_succeeded(&run.state);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graph_of_your_own_whose_input_writes_no_goal_fails_at_compact_saying_so() {
+    // The builder's goal is for `Agent` runs; a graph of your own writes the goal in
+    // its input. Forgetting it must not leave the raw buffer growing in silence.
+    let nodes = Agent::builder()
+        .goal(GOAL)
+        .compaction(CompactionConfig::default().with_every_steps(Some(3)))
+        .build_nodes()
+        .unwrap();
+    let router = nodes.clone();
+    let graph = keel_graph::StateGraph::<AgentState>::new()
+        .add_node("work", |state: Arc<AgentState>, _ctx| async move {
+            let id = format!("c{}", state.step);
+            Ok(AgentStateUpdate::default()
+                .messages(keel_reducer::AddMessagesUpdate::append([
+                    Message::assistant("Reading.").with_tool_calls(vec![ToolCall::new(
+                        id.clone(),
+                        "read",
+                        json!({}),
+                    )]),
+                    Message::tool(id, "a line"),
+                ]))
+                .step(state.step + 1))
+        })
+        .add_node(COMPACT, nodes.compact())
+        .add_edge(keel_graph::START, "work")
+        .add_conditional_edges(
+            "work",
+            move |s: &AgentState| match router.trigger(s) {
+                Some(_) => COMPACT,
+                None if s.step >= 10 => keel_graph::END,
+                None => "work",
+            },
+            Some(&["work", COMPACT, keel_graph::END]),
+        )
+        .add_edge(COMPACT, "work")
+        .compile()
+        .unwrap();
+    let err = graph
+        .invoke(AgentStateUpdate::default(), &RunConfig::thread("no-goal"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(COMPACT) && err.contains("has no goal"),
+        "{err}"
+    );
+    // With the goal in the input, the same graph compacts.
+    let run = graph
+        .invoke(
+            AgentStateUpdate::default().goal(GOAL.into()),
+            &RunConfig::thread("goal"),
+        )
+        .await
+        .unwrap();
+    assert!(run.state.milestones_made > 0, "{:?}", run.state.compactions);
 }
 
 #[tokio::test]

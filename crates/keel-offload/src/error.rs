@@ -88,7 +88,7 @@ pub enum OffloadError {
     /// `tokio_postgres::Error`, `deadpool_postgres::PoolError`) or an `io::Error` for
     /// the store's own failures (its connection thread gone, a value that changed
     /// while it was streamed).
-    #[error("{key}: the database could not {op}: {source}")]
+    #[error("{key}: the database could not {op}: {}", Chain(source.as_ref()))]
     Database {
         /// What the store was doing (`write`, `read`, `migrate the schema`, ...).
         op: &'static str,
@@ -247,6 +247,28 @@ fn database_full(e: &(dyn std::error::Error + 'static)) -> bool {
     }
     e.downcast_ref::<io::Error>()
         .is_some_and(|e| e.kind() == io::ErrorKind::StorageFull)
+}
+
+/// An error and its causes on one line, `error: cause: cause`, leaving out a cause
+/// whose text the error already says (a pool error that wraps a connection error,
+/// which wraps `Connection refused`, would otherwise show only the first).
+struct Chain<'e>(&'e (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut said = self.0.to_string();
+        f.write_str(&said)?;
+        let mut next = self.0.source();
+        while let Some(cause) = next {
+            let text = cause.to_string();
+            if !said.contains(&text) {
+                write!(f, ": {text}")?;
+                said = text;
+            }
+            next = cause.source();
+        }
+        Ok(())
+    }
 }
 
 fn is_errno(e: &io::Error, codes: &[i32]) -> bool {

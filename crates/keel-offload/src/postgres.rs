@@ -512,7 +512,7 @@ async fn migrate(pool: &Pool, schema: &str) -> Result<(), OffloadError> {
     let mut client = pool
         .get()
         .await
-        .map_err(pg("connect to the database", schema))?;
+        .map_err(pg("connect", format!("offload schema {schema}")))?;
     let tx = client.transaction().await.map_err(err)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&lock_key(schema)])
         .await

@@ -491,3 +491,17 @@ fn a_version_1_schema_compresses_new_chunks_with_lz4_where_the_server_can() {
         "every chunk is stored with {method}"
     );
 }
+
+#[test]
+fn a_server_that_cannot_be_reached_is_named_with_its_cause() {
+    // No server needs to run: nothing listens on port 1.
+    let err = PostgresStore::connect("postgres://keel@127.0.0.1:1/app").unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, OffloadError::Database { .. }), "{err:?}");
+    assert!(
+        text.starts_with("offload schema public: the database could not connect:"),
+        "{text}"
+    );
+    // The cause under the pool's and the driver's errors is on the same line.
+    assert!(text.to_lowercase().contains("refused"), "{text}");
+}
