@@ -852,17 +852,35 @@ async fn an_overflow_compaction_cannot_cure_fails_with_the_model_s_typed_error()
     assert!(agent.state("full").await.unwrap().is_some());
 }
 
+/// What a scripted model was sent: the number of calls and the largest prompt, in
+/// characters.
+#[derive(Clone, Default)]
+struct PromptWatch {
+    calls: Arc<AtomicU64>,
+    largest: Arc<AtomicU64>,
+}
+
+impl PromptWatch {
+    /// Records a call's prompt; the call's number, from 0.
+    fn call(&self, messages: &[Message]) -> u64 {
+        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
+        self.largest.fetch_max(chars as u64, Ordering::SeqCst);
+        self.calls.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn largest(&self) -> u64 {
+        self.largest.load(Ordering::SeqCst)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prompt_counted_over_the_window_is_never_sent() {
     // Eviction off and a tool result far over the window: no compaction can make the
     // prompt fit, and the model must not receive it (Ollama would cut it silently).
-    let largest = Arc::new(AtomicU64::new(0));
-    let seen = largest.clone();
-    let calls = AtomicU64::new(0);
+    let watch = PromptWatch::default();
+    let seen = watch.clone();
     let model = PolicyModel::new("small", move |messages, _t| {
-        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
-        seen.fetch_max(chars as u64, Ordering::SeqCst);
-        let n = calls.fetch_add(1, Ordering::SeqCst);
+        let n = seen.call(messages);
         Ok(ChatResponse::new(
             Message::assistant("look").with_tool_calls(vec![ToolCall::new(
                 format!("c{n}"),
@@ -897,7 +915,7 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
     );
     // The model saw the first prompt only: tens of characters, not the 420,000 of the
     // tool's result.
-    assert!(largest.load(Ordering::SeqCst) < 10_000, "{largest:?}");
+    assert!(watch.largest() < 10_000, "{}", watch.largest());
     // The thread stays resumable from its last checkpoint.
     assert!(agent.state("big").await.unwrap().is_some());
 }
@@ -906,13 +924,10 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
 async fn a_model_that_gives_every_tool_call_the_same_id_still_compacts() {
     // Some servers number the calls of each reply, so `call_0` comes back every turn.
     // Each result answers its own turn's call, and a small window still compacts.
-    let largest = Arc::new(AtomicU64::new(0));
-    let seen = largest.clone();
-    let calls = AtomicU64::new(0);
+    let watch = PromptWatch::default();
+    let seen = watch.clone();
     let model = PolicyModel::new("renumbering", move |messages, _t| {
-        let chars: usize = messages.iter().map(|m| m.text().len()).sum();
-        seen.fetch_max(chars as u64, Ordering::SeqCst);
-        let n = calls.fetch_add(1, Ordering::SeqCst);
+        let n = seen.call(messages);
         let reply = if n < 150 {
             Message::assistant(format!("Next I will echo {n}."))
                 .with_tool_calls(vec![ToolCall::new("call_0", "echo", json!({"i": n}))])
@@ -944,7 +959,7 @@ async fn a_model_that_gives_every_tool_call_the_same_id_still_compacts() {
     );
     assert_compactions_succeeded(&run.state);
     // The prompt stayed well inside the window (about 4 characters a token).
-    assert!(largest.load(Ordering::SeqCst) < 4 * 8_192, "{largest:?}");
+    assert!(watch.largest() < 4 * 8_192, "{}", watch.largest());
 }
 
 #[tokio::test(flavor = "multi_thread")]
