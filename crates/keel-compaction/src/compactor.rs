@@ -1154,9 +1154,11 @@ impl Compactor {
         } else {
             Vec::new()
         };
+        // The layers stay in the prompt: what they say need not be said again.
+        let known: Vec<&str> = state.layers().map(|l| l.text.as_str()).collect();
         let summary = self
             .summarize(
-                SummaryRequest::milestone(leaving, budget),
+                SummaryRequest::milestone(leaving, budget).known(&known),
                 fall_back,
                 (&prefix, tools),
             )
@@ -1332,8 +1334,8 @@ impl Compactor {
             // Two tiers: one epoch summary that takes the previous one in.
             let (layer, u, f) = self
                 .fold_layers(
-                    &state.milestones,
-                    top.as_ref(),
+                    (&state.milestones, top.as_ref()),
+                    &texts(&kept),
                     2,
                     Some(made + 1),
                     fall_back,
@@ -1346,10 +1348,11 @@ impl Compactor {
             fell_back = f;
             top = Some(layer);
         } else {
+            let known: Vec<&str> = top.iter().chain(&kept).map(|l| l.text.as_str()).collect();
             let (layer, u, f) = self
                 .fold_layers(
-                    &state.milestones,
-                    None,
+                    (&state.milestones, None),
+                    &known,
                     2,
                     Some(made + 1),
                     fall_back,
@@ -1372,10 +1375,21 @@ impl Compactor {
                     of_tier[..keep].iter().map(|&i| kept[i].clone()).collect();
                 let upper = tier + 1;
                 let previous = if upper == depth { top.as_ref() } else { None };
+                // The layers that stay beside the new one.
+                let known: Vec<&str> = top
+                    .iter()
+                    .filter(|_| previous.is_none())
+                    .chain(
+                        (0..kept.len())
+                            .filter(|i| !of_tier[..keep].contains(i))
+                            .map(|i| &kept[i]),
+                    )
+                    .map(|l| l.text.as_str())
+                    .collect();
                 let folded = self
                     .fold_layers(
-                        &leaving,
-                        previous,
+                        (&leaving, previous),
+                        &known,
                         upper,
                         None,
                         fall_back,
@@ -1421,8 +1435,8 @@ impl Compactor {
     #[allow(clippy::too_many_arguments)]
     async fn fold_layers(
         &self,
-        inputs: &[Layer],
-        previous: Option<&Layer>,
+        (inputs, previous): (&[Layer], Option<&Layer>),
+        known: &[&str],
         tier: u8,
         number: Option<u64>,
         fall_back: bool,
@@ -1431,7 +1445,7 @@ impl Compactor {
     ) -> Result<(Layer, (u64, u64, u64), bool), CompactionError> {
         let messages: Vec<Message> = inputs.iter().map(|l| l.message.clone()).collect();
         let budget = budgets.tier(tier);
-        let mut request = SummaryRequest::epoch(&messages, budget);
+        let mut request = SummaryRequest::epoch(&messages, budget).known(known);
         if let Some(p) = previous {
             request = request.previous(&p.text);
         }
@@ -1759,4 +1773,9 @@ fn count_failure(state: &mut ContextState, result: &Result<bool, &CompactionErro
         Err(CompactionError::NothingToCompact | CompactionError::NotSmaller { .. }) => {}
         Ok(true) | Err(_) => state.failures_in_a_row = state.failures_in_a_row.saturating_add(1),
     }
+}
+
+/// The texts of `layers`.
+fn texts(layers: &[Layer]) -> Vec<&str> {
+    layers.iter().map(|l| l.text.as_str()).collect()
 }

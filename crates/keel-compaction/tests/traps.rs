@@ -480,3 +480,38 @@ async fn a_tool_call_id_reused_every_turn_still_compacts() {
     let ids: Vec<_> = state.raw.iter().filter_map(|m| m.id.as_deref()).collect();
     assert_eq!(ids, ["a10", "r10", "a11", "r11", "a12", "r12"]);
 }
+
+#[tokio::test]
+async fn a_milestone_does_not_repeat_what_an_earlier_layer_says_word_for_word() {
+    // The same call gets the same error in every step; the first milestone keeps it,
+    // and the next, beside it in the prompt, leaves it out.
+    let config = CompactionConfig::default()
+        .with_every_steps(Some(3))
+        .with_keep_recent_tokens(0);
+    let rig = rig(config, 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    let error = "ERROR: the cache at /var/cache/app is full";
+    for i in 1..=7 {
+        let (mut reply, mut results) = step(i, 3);
+        reply.tool_calls[0] = ToolCall::new(format!("c{i}"), "sh", json!({"cmd": "make cache"}));
+        results[0].content = format!("{error}\npart {i} read").into();
+        rig.compactor.push_step(&mut state, reply, results);
+        rig.compactor.after_step(&mut state, &[]).await.unwrap();
+    }
+    assert_eq!(state.milestones.len(), 2, "{:?}", state.events);
+    assert!(
+        state.milestones[0].text.contains(error),
+        "{}",
+        state.milestones[0].text
+    );
+    assert!(
+        !state.milestones[1].text.contains(error),
+        "{}",
+        state.milestones[1].text
+    );
+    assert!(
+        state.milestones[1].text.contains("sh(make cache)"),
+        "{}",
+        state.milestones[1].text
+    );
+}

@@ -306,7 +306,8 @@ const MAX_CANDIDATES: usize = 4096;
 /// crowd out the facts), and an item over its section's share is not displaced by
 /// lower-priority ones: it keeps first claim on the room left. Facts items are cut to
 /// the room they get, and an identifier already kept elsewhere is not repeated. The
-/// kept items appear in input order, each once. The previous summary's items (and, at
+/// kept items appear in input order, each once, and an item a summary that stays in
+/// the prompt has word for word ([`SummaryRequest::known`]) is left out. The previous summary's items (and, at
 /// the epoch level, the items of milestone summaries given as messages) are carried
 /// over with lower priority than new facts, except their errors, facts and the latest
 /// next steps. System messages are skipped; goal-anchor messages are refused
@@ -399,7 +400,7 @@ impl ExtractiveSummarizer {
         let texts: Vec<Cow<'_, str>> = request.messages.iter().map(Message::text).collect();
         let mut pool = Pool::default();
         self.collect(request, &texts, &mut pool);
-        let sections = self.select(request.budget_tokens, &texts, pool)?;
+        let sections = self.select(request.budget_tokens, &texts, pool, request.known)?;
         Ok(Summary {
             level: request.level,
             text: render(&sections),
@@ -967,6 +968,7 @@ impl ExtractiveSummarizer {
         budget: usize,
         texts: &[Cow<'_, str>],
         pool: Pool,
+        known: &[&str],
     ) -> Result<Vec<Section>, SummarizeError> {
         let Pool {
             owned,
@@ -1013,7 +1015,13 @@ impl ExtractiveSummarizer {
             used: self.counter.count_text("SUMMARY:\n- none\n").min(budget),
             opened: [false; 4],
             heading_cost,
-            seen: HashSet::new(),
+            // Items a summary that stays in the prompt already has, word for word.
+            seen: known
+                .iter()
+                .flat_map(|k| k.lines())
+                .filter_map(|l| l.strip_prefix("- "))
+                .map(str::to_owned)
+                .collect(),
             kept: String::new(),
             chosen: Vec::new(),
         };

@@ -73,6 +73,10 @@ pub struct SummaryRequest<'a> {
     pub previous: Option<&'a str>,
     /// The most tokens the summary may have.
     pub budget_tokens: usize,
+    /// Summaries that stay in the prompt beside the new one (the other milestones and
+    /// epochs): what they say need not be said again. The extractive summarizer leaves
+    /// out an item one of them has word for word; a model summarizer may ignore them.
+    pub known: &'a [&'a str],
 }
 
 impl<'a> SummaryRequest<'a> {
@@ -83,6 +87,7 @@ impl<'a> SummaryRequest<'a> {
             messages,
             previous: None,
             budget_tokens,
+            known: &[],
         }
     }
 
@@ -100,6 +105,13 @@ impl<'a> SummaryRequest<'a> {
     #[must_use]
     pub fn previous(mut self, summary: &'a str) -> Self {
         self.previous = Some(summary);
+        self
+    }
+
+    /// Sets the summaries that stay in the prompt beside the new one.
+    #[must_use]
+    pub fn known(mut self, summaries: &'a [&'a str]) -> Self {
+        self.known = summaries;
         self
     }
 

@@ -110,6 +110,24 @@ fn a_call_id_used_again_in_a_later_turn_is_its_own_call() {
 }
 
 #[test]
+fn an_item_a_known_summary_has_word_for_word_is_not_said_again() {
+    let alone = run(&debugging_session(), 400);
+    let summary = alone.section(SUMMARY).unwrap();
+    let banner = "=== FAILURES === E   AssertionError: expected 200, got 401";
+    assert!(summary.iter().any(|l| l == banner), "{summary:?}");
+    // An earlier summary that stays in the prompt already says it.
+    let earlier = format!("SUMMARY:\n- {banner}\n");
+    let known = [earlier.as_str()];
+    let s = ExtractiveSummarizer::new()
+        .summarize_sync(&SummaryRequest::milestone(&debugging_session(), 400).known(&known))
+        .unwrap();
+    assert!(!s.text.contains(banner), "{}", s.text);
+    // Everything else is still there.
+    let next = s.section(NEXT_STEPS).unwrap();
+    assert!(next.iter().any(|l| l.starts_with("edit(")), "{next:?}");
+}
+
+#[test]
 fn keeps_the_lines_that_carry_signal_in_four_sections() {
     let s = run(&debugging_session(), 400);
     assert_eq!(
