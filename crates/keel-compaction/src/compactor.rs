@@ -1155,7 +1155,7 @@ impl Compactor {
             Vec::new()
         };
         // The layers stay in the prompt: what they say need not be said again.
-        let known: Vec<&str> = state.layers().map(|l| l.text.as_str()).collect();
+        let known = texts(state.layers());
         let summary = self
             .summarize(
                 SummaryRequest::milestone(leaving, budget).known(&known),
@@ -1348,7 +1348,7 @@ impl Compactor {
             fell_back = f;
             top = Some(layer);
         } else {
-            let known: Vec<&str> = top.iter().chain(&kept).map(|l| l.text.as_str()).collect();
+            let known = texts(top.iter().chain(&kept));
             let (layer, u, f) = self
                 .fold_layers(
                     (&state.milestones, None),
@@ -1376,16 +1376,13 @@ impl Compactor {
                 let upper = tier + 1;
                 let previous = if upper == depth { top.as_ref() } else { None };
                 // The layers that stay beside the new one.
-                let known: Vec<&str> = top
-                    .iter()
-                    .filter(|_| previous.is_none())
-                    .chain(
+                let known = texts(
+                    top.iter().filter(|_| previous.is_none()).chain(
                         (0..kept.len())
                             .filter(|i| !of_tier[..keep].contains(i))
                             .map(|i| &kept[i]),
-                    )
-                    .map(|l| l.text.as_str())
-                    .collect();
+                    ),
+                );
                 let folded = self
                     .fold_layers(
                         (&leaving, previous),
@@ -1776,6 +1773,6 @@ fn count_failure(state: &mut ContextState, result: &Result<bool, &CompactionErro
 }
 
 /// The texts of `layers`.
-fn texts(layers: &[Layer]) -> Vec<&str> {
-    layers.iter().map(|l| l.text.as_str()).collect()
+fn texts<'l>(layers: impl IntoIterator<Item = &'l Layer>) -> Vec<&'l str> {
+    layers.into_iter().map(|l| l.text.as_str()).collect()
 }

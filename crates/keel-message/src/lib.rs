@@ -62,7 +62,7 @@ mod value;
 pub use callable::{FnTool, Tool, ToolContext, ToolError, ToolFuture, tool_fn};
 pub use content::{Content, ContentPart};
 pub use error::{FormatError, Problem};
-pub use message::{Message, Role, answered_calls};
+pub use message::{Message, Role, answered_calls, answered_tool_calls};
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use tool::{ToolArguments, ToolCall, ToolSpec};
 

@@ -234,3 +234,16 @@ pub fn answered_calls(messages: &[Message]) -> Vec<Option<usize>> {
         })
         .collect()
 }
+
+/// For each message, the tool call it answers (see [`answered_calls`]): `None` for a
+/// message that is not a tool result, and for a result no earlier call matches.
+pub fn answered_tool_calls(messages: &[Message]) -> Vec<Option<&ToolCall>> {
+    answered_calls(messages)
+        .into_iter()
+        .zip(messages)
+        .map(|(call, m)| {
+            let id = m.tool_call_id.as_deref()?;
+            messages[call?].tool_calls.iter().find(|c| c.id == id)
+        })
+        .collect()
+}

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickKind, MatchKind};
 use async_trait::async_trait;
-use keel_message::{Message, Role, ToolCall, answered_calls};
+use keel_message::{Message, Role, ToolCall, answered_calls, answered_tool_calls};
 use keel_token::{ApproxCounter, TokenCounter};
 
 use crate::summary::{bullet_text, heading_of, parse_bullets, parse_sections};
@@ -464,16 +464,17 @@ impl ExtractiveSummarizer {
             .rposition(|m| m.role == Role::Assistant && !m.tool_calls.is_empty());
         // Calls with a result, as (index of the call's message, call id): a result
         // answers the latest earlier call with its id.
-        let answers = answered_calls(messages);
-        let answered_by = |keep: &dyn Fn(usize) -> bool| -> HashSet<(usize, &str)> {
-            (0..messages.len())
-                .filter(|&j| keep(j))
-                .filter_map(|j| Some((answers[j]?, messages[j].tool_call_id.as_deref()?)))
-                .collect()
-        };
-        let answered = answered_by(&|_| true);
         // Calls whose result says they failed: their paths were not read or changed.
-        let failed = answered_by(&|j| reads_as_failure(&texts[j]));
+        let mut answered: HashSet<(usize, &str)> = HashSet::new();
+        let mut failed: HashSet<(usize, &str)> = HashSet::new();
+        for (j, call) in answered_calls(messages).into_iter().enumerate() {
+            if let (Some(call), Some(id)) = (call, messages[j].tool_call_id.as_deref()) {
+                answered.insert((call, id));
+                if reads_as_failure(&texts[j]) {
+                    failed.insert((call, id));
+                }
+            }
+        }
         // Errors a later call of the same tool with the same arguments got past: the
         // output's index, and the call that succeeded.
         // Each tool output's keyword lines, found once for both uses below.
@@ -838,18 +839,14 @@ impl ExtractiveSummarizer {
         texts: &[Cow<'_, str>],
         hits: &[Option<Vec<Hit>>],
     ) -> HashMap<usize, String> {
-        let answers = answered_calls(messages);
+        let calls = answered_tool_calls(messages);
         // (output index, head, whether it reports an error)
-        let outputs: Vec<(usize, String, bool)> = messages
+        // Only tool results answer a call.
+        let outputs: Vec<(usize, String, bool)> = calls
             .iter()
             .enumerate()
-            .filter(|(_, m)| m.role == Role::Tool)
-            .filter_map(|(i, m)| {
-                let id = m.tool_call_id.as_deref()?;
-                let call = messages[answers[i]?]
-                    .tool_calls
-                    .iter()
-                    .find(|c| c.id == id)?;
+            .filter_map(|(i, call)| {
+                let call = (*call)?;
                 // Every tool output's lines were scanned (`hits`).
                 let failed = reports_error(texts.get(i)?, hits.get(i)?.as_deref()?);
                 Some((i, call_head(call), failed))
@@ -1019,7 +1016,7 @@ impl ExtractiveSummarizer {
             seen: known
                 .iter()
                 .flat_map(|k| k.lines())
-                .filter_map(|l| l.strip_prefix("- "))
+                .filter_map(bullet_text)
                 .map(str::to_owned)
                 .collect(),
             kept: String::new(),

@@ -2,7 +2,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeSet, VecDeque};
 use std::fmt::Write as _;
 
-use keel_message::{Content, Message, Role, answered_calls};
+use keel_message::{Content, Message, Role, answered_tool_calls};
 use serde_json::json;
 
 use super::{
@@ -144,14 +144,9 @@ impl EvictLargeResults {
     pub fn apply(&self, messages: Vec<Message>, env: &PolicyEnv<'_>) -> PolicyOutcome {
         // Each result's tool, from the call it answers (the latest earlier one with
         // its id).
-        let tool_names: Vec<Option<String>> = answered_calls(&messages)
+        let tool_names: Vec<Option<String>> = answered_tool_calls(&messages)
             .into_iter()
-            .zip(&messages)
-            .map(|(call, m)| {
-                let id = m.tool_call_id.as_deref()?;
-                let call = messages[call?].tool_calls.iter().find(|c| c.id == id)?;
-                Some(call.name.clone())
-            })
+            .map(|call| call.map(|c| c.name.clone()))
             .collect();
         let mut out = PolicyOutcome {
             messages: Vec::with_capacity(messages.len()),
