@@ -10,13 +10,14 @@ use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop};
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentState, AgentUpdate, BuildError, Stop};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::model::{ChatModel, ChatOptions, HttpConfig};
 use keel::offload::EvictLargeResults;
 use keel::token::{ModelProfile, TokenCounter};
 use serde::Serialize;
+use serde_json::Value;
 
 use crate::chart::{self, Mark, Turn};
 use crate::config::Settings;
@@ -419,12 +420,29 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .thread
         .clone()
         .unwrap_or_else(|| store::new_thread_id("demo"));
-    // A thread that already ran has done its survey: only the final question is asked
-    // again, and the table counts this run's calls only.
+    // A thread that finished has done its survey: only the final question is asked
+    // again. One stopped part-way (Ctrl-C) resumes the part it was in. Either way the
+    // table counts this run's calls only.
     let earlier = agent
         .state(&thread)
         .await
         .with_context(|| format!("cannot read thread `{thread}`"))?;
+    let stopped_in = match &earlier {
+        Some(state) if !finished(state) => Some(
+            match agent
+                .metadata(&thread)
+                .await
+                .with_context(|| format!("cannot read thread `{thread}`"))?
+                .as_ref()
+                .and_then(|m| m.get(PHASE_KEY))
+                .and_then(Value::as_str)
+            {
+                Some(QUESTION) => QUESTION,
+                _ => SURVEY,
+            },
+        ),
+        _ => None,
+    };
     let label = match &live {
         Some(spec) => format!("model: {spec} (live)"),
         None => "model: a scripted policy (deterministic, no model server), posing as gpt-4o for its token profile".to_owned(),
@@ -448,12 +466,25 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             every(args.epoch, "milestone"),
         );
         if let Some(before) = &earlier {
-            crate::outln!(
-                "note: thread `{thread}` already ran ({}, {}, {} before now), so its survey is not repeated: only the final question is asked again, and the table below counts this run's calls and compactions only. Leave out --thread (or give a new one) for a full run.\n",
+            let so_far = format!(
+                "{}, {}, {} before now",
                 count(before.step, "model call"),
                 count(before.milestones_made, "milestone"),
                 count(before.epochs_made, "epoch"),
             );
+            match stopped_in {
+                Some(phase) => crate::outln!(
+                    "note: thread `{thread}` stopped during its {phase} ({so_far}): it resumes where it stopped{}, and the table below counts this run's calls and compactions only.\n",
+                    if phase == SURVEY {
+                        ", then the final question is asked"
+                    } else {
+                        ""
+                    }
+                ),
+                None => crate::outln!(
+                    "note: thread `{thread}` already ran ({so_far}), so its survey is not repeated: only the final question is asked again, and the table below counts this run's calls and compactions only. Leave out --thread (or give a new one) for a full run.\n"
+                ),
+            }
         }
     }
 
@@ -477,18 +508,36 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         summarizer: &args.summarizer,
         settings,
     };
-    if drive(&agent, &thread, AgentInput::new(), &mut tally, &watch).await? {
+    // Each part's runs carry its name in their checkpoints' metadata, so a thread
+    // stopped part-way resumes the part it was in.
+    let in_question = stopped_in == Some(QUESTION);
+    if !in_question
+        && drive(
+            &agent,
+            &thread,
+            AgentInput::new().metadata(PHASE_KEY, SURVEY),
+            &mut tally,
+            &watch,
+        )
+        .await?
+    {
         return Ok(interrupted(&thread, &tally, &bar));
     }
     let survey_answer = tally.answer.take();
     let reads_before = tally.archive_reads;
     let calls_before = tally.tool_calls;
     let question = scenario.question();
-    tally.full += counter.count_message(&Message::user(question.clone())) as u64;
+    let ask = if in_question {
+        // Asked in the run that stopped: it is answered as the thread goes on.
+        AgentInput::new()
+    } else {
+        tally.full += counter.count_message(&Message::user(question.clone())) as u64;
+        AgentInput::new().message(Message::user(question.clone()))
+    };
     if drive(
         &agent,
         &thread,
-        AgentInput::new().message(Message::user(question.clone())),
+        ask.metadata(PHASE_KEY, QUESTION),
         &mut tally,
         &watch,
     )
@@ -698,6 +747,19 @@ struct Watch<'a> {
     /// `--summarizer`.
     summarizer: &'a str,
     settings: &'a Settings,
+}
+
+/// The metadata key naming the part of the demo a run was: [`SURVEY`] or [`QUESTION`].
+const PHASE_KEY: &str = "demo";
+const SURVEY: &str = "survey";
+const QUESTION: &str = "final question";
+
+/// Whether the thread's last run ended with an answer (the model's reply without tool
+/// calls), rather than stopping part-way.
+fn finished(state: &AgentState) -> bool {
+    state
+        .last_message()
+        .is_some_and(|m| m.role == Role::Assistant && m.tool_calls.is_empty())
 }
 
 /// Ctrl-C stopped the demo: says where its thread is, and exits 130.

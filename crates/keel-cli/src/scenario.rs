@@ -8,7 +8,6 @@
 //! call's result and reads the record back. A wrong answer is reported as wrong.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context as _, bail};
 use keel::message::{Message, Role, ToolCall};
@@ -169,14 +168,18 @@ impl Scenario {
 
     /// The scripted model. `model_name` picks the token profile (its window and
     /// tokenizer), as a real model's name would.
+    ///
+    /// It keeps no count of its own: the survey's next call follows from the prompt's
+    /// last tool result (`call_k` is answered, so call `k + 1` is next), so a thread
+    /// resumed in a new process, or a prompt sent again after an overflow, picks up
+    /// where the thread is.
     pub fn policy(&self, model_name: &str) -> PolicyModel {
         let calls = self.calls();
         let needle = self.needle.clone();
         let files_read = self.files.len();
-        let next = AtomicUsize::new(0);
         let name = model_name.to_owned();
         PolicyModel::new(model_name, move |prompt, _tools| {
-            let reply = reply_to(prompt, &calls, &next, &needle, files_read);
+            let reply = reply_to(prompt, &calls, &needle, files_read);
             Ok(ChatResponse::new(reply, name.clone()))
         })
     }
@@ -186,7 +189,6 @@ impl Scenario {
 fn reply_to(
     prompt: &[Message],
     calls: &[(&'static str, Value)],
-    next: &AtomicUsize,
     needle: &Needle,
     files: usize,
 ) -> Message {
@@ -243,9 +245,13 @@ fn reply_to(
                 needle.line
             )),
         },
-        // The survey.
-        _ => {
-            let i = next.fetch_add(1, Ordering::Relaxed);
+        // The survey: after `call_k`'s result comes call `k + 1` (index `k`); the
+        // goal alone starts it.
+        (_, id) => {
+            let i = id
+                .and_then(|id| id.strip_prefix("call_"))
+                .and_then(|k| k.parse::<usize>().ok())
+                .unwrap_or(0);
             match calls.get(i) {
                 Some((tool, args)) => {
                     let id = format!("call_{}", i + 1);
@@ -409,16 +415,41 @@ mod tests {
     }
 
     #[test]
+    fn the_survey_goes_on_from_the_last_answered_call_as_a_resumed_thread_needs() {
+        let (_d, s) = sample();
+        let calls = s.calls();
+        let goal = Message::user(s.goal());
+        let first = reply_to(std::slice::from_ref(&goal), &calls, &s.needle, 2);
+        assert_eq!(first.tool_calls[0].id, "call_1");
+        // A new process (no count carried over) resuming after call_7's result.
+        let after = Message::tool("call_7", "some result");
+        let next = reply_to(&[goal.clone(), after.clone()], &calls, &s.needle, 2);
+        assert_eq!(next.tool_calls[0].id, "call_8");
+        assert_eq!(next.tool_calls[0].name, calls[7].0);
+        // The same prompt sent again (an overflow's retry) asks for the same call.
+        let again = reply_to(&[goal.clone(), after], &calls, &s.needle, 2);
+        assert_eq!(again.tool_calls[0].id, "call_8");
+        // After the last call, the report.
+        let last = Message::tool(format!("call_{}", calls.len()), "done");
+        let report = reply_to(&[goal, last], &calls, &s.needle, 2);
+        assert!(report.tool_calls.is_empty());
+        assert!(
+            report.text().starts_with("Survey done"),
+            "{}",
+            report.text()
+        );
+    }
+
+    #[test]
     fn the_reader_answers_from_context_when_it_can_and_from_the_archive_otherwise() {
         let (_d, s) = sample();
         let calls = s.calls();
-        let next = AtomicUsize::new(calls.len());
         let q = Message::user(s.question());
         let early = Message::tool(
             NEEDLE_CALL,
             "     1\t# T\n     2\t\n     3\tThe launch code is ZX-9041-ALPHA.\n",
         );
-        let from_context = reply_to(&[early, q.clone()], &calls, &next, &s.needle, 2);
+        let from_context = reply_to(&[early, q.clone()], &calls, &s.needle, 2);
         assert!(
             s.is_correct(&from_context.text()),
             "{}",
@@ -426,13 +457,13 @@ mod tests {
         );
         assert!(from_context.tool_calls.is_empty());
 
-        let search = reply_to(&[q], &calls, &next, &s.needle, 2);
+        let search = reply_to(&[q], &calls, &s.needle, 2);
         assert_eq!(search.tool_calls[0].name, "grep");
         let hit = Message::tool(
             ASK_GREP,
             "archive/messages.jsonl:7: {\"seq\":6,\"id\":\"m\"… [line cut]",
         );
-        let read = reply_to(&[hit], &calls, &next, &s.needle, 2);
+        let read = reply_to(&[hit], &calls, &s.needle, 2);
         assert_eq!(
             read.tool_calls[0].arguments.to_json_string(),
             r#"{"path":"archive/messages.jsonl","offset":6,"limit":1}"#
@@ -440,14 +471,13 @@ mod tests {
         let record = json!({"seq": 6, "id": "m", "message": {"role": "tool", "tool_call_id": NEEDLE_CALL,
             "content": "     1\t# T\n     2\t\n     3\tThe launch code is ZX-9041-ALPHA.\n"}});
         let row = Message::tool(ASK_READ, format!("lines 7-7 of 9\n     7\t{record}\n"));
-        let answer = reply_to(&[row], &calls, &next, &s.needle, 2);
+        let answer = reply_to(&[row], &calls, &s.needle, 2);
         assert!(s.is_correct(&answer.text()), "{}", answer.text());
         assert!(answer.text().contains("From the archive"));
 
         let missing = reply_to(
             &[Message::tool(ASK_GREP, "No matches.")],
             &calls,
-            &next,
             &s.needle,
             2,
         );

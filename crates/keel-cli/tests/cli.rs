@@ -94,11 +94,13 @@ fn demo(args: &[&str], dir: &Path, home: &Path) -> Output {
 }
 
 #[test]
-fn ctrl_c_stops_the_demo_with_exit_130_and_says_where_its_thread_is() {
+fn ctrl_c_stops_the_demo_with_exit_130_and_the_same_command_resumes_it() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
+    const STEPS: u64 = 1_500;
+    let args = ["demo", "--steps", "1500", "--thread", "interrupted", "-q"];
     let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
-        .args(["demo", "--steps", "1000000", "--thread", "interrupted"])
+        .args(args)
         .arg("--dir")
         .arg(proj.path())
         .arg("--home")
@@ -138,6 +140,34 @@ fn ctrl_c_stops_the_demo_with_exit_130_and_says_where_its_thread_is() {
         .output()
         .unwrap();
     assert!(show.status.success(), "{:?}", text(&show));
+
+    // The same command again (a new process, so the scripted model has no memory of
+    // the run) resumes the survey where it stopped, then asks the final question.
+    let out = keel()
+        .args(args)
+        .arg("--dir")
+        .arg(proj.path())
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("stopped during its survey") && stdout.contains("resumes where it stopped"),
+        "{stdout}"
+    );
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(home.path().join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["question"]["correct"], true, "{report:#}");
+    // Every survey call once, none again: the survey's calls, then the question's
+    // tool calls and its answer.
+    let question_calls = report["question"]["tool_calls"].as_u64().unwrap() + 1;
+    assert_eq!(
+        report["thread_model_calls"].as_u64().unwrap(),
+        STEPS + question_calls,
+        "{report:#}"
+    );
 }
 
 #[test]
