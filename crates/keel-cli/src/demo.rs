@@ -54,7 +54,7 @@ pub struct DemoArgs {
     out: Option<PathBuf>,
     /// Model calls of the scripted survey (the final question adds two or three); a
     /// live model stops when it is done, at most this many calls.
-    #[arg(long, default_value_t = 160, value_parser = crate::ui::at_least_one::<usize>)]
+    #[arg(long, default_value_t = 160, value_parser = survey_steps)]
     steps: usize,
     /// A milestone every N model calls.
     #[arg(long, default_value_t = 10, value_parser = crate::ui::at_least_one::<usize>)]
@@ -747,6 +747,16 @@ struct Watch<'a> {
     /// `--summarizer`.
     summarizer: &'a str,
     settings: &'a Settings,
+}
+
+/// `--steps`: the survey needs a listing, the early read and the report (clap turns
+/// the error into a usage error, exit code 2, naming the flag).
+fn survey_steps(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(n) if n >= 3 => Ok(n),
+        Ok(_) => Err("it must be at least 3 (a listing, the early read, the report)".to_owned()),
+        Err(_) => Err("give a whole number, at least 3 (e.g. 160)".to_owned()),
+    }
 }
 
 /// The metadata key naming the part of the demo a run was: [`SURVEY`] or [`QUESTION`].

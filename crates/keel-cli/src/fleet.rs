@@ -78,8 +78,8 @@ Examples:
   keel worker --model ollama/qwen2.5:7b --concurrency 4 --dir ../project
   OPENAI_BASE_URL=http://127.0.0.1:8080/v1 keel worker --model openai/local --name gpu-1
 
-Runs queued runs until Ctrl-C, then stops each held run at its next step and puts it
-back in the queue. Start as many workers as you like, on any machines: a run is held
+Runs queued runs until Ctrl-C or SIGTERM, then stops each held run at its next step and
+puts it back in the queue, and exits 0. Start as many workers as you like, on any machines: a run is held
 by one worker at a time under a lease the database times; a worker that dies loses its
 runs after --lease seconds and another continues them from their last checkpoint.
 Checkpoints, the archive and offloaded results live in the same database. The file
@@ -356,15 +356,22 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
     }
     let worker = builder.build().context("cannot set up the worker")?;
     outln!(
-        "worker {}: {} slot(s), model {described}, files {} (read-only), {}; Ctrl-C stops",
+        "worker {}: {} slot(s), model {described}, files {} (read-only), {}; Ctrl-C or SIGTERM stops",
         worker.name(),
         args.concurrency.max(1),
         args.dir.display(),
         storage.described
     );
+    // Ctrl-C, or SIGTERM from a service manager (`docker stop`, systemd, Kubernetes):
+    // either stops the worker after the runs' current steps and puts them back in the
+    // queue for another worker, rather than leaving them held until their lease ends.
+    let mut term = crate::live::listen_for_term();
     let report = worker
-        .run(async {
-            let _ = tokio::signal::ctrl_c().await;
+        .run(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                () = crate::live::terminated(&mut term) => {}
+            }
         })
         .await;
     let report = report.context("the worker stopped")?;

@@ -493,12 +493,12 @@ impl Signal {
 }
 
 #[cfg(unix)]
-type TermListener = tokio::signal::unix::Signal;
+pub(crate) type TermListener = tokio::signal::unix::Signal;
 #[cfg(not(unix))]
-type TermListener = ();
+pub(crate) type TermListener = ();
 
 /// A listener for SIGTERM (none where there is no such signal, or it cannot be had).
-fn listen_for_term() -> Option<TermListener> {
+pub(crate) fn listen_for_term() -> Option<TermListener> {
     #[cfg(unix)]
     {
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok()
@@ -510,7 +510,7 @@ fn listen_for_term() -> Option<TermListener> {
 }
 
 /// Completes at the next SIGTERM; never without a listener.
-async fn terminated(listener: &mut Option<TermListener>) {
+pub(crate) async fn terminated(listener: &mut Option<TermListener>) {
     #[cfg(unix)]
     if let Some(l) = listener
         && l.recv().await.is_some()

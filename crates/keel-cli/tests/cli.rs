@@ -1841,7 +1841,12 @@ fn values_that_cannot_work_are_usage_errors_with_exit_2() {
         (
             vec!["demo", "--steps", "0", "--home", h],
             "--steps",
-            "at least 1",
+            "at least 3",
+        ),
+        (
+            vec!["demo", "--steps", "1", "--home", h],
+            "--steps",
+            "at least 3 (a listing, the early read, the report)",
         ),
         (
             vec!["demo", "--every", "0", "--home", h],
@@ -2906,6 +2911,71 @@ async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_i
             && !stdout.contains("stopped after the current step"),
         "{stdout}\n{stderr}"
     );
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_worker_and_puts_its_run_back_in_the_queue() {
+    let Some(url) = database_url() else { return };
+    let _fleet = FLEET.lock().await;
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(Slow(std::time::Duration::from_millis(1500)))
+        .mount(&server)
+        .await;
+    let proj = project();
+    let thread = unique_thread("cli-worker-sigterm");
+    let fleet = |args: &[&str]| {
+        keel()
+            .args(args)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap()
+    };
+    let out = fleet(&["submit", "--thread", &thread, "--goal", "What is here?"]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let run = text(&out).0.trim().to_owned();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
+        .args(["worker", "--model", "openai/local", "--lease", "600"])
+        .args(["--database-url", &url, "--dir"])
+        .arg(proj.path())
+        .env("OPENAI_BASE_URL", format!("{}/v1", server.uri()))
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("KEEL_MODEL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The worker holds the run and is in its first model call.
+    let started = std::time::Instant::now();
+    while server.received_requests().await.unwrap().is_empty() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "the worker never called the model"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 put back in the queue"),
+        "{stdout}\n{stderr}"
+    );
+    // Back in the queue at once, not held until its 600-second lease ends.
+    let status = fleet(&["status", &run, "--json"]);
+    let info: Value =
+        serde_json::from_slice(&status.stdout).unwrap_or_else(|_| panic!("{:?}", text(&status)));
+    assert_eq!(info["status"], "queued", "{info}");
+    let cancelled = fleet(&["cancel", &run]);
+    assert!(cancelled.status.success(), "{:?}", text(&cancelled));
 }
 
 #[test]
