@@ -226,7 +226,9 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         "replaying",
     );
     let mut results: Vec<(StrategyName, Vec<RunReport>)> = Vec::new();
-    for &name in &args.strategy {
+    // The replay's settings at a window, for each strategy; the note on a replay that
+    // compacted nothing asks them where the token trigger would fire.
+    let config_at = |window: usize, name: StrategyName| {
         let mut config = ReplayConfig::new(window, name.strategy());
         config.encoding = profile.encoding;
         config.reserve_output = profile.max_output_tokens.min(window / 4);
@@ -237,6 +239,10 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         if let Some(epoch) = args.epoch {
             config.compaction = config.compaction.with_epoch_every(epoch.max(1));
         }
+        config
+    };
+    for &name in &args.strategy {
+        let config = config_at(window, name);
         let mut reports = Vec::with_capacity(runs.len());
         for run in &runs {
             let report = match replay_trajectory(run, &config, counter.clone()).await {
@@ -334,7 +340,8 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         crate::outln!(
             "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
         );
-        if let Some(note) = nothing_compacted_note(&totals, window, args.every) {
+        let threshold_at = |w: usize| config_at(w, StrategyName::Hierarchical).token_threshold();
+        if let Some(note) = nothing_compacted_note(&totals, window, args.every, &threshold_at) {
             crate::outln!("{note}");
         }
         crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
@@ -573,12 +580,15 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
 
 /// A note for a replay in which no strategy compacted anything (the runs stayed under
 /// the triggers at this window), so a 0% saving is not read as keel failing.
-/// It suggests only what would change something: a window smaller than this one, an
-/// `--every` smaller than the one given.
+/// It suggests only what would change something: the largest window (a multiple of
+/// 1,000, smaller than this one) whose token trigger, `threshold_at(window)`, fires
+/// by three quarters of the largest full prompt, so it fires in more than the last
+/// turns; an `--every` smaller than the one given.
 fn nothing_compacted_note(
     totals: &[(StrategyName, Report)],
     window: usize,
     every: Option<usize>,
+    threshold_at: &dyn Fn(usize) -> usize,
 ) -> Option<String> {
     let compacted = totals
         .iter()
@@ -587,10 +597,12 @@ fn nothing_compacted_note(
     if compacted || totals.iter().all(|(_, r)| r.turns == 0) {
         return None;
     }
-    let smaller = (peak * 2).max(MIN_REPLAY_WINDOW).next_multiple_of(1_000);
+    let smaller = (MIN_REPLAY_WINDOW..window)
+        .rev()
+        .filter(|w| w % 1_000 == 0)
+        .find(|&w| threshold_at(w) <= peak / 4 * 3);
     let hints: Vec<String> = [
-        (smaller < window)
-            .then(|| format!("a smaller --window (e.g. {})", thousands(smaller as u64))),
+        smaller.map(|w| format!("a smaller --window (e.g. {})", thousands(w as u64))),
         // Only the hierarchical strategy makes a milestone every N steps.
         (every != Some(1) && totals.iter().any(|(n, _)| *n == StrategyName::Hierarchical))
             .then(|| "a smaller --every (a milestone every N steps)".to_owned()),
@@ -598,15 +610,18 @@ fn nothing_compacted_note(
     .into_iter()
     .flatten()
     .collect();
+    // Savings without a compaction come from what keel does to every tool result on
+    // arrival: large ones offloaded to the archive, JSON made compact.
+    let on_arrival = "any saving shown comes from what keel does to each tool result as it arrives (a large one offloaded, JSON made compact)";
     if hints.is_empty() {
         return Some(format!(
-            "note: nothing was compacted, and no smaller --window or --every would change that: the runs are too short (the largest full prompt is {} tokens) for compaction to make a prompt smaller",
+            "note: nothing was compacted, and no smaller --window or --every would change that: the runs are too short (the largest full prompt is {} tokens) for compaction to make a prompt smaller; {on_arrival}",
             thousands(peak as u64),
         ));
     }
     let hint = hints.join(" or ");
     Some(format!(
-        "note: nothing was compacted: the largest full prompt ({} tokens) stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction",
+        "note: nothing was compacted: the largest full prompt ({} tokens) stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction; {on_arrival}",
         thousands(peak as u64),
         thousands(window as u64),
     ))
@@ -666,38 +681,54 @@ mod tests {
         (name, r)
     }
 
+    /// The default token trigger at `w` with a tenth kept for the reply: 0.85 of the rest.
+    fn threshold(w: usize) -> usize {
+        ReplayConfig::new(w, StrategyName::Hierarchical.strategy()).token_threshold()
+    }
+
     #[test]
     fn the_nothing_compacted_note_suggests_only_what_would_change_something() {
-        let h = [quiet(StrategyName::Hierarchical, 65)];
-        let both = nothing_compacted_note(&h, 128_000, None).unwrap();
+        // The largest window whose trigger fires by three quarters of the peak: at
+        // 11,000 tokens the trigger waits for 8,415, at 10,000 for 7,650 (the peak's
+        // three quarters are 7,875).
+        let h = [quiet(StrategyName::Hierarchical, 10_500)];
+        let both = nothing_compacted_note(&h, 128_000, None, &threshold).unwrap();
         assert!(
-            both.contains("--window (e.g. 1,000)") && both.contains("smaller --every"),
+            both.contains("--window (e.g. 10,000)") && both.contains("smaller --every"),
             "{both}"
         );
-        // Already at the least window: no window to suggest.
-        let every = nothing_compacted_note(&h, 1_000, None).unwrap();
+        assert!(threshold(10_000) <= 10_500 / 4 * 3 && threshold(11_000) > 10_500 / 4 * 3);
+        // Already at the least window: --every is left.
+        let every = nothing_compacted_note(&h, 1_000, None, &threshold).unwrap();
         assert!(
             !every.contains("--window (e.g.") && every.contains("smaller --every"),
             "{every}"
         );
-        // A milestone every step at the least window: nothing left to suggest.
-        let none = nothing_compacted_note(&h, 1_000, Some(1)).unwrap();
+        // A run so short that no window fires the trigger, and a milestone every step:
+        // nothing left to suggest.
+        let tiny = [quiet(StrategyName::Hierarchical, 65)];
+        let none = nothing_compacted_note(&tiny, 128_000, Some(1), &threshold).unwrap();
         assert!(
             none.contains("too short") && !none.contains("e.g."),
             "{none}"
         );
-        // A window never suggested larger than the one replayed.
-        let big =
-            nothing_compacted_note(&[quiet(StrategyName::Hierarchical, 70_000)], 128_000, None)
-                .unwrap();
-        assert!(!big.contains("--window (e.g."), "{big}");
+        // A long run at a huge window: the window where the trigger fires by 52,500.
+        let big = nothing_compacted_note(
+            &[quiet(StrategyName::Hierarchical, 70_000)],
+            1_000_000,
+            None,
+            &threshold,
+        )
+        .unwrap();
+        assert!(big.contains("--window (e.g. 68,000)"), "{big}");
         // Masking makes no milestones: --every changes nothing for it.
-        let m = [quiet(StrategyName::Masking, 65)];
-        let window = nothing_compacted_note(&m, 128_000, None).unwrap();
+        let m = [quiet(StrategyName::Masking, 10_500)];
+        let window = nothing_compacted_note(&m, 17_000, None, &threshold).unwrap();
         assert!(
-            window.contains("--window (e.g. 1,000)") && !window.contains("--every"),
+            window.contains("--window (e.g. 10,000)") && !window.contains("--every"),
             "{window}"
         );
+        assert!(window.contains("as it arrives"), "{window}");
     }
 
     #[test]

@@ -2689,20 +2689,90 @@ fn small_wording_sizes_and_chart_paths() {
     );
 }
 
+/// An OpenAI chat run of `turns` tool calls, each result a few hundred tokens of
+/// distinct text.
+fn long_openai_run(turns: usize) -> String {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a careful engineer."}),
+        json!({"role": "user", "content": "Find which service logs the failing request."}),
+    ];
+    for i in 0..turns {
+        let id = format!("c{i}");
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": id, "type": "function",
+             "function": {"name": "read_log", "arguments": format!("{{\"service\":\"svc-{i}\"}}")}}]}));
+        let body: String = (0..40)
+            .map(|l| {
+                format!(
+                    "svc-{i} line {l}: request {} handled in {} ms\n",
+                    i * 1_000 + l,
+                    7 * l + i
+                )
+            })
+            .collect();
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": body}));
+    }
+    messages.push(json!({"role": "assistant", "content": "svc-3 logs it."}));
+    serde_json::to_string(&messages).unwrap()
+}
+
 #[test]
-fn replay_notes_a_replay_that_compacted_nothing_and_how_to_see_compaction() {
+fn replay_notes_a_replay_that_compacted_nothing_and_a_window_that_compacts() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("run.json");
-    std::fs::write(&file, OPENAI_RUN).unwrap();
-    let out = keel().arg("replay").arg(&file).output().unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stderr}");
+    std::fs::write(&file, long_openai_run(30)).unwrap();
+    // Hierarchical with a milestone every 100 steps: its step trigger never fires in
+    // these 31 turns, so only the token trigger could.
+    for strategy in ["masking", "hybrid", "hierarchical"] {
+        let every = ["--every", "100"];
+        let out = keel()
+            .args(["replay", "--strategy", strategy])
+            .args(every)
+            .arg(&file)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            stdout.contains("note: nothing was compacted")
+                && stdout.contains("128,000-token window")
+                && stdout.contains("as it arrives"),
+            "{stdout}"
+        );
+        // The window it suggests compacts, under every strategy.
+        let window = stdout
+            .split("--window (e.g. ")
+            .nth(1)
+            .and_then(|rest| rest.split(')').next())
+            .unwrap_or_else(|| panic!("no window suggested: {stdout}"))
+            .replace(',', "");
+        let out = keel()
+            .args(["replay", "--strategy", strategy, "--window", &window])
+            .args(every)
+            .arg(&file)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            !stdout.contains("nothing was compacted"),
+            "{strategy} at --window {window}: {stdout}"
+        );
+    }
+    // A run too short for any window to compact: no window is suggested.
+    let short = dir.path().join("short.json");
+    std::fs::write(&short, OPENAI_RUN).unwrap();
+    let out = keel()
+        .args(["replay", "--strategy", "masking"])
+        .arg(&short)
+        .output()
+        .unwrap();
+    let (stdout, _) = text(&out);
     assert!(
-        stdout.contains("note: nothing was compacted")
-            && stdout.contains("128,000-token window")
-            && stdout.contains("--window (e.g."),
+        stdout.contains("no smaller --window or --every would change that"),
         "{stdout}"
     );
+    let file = short;
     // A milestone every step compacts: no note.
     let out = keel()
         .args(["replay", "--every", "1"])

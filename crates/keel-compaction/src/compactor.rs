@@ -442,16 +442,13 @@ impl Compactor {
     /// [`CompactionConfig::max_prompt_tokens`] when that is smaller. The token trigger,
     /// the recent tail and the summary budgets follow it.
     pub fn prompt_budget(&self) -> usize {
-        let budget = self.budget();
-        self.config
-            .max_prompt_tokens
-            .map_or(budget, |ceiling| ceiling.min(budget))
+        self.config.prompt_budget(self.budget())
     }
 
-    /// The token threshold of the token trigger.
+    /// The token threshold of the token trigger
+    /// ([`CompactionConfig::token_threshold`] for this model).
     pub fn threshold(&self) -> usize {
-        let budget = self.prompt_budget() as f64;
-        (budget * self.config.window_fraction.clamp(0.0, 1.0)) as usize
+        self.config.token_threshold(self.budget())
     }
 
     /// The model input, in order: system prompt, goal, epoch summary, milestones, raw

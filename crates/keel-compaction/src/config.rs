@@ -393,6 +393,31 @@ impl Default for CompactionConfig {
 }
 
 impl CompactionConfig {
+    /// The budget the prompt is kept within for a model whose input budget is
+    /// `input_budget` ([`ModelProfile::input_budget`](keel_token::ModelProfile::input_budget)):
+    /// that budget, or [`max_prompt_tokens`](Self::max_prompt_tokens) when smaller.
+    pub fn prompt_budget(&self, input_budget: usize) -> usize {
+        self.max_prompt_tokens
+            .map_or(input_budget, |ceiling| ceiling.min(input_budget))
+    }
+
+    /// The prompt size at which the token trigger fires for a model whose input budget
+    /// is `input_budget`: [`window_fraction`](Self::window_fraction) of the
+    /// [`prompt_budget`](Self::prompt_budget).
+    ///
+    /// ```
+    /// use keel_compaction::CompactionConfig;
+    ///
+    /// let config = CompactionConfig::default();
+    /// assert_eq!(config.token_threshold(100_000), 85_000);
+    /// let capped = config.with_max_prompt_tokens(Some(40_000));
+    /// assert_eq!(capped.token_threshold(100_000), 34_000);
+    /// ```
+    pub fn token_threshold(&self, input_budget: usize) -> usize {
+        let budget = self.prompt_budget(input_budget) as f64;
+        (budget * self.window_fraction.clamp(0.0, 1.0)) as usize
+    }
+
     /// Sets when a failing summary falls back to the fallback summarizer
     /// ([`CompactionConfig::fallback_after_failures`]).
     ///

@@ -84,6 +84,22 @@ impl ReplayConfig {
         }
     }
 
+    /// The prompt size at which this replay's token trigger fires
+    /// ([`CompactionConfig::token_threshold`] at this window, less the reply's reserve).
+    ///
+    /// ```
+    /// use keel_compaction::replay::ReplayConfig;
+    /// use keel_compaction::Strategy;
+    ///
+    /// let config = ReplayConfig::new(10_000, Strategy::Hierarchical);
+    /// // 0.85 of the 9,000 tokens left after a tenth is kept for the reply.
+    /// assert_eq!(config.token_threshold(), 7_650);
+    /// ```
+    pub fn token_threshold(&self) -> usize {
+        self.compaction
+            .token_threshold(self.profile().input_budget())
+    }
+
     fn profile(&self) -> ModelProfile {
         ModelProfile::new(
             format!("replay-{}", self.window),
