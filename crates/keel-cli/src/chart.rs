@@ -48,14 +48,26 @@ pub fn write_svg_with_masks(
     masks: &[u64],
 ) -> anyhow::Result<()> {
     let svg = render_svg_with_masks(title, turns, marks, masks)?;
-    if let Some(dir) = path.parent()
-        && !dir.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create {}, the chart's directory", dir.display()))?;
-    }
+    prepare(path)?;
     std::fs::write(path, svg)
         .with_context(|| format!("cannot write the chart to {}", path.display()))
+}
+
+/// Makes ready to write the chart at `path`: its directory is created, and a path that
+/// is a directory refused. Called before a long replay, so a bad `--chart` fails first.
+pub fn prepare(path: &Path) -> anyhow::Result<()> {
+    if path.is_dir() {
+        anyhow::bail!(
+            "cannot write the chart to {}: it is a directory; give a file name ending in .svg",
+            path.display()
+        );
+    }
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => {
+            crate::ui::create_dir(dir, "the chart's directory")
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The chart as an SVG document (what [`write_svg`] writes).

@@ -314,8 +314,10 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     let started = Instant::now();
     let home = settings.home(args.home.as_deref());
     let out = args.out.clone().unwrap_or_else(|| home.clone());
-    std::fs::create_dir_all(&out)
-        .with_context(|| format!("cannot create the output directory {}", out.display()))?;
+    crate::ui::create_dir(
+        &out,
+        "where the report and chart go (--out, else the home directory)",
+    )?;
     let scenario = Scenario::plan(&args.dir, args.steps)?;
     let live = settings
         .model(args.model.as_deref())

@@ -123,6 +123,9 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         }
     };
     let started = Instant::now();
+    if let Some(path) = &args.chart {
+        chart::prepare(path)?;
+    }
     let (files, repeats) = formats::without_repeats(formats::expand(&args.inputs)?);
     for path in &repeats {
         crate::errln!(
@@ -201,6 +204,7 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
             );
         }
     }
+    unique_run_ids(&mut loaded);
     if let Some(goal) = &args.goal {
         for run in loaded.iter_mut().flat_map(|l| &mut l.runs) {
             set_goal(run, goal);
@@ -546,6 +550,23 @@ fn cacheable(r: &Report) -> String {
         "-".to_owned()
     } else {
         percent(r.cacheable_share())
+    }
+}
+
+/// Run ids come from file names (`openai.json` and `openai.jsonl` both give `openai`,
+/// as do `a/run.json` and `b/run.json`); they name the rows of `--runs` and the runs of
+/// `--json`, so an id that more than one run has gets its file's path beside it.
+fn unique_run_ids(loaded: &mut [Loaded]) {
+    let mut seen = std::collections::HashMap::<String, usize>::new();
+    for run in loaded.iter().flat_map(|l| &l.runs) {
+        *seen.entry(run.id.clone()).or_default() += 1;
+    }
+    for l in loaded.iter_mut() {
+        for run in &mut l.runs {
+            if seen.get(&run.id).is_some_and(|&n| n > 1) {
+                run.id = format!("{} ({})", run.id, l.path.display());
+            }
+        }
     }
 }
 

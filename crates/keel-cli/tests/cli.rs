@@ -3049,6 +3049,67 @@ async fn sigterm_stops_a_worker_and_puts_its_run_back_in_the_queue() {
 }
 
 #[test]
+fn a_chart_or_output_path_through_a_file_fails_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run.json");
+    std::fs::write(&run, OPENAI_RUN).unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "not a directory").unwrap();
+    let out = keel()
+        .arg("replay")
+        .arg(&run)
+        .arg("--chart")
+        .arg(file.join("tokens.svg"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("notes.txt is a file, not a directory"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains("replayed in"),
+        "nothing replayed: {stdout}"
+    );
+
+    let proj = project();
+    let out = demo(&["--steps", "5"], proj.path(), &file);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("notes.txt is a file, not a directory"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn replay_tells_apart_runs_of_files_with_one_stem() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("openai.json"), OPENAI_RUN).unwrap();
+    let lines: String = serde_json::from_str::<Vec<Value>>(OPENAI_RUN)
+        .unwrap()
+        .iter()
+        .map(|m| format!("{m}\n"))
+        .collect();
+    std::fs::write(d.join("openai.jsonl"), lines).unwrap();
+    let out = keel().arg("replay").arg(d).arg("--runs").output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for name in ["openai.json)", "openai.jsonl)"] {
+        assert_eq!(
+            stdout
+                .lines()
+                .filter(|l| l.starts_with("openai (") && l.contains(name))
+                .count(),
+            1,
+            "one row for the run of {name}: {stdout}"
+        );
+    }
+}
+
+#[test]
 fn replay_counts_a_file_named_twice_once() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
