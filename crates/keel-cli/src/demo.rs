@@ -512,8 +512,11 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     };
     // Each part's runs carry its name in their checkpoints' metadata, so a thread
     // stopped part-way resumes the part it was in.
+    // A thread that finished has nothing of its survey left to run.
     let in_question = stopped_in == Some(QUESTION);
+    let survey_done = earlier.is_some() && stopped_in.is_none();
     if !in_question
+        && !survey_done
         && drive(
             &agent,
             &thread,
@@ -870,7 +873,7 @@ fn print_summary(r: &Report, survey_answer: Option<&str>) {
         ],
         vec!["  saved".into(), percent(r.tokens_saved)],
         vec![
-            "peak context (full history)".into(),
+            "peak prompt sent (full history)".into(),
             format!(
                 "{} ({})",
                 thousands(r.peak_context_tokens),

@@ -2612,6 +2612,8 @@ fn a_demo_rerun_on_its_thread_says_so_and_counts_this_run_only() {
         )) && stdout.contains("counts this run's calls and compactions only"),
         "{stdout}"
     );
+    // The earlier run's answer is not shown as this run's survey report.
+    assert!(!stdout.contains("survey report:"), "{stdout}");
     let report: Value =
         serde_json::from_slice(&std::fs::read(home.path().join("report.json")).unwrap()).unwrap();
     // This run's counts agree with each other; the thread's totals are apart.
