@@ -257,6 +257,21 @@ pub fn percent(share: f64) -> String {
     }
 }
 
+/// Creates `dir` and its parents, `what` naming it in the error; a path on the way
+/// that is a file is said to be one (the OS says only "File exists" or "Not a
+/// directory").
+pub fn create_dir(dir: &std::path::Path, what: &str) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    if let Some(file) = dir.ancestors().find(|p| p.is_file()) {
+        anyhow::bail!(
+            "cannot create {}, {what}: {} is a file, not a directory",
+            dir.display(),
+            file.display()
+        );
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}, {what}", dir.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,19 +351,4 @@ mod tests {
         assert_eq!(lines[2], "a          5");
         assert_eq!(lines[3], "bb     1,000");
     }
-}
-
-/// Creates `dir` and its parents, `what` naming it in the error; a path on the way
-/// that is a file is said to be one (the OS says only "File exists" or "Not a
-/// directory").
-pub fn create_dir(dir: &std::path::Path, what: &str) -> anyhow::Result<()> {
-    use anyhow::Context as _;
-    if let Some(file) = dir.ancestors().find(|p| p.is_file()) {
-        anyhow::bail!(
-            "cannot create {}, {what}: {} is a file, not a directory",
-            dir.display(),
-            file.display()
-        );
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}, {what}", dir.display()))
 }
