@@ -90,7 +90,15 @@ pub fn from_value(v: &Value) -> Result<Message, FormatError> {
         .iter()
         .map(tool_call_from)
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(call) = obj.opt_object("function_call")? {
+    // The legacy `function_call`, when it is the reply's only call. A server that sends
+    // it beside `tool_calls` (llama-cpp-python's function-calling formats do) repeats
+    // one of them in the old shape: it is not run a second time, and, as every legacy
+    // field, it exports in the current shape (as the `tool_calls`).
+    let legacy = match obj.opt_object("function_call")? {
+        Some(_) if repeated_legacy_call(v) => None,
+        legacy => legacy,
+    };
+    if let Some(call) = legacy {
         let name = call.str("name")?;
         tool_calls.push(ToolCall {
             id: format!("{LEGACY_ID}{name}"),
@@ -144,6 +152,15 @@ fn arguments_of(function: &Obj<'_>) -> ToolArguments {
     }
 }
 
+/// Whether the message `v` has a legacy `function_call` beside a non-empty
+/// `tool_calls`: the calls are the `tool_calls` alone.
+fn repeated_legacy_call(v: &Value) -> bool {
+    v.get("function_call").is_some()
+        && v.get("tool_calls")
+            .and_then(Value::as_array)
+            .is_some_and(|calls| !calls.is_empty())
+}
+
 /// Gives the legacy calls read from `values` ids unique in the list: the nth
 /// message's call `function-call-<n>`, and each `function` result without an id the id
 /// of the latest call of its name before it.
@@ -151,6 +168,7 @@ fn number_legacy_calls(values: &[Value], messages: &mut [Message]) {
     let mut latest: std::collections::HashMap<String, String> = Default::default();
     for (i, (v, m)) in values.iter().zip(messages.iter_mut()).enumerate() {
         if v.get("function_call").is_some_and(Value::is_object)
+            && !repeated_legacy_call(v)
             && let Some(call) = m.tool_calls.last_mut()
         {
             call.id = format!("{LEGACY_ID}{i}");

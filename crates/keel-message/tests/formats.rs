@@ -100,6 +100,29 @@ fn openai_import_maps_roles_and_flags_invalid_arguments() {
 }
 
 #[test]
+fn a_legacy_function_call_beside_tool_calls_is_not_a_second_call() {
+    // llama-cpp-python's function-calling chat formats send both shapes for one call,
+    // the old one with a name of its own making.
+    let wire = json!([
+        {"role": "user", "content": "List it."},
+        {"role": "assistant", "content": null,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "ls", "arguments": "{}"}}],
+         "function_call": {"name": "ls:", "arguments": "{}"}},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a b"}
+    ]);
+    let msgs = openai::from_values(wire.as_array().unwrap()).unwrap();
+    assert_eq!(msgs[1].tool_calls.len(), 1, "{:?}", msgs[1].tool_calls);
+    assert_eq!(msgs[1].tool_calls[0].name, "ls");
+    assert_eq!(msgs[1].tool_calls[0].id, "call_1");
+    let one = openai::from_value(&wire[1]).unwrap();
+    assert_eq!(one.tool_calls.len(), 1);
+    assert_eq!(one.tool_calls[0].id, "call_1");
+    let out = openai::to_values(&msgs);
+    assert!(out[1].get("function_call").is_none(), "{}", out[1]);
+}
+
+#[test]
 fn openai_legacy_function_calls_import_as_tool_calls_with_made_ids() {
     let wire = json!([
         {"role": "user", "content": "Weather in Paris, then Rome?"},
