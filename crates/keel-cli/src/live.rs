@@ -616,11 +616,27 @@ async fn failed(
         );
         return anyhow::Error::new(error).context(message);
     }
-    let resumable = matches!(agent.state(thread).await, Ok(Some(_)));
+    let state = agent.state(thread).await.ok().flatten();
+    let resumable = state.is_some();
     let fix = model::what_to_fix(&error, spec, settings);
     if let (Some(server), Some(fix)) = (model::context_overflow(&error), &fix) {
         // Resuming as it ran would overflow the server again: resume with a smaller
-        // window.
+        // window, unless the part of the prompt that is never compacted (system
+        // prompt, goal, tool specs) needs more than the server holds.
+        let least = state.as_ref().map(|s| {
+            model::smallest_window(agent.fixed_prompt_tokens(s.goal(), s.system.as_ref()), 1)
+        });
+        if let (Some(server), Some(least)) = (server, least)
+            && least > server
+        {
+            let message = format!(
+                "the run of thread `{thread}` failed: the server holds {} tokens, and the thread's system prompt, goal and tool specs, which are never compacted, need a window of at least {}. The thread cannot run on this server: give the server a larger context (llama.cpp's --ctx-size, llama-cpp-python's --n_ctx, Ollama's num_ctx), then resume with {resume} --window {}; or start a new thread with a shorter --goal",
+                thousands(server as u64),
+                thousands(least as u64),
+                least
+            );
+            return anyhow::Error::new(error).context(message);
+        }
         let window = server.map_or_else(|| "N".to_owned(), |n| n.to_string());
         let message = if resumable {
             format!(

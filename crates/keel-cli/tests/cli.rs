@@ -2901,6 +2901,41 @@ async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_giv
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_too_small_for_the_goal_is_said_to_be_so_not_given_a_window_to_retry() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(400).set_body_json(json!({"error": {
+            "message": "Requested tokens (9000) exceed context window of 2048",
+            "type": "invalid_request_error", "code": "context_length_exceeded"}})))
+        .mount(&server)
+        .await;
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    // A goal of some 3,000 tokens, never compacted: no window of 2,048 holds it.
+    let goal = "Check every module for error handling. ".repeat(500);
+    let out = keel()
+        .args(["run", "--model", "openai/local", "--goal", &goal])
+        .args(["--thread", "big-goal", "--window", "100000"])
+        .arg("--home")
+        .arg(home.path())
+        .arg("--dir")
+        .arg(proj.path())
+        .env("OPENAI_BASE_URL", format!("{}/v1", server.uri()))
+        .output()
+        .unwrap();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let first = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+    assert!(
+        first.contains("the server holds 2,048 tokens")
+            && first.contains("cannot run on this server")
+            && first.contains("start a new thread with a shorter --goal")
+            && !first.contains("--window 2048"),
+        "{stderr}"
+    );
+}
+
 /// [`Scripted`] (OpenAI), each reply `delay` late.
 struct Slow(std::time::Duration);
 
