@@ -101,14 +101,19 @@ fn tools() -> Vec<ToolSpec> {
         .collect()
 }
 
+/// Four characters a token, whatever they are: the sizes below were chosen for it.
+fn flat() -> ApproxCounter {
+    ApproxCounter::new().with_chars_per_token(4)
+}
+
 /// Runs the survey on a `window`-token model with `config`; returns the compactor, the
 /// final state and the prompt's tokens after each step.
 async fn survey(window: usize, config: CompactionConfig) -> (Compactor, ContextState, Vec<usize>) {
     let compactor = Compactor::new(
-        Arc::new(ExtractiveSummarizer::new()),
+        Arc::new(ExtractiveSummarizer::new().with_counter(Arc::new(flat()))),
         Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
         ThreadId::new("small").unwrap(),
-        Arc::new(ApproxCounter::new()),
+        Arc::new(flat()),
         ModelProfile::new("small", window, window / 4, Encoding::Approximate),
     )
     .with_config(config);
@@ -149,7 +154,7 @@ async fn a_small_window_compacts_when_it_frees_room_that_lasts() {
     // The scenario is the one that churned: a fixed part near a third of the 3,072-token
     // budget and steps of about 450 tokens.
     assert!((750..=950).contains(&fixed), "fixed part {fixed}");
-    let counter = ApproxCounter::new();
+    let counter = flat();
     let mut rng = Lcg(7);
     let raw: usize = (0..STEPS)
         .map(|i| {

@@ -39,7 +39,8 @@ fn a_200_mb_result_is_offloaded_with_one_copy_in_memory() {
     let dir = tempfile::tempdir().unwrap();
     let store = FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never);
     let thread = ThreadId::new("t1").unwrap();
-    let counter = ApproxCounter::new();
+    // Four characters a token, whatever they are: the count below is a quarter.
+    let counter = ApproxCounter::new().with_chars_per_token(4);
     let env = PolicyEnv::new(&store, &thread, &counter);
     let messages = vec![Message::tool("call_big", text)];
 

@@ -88,9 +88,9 @@ fn approx_counts_chars_not_bytes_rounding_up() {
         ("a", 1),
         ("abcd", 1),
         ("abcde", 2),
-        ("ééééé", 2),              // 5 chars, 10 bytes
-        ("東京東京東京東京", 2),   // 8 chars, 24 bytes
-        ("🙂🙂🙂🙂🙂🙂🙂🙂🙂", 3), // 9 chars, 36 bytes
+        ("ééééé", 3),              // 5 chars of 1/2, 10 bytes
+        ("東京東京東京東京", 6),   // 8 chars of 3/4, 24 bytes
+        ("🙂🙂🙂🙂🙂🙂🙂🙂🙂", 9), // 9 chars of 1, 36 bytes
     ] {
         assert_eq!(a.count_text(text), want, "{text:?}");
     }
@@ -229,11 +229,15 @@ fn fifty_megabytes_in_one_message() {
             3 + 1 + one * copies + counter.count_text("call_1")
         );
     }
-    let approx = ApproxCounter::new();
+    let flat = ApproxCounter::new().with_chars_per_token(4);
     assert_eq!(
-        approx.count_text(&text),
+        flat.count_text(&text),
         (UNIT.chars().count() * copies).div_ceil(4)
     );
+    // By class: the unit's weight, rounded up once for the whole text.
+    let (approx, unit) = (ApproxCounter::new(), ApproxCounter::new().count_text(UNIT));
+    let whole = approx.count_text(&text);
+    assert!(whole <= unit * copies && whole + copies >= unit * copies);
 }
 
 #[test]
@@ -299,4 +303,34 @@ fn a_counter_without_a_bound_says_so() {
     let shared: Arc<dyn TokenCounter> = Arc::new(Words);
     assert_eq!(shared.max_tokens("a b c"), None);
     assert_eq!(Box::new(o200k()).max_tokens("abc"), Some(3));
+}
+
+/// The estimate against o200k_base on the kinds of text an agent's prompt holds: never
+/// under it (a prompt it says fits does fit), and within twice it. A flat four
+/// characters a token undercounts JSON and Chinese or Japanese text.
+#[test]
+fn the_estimate_leans_high_on_json_code_and_cjk_text() {
+    let exact = TiktokenCounter::o200k_base().unwrap();
+    let approx = ApproxCounter::new();
+    let flat = ApproxCounter::new().with_chars_per_token(4);
+    let samples = [
+        "An error occurred while deploying the service: the log shows that the connection to the database timed out. Check the host address and port in the configuration file.",
+        r#"{"id": 48213, "status": "failed", "retries": [1, 2, 4, 8], "host": "db-7.internal:5432", "elapsed_ms": 30012.5}"#,
+        "fn main() {\n    let x: Vec<u32> = (0..10).map(|i| i * 2).collect();\n    println!(\"{:?}\", x);\n}\n",
+        "我们在部署服务的时候发现了一个错误，日志显示连接数据库超时，需要检查配置文件中的主机地址和端口号是否正确。",
+        "サービスをデプロイしたところ、エラーが発生しました。ログにはデータベースへの接続がタイムアウトしたと表示されています。",
+        "При развёртывании сервиса возникла ошибка: в журнале указано, что время подключения к базе данных истекло.",
+    ];
+    for text in samples {
+        let (e, a) = (exact.count_text(text), approx.count_text(text));
+        assert!(e <= a && a <= 2 * e, "{a} estimated against {e}: {text}");
+        assert!(approx.max_tokens(text).unwrap() >= a);
+    }
+    // What a flat ratio makes of the JSON and the Chinese.
+    for text in [samples[1], samples[3]] {
+        assert!(
+            flat.count_text(text) * 3 / 2 < exact.count_text(text),
+            "{text}"
+        );
+    }
 }

@@ -275,11 +275,22 @@ pub fn reader_model(recorder: Recorder) -> PolicyModel {
     })
 }
 
+/// The evals' counter: four characters a token, whatever they are. The evals' window
+/// and trigger fraction were chosen for it, so a change to keel-token's default
+/// estimate does not change what they test.
+pub fn counter() -> keel_token::ApproxCounter {
+    keel_token::ApproxCounter::new().with_chars_per_token(4)
+}
+
 /// An agent builder with the reader, the eval profile and the `visit` tool.
 pub fn builder(model: Arc<dyn keel_model::ChatModel>, visit: VisitTool) -> AgentBuilder {
     keel_agent::Agent::builder()
         .model(model)
         .profile(profile())
+        .counter(Arc::new(keel_token::MemoCounter::new(counter())))
+        .summarizer(Arc::new(
+            keel_summarize::ExtractiveSummarizer::new().with_counter(Arc::new(counter())),
+        ))
         .system(
             "You walk a chain of records with `visit`. History that leaves your context is \
              archived: `grep` and `read_file` under archive/ read it back; large results are \
