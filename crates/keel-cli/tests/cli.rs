@@ -2229,6 +2229,21 @@ fn status_and_cancel_of_a_queued_run_on_postgres() {
     assert!(text(&again).1.contains("no thread"), "{:?}", text(&again));
 }
 
+/// `keel ARGS --database-url URL`.
+fn on_fleet(url: &str, args: &[&str]) -> Output {
+    keel()
+        .args(args)
+        .args(["--database-url", url])
+        .output()
+        .unwrap()
+}
+
+/// The run id `keel submit` printed.
+fn submitted_run(out: &Output) -> String {
+    assert!(out.status.success(), "{:?}", text(out));
+    text(out).0.trim().to_owned()
+}
+
 /// A thread name no other test (or earlier run) uses.
 fn unique_thread(prefix: &str) -> String {
     format!(
@@ -2865,8 +2880,8 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_give() {
+/// An OpenAI-compatible server whose context is 2,048 tokens: every call overflows it.
+async fn overflowing_server() -> MockServer {
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .respond_with(ResponseTemplate::new(400).set_body_json(json!({"error": {
@@ -2874,6 +2889,12 @@ async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_giv
             "type": "invalid_request_error", "code": "context_length_exceeded"}})))
         .mount(&server)
         .await;
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_give() {
+    let server = overflowing_server().await;
     let proj = project();
     let home = tempfile::tempdir().unwrap();
     let (h, d, url) = (
@@ -2903,13 +2924,7 @@ async fn a_server_context_smaller_than_the_window_is_said_with_the_window_to_giv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_too_small_for_the_goal_is_said_to_be_so_not_given_a_window_to_retry() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(400).set_body_json(json!({"error": {
-            "message": "Requested tokens (9000) exceed context window of 2048",
-            "type": "invalid_request_error", "code": "context_length_exceeded"}})))
-        .mount(&server)
-        .await;
+    let server = overflowing_server().await;
     let proj = project();
     let home = tempfile::tempdir().unwrap();
     // A goal of some 3,000 tokens, never compacted: no window of 2,048 holds it.
@@ -3032,16 +3047,14 @@ async fn sigterm_stops_a_worker_and_puts_its_run_back_in_the_queue() {
         .await;
     let proj = project();
     let thread = unique_thread("cli-worker-sigterm");
-    let fleet = |args: &[&str]| {
-        keel()
-            .args(args)
-            .args(["--database-url", &url])
-            .output()
-            .unwrap()
-    };
-    let out = fleet(&["submit", "--thread", &thread, "--goal", "What is here?"]);
-    assert!(out.status.success(), "{:?}", text(&out));
-    let run = text(&out).0.trim().to_owned();
+    let fleet = |args: &[&str]| on_fleet(&url, args);
+    let run = submitted_run(&fleet(&[
+        "submit",
+        "--thread",
+        &thread,
+        "--goal",
+        "What is here?",
+    ]));
     let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
         .args(["worker", "--model", "openai/local", "--lease", "600"])
         .args(["--database-url", &url, "--dir"])
