@@ -511,8 +511,8 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         settings,
     };
     // Each part's runs carry its name in their checkpoints' metadata, so a thread
-    // stopped part-way resumes the part it was in.
-    // A thread that finished has nothing of its survey left to run.
+    // stopped part-way resumes the part it was in; a thread that finished has nothing
+    // of its survey left to run.
     let in_question = stopped_in == Some(QUESTION);
     let survey_done = earlier.is_some() && stopped_in.is_none();
     if !in_question
@@ -754,14 +754,9 @@ struct Watch<'a> {
     settings: &'a Settings,
 }
 
-/// `--steps`: the survey needs a listing, the early read and the report (clap turns
-/// the error into a usage error, exit code 2, naming the flag).
+/// `--steps`: the survey needs a listing, the early read and the report.
 fn survey_steps(text: &str) -> Result<usize, String> {
-    match text.trim().parse::<usize>() {
-        Ok(n) if n >= 3 => Ok(n),
-        Ok(_) => Err("it must be at least 3 (a listing, the early read, the report)".to_owned()),
-        Err(_) => Err("give a whole number, at least 3 (e.g. 160)".to_owned()),
-    }
+    crate::ui::whole_at_least(text, 3, " (a listing, the early read, the report)", 160)
 }
 
 /// The metadata key naming the part of the demo a run was: [`SURVEY`] or [`QUESTION`].

@@ -618,9 +618,9 @@ fn nothing_compacted_note(
     if compacted || totals.iter().all(|(_, r)| r.turns == 0) {
         return None;
     }
-    let smaller = (MIN_REPLAY_WINDOW..window)
+    let smaller = (MIN_REPLAY_WINDOW / 1_000..window.div_ceil(1_000))
         .rev()
-        .filter(|w| w % 1_000 == 0)
+        .map(|k| k * 1_000)
         .find(|&w| threshold_at(w) <= peak / 4 * 3);
     let hints: Vec<String> = [
         smaller.map(|w| format!("a smaller --window (e.g. {})", thousands(w as u64))),

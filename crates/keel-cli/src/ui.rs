@@ -59,12 +59,24 @@ pub fn init_tracing() {
 /// code 2, naming the flag).
 pub fn at_least_one<T>(text: &str) -> Result<T, String>
 where
-    T: std::str::FromStr + PartialOrd + From<u8>,
+    T: std::str::FromStr + PartialOrd + From<u8> + std::fmt::Display,
+{
+    whole_at_least(text, T::from(1), "", T::from(10))
+}
+
+/// A flag's whole number of at least `least`, `why` saying why after the refusal and
+/// `example` given as one that would do (clap turns the error into a usage error, exit
+/// code 2, naming the flag).
+pub fn whole_at_least<T>(text: &str, least: T, why: &str, example: T) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display,
 {
     match text.trim().parse::<T>() {
-        Ok(n) if n >= T::from(1) => Ok(n),
-        Ok(_) => Err("it must be at least 1".to_owned()),
-        Err(_) => Err("give a whole number, at least 1 (e.g. 10)".to_owned()),
+        Ok(n) if n >= least => Ok(n),
+        Ok(_) => Err(format!("it must be at least {least}{why}")),
+        Err(_) => Err(format!(
+            "give a whole number, at least {least} (e.g. {example})"
+        )),
     }
 }
 

@@ -36,9 +36,9 @@ use crate::{Framing, TokenCounter};
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApproxCounter {
-    chars_per_token: usize,
-    /// Whether characters are weighed by class (the default) rather than all alike.
-    by_class: bool,
+    /// `None`: characters weighed by class (the default); `Some(n)`: every character
+    /// alike, `n` a token.
+    flat: Option<usize>,
     framing: Framing,
 }
 
@@ -50,9 +50,6 @@ mod weight {
     pub const CJK: u64 = 9;
     pub const OTHER: u64 = 6;
     pub const ASTRAL: u64 = 12;
-    /// No character weighs more than this a byte (an ASCII symbol), so the byte length
-    /// bounds the estimate.
-    pub const MAX_PER_BYTE: u64 = 12;
 }
 
 /// Chinese, Japanese and Korean scripts and the full-width forms: Hangul Jamo, the CJK
@@ -90,8 +87,7 @@ impl ApproxCounter {
     /// Characters weighed by class, [`Framing::OPENAI`].
     pub fn new() -> Self {
         ApproxCounter {
-            chars_per_token: 4,
-            by_class: true,
+            flat: None,
             framing: Framing::OPENAI,
         }
     }
@@ -105,8 +101,7 @@ impl ApproxCounter {
     /// ```
     #[must_use]
     pub fn with_chars_per_token(mut self, chars_per_token: usize) -> Self {
-        self.chars_per_token = chars_per_token.max(1);
-        self.by_class = false;
+        self.flat = Some(chars_per_token.max(1));
         self
     }
 
@@ -121,7 +116,7 @@ impl ApproxCounter {
     /// class, of every character after
     /// [`with_chars_per_token`](Self::with_chars_per_token).
     pub fn chars_per_token(&self) -> usize {
-        self.chars_per_token
+        self.flat.unwrap_or(4)
     }
 }
 
@@ -133,21 +128,22 @@ impl Default for ApproxCounter {
 
 impl TokenCounter for ApproxCounter {
     fn count_text(&self, text: &str) -> usize {
-        if !self.by_class {
-            return text.chars().count().div_ceil(self.chars_per_token);
+        match self.flat {
+            Some(n) => text.chars().count().div_ceil(n),
+            None => {
+                let twelfths: u64 = text.chars().map(weight_of).sum();
+                usize::try_from(twelfths.div_ceil(12)).unwrap_or(usize::MAX)
+            }
         }
-        let twelfths: u64 = text.chars().map(weight_of).sum();
-        usize::try_from(twelfths.div_ceil(12)).unwrap_or(usize::MAX)
     }
 
     /// A text has no more characters than bytes, and no character weighs more than a
-    /// token a byte.
+    /// token a byte (an ASCII symbol).
     fn max_tokens(&self, text: &str) -> Option<usize> {
-        if self.by_class {
-            let bound = (text.len() as u64).saturating_mul(weight::MAX_PER_BYTE) / 12;
-            return Some(usize::try_from(bound).unwrap_or(usize::MAX));
-        }
-        Some(text.len().div_ceil(self.chars_per_token))
+        Some(match self.flat {
+            Some(n) => text.len().div_ceil(n),
+            None => text.len(),
+        })
     }
 
     fn framing(&self) -> Framing {
