@@ -85,7 +85,9 @@ pub enum StateError {
         #[source]
         source: ReduceError,
     },
-    /// A value or update could not be encoded as JSON.
+    /// A value or update could not be encoded as JSON: a map whose keys are not
+    /// strings, or a NaN or infinite float (JSON has no such number). Nothing of the
+    /// step is stored; the thread stays at its last checkpoint.
     #[error("channel `{channel}`: cannot encode: {source}")]
     Encode {
         /// The channel.
@@ -181,6 +183,8 @@ pub(crate) fn encode_update<S: State>(
     Ok(encoded)
 }
 
+mod finite;
+
 /// Helpers for implementing [`State`] by hand (the derive calls the same ones): each
 /// names the channel in its error.
 pub mod support {
@@ -204,9 +208,33 @@ pub mod support {
             .map_err(|source| StateError::Reduce { channel, source })
     }
 
-    /// Encodes to JSON, naming `channel` on error.
+    /// Encodes to JSON, naming `channel` on error. A NaN or an infinity is refused:
+    /// JSON has no such number, and the `null` it would be stored as could not be
+    /// read back into the float.
     pub fn encode<T: Serialize>(channel: &'static str, v: &T) -> Result<Value, StateError> {
-        serde_json::to_value(v).map_err(|source| StateError::Encode { channel, source })
+        let value =
+            serde_json::to_value(v).map_err(|source| StateError::Encode { channel, source })?;
+        // A non-finite float becomes `null`: only a value holding one needs the walk.
+        if has_null(&value)
+            && let Err(f) = super::finite::check(v)
+        {
+            return Err(StateError::Encode {
+                channel,
+                source: serde::ser::Error::custom(format_args!(
+                    "{f} is not a number JSON can hold (it would be stored as null, which the float could not be read back from)"
+                )),
+            });
+        }
+        Ok(value)
+    }
+
+    fn has_null(v: &Value) -> bool {
+        match v {
+            Value::Null => true,
+            Value::Array(items) => items.iter().any(has_null),
+            Value::Object(map) => map.values().any(has_null),
+            _ => false,
+        }
     }
 
     /// Decodes from JSON, naming `channel` on error.

@@ -2066,3 +2066,59 @@ async fn a_failed_step_keeps_the_steps_before_it_with_every_durability() {
         assert_eq!(run.state.log, ["in", "a", "b", "c"], "{durability:?}");
     }
 }
+
+#[derive(Clone, Debug, State)]
+struct Scores {
+    score: f64,
+    maybe: Option<f64>,
+    #[reducer(Append<f32>)]
+    samples: Vec<f32>,
+}
+
+#[tokio::test]
+async fn a_float_json_cannot_hold_is_refused_and_the_thread_stays_readable() {
+    let g = StateGraph::<Scores>::new()
+        .add_node("score", |s: Arc<Scores>, _c| async move {
+            Ok(match s.score as i64 {
+                0 => ScoresUpdate::default().score(1.5).maybe(None),
+                1 => ScoresUpdate::default().maybe(Some(f64::INFINITY)),
+                _ => ScoresUpdate::default().samples(vec![f32::NAN]),
+            })
+        })
+        .add_edge(START, "score")
+        .add_edge("score", END)
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("t");
+    // Finite floats and a `None` (stored as null too) pass.
+    let run = g.invoke(ScoresUpdate::default(), &config).await.unwrap();
+    assert_eq!((run.state.score, run.state.maybe), (1.5, None));
+    // The node's write is refused (the input before it is stored); an input holding
+    // one is refused before anything runs.
+    for (input, channel, shown, score) in [
+        (ScoresUpdate::default().score(1.0), "maybe", "inf", 1.0),
+        (ScoresUpdate::default().score(2.0), "samples", "NaN", 2.0),
+        (
+            ScoresUpdate::default().score(f64::NEG_INFINITY),
+            "score",
+            "-inf",
+            2.0,
+        ),
+    ] {
+        let err = g.invoke(input, &config).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, GraphError::State(StateError::Encode { channel: c, .. }) if *c == channel),
+            "{err:?}"
+        );
+        assert!(
+            text.contains(&format!("{shown} is not a number JSON can hold")),
+            "{text}"
+        );
+        // The refused value was not stored: the thread reads back.
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert_eq!((snap.values.score, snap.values.maybe), (score, None));
+        assert!(snap.values.samples.is_empty());
+    }
+}
