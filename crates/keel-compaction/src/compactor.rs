@@ -881,7 +881,7 @@ impl Compactor {
             }
             _ => {
                 event.emit();
-                state.events.push(event.clone());
+                state.record(event.clone());
             }
         }
         count_failure(state, &result.as_ref().map(|d| d.fallback));
@@ -1275,7 +1275,7 @@ impl Compactor {
             tracing::info!(step = state.step, error = %e, "epoch not applied");
         } else {
             event.emit();
-            state.events.push(event.clone());
+            state.record(event.clone());
         }
         count_failure(state, &result.as_ref().map(|&(_, f)| f));
         result.map(|_| event)

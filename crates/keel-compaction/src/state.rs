@@ -71,7 +71,7 @@ pub struct Layer {
 /// (level ∞), the top summary of everything older (`epoch`: an era at level 3 with the
 /// default three tiers), the kept summaries of the tiers between (`epochs`: the last
 /// epoch summaries), the milestones since (level 1) and the raw buffer (level 0), plus
-/// the compaction events so far.
+/// the latest compaction events.
 ///
 /// It is plain data (serde), so a graph can keep it as a state channel and a
 /// checkpointer stores it with the thread.
@@ -100,8 +100,13 @@ pub struct ContextState {
     /// Turns (model calls) of the raw buffer whose tool results are masked, counted from
     /// the start of the run.
     pub masked_turns: u64,
-    /// Compaction events, successful or not. A runtime that stores the state may keep
-    /// only the latest ones: numbering uses the counters below, not this list.
+    /// The latest compaction events, successful or not, oldest first: at most
+    /// [`ContextState::EVENTS_KEPT`], so a state kept for a long run (and stored with
+    /// each save) does not grow with it. Every call that makes an event also returns
+    /// it ([`Compactor::after_step`](crate::Compactor::after_step),
+    /// [`Compactor::compact`](crate::Compactor::compact)); a caller that wants them
+    /// all keeps those, or drains this list after each step. Numbering uses the
+    /// counters below, not this list.
     pub events: Vec<CompactionEvent>,
     /// Milestones made so far (numbers them).
     #[serde(default)]
@@ -235,6 +240,18 @@ impl PartialEq for Ledger {
 }
 
 impl ContextState {
+    /// How many of the latest compaction events [`ContextState::events`] keeps.
+    pub const EVENTS_KEPT: usize = 64;
+
+    /// Records an event, dropping the oldest past [`ContextState::EVENTS_KEPT`].
+    pub(crate) fn record(&mut self, event: CompactionEvent) {
+        if self.events.len() >= Self::EVENTS_KEPT {
+            let extra = self.events.len() + 1 - Self::EVENTS_KEPT;
+            self.events.drain(..extra);
+        }
+        self.events.push(event);
+    }
+
     /// A fresh context for `goal`.
     pub fn new(goal: GoalAnchor) -> Self {
         ContextState {

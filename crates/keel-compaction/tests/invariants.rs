@@ -337,6 +337,34 @@ async fn token_trigger_fires_at_the_fraction_and_compaction_fits_the_budget() {
 }
 
 #[tokio::test]
+async fn a_long_run_keeps_only_the_latest_events_in_the_state() {
+    let rig = rig(
+        CompactionConfig::default()
+            .with_every_steps(Some(2))
+            .with_max_steps(10_000),
+        8_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    let mut returned = Vec::new();
+    for i in 0..400 {
+        let (reply, results) = step(i, 1, 30, false);
+        rig.compactor.push_step(&mut state, reply, results);
+        returned.extend(rig.compactor.after_step(&mut state, &[]).await.unwrap());
+    }
+    assert!(
+        returned.len() > ContextState::EVENTS_KEPT,
+        "{}",
+        returned.len()
+    );
+    assert_eq!(state.events.len(), ContextState::EVENTS_KEPT);
+    assert_eq!(
+        state.events[..],
+        returned[returned.len() - ContextState::EVENTS_KEPT..]
+    );
+}
+
+#[tokio::test]
 async fn the_step_ceiling_stops_the_run() {
     let config = CompactionConfig::default().with_max_steps(3);
     let rig = rig(config, 100_000, false);

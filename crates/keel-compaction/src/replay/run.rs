@@ -272,6 +272,7 @@ pub async fn replay_trajectory(
     let mut scorer = Scorer::new(&messages, Arc::clone(&counter));
     let mut stored = StoredText::default();
     let mut prompts = Vec::new();
+    let mut events = Vec::new();
     let mut i = 0;
     while i < messages.len() {
         let m = &messages[i];
@@ -301,6 +302,8 @@ pub async fn replay_trajectory(
         let results = messages[i + 1..end].to_vec();
         compactor.push_step(&mut state, messages[i].clone(), results);
         compactor.after_step(&mut state, &[]).await?;
+        // The state keeps only the latest events; the report keeps them all.
+        events.append(&mut state.events);
         i = end;
     }
     let (turns, facts) = scorer.finish();
@@ -321,7 +324,7 @@ pub async fn replay_trajectory(
         dataset: trajectory.dataset.clone(),
         id: trajectory.id.clone(),
         turns,
-        events: state.events,
+        events,
         needles,
         facts,
         prompts,
