@@ -1463,9 +1463,11 @@ impl AgentBuilder {
             )
         });
         let compaction = self.compaction.with_epoch_inline(false);
+        // The default summarizer measures its budget in the model's tokens, as the
+        // compactor that sets it does.
         let summarizer = self
             .summarizer
-            .unwrap_or_else(|| Arc::new(ExtractiveSummarizer::new()));
+            .unwrap_or_else(|| Arc::new(ExtractiveSummarizer::new().with_counter(counter.clone())));
         let archive = Arc::new(Archive::new(store.clone()));
         let compactor = Compactor::new(
             summarizer,

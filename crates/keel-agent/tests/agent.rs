@@ -16,7 +16,7 @@ use keel_compaction::{CompactionConfig, GOAL_ID};
 use keel_graph::{GraphError, RunConfig};
 use keel_message::{Message, Role, Tool, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec};
 use keel_model::{ChatResponse, ModelError, PolicyModel};
-use keel_token::{Encoding, ModelProfile};
+use keel_token::{Encoding, ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 
 const GOAL: &str = "Count to the end and report the last number.";
@@ -138,6 +138,52 @@ async fn a_long_run_compacts_into_milestones_and_epochs_and_prunes_on_sqlite() {
         .filter(|e| e.error.is_none())
         .count();
     assert_eq!(compactions, 16);
+}
+
+/// One token per character: four times what the approximate counter says of English.
+struct PerChar;
+
+impl TokenCounter for PerChar {
+    fn count_text(&self, text: &str) -> usize {
+        text.chars().count()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_default_summarizer_keeps_its_budget_in_the_agent_s_tokens() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = builder(counting_model(40, seen))
+        .counter(Arc::new(PerChar))
+        .profile(ModelProfile::new(
+            "test-model",
+            200_000,
+            2_000,
+            Encoding::Approximate,
+        ))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(10))
+                .with_epoch_every(100)
+                .with_summary_budgets(150, 300),
+        )
+        .build()
+        .unwrap();
+    let run = agent.run("per-char", AgentInput::new()).await.unwrap();
+    assert_compactions_succeeded(&run.state);
+    assert!(
+        run.state.milestones.len() >= 3,
+        "{:?}",
+        run.state.milestones
+    );
+    for m in &run.state.milestones {
+        // The budget is the summary's text; the layer adds its message framing.
+        assert!(
+            PerChar.count_text(&m.text) <= 150,
+            "{} characters: {}",
+            m.text.chars().count(),
+            m.text
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
