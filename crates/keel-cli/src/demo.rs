@@ -476,7 +476,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             );
             match stopped_in {
                 Some(phase) => crate::outln!(
-                    "note: thread `{thread}` stopped during its {phase} ({so_far}): it resumes where it stopped{}, and the table below counts this run's calls and compactions only.\n",
+                    "note: thread `{thread}` stopped during its {phase} ({so_far}): it resumes where it stopped{}, and the table below counts this run's calls and compactions only (its full history starts from the prompt this run began with, so it is less than the whole thread's).\n",
                     if phase == SURVEY {
                         ", then the final question is asked"
                     } else {
@@ -484,7 +484,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
                     }
                 ),
                 None => crate::outln!(
-                    "note: thread `{thread}` already ran ({so_far}), so its survey is not repeated: only the final question is asked again, and the table below counts this run's calls and compactions only. Leave out --thread (or give a new one) for a full run.\n"
+                    "note: thread `{thread}` already ran ({so_far}), so its survey is not repeated: only the final question is asked again, and the table below counts this run's calls and compactions only (its full history starts from the prompt this run began with, so it is less than the whole thread's). Leave out --thread (or give a new one) for a full run.\n"
                 ),
             }
         }

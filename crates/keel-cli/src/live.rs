@@ -342,7 +342,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         dir: Some(dir.clone()),
         window,
         base_url: Some(without_credentials(spec.base_url(settings))),
-        max_tokens: Some(live_args.max_tokens.unwrap_or(model::DEFAULT_MAX_TOKENS)),
+        max_tokens: live_args.max_tokens,
         timeout: Some(live_args.timeout.unwrap_or(model::DEFAULT_TIMEOUT_SECS)),
         summarizer: Some(summarizer.clone()),
     };

@@ -29,8 +29,9 @@ pub struct LiveArgs {
     /// keel.toml, else keel's profile of the model).
     #[arg(long, value_name = "TOKENS")]
     pub window: Option<usize>,
-    /// The longest reply the model may write, in tokens (default: 1024; `keel run
-    /// --thread T`: the thread's).
+    /// The longest reply the model may write, in tokens: at most a quarter of the
+    /// window, the most keel keeps free for the reply (default: 1024, or a quarter of
+    /// a smaller window; `keel run --thread T`: the thread's).
     #[arg(long, value_name = "TOKENS", value_parser = crate::ui::at_least_one::<u32>)]
     pub max_tokens: Option<u32>,
     /// Seconds one model call may take (default: 300; `keel run --thread T`: the
@@ -80,18 +81,43 @@ impl LiveArgs {
         window: Option<usize>,
         settings: &Settings,
     ) -> anyhow::Result<Live> {
-        let profile = profile(spec.name(), window)?;
+        let mut profile = profile(spec.name(), window)?;
+        let max_tokens = reply_cap(self.max_tokens, &mut profile)?;
         let timeout = Duration::from_secs(self.timeout.unwrap_or(DEFAULT_TIMEOUT_SECS));
         let http = HttpConfig::default()
             .request_timeout(timeout)
             .stream_timeout(timeout);
         Ok(Live {
             client: spec.client_with(settings, http.clone(), window)?,
-            options: ChatOptions::new().max_tokens(self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)),
+            options: ChatOptions::new().max_tokens(max_tokens),
             profile,
             http,
         })
     }
+}
+
+/// The reply cap of every call, with `profile` keeping that much of its window free
+/// for the reply: `asked` (`--max-tokens`), else [`DEFAULT_MAX_TOKENS`] cut to a
+/// quarter of the window. keel keeps at most a quarter of the window for the reply
+/// ([`ModelProfile::input_budget`]), so a larger cap is refused: a reply that long
+/// would not fit beside a prompt at its budget, and the server would refuse the call.
+pub fn reply_cap(asked: Option<u32>, profile: &mut ModelProfile) -> anyhow::Result<u32> {
+    let quarter = u32::try_from(profile.context_window / 4).unwrap_or(u32::MAX);
+    let cap = match asked {
+        Some(n) if n > quarter => {
+            bail!(
+                "--max-tokens {} is more than a quarter of the {}-token window, the most keel keeps free for the reply (a longer reply would not fit beside a full prompt): give --max-tokens {} or less, or a --window of at least {}",
+                thousands(u64::from(n)),
+                thousands(profile.context_window as u64),
+                thousands(u64::from(quarter)),
+                thousands(u64::from(n).saturating_mul(4))
+            );
+        }
+        Some(n) => n,
+        None => DEFAULT_MAX_TOKENS.min(quarter.max(1)),
+    };
+    profile.max_output_tokens = profile.max_output_tokens.max(cap as usize);
+    Ok(cap)
 }
 
 /// The window the settings give when no flag does: `KEEL_WINDOW`, then `window` in

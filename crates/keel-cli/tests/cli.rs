@@ -1483,6 +1483,57 @@ impl Respond for Looper {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_cap_the_window_cannot_hold_is_refused_and_the_default_fits_a_small_one() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/chat/completions"))
+        .respond_with(Looper {
+            max_tokens: seen.clone(),
+        })
+        .mount(&server)
+        .await;
+    let url = format!("{}/v1", server.uri());
+    let run = |window: &'static str, cap: Option<&'static str>| {
+        let (h, d, u) = (home.path().to_owned(), proj.path().to_owned(), url.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut cmd = keel();
+            cmd.args(["run", "--model", "openai/local", "--goal", "List it."])
+                .args(["--window", window, "--max-steps", "1"])
+                .arg("--home")
+                .arg(&h)
+                .arg("--dir")
+                .arg(&d)
+                .env("OPENAI_BASE_URL", u);
+            if let Some(cap) = cap {
+                cmd.args(["--max-tokens", cap]);
+            }
+            cmd.output().unwrap()
+        })
+    };
+    // A reply of up to 8,000 tokens beside a prompt at its budget would overflow an
+    // 8,192-token window at the server: refused before any call.
+    let out = run("8192", Some("8000")).await.unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("--max-tokens 8,000 is more than a quarter of the 8,192-token window")
+            && stderr.contains("give --max-tokens 2,048 or less, or a --window of at least 32,000"),
+        "{stderr}"
+    );
+    assert!(seen.lock().unwrap().is_empty(), "no call was made");
+    // A cap within the quarter is sent as given.
+    let out = run("8192", Some("2048")).await.unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    // The default (1,024) is cut to a quarter of a 3,600-token window.
+    let out = run("3600", None).await.unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(seen.lock().unwrap().as_slice(), [json!(2048), json!(900)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_counts_per_run() {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
