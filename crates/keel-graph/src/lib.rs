@@ -41,6 +41,36 @@
 //! # })?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Coming from LangGraph
+//!
+//! The model is LangGraph's: channels with reducers, supersteps, `Send` ([`SendTo`]),
+//! [`Command`] with goto, update and resume, `interrupt` inside a node and
+//! breakpoints before one, `get_state`, `get_state_history` ([`CompiledGraph::state_history`]),
+//! `update_state` and forks from an older checkpoint ([`RunConfig::at`]). Where keel
+//! differs:
+//!
+//! - **Types first.** A node returns the state's generated update type; writing a
+//!   channel the state lacks, or a value of the wrong type, does not compile. A stored
+//!   thread whose state has lost a field, or changed a field's type, fails to load
+//!   with a typed error naming the channel ([`StateError`]) rather than dropping it:
+//!   keep a retired field (unused, with its type) while such threads live, and add new
+//!   fields freely (a thread that never wrote one reads it as empty).
+//! - **Stream modes:** `values`, `updates` and `debug` ([`StreamMode`]). There is no
+//!   `messages` mode (a model's tokens) and no `custom` mode: a node that streams tokens
+//!   or progress sends them on a channel of its own. Interrupts arrive in
+//!   [`Event::Done`], not as an `__interrupt__` update.
+//! - **No subgraphs:** a compiled graph is not a node; call one from a node's function.
+//! - **Routing is declared.** A node that routes only with [`Command::goto`] lists where
+//!   it may go ([`NodeOptions::destinations`]), so the graph is checked when compiled.
+//! - **`recursion_limit`** defaults to [`DEFAULT_RECURSION_LIMIT`] (10,000 supersteps),
+//!   not 25: agents here run hundreds of steps.
+//! - **`Command::resume` is its own input:** it cannot carry an update or a goto
+//!   ([`GraphError::ResumeWithUpdate`]); edit with `update_state` first.
+//! - **`update_state` on a new thread** schedules nothing unless `as_node` is
+//!   [`START`], which makes the update the thread's input.
+//! - **JSON is the stored form:** a map whose keys are not strings, or a NaN or
+//!   infinite float, is refused when a checkpointer stores it ([`StateError::Encode`]).
 
 // Nothing a caller or a hand-written `State` passes in may panic the engine (invariant
 // 9): no indexing that can go out of range (the few proven indexes carry a narrow,

@@ -2122,3 +2122,28 @@ async fn a_float_json_cannot_hold_is_refused_and_the_thread_stays_readable() {
         assert!(snap.values.samples.is_empty());
     }
 }
+
+#[tokio::test]
+async fn update_state_as_start_seeds_a_new_thread_that_then_runs() {
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("seeded");
+    g.update_state(&config, log("seed"), Some(START))
+        .await
+        .unwrap();
+    let snap = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(snap.values.log, ["seed"]);
+    assert_eq!(snap.next, ["a"]);
+    assert_eq!(snap.metadata.writes, [START]);
+    let run = g.invoke(Command::none(), &config).await.unwrap();
+    assert_eq!(run.state.log, ["seed", "a"]);
+    // Without `as_node` an edit of a new thread schedules nothing.
+    let other = RunConfig::thread("edited");
+    g.update_state(&other, log("seed"), None).await.unwrap();
+    assert!(g.get_state(&other).await.unwrap().unwrap().next.is_empty());
+}

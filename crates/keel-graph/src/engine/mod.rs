@@ -196,8 +196,12 @@ impl<S: State> CompiledGraph<S> {
     /// source `update`. An edit (`None`) of the thread's latest checkpoint also keeps what
     /// those tasks stored: a thread waiting on an interrupt still waits on it (answer it
     /// with [`Command::resume`]), and a task of the step that had finished is not run
-    /// again. With `as_node` the update is that node's result and the tasks are
-    /// scheduled anew from its edges. With `config.checkpoint_id` set to an older
+    /// again. Task ids name their checkpoint, so the waiting interrupt's task id is
+    /// a new one: read it again ([`get_state`](Self::get_state)) before answering with
+    /// [`Command::resume_each`]. With `as_node` the update is that node's result and the tasks are
+    /// scheduled anew from its edges; with [`START`] it is an input, and the tasks are
+    /// the entry nodes (so a thread can be seeded by hand and then run with
+    /// `Command::none()`). With `config.checkpoint_id` set to an older
     /// checkpoint, the update forks from it, and its tasks run anew. Returns the new checkpoint's id. The checkpoint's metadata `writes`
     /// is `[as_node]` (empty without one).
     pub async fn update_state(
@@ -208,18 +212,16 @@ impl<S: State> CompiledGraph<S> {
     ) -> Result<CheckpointId, GraphError> {
         let (cp, thread) = self.require_checkpointer(config, "update_state")?;
         let mut run = RunState::load(self, config, None).await?;
+        // `Some(None)`: as the input (START); `Some(Some(n))`: as node `n`.
         let as_node = match as_node {
             None => None,
-            Some(n) => Some(
-                *self
-                    .inner
-                    .index
-                    .get(n)
-                    .ok_or_else(|| GraphError::UnknownTarget {
-                        from: "update_state".into(),
-                        to: n.to_owned(),
-                    })?,
-            ),
+            Some(START) => Some(None),
+            Some(n) => Some(Some(*self.inner.index.get(n).ok_or_else(|| {
+                GraphError::UnknownTarget {
+                    from: "update_state".into(),
+                    to: n.to_owned(),
+                }
+            })?)),
         };
         let encoded = st::encode_update::<S>(&update)?;
         let written = st::apply(Arc::make_mut(&mut run.state), vec![update])?;
@@ -227,9 +229,10 @@ impl<S: State> CompiledGraph<S> {
             let mut next = Vec::new();
             let mut sends = Vec::new();
             let state = Arc::clone(&run.state);
-            run.route_from(Some(node), &state, &mut next, &mut sends)?;
+            run.route_from(node, &state, &mut next, &mut sends)?;
             run.tasks = run.specs(next, sends);
-            run.writers.insert(self.inner.name(node).to_string());
+            run.writers
+                .insert(node.map_or(START, |n| &**self.inner.name(n)).to_string());
         }
         // An edit of the thread's latest checkpoint keeps the scheduled tasks, and with
         // them what they stored: a pending interrupt (and the answers a task got) and the
