@@ -641,8 +641,14 @@ impl Agent {
     /// (archive records, large results) only the removed checkpoints saw — an
     /// abandoned fork's, say — never what a kept one reads; returns how many
     /// checkpoints were removed. The agent does this itself after each compaction
-    /// ([`AgentBuilder::keep_checkpoints`]).
+    /// ([`AgentBuilder::keep_checkpoints`]). `keep` is at least 1
+    /// ([`AgentError::PruneToNothing`]): [`Agent::delete_thread`] removes a whole thread.
     pub async fn prune(&self, thread_id: &str, keep: usize) -> Result<usize, AgentError> {
+        if keep == 0 {
+            return Err(AgentError::PruneToNothing {
+                thread_id: thread_id.to_owned(),
+            });
+        }
         let Some(cp) = &self.checkpointer else {
             return Ok(0);
         };
@@ -1273,7 +1279,8 @@ impl AgentBuilder {
         self
     }
 
-    /// Checkpoints kept by each compaction step (default 5; `None` keeps all): the step
+    /// Checkpoints kept by each compaction step (default 5; `None` keeps all; `Some(0)`
+    /// is refused at build, [`BuildError::KeepNoCheckpoints`]): the step
     /// prunes the thread to the newest `keep` stored checkpoints while its summary is
     /// written, and once the compaction succeeded removes the offloaded files only the
     /// pruned checkpoints saw. With [`Durability::Sync`] (or an in-memory saver) the
@@ -1453,6 +1460,9 @@ impl AgentBuilder {
                     .join(", "),
             });
         }
+        if self.keep_checkpoints == Some(0) {
+            return Err(BuildError::KeepNoCheckpoints);
+        }
         if !self.approve.is_empty() && self.checkpointer.is_none() {
             return Err(BuildError::ApprovalNeedsCheckpointer);
         }
@@ -1508,7 +1518,7 @@ impl AgentBuilder {
             profile_fallback,
             compaction,
             evict,
-            keep_checkpoints: self.keep_checkpoints.filter(|k| *k > 0),
+            keep_checkpoints: self.keep_checkpoints,
             checkpointer: self.checkpointer.clone(),
             approve: self.approve,
             compactor,

@@ -61,6 +61,13 @@ pub enum BuildError {
         /// The prompt budget.
         budget: usize,
     },
+    /// [`AgentBuilder::keep_checkpoints`](crate::AgentBuilder::keep_checkpoints) was
+    /// given `Some(0)`: a thread keeps at least its newest checkpoint, and `None`
+    /// keeps them all.
+    #[error(
+        "`keep_checkpoints(Some(0))` would prune a thread to nothing: a thread keeps at least its newest checkpoint; give `Some(n)` with n of at least 1, or `None` to keep every checkpoint"
+    )]
+    KeepNoCheckpoints,
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),
@@ -71,6 +78,15 @@ pub enum BuildError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AgentError {
+    /// [`Agent::prune`](crate::Agent::prune) was asked to keep no checkpoint, which
+    /// would delete the thread; nothing was removed.
+    #[error(
+        "pruning thread `{thread_id}` to 0 checkpoints would delete it: a thread keeps at least its newest checkpoint; `Agent::delete_thread` removes a whole thread"
+    )]
+    PruneToNothing {
+        /// The thread.
+        thread_id: String,
+    },
     /// A new thread needs a goal: none was given to the builder or the run.
     #[error(
         "thread `{thread_id}` has no goal: give one with `.goal(..)` on the builder or `AgentInput::goal`"

@@ -2059,3 +2059,32 @@ async fn with_async_durability_a_compaction_step_prunes_in_the_background_and_th
     let n = checkpoints(saver.as_ref(), "overlap").await;
     assert!(n <= 3 + 2 * 6, "{n} checkpoints");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keeping_no_checkpoint_is_refused_rather_than_deleting_the_thread() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let refused = builder(counting_model(3, seen.clone()))
+        .keep_checkpoints(Some(0))
+        .build();
+    assert!(
+        matches!(refused, Err(BuildError::KeepNoCheckpoints)),
+        "{:?}",
+        refused.err()
+    );
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(counting_model(3, seen))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    agent.run("kept", AgentInput::new()).await.unwrap();
+    let before = checkpoints(saver.as_ref(), "kept").await;
+    let err = agent.prune("kept", 0).await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::PruneToNothing { thread_id } if thread_id == "kept"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("delete_thread"), "{err}");
+    assert_eq!(checkpoints(saver.as_ref(), "kept").await, before);
+    assert_eq!(agent.prune("kept", 1).await.unwrap(), before - 1);
+    assert_eq!(agent.state("kept").await.unwrap().unwrap().step, 4);
+}
