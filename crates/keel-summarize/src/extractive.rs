@@ -2125,6 +2125,13 @@ const ASCII_SEPARATORS: [bool; 128] = {
     table
 };
 
+/// Whether the comma at `i` groups the thousands of a number (`1,830`, `12,000,000`):
+/// a digit before it, and exactly three after it.
+fn thousands_comma(bytes: &[u8], i: usize) -> bool {
+    let digit = |j: usize| bytes.get(j).is_some_and(u8::is_ascii_digit);
+    i > 0 && digit(i - 1) && digit(i + 1) && digit(i + 2) && digit(i + 3) && !digit(i + 4)
+}
+
 /// The tokens of a line, trailing dots trimmed.
 fn tokens(text: &str) -> impl Iterator<Item = &str> {
     Spans { text, pos: 0 }.filter_map(|t| {
@@ -2154,7 +2161,8 @@ impl<'t> Iterator for Spans<'t> {
         while let Some(&b) = bytes.get(i) {
             let (sep, len) = if b.is_ascii() {
                 let url = b == b':' && bytes.get(i + 1..i + 3) == Some(b"//".as_slice());
-                (ASCII_SEPARATORS[usize::from(b)] && !url, 1)
+                let group = b == b',' && thousands_comma(bytes, i);
+                (ASCII_SEPARATORS[usize::from(b)] && !url && !group, 1)
             } else {
                 // `i` is at a character boundary: only whole characters are skipped.
                 let c = text.get(i..).and_then(|r| r.chars().next());
@@ -2371,7 +2379,16 @@ mod tests {
             let mut start = None;
             for (i, c) in text.char_indices() {
                 let url = c == ':' && text[i + 1..].starts_with("//");
-                if is_separator(c) && !url {
+                let digits = |r: std::ops::Range<usize>| {
+                    text.get(r)
+                        .is_some_and(|d| d.bytes().all(|b| b.is_ascii_digit()))
+                };
+                let group = c == ','
+                    && i > 0
+                    && digits(i - 1..i)
+                    && digits(i + 1..i + 4)
+                    && !digits(i + 4..i + 5);
+                if is_separator(c) && !url && !group {
                     if let Some(s) = start.take() {
                         spans.push((s, i));
                     }
@@ -2470,7 +2487,7 @@ mod tests {
 
         #[test]
         fn tokens_and_identifiers_agree_with_the_reference(
-            text in "([a-zA-Z0-9]{1,12}|[ .:/@_+T\\-]|://|:/|[\"'(){}<>,;=`|*!?$#&\\[\\]\\\\]|[\t\r\x0B\x0C]|é|日|\u{a0}|\u{3000}|\u{2028}|\n){0,40}"
+            text in "([a-zA-Z0-9]{1,12}|[0-9],[0-9]{2,4}|[ .:/@_+T\\-]|://|:/|[\"'(){}<>,;=`|*!?$#&\\[\\]\\\\]|[\t\r\x0B\x0C]|é|日|\u{a0}|\u{3000}|\u{2028}|\n){0,40}"
         ) {
             let fast: Vec<&str> = super::tokens(&text).collect();
             proptest::prop_assert_eq!(&fast, &reference::tokens(&text));
@@ -2601,6 +2618,48 @@ mod tests {
                 .iter()
                 .any(|l| l.contains("timed out") && !l.contains("[resolved")),
             "{items:?}"
+        );
+    }
+
+    #[test]
+    fn a_number_with_thousands_separators_is_one_token() {
+        let t: Vec<&str> =
+            tokens("file1.txt\t1,830 bytes; 12,000,000 rows, 3,14 and 1,2345").collect();
+        assert_eq!(
+            t,
+            [
+                "file1.txt",
+                "1,830",
+                "bytes",
+                "12,000,000",
+                "rows",
+                "3",
+                "14",
+                "and",
+                "1",
+                "2345"
+            ]
+        );
+        assert!(is_identifier("1,830"));
+        let steps = [
+            Message::user("List the directory."),
+            Message::assistant("Listing.").with_tool_calls(vec![ToolCall::new(
+                "c1",
+                "ls",
+                serde_json::json!({}),
+            )]),
+            Message::tool(
+                "c1",
+                "file1.txt\t1,830 bytes\nfile2.txt\t22,104 bytes\nfile3.txt\t950 bytes",
+            ),
+        ];
+        let summary = ExtractiveSummarizer::new()
+            .summarize_sync(&SummaryRequest::milestone(&steps, 300))
+            .unwrap();
+        assert!(
+            summary.text.contains("1,830") && !summary.text.contains(" 830"),
+            "{}",
+            summary.text
         );
     }
 
