@@ -190,6 +190,26 @@ impl OffloadError {
         }
     }
 
+    /// The same error with `thread/` taken off the front of its key: what a tool
+    /// tells the model, which names paths within its own thread.
+    pub(crate) fn within(mut self, thread: &str) -> Self {
+        let key = match &mut self {
+            OffloadError::NotFound { key }
+            | OffloadError::Symlink { key, .. }
+            | OffloadError::Io { key, .. }
+            | OffloadError::Occupied { key, .. }
+            | OffloadError::NotUtf8 { key }
+            | OffloadError::Database { key, .. }
+            | OffloadError::Lineage { key, .. }
+            | OffloadError::Corrupt { key, .. } => key,
+            _ => return self,
+        };
+        if let Some(rest) = key.strip_prefix(thread).and_then(|r| r.strip_prefix('/')) {
+            *key = rest.to_owned();
+        }
+        self
+    }
+
     pub(crate) fn io(op: &'static str, key: impl fmt::Display, source: io::Error) -> Self {
         OffloadError::Io {
             op,

@@ -296,7 +296,10 @@ impl RetrievalTools {
         let entries = self
             .store
             .list(&self.thread, path.as_ref())
-            .map_err(|source| ToolError::Store { tool: LS, source })?;
+            .map_err(|source| ToolError::Store {
+                tool: LS,
+                source: source.within(self.thread.as_str()),
+            })?;
         let place = path
             .as_ref()
             .map(|p| format!(" under {p}"))
@@ -345,7 +348,7 @@ impl RetrievalTools {
             .read_lines(&key, &range)
             .map_err(|source| ToolError::Store {
                 tool: READ_FILE,
-                source,
+                source: source.within(self.thread.as_str()),
             })?;
         if lines.lines.is_empty() {
             return Ok(match lines.total_lines {
@@ -405,7 +408,10 @@ impl RetrievalTools {
         let found = self
             .store
             .grep(&self.thread, path.as_ref(), &pattern, &options)
-            .map_err(|source| ToolError::Store { tool: GREP, source })?;
+            .map_err(|source| ToolError::Store {
+                tool: GREP,
+                source: source.within(self.thread.as_str()),
+            })?;
         if found.matches.is_empty() {
             return Ok(format!(
                 "No lines match {} in {} files.",

@@ -292,12 +292,15 @@ fn bad_calls_are_typed_errors_with_clear_messages() {
             .to_string()
             .contains("4096 bytes long")
     );
-    // Another thread's file does not exist from here.
+    // Another thread's file does not exist from here, and the error names the path
+    // as the model gave it (not the store's key, which starts with the thread id).
     let e = err("read_file", json!({"path": "large_tool_results/secret"}));
     assert_eq!(
         e.to_string(),
-        "read_file: t1/large_tool_results/secret: no such file"
+        "read_file: large_tool_results/secret: no such file"
     );
+    let e = err("ls", json!({"path": "archive"}));
+    assert_eq!(e.to_string(), "ls: archive: no such file");
 }
 
 #[test]
