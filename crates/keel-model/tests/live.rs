@@ -53,8 +53,8 @@ async fn ollama() -> Option<Arc<dyn ChatModel>> {
     ))
 }
 
-#[allow(clippy::unwrap_used, clippy::expect_used)]
-async fn exercise(model: Arc<dyn ChatModel>) {
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+async fn exercise(model: Arc<dyn ChatModel>, forced_tool_choice: bool) {
     let options = ChatOptions::new().temperature(0.0).max_tokens(24);
     let ask = [
         Message::system("You answer in one short sentence."),
@@ -96,18 +96,28 @@ async fn exercise(model: Arc<dyn ChatModel>) {
     );
     assert_eq!(done.text(), text);
 
-    // Tools offered: whatever the model does, the call succeeds and any tool call
-    // is well formed.
+    // Tools offered and asked for: the reply must call the tool, well formed. A
+    // server that does not pass tools to the model (llama-cpp-python without a
+    // function-calling chat format, llama.cpp without --jinja) answers in prose, and
+    // an agent on it would never call a tool. The OpenAI wire format names the tool
+    // in `tool_choice`, which such servers enforce; Ollama has no such field.
     let tool = ToolSpec::new(
         "get_weather",
         "Current weather for a city.",
         json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
     );
+    let mut asked = options.clone().max_tokens(64);
+    if forced_tool_choice {
+        asked = asked.extra(
+            "tool_choice",
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+        );
+    }
     let reply = model
         .chat(
             &[Message::user("What is the weather in Paris? Use the tool.")],
             &[tool],
-            &options.clone().max_tokens(64),
+            &asked,
         )
         .await
         .unwrap();
@@ -116,9 +126,14 @@ async fn exercise(model: Arc<dyn ChatModel>) {
         reply.text(),
         reply.message.tool_calls
     );
-    for call in &reply.message.tool_calls {
-        assert!(!call.id.is_empty() && !call.name.is_empty());
-    }
+    let call = reply.message.tool_calls.first().unwrap_or_else(|| {
+        panic!(
+            "the server answered {:?} without calling the tool it was asked to call: it does not pass tools to the model (llama-cpp-python: --chat_format chatml-function-calling; llama.cpp: --jinja)",
+            reply.text()
+        )
+    });
+    assert!(!call.id.is_empty(), "{call:?}");
+    assert_eq!(call.name, "get_weather", "{call:?}");
 
     // A prompt far past an 8k window: a server that refuses it must say so with a
     // ContextOverflow; one with a larger window may accept it.
@@ -157,7 +172,7 @@ async fn exercise(model: Arc<dyn ChatModel>) {
 #[ignore = "live: needs OPENAI_BASE_URL; run with `cargo xtask llm-live`"]
 async fn openai_compatible_server() {
     match openai().await {
-        Some(model) => exercise(model).await,
+        Some(model) => exercise(model, true).await,
         None => eprintln!("skipped: OPENAI_BASE_URL not set (or the server lists no model)"),
     }
 }
@@ -166,7 +181,7 @@ async fn openai_compatible_server() {
 #[ignore = "live: needs OLLAMA_BASE_URL; run with `cargo xtask llm-live`"]
 async fn ollama_server() {
     match ollama().await {
-        Some(model) => exercise(model).await,
+        Some(model) => exercise(model, false).await,
         None => eprintln!("skipped: OLLAMA_BASE_URL not set (or the server lists no model)"),
     }
 }
