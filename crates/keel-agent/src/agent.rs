@@ -717,6 +717,11 @@ impl Agent {
     /// branch (the store's `delete_thread`); returns their ids. Call it again while it
     /// returns `limit` ids to sweep everything. Without a checkpointer there is nothing
     /// to sweep; a checkpointer without a sweep is an error saying so.
+    ///
+    /// A thread is idle by its checkpoints alone: one whose run waits in a fleet's
+    /// queue, or runs a long model call, may look idle and is deleted all the same.
+    /// With a fleet, sweep with `keel_fleet::Queue::sweep_idle`, which keeps the
+    /// threads with a run queued or running.
     pub async fn sweep_idle(
         &self,
         idle_for: Duration,
@@ -747,6 +752,24 @@ impl Agent {
             tracing::warn!(error = %e, "cleaning the offload store after a sweep did not finish");
         }
         Ok(swept)
+    }
+
+    /// The threads [`Agent::sweep_idle`] would delete now, without deleting them: those
+    /// idle for longer than `idle_for`, at most `limit`, in id order. Without a
+    /// checkpointer there are none.
+    pub async fn idle_threads(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<String>, AgentError> {
+        let Some(cp) = &self.checkpointer else {
+            return Ok(Vec::new());
+        };
+        Ok(
+            keel_checkpoint::support::idle_threads(cp.as_ref(), idle_for, limit)
+                .await
+                .map_err(keel_graph::GraphError::from)?,
+        )
     }
 
     /// The newest checkpoint of a thread written by `node` (e.g. [`crate::COMPACT`]):
@@ -1305,8 +1328,9 @@ impl AgentBuilder {
     }
 
     /// The policy for large tool results (default: results over the smaller of 20,000
-    /// tokens and a quarter of the input budget go to the offload store); `None` keeps
-    /// every result in full.
+    /// tokens and a quarter of the input budget go to the offload store). `None` keeps
+    /// in full every result a prompt could hold: one over half the input budget, which
+    /// would overflow every later model call of the thread, is offloaded all the same.
     pub fn evict(mut self, policy: Option<EvictLargeResults>) -> Self {
         self.evict = Some(policy);
         self
@@ -1340,7 +1364,9 @@ impl AgentBuilder {
     }
 
     /// Replaces one of the nodes (`agent`, `tools`, `compact`, `epoch`) with your own;
-    /// the others and the routing stay.
+    /// the others and the routing stay. Another name adds a node of that name, to be
+    /// connected with [`AgentBuilder::customize`]; one left unconnected fails the build
+    /// with [`BuildError::UnconnectedNode`] (a misspelt name of a node to replace does).
     pub fn node<F, Fut, R>(mut self, name: &str, node: F) -> Self
     where
         F: Fn(Arc<AgentState>, NodeContext) -> Fut + Send + Sync + 'static,
@@ -1466,12 +1492,16 @@ impl AgentBuilder {
         if !self.approve.is_empty() && self.checkpointer.is_none() {
             return Err(BuildError::ApprovalNeedsCheckpointer);
         }
-        let evict = self.evict.unwrap_or_else(|| {
-            Some(
-                EvictLargeResults::new()
-                    .with_threshold((profile.input_budget() / 4).clamp(1, 20_000)),
-            )
-        });
+        let evict = match self.evict {
+            None => EvictLargeResults::new()
+                .with_threshold((profile.input_budget() / 4).clamp(1, 20_000)),
+            Some(Some(policy)) => policy,
+            // Kept in full, unless no prompt could hold it beside the rest: such a
+            // result would overflow every model call of the thread from then on.
+            Some(None) => {
+                EvictLargeResults::new().with_threshold((profile.input_budget() / 2).max(1))
+            }
+        };
         let compaction = self.compaction.with_epoch_inline(false);
         // The default summarizer measures its budget in the model's tokens, as the
         // compactor that sets it does.
@@ -1538,6 +1568,7 @@ impl AgentBuilder {
             let node = replaced.remove(name).unwrap_or(standard);
             graph = graph.add_node(name, move |s, ctx| node(s, ctx));
         }
+        let added: Vec<String> = replaced.keys().cloned().collect();
         for (name, node) in replaced {
             graph = graph.add_node(name, move |s, ctx| node(s, ctx));
         }
@@ -1553,8 +1584,16 @@ impl AgentBuilder {
         for f in self.customize {
             graph = f(graph);
         }
+        let graph = graph.compile().map_err(|e| match e {
+            // A node `node` added that leads nowhere: most likely a misspelt name of a
+            // node to replace.
+            keel_graph::BuildError::CannotReachEnd { node } if added.contains(&node) => {
+                BuildError::UnconnectedNode { name: node }
+            }
+            e => BuildError::Graph(e),
+        })?;
         Ok(Agent {
-            graph: graph.compile()?,
+            graph,
             nodes,
             goal: self.goal,
             system: self.system,

@@ -68,6 +68,16 @@ pub enum BuildError {
         "`keep_checkpoints(Some(0))` would prune a thread to nothing: a thread keeps at least its newest checkpoint; give `Some(n)` with n of at least 1, or `None` to keep every checkpoint"
     )]
     KeepNoCheckpoints,
+    /// A node given to [`AgentBuilder::node`](crate::AgentBuilder::node) under a name
+    /// that is none of the agent's nodes was added, and no edge leads from it toward
+    /// END.
+    #[error(
+        "`node(\"{name}\", ..)` added a node `{name}` that cannot reach END: the agent's nodes, which `node` replaces, are agent, tools, compact and epoch; a node of your own needs edges toward END, from `customize`"
+    )]
+    UnconnectedNode {
+        /// The name given.
+        name: String,
+    },
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),

@@ -33,6 +33,13 @@
 //! the store still holds what the thread's checkpoint archived, and fails with
 //! [`AgentError::ArchiveUnavailable`] if not.
 //!
+//! Tool calls run **at least once**. A crash while the `tools` step runs loses that
+//! step's results (a step is stored whole or not at all), and the resumed run runs
+//! its tool calls again, with the same call ids; the model is not asked again. A tool
+//! with effects outside keel (a payment, an email) should make a repeat harmless:
+//! [`ToolContext::call_id`](keel_message::ToolContext::call_id) is the same on the
+//! repeat, a ready idempotency key.
+//!
 //! A run stops with a resumable [`Stop`] at its own budget ([`AgentInput::max_steps`])
 //! or at the thread's step ceiling:
 //! [`CompactionConfig::max_steps`](keel_compaction::CompactionConfig::max_steps), 500

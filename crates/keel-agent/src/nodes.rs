@@ -51,7 +51,7 @@ pub(crate) struct Parts {
     pub(crate) profile: ModelProfile,
     pub(crate) profile_fallback: bool,
     pub(crate) compaction: CompactionConfig,
-    pub(crate) evict: Option<EvictLargeResults>,
+    pub(crate) evict: EvictLargeResults,
     pub(crate) keep_checkpoints: Option<usize>,
     pub(crate) checkpointer: Option<Arc<dyn Checkpointer>>,
     pub(crate) approve: BTreeSet<String>,
@@ -652,9 +652,7 @@ impl AgentNodes {
         results: Vec<Message>,
     ) -> (Vec<Message>, Vec<(String, String, u64)>, Option<Lineage>) {
         let minify = self.parts.compaction.minify_json;
-        let Some(policy) = self.parts.evict.clone() else {
-            return (minified(results, minify).await, Vec::new(), None);
-        };
+        let policy = self.parts.evict.clone();
         // Results the counter's cheap bound puts under the threshold stay as they
         // are, with no trip to the blocking pool.
         let counter = &self.parts.counter;

@@ -921,8 +921,9 @@ impl PromptWatch {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prompt_counted_over_the_window_is_never_sent() {
-    // Eviction off and a tool result far over the window: no compaction can make the
-    // prompt fit, and the model must not receive it (Ollama would cut it silently).
+    // No result ever evicted (a threshold no result reaches; `evict(None)` would still
+    // offload this one) and a tool result far over the window: no compaction can make
+    // the prompt fit, and the model must not receive it (Ollama would cut it silently).
     let watch = PromptWatch::default();
     let seen = watch.clone();
     let model = PolicyModel::new("small", move |messages, _t| {
@@ -950,7 +951,9 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
         ))
         .goal(GOAL)
         .tool(Arc::new(huge))
-        .evict(None)
+        .evict(Some(
+            keel_offload::EvictLargeResults::new().with_threshold(usize::MAX),
+        ))
         .checkpointer(Arc::new(MemorySaver::new()))
         .build()
         .unwrap();
@@ -2087,4 +2090,56 @@ async fn keeping_no_checkpoint_is_refused_rather_than_deleting_the_thread() {
     assert_eq!(checkpoints(saver.as_ref(), "kept").await, before);
     assert_eq!(agent.prune("kept", 1).await.unwrap(), before - 1);
     assert_eq!(agent.state("kept").await.unwrap().unwrap().step, 4);
+}
+
+#[test]
+fn a_misspelt_node_to_replace_is_named_with_the_agent_s_nodes() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let built = builder(counting_model(1, seen))
+        .node("tool", |_s, _ctx| async { Ok(AgentStateUpdate::default()) })
+        .build();
+    let err = built.err().unwrap();
+    assert!(
+        matches!(&err, BuildError::UnconnectedNode { name } if name == "tool"),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string()
+            .contains("are agent, tools, compact and epoch"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_eviction_off_a_result_no_prompt_could_hold_is_offloaded_all_the_same() {
+    let calls = AtomicU64::new(0);
+    let model = PolicyModel::new("big", move |_m, _t| {
+        let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("big").with_tool_calls(vec![ToolCall::new(
+                "big-1",
+                "huge",
+                json!({}),
+            )]),
+            _ => Message::assistant("done"),
+        };
+        Ok(ChatResponse::new(reply, "big"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Huge))
+        .evict(None)
+        .build()
+        .unwrap();
+    let run = agent.run("off", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("done"));
+    assert!(
+        run.state
+            .events
+            .iter()
+            .any(|e| matches!(e, AgentEvent::Offload { .. })),
+        "{:?}",
+        run.state.events
+    );
 }

@@ -163,7 +163,9 @@ impl PostgresSaver {
     /// same rule as [`Checkpointer::sweep_idle`] (newest checkpoint, over all
     /// namespaces, older than `idle_for` by its id's time), applied in batches of 256
     /// with one cutoff until a batch comes back short. A thread that takes a new
-    /// checkpoint while being swept is kept.
+    /// checkpoint while being swept is kept. It deletes checkpoints only: an agent's
+    /// offloaded files stay in their store (`Agent::sweep_idle` deletes those too;
+    /// with a fleet, `Queue::sweep_idle`).
     ///
     /// This method shadows the trait's bounded one on a `PostgresSaver`; to delete at
     /// most `limit` threads per call, call

@@ -176,6 +176,11 @@ pub trait Checkpointer: Send + Sync + 'static {
     /// swept thread's head before it was deleted gets [`CheckpointError::Conflict`] on
     /// its next put, as after `delete_thread`.
     ///
+    /// **Checkpoints only**: what else a thread has (an agent's archive and offloaded
+    /// results, a fleet's runs) stays. keel-agent's `Agent::sweep_idle` deletes the
+    /// offloaded files of the threads it sweeps, and keel-fleet's `Queue::sweep_idle`
+    /// also keeps the threads with a run queued or running.
+    ///
     /// The default implementation fails with [`CheckpointError::Unsupported`] and
     /// deletes nothing, so backends written before this method existed still compile;
     /// keel's backends (memory, SQLite, Postgres) all implement it and pass the

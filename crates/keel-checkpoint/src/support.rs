@@ -425,6 +425,52 @@ pub fn idle_cutoff(idle_for: Duration) -> CheckpointId {
     CheckpointId::floor_at(u64::try_from(millis).unwrap_or(u64::MAX))
 }
 
+/// The ids of threads idle for longer than `idle_for` (no checkpoint since, over
+/// every namespace), at most `limit`, in byte order of their ids: the threads
+/// [`Checkpointer::sweep_idle`](crate::Checkpointer::sweep_idle) would delete now, read
+/// without deleting them (for a sweep that must first ask someone else, as a fleet's
+/// queue, whether a thread is in use). Pages through
+/// [`Checkpointer::list_threads`](crate::Checkpointer::list_threads).
+///
+/// ```
+/// use std::time::Duration;
+/// use keel_checkpoint::support::idle_threads;
+/// use keel_checkpoint::MemorySaver;
+///
+/// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
+/// let saver = MemorySaver::new();
+/// assert!(idle_threads(&saver, Duration::from_secs(60), 100).await?.is_empty());
+/// # Ok::<(), keel_checkpoint::CheckpointError>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub async fn idle_threads<C: crate::Checkpointer + ?Sized>(
+    saver: &C,
+    idle_for: Duration,
+    limit: usize,
+) -> Result<Vec<String>, CheckpointError> {
+    const PAGE: usize = 500;
+    let cutoff = idle_cutoff(idle_for);
+    // The `limit` smallest ids in byte order, as a sweep's list is sorted (a
+    // database's collation may order the pages otherwise), never more held.
+    let mut idle = BTreeSet::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = saver.list_threads(after.as_deref(), PAGE).await?;
+        let done = page.len() < PAGE;
+        after = page.last().map(|t| t.thread_id.clone());
+        for t in page.into_iter().filter(|t| t.head < cutoff) {
+            idle.insert(t.thread_id);
+            if idle.len() > limit {
+                idle.pop_last();
+            }
+        }
+        if done || after.is_none() {
+            return Ok(idle.into_iter().collect());
+        }
+    }
+}
+
 /// Where a stored delta's chain goes next: its version's `seq`, whether it holds a
 /// snapshot (its chain starts there), and the version it applies to (writer id and
 /// `seq`).

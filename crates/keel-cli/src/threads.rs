@@ -451,29 +451,9 @@ async fn idle_threads(
     saver: &Arc<dyn Checkpointer>,
     older_than: Duration,
 ) -> anyhow::Result<Vec<String>> {
-    const PAGE: usize = 500;
-    let cutoff = keel::checkpoint::support::idle_cutoff(older_than);
-    let mut idle = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let page = saver
-            .list_threads(after.as_deref(), PAGE)
-            .await
-            .context("cannot list threads")?;
-        let done = page.len() < PAGE;
-        after = page.last().map(|t| t.thread_id.clone());
-        idle.extend(
-            page.into_iter()
-                .filter(|t| t.head < cutoff)
-                .map(|t| t.thread_id),
-        );
-        if done || after.is_none() {
-            // In byte order of the ids, as the real sweep's list is sorted: a database's
-            // collation may order the pages otherwise.
-            idle.sort();
-            return Ok(idle);
-        }
-    }
+    keel::checkpoint::support::idle_threads(saver.as_ref(), older_than, usize::MAX)
+        .await
+        .context("cannot list threads")
 }
 
 async fn list(

@@ -130,6 +130,10 @@ pub enum FleetError {
     /// The worker's agent could not be built.
     #[error("cannot build the worker's agent: {0}")]
     Build(#[from] keel_agent::BuildError),
+    /// The agent failed at what the queue asked of it (deleting a thread in
+    /// [`Queue::sweep_idle`](crate::Queue::sweep_idle)).
+    #[error(transparent)]
+    Agent(#[from] keel_agent::AgentError),
     /// A worker was built without an agent.
     #[error("a worker needs an agent: call `.agent(Agent::builder()...)` on the worker builder")]
     NoAgent,

@@ -27,8 +27,9 @@
 //!   [`WorkerBuilder::on_claim_trouble`] when its claims start failing (the database
 //!   went away) and when they work again;
 //! * [`Queue::forget_thread`] removes a thread's runs once none is in flight (delete
-//!   its checkpoints with the checkpointer), and [`Queue::thread_ids`] pages through
-//!   the threads the queue knows;
+//!   its checkpoints with the checkpointer), [`Queue::sweep_idle`] deletes idle
+//!   threads whole but those with a run in flight (the TTL sweep for a fleet), and
+//!   [`Queue::thread_ids`] pages through the threads the queue knows;
 //! * the tables carry a schema version: a worker pointed at an older or newer schema
 //!   gets [`FleetError::SchemaTooOld`] / [`FleetError::SchemaTooNew`] naming it. A run
 //!   whose stored input does not decode is failed with the reason; a run whose workers
@@ -97,8 +98,8 @@ pub use input::{INPUT_FORMAT, RunInput};
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
 pub use queue::{
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_POOL_SIZE, DEFAULT_SCHEMA, ParseRunIdError, Policy, Queue,
-    QueueOptions, RunId, RunInfo, RunResult, RunStatus,
+    DEFAULT_MAX_ATTEMPTS, DEFAULT_POOL_SIZE, DEFAULT_SCHEMA, InFlight, ParseRunIdError, Policy,
+    Queue, QueueOptions, RunId, RunInfo, RunResult, RunStatus, Swept,
 };
 pub use schema::SCHEMA_VERSION;
 pub use worker::{

@@ -655,6 +655,44 @@ impl Queue {
         self.explained(result)
     }
 
+    /// Deletes the threads idle for longer than `idle_for` (no checkpoint since), at
+    /// most `limit` per call, unless a run of theirs is queued or running here: for
+    /// each, its runs are removed from the queue ([`Queue::forget_thread`], which
+    /// refuses while one is in flight), then its checkpoints and offloaded files
+    /// ([`Agent::delete_thread`](keel_agent::Agent::delete_thread)). This is the TTL
+    /// sweep for a fleet: [`Agent::sweep_idle`](keel_agent::Agent::sweep_idle) looks at
+    /// checkpoints alone, and would delete a thread whose run waits for a worker. Call
+    /// it again while it returns `limit` threads in all (deleted and kept) to sweep
+    /// everything.
+    ///
+    /// A run submitted for a thread between its removal from the queue and the delete
+    /// of its checkpoints finds the thread gone (a new thread under the same id).
+    pub async fn sweep_idle(
+        &self,
+        agent: &keel_agent::Agent,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<Swept, FleetError> {
+        let mut swept = Swept::default();
+        for thread in agent.idle_threads(idle_for, limit).await? {
+            match self.forget_thread(&thread).await {
+                Ok(_) => {
+                    agent.delete_thread(&thread).await?;
+                    swept.deleted.push(thread);
+                }
+                Err(FleetError::ThreadActive { run, status, .. }) => {
+                    swept.kept.push(InFlight {
+                        thread,
+                        run,
+                        status,
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(swept)
+    }
+
     /// Cancels a run: a queued one at once; a running one stops at its next step
     /// boundary (its worker marks it cancelled). An ended run is left as it is. Returns
     /// the run as it is after the call.
@@ -1074,4 +1112,26 @@ fn prefixed(alias: &str, columns: &str) -> String {
         .map(|c| format!("{alias}.{c}"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// What [`Queue::sweep_idle`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Swept {
+    /// The threads deleted, in id order.
+    pub deleted: Vec<String>,
+    /// The idle threads kept for a run of theirs in flight.
+    pub kept: Vec<InFlight>,
+}
+
+/// An idle thread [`Queue::sweep_idle`] kept: the run of it that is in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InFlight {
+    /// The thread.
+    pub thread: String,
+    /// Its run that is queued or running.
+    pub run: RunId,
+    /// That run's status (`queued` or `running`).
+    pub status: &'static str,
 }

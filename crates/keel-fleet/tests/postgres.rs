@@ -902,3 +902,65 @@ async fn on_run_end_hears_how_each_run_ended_with_the_agent_s_error() {
     assert!(heard[2].2.starts_with("failed (no goal):"), "{heard:?}");
     db.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_sweep_deletes_idle_threads_but_those_with_a_run_in_flight() {
+    let Some(url) = database_url() else { return };
+    let db = Db::new(&url, "sweep").await;
+    let echo = Echo::new(2);
+    let w = worker(&db, &echo, "w", 2);
+    let (stop, h) = background(&w);
+    let mut last = Vec::new();
+    for t in ["idle", "waiting"] {
+        last.push(
+            db.queue
+                .submit(t, RunInput::new().goal(goal(t)))
+                .await
+                .unwrap(),
+        );
+    }
+    for run in last {
+        wait_for(&db.queue, run, "done", is_done).await;
+    }
+    stop.send(()).unwrap();
+    h.await.unwrap();
+    // No worker runs: this run waits in the queue while its thread looks idle.
+    let waiting = db
+        .queue
+        .submit("waiting", RunInput::new().message(Message::user("More.")))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let agent = w.agent();
+    assert_eq!(
+        agent
+            .idle_threads(Duration::from_secs(1), 10)
+            .await
+            .unwrap(),
+        ["idle", "waiting"]
+    );
+    let swept = db
+        .queue
+        .sweep_idle(agent, Duration::from_secs(1), 10)
+        .await
+        .unwrap();
+    assert_eq!(swept.deleted, ["idle"]);
+    assert_eq!(swept.kept.len(), 1);
+    assert_eq!(
+        (
+            swept.kept[0].thread.as_str(),
+            swept.kept[0].run,
+            swept.kept[0].status
+        ),
+        ("waiting", waiting, "queued")
+    );
+    assert!(agent.state("idle").await.unwrap().is_none());
+    assert!(db.queue.runs("idle").await.unwrap().is_empty());
+    assert!(agent.state("waiting").await.unwrap().is_some());
+    // The kept thread's run still finishes, on the thread it was submitted for.
+    let (stop, h) = background(&w);
+    wait_for(&db.queue, waiting, "done", is_done).await;
+    stop.send(()).unwrap();
+    h.await.unwrap();
+    db.drop_schema().await;
+}
