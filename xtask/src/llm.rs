@@ -4,7 +4,9 @@
 //! `OPENAI_BASE_URL` (an OpenAI-compatible server, e.g. llama.cpp's at
 //! `http://127.0.0.1:8089/v1`) or `OLLAMA_BASE_URL` is set; `OPENAI_MODEL` /
 //! `OLLAMA_MODEL` choose the model (default: the first one the server lists). With
-//! neither set it says it skipped and succeeds.
+//! neither set it says it skipped and succeeds. The server must pass tools to the
+//! model (llama-cpp-python: `--chat_format chatml-function-calling`; llama.cpp:
+//! `--jinja`): a reply that answers in prose where it was asked to call a tool fails.
 
 use anyhow::Result;
 

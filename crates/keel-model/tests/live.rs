@@ -54,7 +54,7 @@ async fn ollama() -> Option<Arc<dyn ChatModel>> {
 }
 
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-async fn exercise(model: Arc<dyn ChatModel>, forced_tool_choice: bool) {
+async fn exercise(model: Arc<dyn ChatModel>) {
     let options = ChatOptions::new().temperature(0.0).max_tokens(24);
     let ask = [
         Message::system("You answer in one short sentence."),
@@ -96,23 +96,18 @@ async fn exercise(model: Arc<dyn ChatModel>, forced_tool_choice: bool) {
     );
     assert_eq!(done.text(), text);
 
-    // Tools offered and asked for: the reply must call the tool, well formed. A
-    // server that does not pass tools to the model (llama-cpp-python without a
-    // function-calling chat format, llama.cpp without --jinja) answers in prose, and
-    // an agent on it would never call a tool. The OpenAI wire format names the tool
-    // in `tool_choice`, which such servers enforce; Ollama has no such field.
+    // Tools offered and asked for in the prompt, with the agent's own `tool_choice`
+    // (auto): the reply must call the tool, well formed. A server that does not pass
+    // tools to the model (llama-cpp-python without a function-calling chat format,
+    // llama.cpp without --jinja) answers in prose, and an agent on it would never
+    // call a tool. (Naming the tool in `tool_choice` would not tell: such servers
+    // force a call by grammar all the same.)
     let tool = ToolSpec::new(
         "get_weather",
         "Current weather for a city.",
         json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
     );
-    let mut asked = options.clone().max_tokens(64);
-    if forced_tool_choice {
-        asked = asked.extra(
-            "tool_choice",
-            json!({"type": "function", "function": {"name": "get_weather"}}),
-        );
-    }
+    let asked = options.clone().max_tokens(64);
     let reply = model
         .chat(
             &[Message::user("What is the weather in Paris? Use the tool.")],
@@ -172,7 +167,7 @@ async fn exercise(model: Arc<dyn ChatModel>, forced_tool_choice: bool) {
 #[ignore = "live: needs OPENAI_BASE_URL; run with `cargo xtask llm-live`"]
 async fn openai_compatible_server() {
     match openai().await {
-        Some(model) => exercise(model, true).await,
+        Some(model) => exercise(model).await,
         None => eprintln!("skipped: OPENAI_BASE_URL not set (or the server lists no model)"),
     }
 }
@@ -181,7 +176,7 @@ async fn openai_compatible_server() {
 #[ignore = "live: needs OLLAMA_BASE_URL; run with `cargo xtask llm-live`"]
 async fn ollama_server() {
     match ollama().await {
-        Some(model) => exercise(model, false).await,
+        Some(model) => exercise(model).await,
         None => eprintln!("skipped: OLLAMA_BASE_URL not set (or the server lists no model)"),
     }
 }
