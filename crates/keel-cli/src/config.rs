@@ -4,6 +4,7 @@
 //! # keel.toml
 //! home = ".keel"                      # where the embedded SQLite file and offload store live
 //! database_url = "postgres://..."     # use Postgres instead of the embedded file
+//! schema = "agents"                   # keel's tables in this Postgres schema (default public)
 //! model = "ollama/qwen2.5:0.5b"       # default for `keel run` and `keel demo --model`
 //! window = 32768                      # the model's context window, when keel does not know it
 //! ollama_base_url = "http://127.0.0.1:11434"
@@ -23,6 +24,8 @@ pub struct Settings {
     pub home: Option<PathBuf>,
     /// A Postgres URL; threads and checkpoints live there instead of the embedded file.
     pub database_url: Option<String>,
+    /// The Postgres schema of keel's tables (`KEEL_SCHEMA` wins; default `public`).
+    pub schema: Option<String>,
     /// `ollama/<name>` or `openai/<name>`.
     pub model: Option<String>,
     /// The model's context window in tokens (`--window` wins).
@@ -55,7 +58,7 @@ impl Settings {
             let keys = if problem.contains("expected one of") {
                 ""
             } else {
-                " (the keys are home, database_url, model, window, ollama_base_url and openai_base_url)"
+                " (the keys are home, database_url, schema, model, window, ollama_base_url and openai_base_url)"
             };
             anyhow::anyhow!(
                 "the settings file {}{} cannot be used: {problem}; fix it{keys}, or give --config another file",
@@ -81,6 +84,12 @@ impl Settings {
         flag.map(str::to_owned)
             .or_else(|| env("DATABASE_URL"))
             .or_else(|| self.database_url.clone())
+    }
+
+    /// The Postgres schema of keel's tables: `KEEL_SCHEMA`, then the file; none means
+    /// each library's default (`public`).
+    pub fn schema(&self) -> Option<String> {
+        env("KEEL_SCHEMA").or_else(|| self.schema.clone())
     }
 
     /// Where threads live for a command that takes both `--home` and `--database-url`:

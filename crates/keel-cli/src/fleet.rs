@@ -133,7 +133,13 @@ fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyho
 }
 
 fn queue(url: &str) -> anyhow::Result<Queue> {
-    Queue::connect(url).context(
+    let mut options = keel_fleet::QueueOptions::new();
+    if let Some(s) = crate::store::schema() {
+        options = options.schema(s).with_context(|| {
+            format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
+        })?;
+    }
+    Queue::connect_with(url, options).context(
         "the database URL is not a valid Postgres connection string (postgres://user@host:port/db)",
     )
 }
@@ -254,7 +260,8 @@ async fn thread_started(queue: &Queue, url: &str, thread: &str) -> bool {
     let Ok(config) = PostgresConfig::new(url) else {
         return false;
     };
-    let Ok(saver) = PostgresSaver::from_pool(queue.pool().clone(), config.get_schema()) else {
+    let schema = crate::store::schema().unwrap_or(config.get_schema());
+    let Ok(saver) = PostgresSaver::from_pool(queue.pool().clone(), schema) else {
         return false;
     };
     matches!(saver.get(&ThreadKey::new(thread), None).await, Ok(Some(_)))

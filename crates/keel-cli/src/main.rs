@@ -82,6 +82,7 @@ fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => return ui::fail(&e),
     };
+    store::use_schema(settings.schema());
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use keel::checkpoint::Checkpointer;
-use keel::offload::{FsStore, OffloadStore, PostgresStore};
+use keel::offload::{FsStore, OffloadStore, PostgresStore, PostgresStoreOptions};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::sqlite::SqliteOptions;
 
@@ -15,6 +15,27 @@ pub struct Storage {
     pub saver: Arc<dyn Checkpointer>,
     /// `SQLite file .keel/keel.sqlite` or `Postgres at host:port/db`.
     pub described: String,
+}
+
+/// The Postgres schema of keel's tables for this process (`KEEL_SCHEMA`, or `schema`
+/// in keel.toml), set once at start.
+static SCHEMA: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Sets the Postgres schema every store of this process uses (`None`: the default).
+pub fn use_schema(schema: Option<String>) {
+    let _ = SCHEMA.set(schema);
+}
+
+/// The Postgres schema set by [`use_schema`], if any.
+pub fn schema() -> Option<&'static str> {
+    SCHEMA.get().and_then(|s| s.as_deref())
+}
+
+/// ` (schema S)` when a schema was set, for messages.
+fn in_schema() -> String {
+    schema()
+        .map(|s| format!(" (schema {s})"))
+        .unwrap_or_default()
 }
 
 /// The embedded file in `home`.
@@ -35,18 +56,24 @@ pub async fn open(
     create: bool,
 ) -> anyhow::Result<Storage> {
     if let Some(url) = database_url {
-        let config = PostgresConfig::new(url)
+        let mut config = PostgresConfig::new(url)
             .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")?;
+        if let Some(s) = schema() {
+            config = config.schema(s).with_context(|| {
+                format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
+            })?;
+        }
         let saver = PostgresSaver::connect(&config).context("cannot set up the Postgres pool")?;
         saver.setup().await.with_context(|| {
             format!(
-                "cannot reach Postgres at {} or create keel's tables there",
-                redact(url)
+                "cannot reach Postgres at {}{} or create keel's tables there",
+                redact(url),
+                in_schema()
             )
         })?;
         return Ok(Storage {
             saver: Arc::new(saver),
-            described: format!("Postgres at {}", redact(url)),
+            described: format!("Postgres at {}{}", redact(url), in_schema()),
         });
     }
     let path = sqlite_path(home);
@@ -90,10 +117,17 @@ pub fn offload_for(
     create: bool,
 ) -> anyhow::Result<Option<Arc<dyn OffloadStore>>> {
     if let Some(url) = database_url {
-        let store = PostgresStore::connect(url).with_context(|| {
+        let mut options = PostgresStoreOptions::new();
+        if let Some(s) = schema() {
+            options = options.schema(s).with_context(|| {
+                format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
+            })?;
+        }
+        let store = PostgresStore::connect_with(url, options).with_context(|| {
             format!(
-                "cannot open the offload store in Postgres at {}",
-                redact(url)
+                "cannot open the offload store in Postgres at {}{}",
+                redact(url),
+                in_schema()
             )
         })?;
         return Ok(Some(Arc::new(store)));

@@ -466,3 +466,39 @@ fn gc_keeps_an_idle_thread_whose_fleet_run_is_in_flight() {
     assert!(names(&plan["would_delete"]).contains(&thread), "{plan}");
     forget(&url, &thread);
 }
+
+#[test]
+fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
+    // A library deployment may keep keel's tables in a schema of its own
+    // (`PostgresConfig::schema`, `QueueOptions::schema`); the CLI used only `public`.
+    let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let thread = format!("fleet-cli-schema-{}", std::process::id());
+    let in_schema = |args: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let out = keel()
+            .current_dir(dir.path())
+            .env("KEEL_SCHEMA", "keel_cli_schema_test")
+            .args(args)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{args:?}: {stdout}{stderr}");
+        stdout
+    };
+    let submit = ["submit", "--database-url", &url, "--thread", &thread];
+    let run_id = in_schema(&[&submit[..], &["--goal", "What is here?"]].concat());
+    let run_id = run_id.trim();
+    let status = ["status", "--database-url", &url, "--thread", &thread];
+    assert!(in_schema(&status).contains(run_id));
+    // The default schema's queue knows nothing of it.
+    let (_, stdout, stderr) = run(&status);
+    assert!(
+        !stdout.contains(run_id) && !stderr.contains(run_id),
+        "{stdout}{stderr}"
+    );
+    assert!(in_schema(&["cancel", "--database-url", &url, run_id]).contains("cancelled"));
+    in_schema(&["threads", "delete", "--database-url", &url, &thread]);
+    assert!(!in_schema(&status).contains(run_id));
+}
