@@ -1538,6 +1538,16 @@ impl AgentBuilder {
                 budget,
             });
         }
+        if tokens > budget / 2 {
+            // It can run, but every prompt starts more than half full: compaction
+            // fires almost every step and each milestone frees little.
+            tracing::warn!(
+                model = %profile.name,
+                tokens,
+                budget,
+                "the system prompt, goal and tool specs take over half the prompt budget; give a larger window, fewer tools or a shorter system prompt, or compaction will run at almost every step"
+            );
+        }
         let parts = Parts {
             model,
             options: self.options,
