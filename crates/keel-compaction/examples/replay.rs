@@ -20,6 +20,13 @@ use keel_token::{MemoCounter, TiktokenCounter, TokenCounter};
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "usage: replay [data-dir] [--min-messages N] [--show-missed] [--speed-only]\n\
+             data-dir holds tau-bench/gpt-4o-airline.json and swe-agent/ (default: ../shared/data beside the repository)"
+        );
+        return Ok(());
+    }
     let dir = args
         .iter()
         .find(|a| !a.starts_with("--") && a.parse::<usize>().is_err())
@@ -37,7 +44,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let show_missed = args.iter().any(|a| a == "--show-missed");
     let counter: Arc<dyn TokenCounter> = Arc::new(MemoCounter::new(TiktokenCounter::o200k_base()?));
 
-    let tau = load_tau_bench(&dir.join("tau-bench/gpt-4o-airline.json"))?;
+    let tau_file = dir.join("tau-bench/gpt-4o-airline.json");
+    if !tau_file.is_file() {
+        eprintln!(
+            "no recorded runs at {}: give the data directory (it holds tau-bench/gpt-4o-airline.json and swe-agent/) as the first argument",
+            dir.display()
+        );
+        std::process::exit(1);
+    }
+    let tau = load_tau_bench(&tau_file)?;
     // Speed: every tau-bench run, extractive summaries; the first pass warms the
     // counter's tables, then the median of 5 timed passes.
     let mut times = Vec::new();

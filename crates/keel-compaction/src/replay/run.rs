@@ -221,7 +221,7 @@ pub async fn replay_trajectory(
     counter: Arc<dyn TokenCounter>,
 ) -> Result<RunReport, CompactionError> {
     let mut messages = trajectory.messages.clone();
-    let planted = plant_needles(&mut messages, &trajectory.id, config.needles);
+    let planted = plant_needles(&mut messages, config.needles);
 
     let system_at = messages.iter().position(|m| m.role == Role::System);
     let Some(goal_at) = super::load::goal_index(&messages) else {
@@ -383,32 +383,63 @@ impl StoredText {
 
 /// Plants `n` needles in the first tool results (or observations) of a run and
 /// returns their texts.
-fn plant_needles(messages: &mut [Message], run: &str, n: usize) -> Vec<String> {
-    let mut planted = Vec::new();
-    for m in messages.iter_mut() {
-        if planted.len() >= n {
-            break;
-        }
-        let observation = m.role == Role::Tool
+fn plant_needles(messages: &mut [Message], n: usize) -> Vec<String> {
+    let observation = |m: &Message| {
+        m.role == Role::Tool
             || m.metadata
                 .get(OBSERVATION_METADATA_KEY)
-                .is_some_and(|v| v.as_bool() == Some(true));
-        if !observation {
-            continue;
-        }
-        let code = xxhash(run, planted.len());
-        let text = format!("NEEDLE-{code:016x}");
-        let note = format!("\n(note: verification code {text})");
-        m.content = format!("{}{note}", m.text()).into();
-        planted.push(text);
+                .is_some_and(|v| v.as_bool() == Some(true))
+    };
+    let is_json = |m: &Message| serde_json::from_str::<serde_json::Value>(&m.text()).is_ok();
+    // The first observations that are not JSON carry the needles, so that every JSON
+    // result is minified as it would be without them; JSON ones only when too few are
+    // text, with the needle as a field of their own.
+    let mut chosen: Vec<usize> = (0..messages.len())
+        .filter(|&i| observation(&messages[i]) && !is_json(&messages[i]))
+        .take(n)
+        .collect();
+    if chosen.len() < n {
+        let more: Vec<usize> = (0..messages.len())
+            .filter(|&i| observation(&messages[i]) && !chosen.contains(&i))
+            .take(n - chosen.len())
+            .collect();
+        chosen.extend(more);
+        chosen.sort_unstable();
+    }
+    let mut planted = Vec::new();
+    for i in chosen {
+        let m = &mut messages[i];
+        // From the message itself, not the run's name: a run replays to the same
+        // counts whatever its file is called.
+        let text = m.text().into_owned();
+        let code = needle_hash(&text, planted.len());
+        let needle = format!("NEEDLE-{code:016x}");
+        m.content = with_note(&text, &format!("verification code {needle}")).into();
+        planted.push(needle);
     }
     planted
 }
 
-fn xxhash(run: &str, k: usize) -> u64 {
+/// `text` with `note` added: as a last `"note"` field of a JSON object (so the result
+/// stays JSON, and is minified like the others), else on a line of its own.
+fn with_note(text: &str, note: &str) -> String {
+    let body = text.trim_end();
+    if body.starts_with('{')
+        && body.ends_with('}')
+        && let Ok(serde_json::Value::Object(map)) = serde_json::from_str(body)
+    {
+        let open = &body[..body.len() - 1];
+        let comma = if map.is_empty() { "" } else { "," };
+        let field = serde_json::Value::from(note);
+        return format!("{}{comma} \"note\": {field}}}", open.trim_end());
+    }
+    format!("{text}\n(note: {note})")
+}
+
+fn needle_hash(text: &str, k: usize) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (run, k).hash(&mut h);
+    (text, k).hash(&mut h);
     h.finish()
 }
 
