@@ -68,8 +68,10 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
         let meta = std::fs::metadata(input)
             .with_context(|| format!("cannot read {}: check the path", input.display()))?;
         if meta.is_dir() {
+            // Links are followed (to files and directories alike; a loop is skipped).
             let mut found: Vec<PathBuf> = ignore::WalkBuilder::new(input)
                 .hidden(true)
+                .follow_links(true)
                 .build()
                 .filter_map(Result::ok)
                 .filter(|e| e.file_type().is_some_and(|t| t.is_file()))
@@ -134,7 +136,12 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
             max_bytes >> 20
         );
     }
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes =
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // A UTF-8 byte-order mark (Windows tools write one) is not part of the JSON.
+    if bytes.starts_with(b"\xEF\xBB\xBF") {
+        bytes.drain(..3);
+    }
     if bytes.iter().all(u8::is_ascii_whitespace) {
         bail!("{} is empty: there is no run to replay", path.display());
     }

@@ -30,7 +30,7 @@ Examples:
   keel replay session.jsonl --chart tokens.svg
 
 The goal of each run is its task statement: --goal, or else the first user message that
-is not a demonstration (SWE-agent's `is_demo`); the report names it. Tokens are counted exactly with the model's tokenizer (--model, default gpt-4o).
+is not a demonstration (SWE-agent's `is_demo`); the report names it. Tokens are counted with the model's tokenizer where keel has it (OpenAI's models; --model, default gpt-4o: the model the recorded runs were sent to, not keel.toml's `model`, which is for `keel run`), and estimated for others, with a note saying so.
 Cache-weighted cost prices prompt tokens a provider cache would serve at 0.1.")]
 pub struct ReplayArgs {
     /// Files or directories of recorded runs.
@@ -46,7 +46,8 @@ pub struct ReplayArgs {
     /// keel.toml, else the model's window).
     #[arg(long, value_parser = parse_window)]
     window: Option<usize>,
-    /// The model whose profile (window, tokenizer) to use.
+    /// The model the recorded runs were sent to, whose profile (window, tokenizer) to
+    /// use (keel.toml's `model` is `keel run`'s, and is not read here).
     #[arg(long, default_value = "gpt-4o")]
     model: String,
     /// A milestone every N steps (the seed behaviour; default: keel's triggers).
@@ -140,14 +141,16 @@ pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCo
         None => model::window_setting(settings)?,
     };
     let window = given.unwrap_or(profile.context_window);
+    let approximate = profile.encoding == keel::token::Encoding::Approximate;
     if profiles.get(&args.model).is_none() {
         crate::errln!(
             "{}",
-            model::no_profile_note(
-                &args.model,
-                given.is_none().then_some(window),
-                profile.encoding == keel::token::Encoding::Approximate
-            )
+            model::no_profile_note(&args.model, given.is_none().then_some(window), approximate)
+        );
+    } else if approximate {
+        crate::errln!(
+            "note: keel has no tokenizer for `{}`: its token counts are estimates (they lean high)",
+            args.model
         );
     }
     if window < MIN_REPLAY_WINDOW {

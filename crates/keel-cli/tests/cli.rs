@@ -2170,6 +2170,58 @@ async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_goes_on_when_the_summarizer_writes_summaries_the_checks_refuse() {
+    // A model that answers in prose, without the summary's sections: each refused
+    // summary is a failed compaction and the extractive fallback writes the next one,
+    // as in a live agent; the replay used to stop at the first with exit 1.
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = vec![
+        json!({"role": "system", "content": "You are a support agent."}),
+        json!({"role": "user", "content": "Report every order of mia_li_3668."}),
+    ];
+    for i in 0..30 {
+        run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
+            "function": {"name": "get_order", "arguments": format!("{{\"order\":\"#W{i:04}\"}}")}}]}));
+        run.push(json!({"role": "tool", "tool_call_id": format!("c{i}"),
+            "content": format!("order #W{i:04}: status delivered, total {} USD, items: {}", 100 + i, "lamp, desk, chair ".repeat(20))}));
+    }
+    run.push(json!({"role": "assistant", "content": "All 30 orders are delivered."}));
+    let file = dir.path().join("long.json");
+    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/chat/completions"))
+        .respond_with(openai_reply(
+            json!({"role": "assistant", "content": "The agent looked at some orders and they seemed fine."}),
+            "stop",
+            json!({"prompt_tokens": 300, "completion_tokens": 12, "total_tokens": 312}),
+        ))
+        .mount(&server)
+        .await;
+    let url = format!("{}/v1", server.uri());
+    let out = tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["replay", "--json", "--every", "5", "--window", "6000"])
+            .args(["--summarizer", "openai/local"])
+            .arg(&file)
+            .env("OPENAI_BASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: Value = serde_json::from_str(&stdout).unwrap();
+    let total = &report["strategies"][0]["total"];
+    assert!(
+        total["failed_compactions"].as_u64().unwrap() >= 1,
+        "{total}"
+    );
+    assert!(total["compactions"].as_u64().unwrap() >= 1, "{total}");
+}
+
 #[test]
 fn status_and_cancel_of_a_queued_run_on_postgres() {
     let Some(url) = database_url() else { return };
@@ -3517,4 +3569,63 @@ fn threads_prune_says_how_many_it_kept() {
         "a pruned thread still shows: {:?}",
         text(&show)
     );
+}
+
+#[test]
+fn replay_reads_a_file_with_a_byte_order_mark_and_follows_links_in_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Windows tools (PowerShell's exports) start UTF-8 files with a byte-order mark.
+    let mut bom = b"\xEF\xBB\xBF".to_vec();
+    bom.extend_from_slice(OPENAI_RUN.as_bytes());
+    std::fs::create_dir(d.join("real")).unwrap();
+    std::fs::write(d.join("real/bom.json"), &bom).unwrap();
+    let lines: String = serde_json::from_str::<Vec<Value>>(OPENAI_RUN)
+        .unwrap()
+        .iter()
+        .map(|m| format!("{m}\n"))
+        .collect();
+    let mut bom_lines = b"\xEF\xBB\xBF".to_vec();
+    bom_lines.extend_from_slice(lines.as_bytes());
+    std::fs::write(d.join("real/bom.jsonl"), &bom_lines).unwrap();
+    // A directory of links: to a file, and to a directory holding that file too (it
+    // is replayed once).
+    std::fs::create_dir(d.join("links")).unwrap();
+    std::os::unix::fs::symlink(d.join("real/bom.json"), d.join("links/linked.json")).unwrap();
+    std::os::unix::fs::symlink(d.join("real"), d.join("links/dir")).unwrap();
+    for (target, files) in [(d.join("real"), 2), (d.join("links"), 2)] {
+        let out = keel()
+            .arg("replay")
+            .arg(&target)
+            .arg("--json")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{target:?}: {stdout}\n{stderr}");
+        let v: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["files"].as_array().unwrap().len(), files, "{v}");
+        assert!(v["skipped"].as_array().unwrap().is_empty(), "{v}");
+    }
+}
+
+#[test]
+fn replay_says_when_a_known_model_is_counted_by_estimate() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("run.json");
+    std::fs::write(&file, OPENAI_RUN).unwrap();
+    for (model, estimated) in [("llama3", true), ("gpt-4o", false)] {
+        let out = keel()
+            .arg("replay")
+            .arg(&file)
+            .args(["--model", model])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert_eq!(
+            stderr.contains(&format!("keel has no tokenizer for `{model}`")),
+            estimated,
+            "{model}: {stderr}"
+        );
+    }
 }

@@ -301,7 +301,17 @@ pub async fn replay_trajectory(
             .map_or(messages.len(), |p| i + 1 + p);
         let results = messages[i + 1..end].to_vec();
         compactor.push_step(&mut state, messages[i].clone(), results);
-        compactor.after_step(&mut state, &[]).await?;
+        match compactor.after_step(&mut state, &[]).await {
+            Ok(_) => {}
+            // A summary the model wrote but the checks refused changes nothing and is
+            // counted as a failed compaction; the next one falls back to the
+            // extractive summary (`CompactionConfig::fallback_after_failures`), as a
+            // live agent's would. A model that cannot be reached fails the replay.
+            Err(CompactionError::Summarize(keel_summarize::SummarizeError::Rejected {
+                ..
+            })) => {}
+            Err(e) => return Err(e),
+        }
         // The state keeps only the latest events; the report keeps them all.
         events.append(&mut state.events);
         i = end;
