@@ -2108,12 +2108,12 @@ impl Respond for Summaries {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
-    let dir = tempfile::tempdir().unwrap();
+/// `dir/long.json`: a run asking `ask`, then 30 `get_order` calls with long results
+/// and an answer.
+fn orders_run(dir: &Path, ask: &str) -> PathBuf {
     let mut run = vec![
         json!({"role": "system", "content": "You are a support agent."}),
-        json!({"role": "user", "content": "Hi!"}),
+        json!({"role": "user", "content": ask}),
     ];
     for i in 0..30 {
         run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
@@ -2122,8 +2122,15 @@ async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
             "content": format!("order #W{i:04} of mia_li_3668: status delivered, total {} USD, items: {}", 100 + i, "lamp, desk, chair ".repeat(20))}));
     }
     run.push(json!({"role": "assistant", "content": "All 30 orders are delivered."}));
-    let file = dir.path().join("long.json");
+    let file = dir.join("long.json");
     std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    file
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = orders_run(dir.path(), "Hi!");
 
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let server = MockServer::start().await;
@@ -2176,19 +2183,7 @@ async fn replay_goes_on_when_the_summarizer_writes_summaries_the_checks_refuse()
     // summary is a failed compaction and the extractive fallback writes the next one,
     // as in a live agent; the replay used to stop at the first with exit 1.
     let dir = tempfile::tempdir().unwrap();
-    let mut run = vec![
-        json!({"role": "system", "content": "You are a support agent."}),
-        json!({"role": "user", "content": "Report every order of mia_li_3668."}),
-    ];
-    for i in 0..30 {
-        run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
-            "function": {"name": "get_order", "arguments": format!("{{\"order\":\"#W{i:04}\"}}")}}]}));
-        run.push(json!({"role": "tool", "tool_call_id": format!("c{i}"),
-            "content": format!("order #W{i:04}: status delivered, total {} USD, items: {}", 100 + i, "lamp, desk, chair ".repeat(20))}));
-    }
-    run.push(json!({"role": "assistant", "content": "All 30 orders are delivered."}));
-    let file = dir.path().join("long.json");
-    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    let file = orders_run(dir.path(), "Report every order of mia_li_3668.");
     let server = MockServer::start().await;
     Mock::given(method("POST"))
         .and(path("/v1/chat/completions"))

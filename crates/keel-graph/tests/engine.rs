@@ -43,6 +43,17 @@ fn saver() -> Arc<dyn Checkpointer> {
     Arc::new(MemorySaver::new())
 }
 
+/// START → `a` (a logger) → END, with an in-memory checkpointer.
+fn one_logger_saved() -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .with_checkpointer(saver())
+        .compile()
+        .unwrap()
+}
+
 /// A node that appends its name to the log.
 fn logger(
     name: &'static str,
@@ -965,13 +976,7 @@ async fn a_router_may_route_only_to_its_declared_targets() {
 
 #[tokio::test]
 async fn a_checkpointed_graph_needs_a_thread_id_and_a_breakpoint_a_checkpointer() {
-    let g = StateGraph::<S>::new()
-        .add_node("a", logger("a"))
-        .add_edge(START, "a")
-        .add_edge("a", END)
-        .with_checkpointer(saver())
-        .compile()
-        .unwrap();
+    let g = one_logger_saved();
     let err = g
         .invoke(log("in"), &RunConfig::default())
         .await
@@ -2125,13 +2130,7 @@ async fn a_float_json_cannot_hold_is_refused_and_the_thread_stays_readable() {
 
 #[tokio::test]
 async fn update_state_as_start_seeds_a_new_thread_that_then_runs() {
-    let g = StateGraph::<S>::new()
-        .add_node("a", logger("a"))
-        .add_edge(START, "a")
-        .add_edge("a", END)
-        .with_checkpointer(saver())
-        .compile()
-        .unwrap();
+    let g = one_logger_saved();
     let config = RunConfig::thread("seeded");
     g.update_state(&config, log("seed"), Some(START))
         .await
