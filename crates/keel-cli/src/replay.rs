@@ -112,7 +112,14 @@ impl StrategyName {
 }
 
 /// Runs `keel replay`.
-pub async fn run(args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
+    // A strategy named twice is replayed once (it would print the same rows twice).
+    let mut seen = Vec::with_capacity(args.strategy.len());
+    args.strategy.retain(|s| {
+        let new = !seen.contains(s);
+        seen.push(*s);
+        new
+    });
     let (summary_spec, summary_model) = match args.summarizer.as_str() {
         "extractive" => (None, None),
         other => {

@@ -3624,3 +3624,35 @@ fn replay_says_when_a_known_model_is_counted_by_estimate() {
         );
     }
 }
+
+#[test]
+fn replay_of_a_strategy_named_twice_shows_it_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("run.json");
+    std::fs::write(&file, OPENAI_RUN).unwrap();
+    let out = keel()
+        .arg("replay")
+        .arg(&file)
+        .args([
+            "--strategy",
+            "masking",
+            "--strategy",
+            "hybrid",
+            "--strategy",
+            "masking",
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("masking ")).count(),
+        1,
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("hybrid ")).count(),
+        1,
+        "{stdout}"
+    );
+}
