@@ -358,6 +358,9 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if let Some(note) = nothing_compacted_note(&totals, window, args.every, &threshold_at) {
             crate::outln!("{note}");
         }
+        if let Some(note) = over_window_note(&totals, window) {
+            crate::outln!("{note}");
+        }
         crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
     }
     if let Some(path) = &args.chart
@@ -615,6 +618,20 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
 /// 1,000, smaller than this one) whose token trigger, `threshold_at(window)`, fires
 /// by three quarters of the largest full prompt, so it fires in more than the last
 /// turns; an `--every` smaller than the one given.
+/// A note when the full history had turns over the window: a model would have
+/// refused those prompts, so "saved" against it counts tokens no run could have sent.
+fn over_window_note(totals: &[(StrategyName, Report)], window: usize) -> Option<String> {
+    let (turns, over) = totals.first().map(|(_, r)| (r.turns, r.full_over_window))?;
+    (over > 0).then(|| {
+        format!(
+            "note: {} of the full history's {} were over the {}-token window (the over-window column): a model would have refused those prompts, so \"tokens full\" and \"saved\" count what no run could have sent there",
+            count(over as u64, "prompt"),
+            count(turns as u64, "turn"),
+            thousands(window as u64)
+        )
+    })
+}
+
 fn nothing_compacted_note(
     totals: &[(StrategyName, Report)],
     window: usize,

@@ -3656,3 +3656,37 @@ fn replay_of_a_strategy_named_twice_shows_it_once() {
         "{stdout}"
     );
 }
+
+#[test]
+fn replay_notes_full_history_prompts_no_model_would_have_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = vec![
+        json!({"role": "system", "content": "You are a support agent."}),
+        json!({"role": "user", "content": "Read the four logs."}),
+    ];
+    for i in 0..4 {
+        run.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{i}"), "type": "function",
+            "function": {"name": "read_log", "arguments": format!("{{\"log\":{i}}}")}}]}));
+        run.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": format!("log {i}: {}", "request served in 12 ms; ".repeat(600))}));
+    }
+    run.push(json!({"role": "assistant", "content": "The logs are fine."}));
+    let file = dir.path().join("logs.json");
+    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    let out = keel()
+        .args(["replay", "--window", "8000"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("of the full history's 5 turns were over the 8,000-token window")
+            && stdout.contains("count what no run could have sent there"),
+        "{stdout}"
+    );
+    // A run that fits says nothing of the kind.
+    let small = dir.path().join("small.json");
+    std::fs::write(&small, OPENAI_RUN).unwrap();
+    let out = keel().arg("replay").arg(&small).output().unwrap();
+    assert!(!text(&out).0.contains("over the"), "{:?}", text(&out));
+}
