@@ -135,9 +135,9 @@ fn database_url(flag: Option<&str>, settings: &Settings, command: &str) -> anyho
 fn queue(url: &str) -> anyhow::Result<Queue> {
     let mut options = keel_fleet::QueueOptions::new();
     if let Some(s) = crate::store::schema() {
-        options = options.schema(s).with_context(|| {
-            format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
-        })?;
+        options = options
+            .schema(s)
+            .with_context(|| crate::store::bad_schema(s))?;
     }
     Queue::connect_with(url, options).context(
         "the database URL is not a valid Postgres connection string (postgres://user@host:port/db)",

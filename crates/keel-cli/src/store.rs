@@ -31,6 +31,11 @@ pub fn schema() -> Option<&'static str> {
     SCHEMA.get().and_then(|s| s.as_deref())
 }
 
+/// The error context of a schema name a library refused.
+pub fn bad_schema(s: &str) -> String {
+    format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
+}
+
 /// ` (schema S)` when a schema was set, for messages.
 fn in_schema() -> String {
     schema()
@@ -59,9 +64,7 @@ pub async fn open(
         let mut config = PostgresConfig::new(url)
             .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")?;
         if let Some(s) = schema() {
-            config = config.schema(s).with_context(|| {
-                format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
-            })?;
+            config = config.schema(s).with_context(|| bad_schema(s))?;
         }
         let saver = PostgresSaver::connect(&config).context("cannot set up the Postgres pool")?;
         saver.setup().await.with_context(|| {
@@ -119,9 +122,7 @@ pub fn offload_for(
     if let Some(url) = database_url {
         let mut options = PostgresStoreOptions::new();
         if let Some(s) = schema() {
-            options = options.schema(s).with_context(|| {
-                format!("KEEL_SCHEMA (or schema in keel.toml) = {s:?} cannot name a schema")
-            })?;
+            options = options.schema(s).with_context(|| bad_schema(s))?;
         }
         let store = PostgresStore::connect_with(url, options).with_context(|| {
             format!(

@@ -2108,6 +2108,25 @@ impl Respond for Summaries {
     }
 }
 
+/// `keel replay --json --every 5 --window 6000 --summarizer openai/local` of `file`,
+/// with `server` as the OpenAI-compatible summarizer, and `extra` flags.
+async fn replay_summarized_by(server: &MockServer, file: PathBuf, extra: &[&str]) -> Output {
+    let url = format!("{}/v1", server.uri());
+    let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+    tokio::task::spawn_blocking(move || {
+        keel()
+            .args(["replay", "--json", "--every", "5", "--window", "6000"])
+            .args(&extra)
+            .args(["--summarizer", "openai/local"])
+            .arg(&file)
+            .env("OPENAI_BASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
 /// `dir/long.json`: a run asking `ask`, then 30 `get_order` calls with long results
 /// and an answer.
 fn orders_run(dir: &Path, ask: &str) -> PathBuf {
@@ -2141,19 +2160,12 @@ async fn replay_takes_an_explicit_goal_and_an_llm_summarizer() {
         })
         .mount(&server)
         .await;
-    let url = format!("{}/v1", server.uri());
-    let out = tokio::task::spawn_blocking(move || {
-        keel()
-            .args(["replay", "--json", "--every", "5", "--window", "6000"])
-            .args(["--goal", "Report the status of every order of mia_li_3668."])
-            .args(["--summarizer", "openai/local"])
-            .arg(&file)
-            .env("OPENAI_BASE_URL", url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = replay_summarized_by(
+        &server,
+        file,
+        &["--goal", "Report the status of every order of mia_li_3668."],
+    )
+    .await;
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     let report: Value = serde_json::from_str(&stdout).unwrap();
@@ -2194,18 +2206,7 @@ async fn replay_goes_on_when_the_summarizer_writes_summaries_the_checks_refuse()
         ))
         .mount(&server)
         .await;
-    let url = format!("{}/v1", server.uri());
-    let out = tokio::task::spawn_blocking(move || {
-        keel()
-            .args(["replay", "--json", "--every", "5", "--window", "6000"])
-            .args(["--summarizer", "openai/local"])
-            .arg(&file)
-            .env("OPENAI_BASE_URL", url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = replay_summarized_by(&server, file, &[]).await;
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     let report: Value = serde_json::from_str(&stdout).unwrap();
