@@ -1190,7 +1190,9 @@ impl AgentBuilder {
         self
     }
 
-    /// Options of every model call (model name, temperature, max tokens, timeout).
+    /// Options of every model call (model name, temperature, max tokens, timeout). The
+    /// profile keeps `max_tokens` free for the reply; more than a quarter of the window
+    /// is refused at build ([`BuildError::ReplyCapTooLarge`]).
     pub fn options(mut self, options: ChatOptions) -> Self {
         self.options = options;
         self
@@ -1418,6 +1420,21 @@ impl AgentBuilder {
                 }
             }
         };
+        // The reply cap asked of every call must fit what the profile keeps free for
+        // the reply (at most a quarter of the window): a longer reply beside a prompt
+        // at its budget would overflow the server's context.
+        let mut profile = profile;
+        if let Some(cap) = self.options.max_tokens.map(|n| n as usize) {
+            let quarter = profile.context_window / 4;
+            if cap > quarter {
+                return Err(BuildError::ReplyCapTooLarge {
+                    model: profile.name.clone(),
+                    max_tokens: cap,
+                    window: profile.context_window,
+                });
+            }
+            profile.max_output_tokens = profile.max_output_tokens.max(cap);
+        }
         let counter: Arc<dyn TokenCounter> = match self.counter {
             Some(c) => c,
             None => Arc::new(MemoCounter::new(profile.counter().map_err(|e| {

@@ -68,6 +68,21 @@ pub enum BuildError {
         "`keep_checkpoints(Some(0))` would prune a thread to nothing: a thread keeps at least its newest checkpoint; give `Some(n)` with n of at least 1, or `None` to keep every checkpoint"
     )]
     KeepNoCheckpoints,
+    /// The reply cap of [`AgentBuilder::options`](crate::AgentBuilder::options)
+    /// (`max_tokens`) is over a quarter of the model's window, the most keel keeps free
+    /// for the reply: such a reply beside a prompt at its budget would overflow the
+    /// server's context.
+    #[error(
+        "max_tokens {max_tokens} is over a quarter of the {window}-token window of model `{model}`, the most keel keeps free for the reply: give a smaller max_tokens, or a profile with a larger window"
+    )]
+    ReplyCapTooLarge {
+        /// The model the profile is for.
+        model: String,
+        /// The reply cap asked for.
+        max_tokens: usize,
+        /// The profile's window.
+        window: usize,
+    },
     /// A node given to [`AgentBuilder::node`](crate::AgentBuilder::node) under a name
     /// that is none of the agent's nodes was added, and no edge leads from it toward
     /// END.

@@ -2143,3 +2143,29 @@ async fn with_eviction_off_a_result_no_prompt_could_hold_is_offloaded_all_the_sa
         run.state.events
     );
 }
+
+#[test]
+fn a_reply_cap_over_a_quarter_of_the_window_is_refused_at_build() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let refused = builder(counting_model(1, seen.clone()))
+        .options(keel_model::ChatOptions::new().max_tokens(8_001))
+        .build();
+    assert!(
+        matches!(
+            &refused,
+            Err(BuildError::ReplyCapTooLarge {
+                max_tokens: 8_001,
+                window: 32_000,
+                ..
+            })
+        ),
+        "{:?}",
+        refused.err()
+    );
+    // A quarter of the window is kept free for it; the profile's 2,000 grows to it.
+    let agent = builder(counting_model(1, seen))
+        .options(keel_model::ChatOptions::new().max_tokens(8_000))
+        .build()
+        .unwrap();
+    assert_eq!(agent.nodes().profile().reserved_output(), 8_000);
+}
