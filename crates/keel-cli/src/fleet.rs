@@ -199,10 +199,12 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
             thread,
             run,
             status,
+            more,
             ..
         }) => {
             bail!(
-                "thread `{thread}` is busy: run {run} is {status}; pass --policy enqueue to run after it, or --policy interrupt to cancel it"
+                "thread `{thread}` is busy: run {run} is {status}{}; pass --policy enqueue to run after it, or --policy interrupt to cancel it",
+                keel_fleet::queued_after(more)
             )
         }
         Err(FleetError::GoalTaken { thread, run }) => {
@@ -383,8 +385,9 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         .await;
     let report = report.context("the worker stopped")?;
     outln!(
-        "stopped: {} run(s) claimed, {} done, {} failed, {} cancelled, {} put back in the queue, {} taken over by other workers",
+        "stopped: {} run(s) claimed ({} of them taken over from workers that stopped renewing), {} done, {} failed, {} cancelled, {} put back in the queue, {} taken over by other workers",
         report.claimed,
+        report.taken_over,
         report.done,
         report.failed,
         report.cancelled,

@@ -58,6 +58,48 @@ pub struct Loaded {
     pub detected: bool,
     /// The runs.
     pub runs: Vec<Trajectory>,
+    /// Runs of a file of several that could not be read, each with the reason (the
+    /// file's other runs replay).
+    pub skipped_runs: Vec<String>,
+    /// JSON Lines request logs: lines folded into the line after them, which repeated
+    /// their messages and added to them (one conversation logged once per request).
+    pub folded: usize,
+}
+
+/// The runs read from a file of several, the reasons some could not be, and how many
+/// request-log lines were folded into a later one.
+#[derive(Default)]
+struct Runs {
+    runs: Vec<Trajectory>,
+    skipped: Vec<String>,
+    folded: usize,
+}
+
+impl Runs {
+    fn of(runs: Vec<Trajectory>) -> Self {
+        Runs {
+            runs,
+            ..Runs::default()
+        }
+    }
+
+    /// The runs, or an error when none of them could be read.
+    fn at_least_one(self, path: &Path) -> anyhow::Result<Self> {
+        match self.skipped.first() {
+            Some(first) if self.runs.is_empty() => {
+                let more = self.skipped.len() - 1;
+                if more == 0 {
+                    bail!("{first}");
+                }
+                bail!(
+                    "{first} (and {more} more {} of {} could not be read)",
+                    if more == 1 { "run" } else { "runs" },
+                    path.display()
+                )
+            }
+            _ => Ok(self),
+        }
+    }
 }
 
 /// Files named on the command line: files as they are, directories walked for
@@ -155,9 +197,9 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
         Format::Auto => (detect(path, &bytes)?, true),
         f => (f, false),
     };
-    let runs = match format {
-        Format::TauBench => load_tau_bench(path).map_err(|e| anyhow!("{e}"))?,
-        Format::SweAgent => vec![load_swe_agent(path).map_err(|e| anyhow!("{e}"))?],
+    let read = match format {
+        Format::TauBench => Runs::of(load_tau_bench(path).map_err(|e| anyhow!("{e}"))?),
+        Format::SweAgent => Runs::of(vec![load_swe_agent(path).map_err(|e| anyhow!("{e}"))?]),
         Format::Openai | Format::Langchain => {
             let value = parse(path, &bytes)?;
             conversations(path, &value, format)?
@@ -165,14 +207,17 @@ pub fn load(path: &Path, format: Format, max_bytes: u64) -> anyhow::Result<Loade
         Format::OpenaiJsonl => jsonl(path, &bytes)?,
         Format::Auto => bail!("{}: no format detected", path.display()),
     };
-    if runs.iter().all(|r| r.messages.is_empty()) {
+    let read = read.at_least_one(path)?;
+    if read.runs.iter().all(|r| r.messages.is_empty()) {
         bail!("{} holds no messages", path.display());
     }
     Ok(Loaded {
         path: path.to_owned(),
         format,
         detected,
-        runs,
+        runs: read.runs,
+        skipped_runs: read.skipped,
+        folded: read.folded,
     })
 }
 
@@ -295,8 +340,9 @@ fn messages_of(
     result.map_err(|e| anyhow!("{}, run {run}: {e}", path.display()))
 }
 
-/// The runs of a parsed JSON file of `openai` or `langchain` messages.
-fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Vec<Trajectory>> {
+/// The runs of a parsed JSON file of `openai` or `langchain` messages. In a list of
+/// runs, a run that cannot be read is skipped with its reason and the others load.
+fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<Runs> {
     let stem = stem(path);
     let dataset = format.name().to_owned();
     // Compaction names what it removes by id: two messages with one id (LangChain dicts
@@ -307,10 +353,10 @@ fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<V
             .map_err(|e| anyhow!("{}, {e}", path.display()))
     };
     if let Some(messages) = value.get("messages").and_then(Value::as_array) {
-        return Ok(vec![make(
+        return Ok(Runs::of(vec![make(
             stem.clone(),
             messages_of(path, messages, format, &stem)?,
-        )?]);
+        )?]));
     }
     let items = value.as_array().ok_or_else(|| {
         anyhow!(
@@ -319,66 +365,110 @@ fn conversations(path: &Path, value: &Value, format: Format) -> anyhow::Result<V
         )
     })?;
     if items.first().is_some_and(|f| f.get("messages").is_some()) {
-        return items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                let id = format!("{stem}-{i}");
-                let messages = item
-                    .get("messages")
-                    .and_then(Value::as_array)
-                    .ok_or_else(|| anyhow!("{}: run {i} has no `messages` list", path.display()))?;
-                make(id.clone(), messages_of(path, messages, format, &id)?)
-            })
-            .collect();
+        let mut read = Runs::default();
+        for (i, item) in items.iter().enumerate() {
+            let id = format!("{stem}-{i}");
+            let run = item
+                .get("messages")
+                .and_then(Value::as_array)
+                .ok_or_else(|| anyhow!("{}: run {i} has no `messages` list", path.display()))
+                .and_then(|messages| make(id.clone(), messages_of(path, messages, format, &id)?));
+            match run {
+                Ok(run) => read.runs.push(run),
+                Err(e) => read.skipped.push(format!("{e:#}")),
+            }
+        }
+        return Ok(read);
     }
-    Ok(vec![make(
+    Ok(Runs::of(vec![make(
         stem.clone(),
         messages_of(path, items, format, &stem)?,
-    )?])
+    )?]))
 }
 
-/// JSON Lines: one message per line, or one `{"messages": [...]}` per line.
-fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Vec<Trajectory>> {
+/// JSON Lines: one message per line (one run, which a bad line refuses), or one
+/// `{"messages": [...]}` run per line (a bad line is skipped with its reason).
+///
+/// A request log writes one line per model call, each with the whole conversation so
+/// far: a line whose messages begin with all of the line before it is the same run,
+/// later, and replaces it.
+fn jsonl(path: &Path, bytes: &[u8]) -> anyhow::Result<Runs> {
     let text =
         std::str::from_utf8(bytes).map_err(|_| anyhow!("{} is not UTF-8", path.display()))?;
     let stem = stem(path);
-    let mut single = Vec::new();
-    let mut runs = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
+    let lines: Vec<(usize, Result<Value, String>)> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(n, line)| {
+            let value = serde_json::from_str::<Value>(line).map_err(|e| {
+                format!(
+                    "{}: line {} is not valid JSON at column {}: {}",
+                    path.display(),
+                    n + 1,
+                    e.column(),
+                    json_problem(&e)
+                )
+            });
+            (n + 1, value)
+        })
+        .collect();
+    let has_messages = |v: &Value| v.get("messages").is_some_and(Value::is_array);
+    let one_run_a_line = lines
+        .iter()
+        .any(|(_, v)| v.as_ref().is_ok_and(has_messages));
+    if !one_run_a_line {
+        let mut messages = Vec::with_capacity(lines.len());
+        for (n, value) in lines {
+            let m = value.map_err(|e| anyhow!("{e}")).and_then(|v| {
+                openai::from_value(&v).map_err(|e| anyhow!("{}: line {n}: {e}", path.display()))
+            })?;
+            messages.push(m);
         }
-        let v: Value = serde_json::from_str(line).map_err(|e| {
-            anyhow!(
-                "{}: line {} is not valid JSON at column {}: {}",
-                path.display(),
-                n + 1,
-                e.column(),
-                json_problem(&e)
-            )
-        })?;
-        if let Some(messages) = v.get("messages").and_then(Value::as_array) {
-            let id = format!("{stem}-{}", n + 1);
-            let msgs = openai::from_values(messages)
-                .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
-            runs.push(
-                Trajectory::new("openai-jsonl", id, msgs)
-                    .map_err(|e| anyhow!("{}, {e}", path.display()))?,
-            );
-        } else {
-            let m = openai::from_value(&v)
-                .map_err(|e| anyhow!("{}: line {}: {e}", path.display(), n + 1))?;
-            single.push(m);
-        }
-    }
-    if !single.is_empty() {
-        runs.push(
-            Trajectory::new("openai-jsonl", stem, single)
+        return Ok(Runs::of(vec![
+            Trajectory::new("openai-jsonl", stem, messages)
                 .map_err(|e| anyhow!("{}, {e}", path.display()))?,
-        );
+        ]));
     }
-    Ok(runs)
+    let mut read = Runs::default();
+    // The raw messages of the last run read, to fold a request log's next line into it.
+    let mut last: Option<Vec<Value>> = None;
+    for (n, value) in lines {
+        let run = value.map_err(|e| anyhow!("{e}")).and_then(|v| {
+            let raw = v
+                .get("messages")
+                .and_then(Value::as_array)
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{}: line {n} is not a {{\"messages\": [...]}} object, as the file's other lines are",
+                        path.display()
+                    )
+                })?;
+            let messages = openai::from_values(raw)
+                .map_err(|e| anyhow!("{}: line {n}: {e}", path.display()))?;
+            let run = Trajectory::new("openai-jsonl", format!("{stem}-{n}"), messages)
+                .map_err(|e| anyhow!("{}, {e}", path.display()))?;
+            Ok((run, raw.clone()))
+        });
+        match run {
+            Ok((run, raw)) => {
+                let continues = last
+                    .as_ref()
+                    .is_some_and(|before| raw.len() > before.len() && raw.starts_with(before));
+                if continues {
+                    read.runs.pop();
+                    read.folded += 1;
+                }
+                read.runs.push(run);
+                last = Some(raw);
+            }
+            Err(e) => {
+                read.skipped.push(format!("{e:#}"));
+                last = None;
+            }
+        }
+    }
+    Ok(read)
 }
 
 fn stem(path: &Path) -> String {
@@ -584,6 +674,84 @@ mod tests {
             err.ends_with("is not valid JSON at line 1, column 1: expected value"),
             "the position is said once: {err}"
         );
+    }
+
+    #[test]
+    fn a_bad_run_of_several_is_skipped_and_the_others_load() {
+        let d = tempfile::tempdir().unwrap();
+        let good = r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"}]}"#;
+        let list = write(
+            d.path(),
+            "runs.json",
+            &format!(r#"[{good}, {{"messages": 3}}, {good}]"#),
+        );
+        let loaded = load(&list, Format::Auto, 1 << 20).unwrap();
+        assert_eq!(loaded.runs.len(), 2);
+        assert_eq!(loaded.skipped_runs.len(), 1, "{:?}", loaded.skipped_runs);
+        assert!(
+            loaded.skipped_runs[0].contains("runs.json")
+                && loaded.skipped_runs[0].contains("run 1"),
+            "{:?}",
+            loaded.skipped_runs
+        );
+
+        let lines = write(
+            d.path(),
+            "runs.jsonl",
+            &format!("{good}\n{{oops\n{{\"role\":\"user\",\"content\":\"x\"}}\n{good}\n"),
+        );
+        let loaded = load(&lines, Format::Auto, 1 << 20).unwrap();
+        assert_eq!(loaded.runs.len(), 2);
+        let why = loaded.skipped_runs.join("\n");
+        assert!(
+            why.contains("line 2 is not valid JSON") && why.contains("line 3 is not a"),
+            "{why}"
+        );
+
+        // With no run readable, the file is refused, with the first reason.
+        let none = write(
+            d.path(),
+            "none.json",
+            r#"[{"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}, {"messages": 2}]"#,
+        );
+        let err = format!("{:#}", load(&none, Format::Auto, 1 << 20).unwrap_err());
+        assert!(
+            err.contains("run none-0") && err.contains("and 1 more run of"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_request_log_folds_each_call_into_the_next() {
+        let d = tempfile::tempdir().unwrap();
+        let m = |i: usize| {
+            if i.is_multiple_of(2) {
+                format!(r#"{{"role":"user","content":"q{i}"}}"#)
+            } else {
+                format!(r#"{{"role":"assistant","content":"a{i}"}}"#)
+            }
+        };
+        let request = |range: std::ops::Range<usize>| {
+            let messages: Vec<String> = range.map(m).collect();
+            format!(r#"{{"model":"x","messages":[{}]}}"#, messages.join(","))
+        };
+        // One conversation logged at each of its three calls, then another run of two
+        // calls, which starts over, then a line that only shares the first run's start.
+        let text = [
+            request(0..1),
+            request(0..3),
+            request(0..5),
+            request(10..11),
+            request(10..13),
+            request(0..2),
+        ]
+        .join("\n");
+        let log = write(d.path(), "requests.jsonl", &text);
+        let loaded = load(&log, Format::Auto, 1 << 20).unwrap();
+        assert_eq!(loaded.folded, 3);
+        let lengths: Vec<usize> = loaded.runs.iter().map(|r| r.messages.len()).collect();
+        assert_eq!(lengths, [5, 3, 2]);
+        assert_eq!(loaded.runs[0].id, "requests-3");
     }
 
     /// Every input of `fuzz/corpus/trajectory_import/` loads as the fuzz target checks.

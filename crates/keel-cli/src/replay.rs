@@ -195,16 +195,33 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
             skipped.len()
         );
     }
+    let mut skipped_runs = 0;
+    for why in loaded.iter().flat_map(|l| &l.skipped_runs) {
+        crate::errln!("skipped a run: {why}");
+        skipped_runs += 1;
+    }
     if !args.json {
         for l in &loaded {
             crate::outln!(
-                "{}: {} ({}), {}",
+                "{}: {} ({}), {}{}",
                 l.path.display(),
                 l.format.name(),
                 if l.detected { "detected" } else { "as given" },
-                count(l.runs.len() as u64, "run")
+                count(l.runs.len() as u64, "run"),
+                match l.skipped_runs.len() {
+                    0 => String::new(),
+                    n => format!(" ({} skipped)", count(n as u64, "run")),
+                }
             );
         }
+    }
+    for l in loaded.iter().filter(|l| l.folded > 0) {
+        crate::errln!(
+            "note: {} reads as a request log: {} repeated the messages of the line before and added to them, so each was taken as that run, later ({} in all)",
+            l.path.display(),
+            count(l.folded as u64, "line"),
+            count(l.runs.len() as u64, "run")
+        );
     }
     for l in &loaded {
         if l.runs.iter().all(|r| r.turns() == 0) {
@@ -294,13 +311,62 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
             )
         })
         .collect();
+    // The chart is written before the report, so the report can name it (and a chart
+    // that cannot be written fails the run before anything is printed).
+    let mut chart = None;
+    if let Some(path) = &args.chart
+        && let Some((name, reports)) = results.first()
+        && let Some(rr) = reports.iter().max_by_key(|r| r.turns.len())
+    {
+        let turns: Vec<Turn> = rr
+            .turns
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Turn {
+                turn: i as u64 + 1,
+                compacted: t.tokens as u64,
+                full: t.full_tokens as u64,
+            })
+            .collect();
+        let made = || rr.events.iter().filter(|e| e.error.is_none());
+        let marks: Vec<Mark> = made()
+            .filter(|e| e.kind != EventKind::Mask)
+            .map(|e| Mark {
+                turn: e.step + 1,
+                epoch: e.kind == EventKind::Epoch,
+            })
+            .collect();
+        let masks: Vec<u64> = made()
+            .filter(|e| e.kind == EventKind::Mask)
+            .map(|e| e.step + 1)
+            .collect();
+        chart::write_svg_with_masks(
+            path,
+            &format!(
+                "{} ({}, {} window): prompt tokens per turn",
+                rr.id,
+                name.name(),
+                thousands(window as u64)
+            ),
+            &turns,
+            &marks,
+            &masks,
+        )?;
+        chart = Some(json!({
+            "path": path.display().to_string(),
+            "run": rr.id,
+            "strategy": name.name(),
+            "turns": turns.len(),
+        }));
+    }
     if args.json {
         let out = json!({
             "model": args.model,
             "window": window,
             "files": loaded.iter().map(|l| json!({
                 "path": l.path.display().to_string(), "format": l.format.name(),
-                "detected": l.detected, "runs": l.runs.len()})).collect::<Vec<_>>(),
+                "detected": l.detected, "runs": l.runs.len(), "folded_lines": l.folded,
+                "skipped_runs": &l.skipped_runs})).collect::<Vec<_>>(),
             "skipped": skipped.iter().map(|(p, why)| json!({"path": p.display().to_string(), "error": why})).collect::<Vec<_>>(),
             "goal": goal_used,
             "summarizer": args.summarizer,
@@ -312,6 +378,7 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
                     json!({"id": rr.id, "dataset": rr.dataset, "goal": goal_of(t), "report": report_json(&one)})
                 }).collect::<Vec<_>>()).unwrap_or_default(),
             })).collect::<Vec<_>>(),
+            "chart": chart,
             "seconds": started.elapsed().as_secs_f64(),
             "peak_rss_bytes": crate::ui::peak_rss_bytes(),
         });
@@ -361,59 +428,18 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if let Some(note) = over_window_note(&totals, window) {
             crate::outln!("{note}");
         }
+        if let Some(c) = &chart {
+            crate::outln!(
+                "chart of {} ({}, {} turns): {}",
+                c["run"].as_str().unwrap_or_default(),
+                c["strategy"].as_str().unwrap_or_default(),
+                c["turns"],
+                c["path"].as_str().unwrap_or_default()
+            );
+        }
         crate::outln!("replayed in {:.2}s", started.elapsed().as_secs_f64());
     }
-    if let Some(path) = &args.chart
-        && let Some((name, reports)) = results.first()
-    {
-        let longest = reports.iter().max_by_key(|r| r.turns.len());
-        if let Some(rr) = longest {
-            let turns: Vec<Turn> = rr
-                .turns
-                .iter()
-                .enumerate()
-                .map(|(i, t)| Turn {
-                    turn: i as u64 + 1,
-                    compacted: t.tokens as u64,
-                    full: t.full_tokens as u64,
-                })
-                .collect();
-            let made = || rr.events.iter().filter(|e| e.error.is_none());
-            let marks: Vec<Mark> = made()
-                .filter(|e| e.kind != EventKind::Mask)
-                .map(|e| Mark {
-                    turn: e.step + 1,
-                    epoch: e.kind == EventKind::Epoch,
-                })
-                .collect();
-            let masks: Vec<u64> = made()
-                .filter(|e| e.kind == EventKind::Mask)
-                .map(|e| e.step + 1)
-                .collect();
-            chart::write_svg_with_masks(
-                path,
-                &format!(
-                    "{} ({}, {} window): prompt tokens per turn",
-                    rr.id,
-                    name.name(),
-                    thousands(window as u64)
-                ),
-                &turns,
-                &marks,
-                &masks,
-            )?;
-            if !args.json {
-                crate::outln!(
-                    "chart of {} ({}, {} turns): {}",
-                    rr.id,
-                    name.name(),
-                    turns.len(),
-                    path.display()
-                );
-            }
-        }
-    }
-    Ok(if skipped.is_empty() {
+    Ok(if skipped.is_empty() && skipped_runs == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(crate::ui::exit::SKIPPED_FILES)

@@ -120,7 +120,7 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// The demo's final answer was wrong.
     pub const WRONG_ANSWER: u8 = 3;
-    /// `keel replay` skipped files it could not read (the rest were replayed).
+    /// `keel replay` skipped files or runs it could not read (the rest were replayed).
     pub const SKIPPED_FILES: u8 = 4;
     /// Stopped by Ctrl-C after a step; the thread resumes.
     pub const INTERRUPTED: u8 = 130;

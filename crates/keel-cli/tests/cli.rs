@@ -677,6 +677,64 @@ fn replay_detects_each_format_and_skips_bad_files_with_reasons() {
 }
 
 #[test]
+fn replay_skips_a_bad_run_not_its_file_and_folds_a_request_log() {
+    let d = tempfile::tempdir().unwrap();
+    let call = |n: usize| {
+        let messages: Vec<String> = (0..n)
+            .map(|i| {
+                if i.is_multiple_of(2) {
+                    format!(r#"{{"role":"user","content":"question {i}"}}"#)
+                } else {
+                    format!(r#"{{"role":"assistant","content":"answer {i}"}}"#)
+                }
+            })
+            .collect();
+        format!(r#"{{"messages":[{}]}}"#, messages.join(","))
+    };
+    let log = [call(1), call(3), "{broken".to_owned(), call(2), call(4)].join("\n");
+    let file = d.path().join("requests.jsonl");
+    std::fs::write(&file, log).unwrap();
+    let out = keel()
+        .args(["replay", "--window", "2000"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "a run was skipped:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stderr.contains("skipped a run: ") && stderr.contains("line 3 is not valid JSON"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("2 runs (1 run skipped)"),
+        "the file's other runs replay: {stdout}"
+    );
+    assert!(
+        stderr.contains("reads as a request log: 2 lines repeated"),
+        "{stderr}"
+    );
+
+    let out = keel()
+        .args(["replay", "--window", "2000", "--json"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let loaded = &report["files"][0];
+    assert_eq!(loaded["runs"], 2, "{report}");
+    assert_eq!(loaded["folded_lines"], 2, "{report}");
+    assert_eq!(
+        loaded["skipped_runs"].as_array().unwrap().len(),
+        1,
+        "{report}"
+    );
+}
+
+#[test]
 fn replay_of_the_shared_tau_bench_runs_saves_tokens_and_writes_a_chart() {
     let Some(data) = shared_data() else { return };
     let chart = tempfile::tempdir().unwrap();
@@ -696,6 +754,15 @@ fn replay_of_the_shared_tau_bench_runs_saves_tokens_and_writes_a_chart() {
     assert!(total["tokens"].as_u64() < total["tokens_full"].as_u64());
     assert!(total["recall"].as_f64().unwrap() > 0.5, "{total}");
     assert!(std::fs::read_to_string(&svg).unwrap().contains("</svg>"));
+    // The JSON report names the chart it wrote, and the run drawn.
+    let drawn = &report["chart"];
+    assert_eq!(drawn["path"], svg.display().to_string(), "{drawn}");
+    assert_eq!(drawn["strategy"], "hierarchical", "{drawn}");
+    assert!(drawn["turns"].as_u64().unwrap() > 1, "{drawn}");
+    assert!(
+        drawn["run"].as_str().is_some_and(|r| !r.is_empty()),
+        "{drawn}"
+    );
 }
 
 #[test]
@@ -2442,7 +2509,7 @@ fn the_worker_prints_how_each_run_ended_and_what_to_fix() {
         "{stdout}\n{stderr}"
     );
     assert!(
-        stdout.contains("stopped: 1 run(s) claimed, 1 done"),
+        stdout.contains("stopped: 1 run(s) claimed (0 of them taken over from workers that stopped renewing), 1 done"),
         "{stdout}"
     );
 

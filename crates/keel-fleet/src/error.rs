@@ -75,15 +75,18 @@ pub enum FleetError {
     /// [`Policy::Reject`](crate::Policy::Reject): the thread already has a run that is
     /// queued or running.
     #[error(
-        "thread {thread:?} is busy: run {run} is {status}; submit with Policy::Enqueue to run after it or Policy::Interrupt to cancel it"
+        "thread {thread:?} is busy: run {run} is {status}{}; submit with Policy::Enqueue to run after it or Policy::Interrupt to cancel it",
+        queued_after(*more)
     )]
     ThreadBusy {
         /// The thread.
         thread: String,
-        /// The run in the way.
+        /// The run in the way: the thread's first run queued or running.
         run: RunId,
         /// Its status (`queued` or `running`).
         status: &'static str,
+        /// How many more of the thread's runs are queued after it.
+        more: usize,
     },
     /// A run with a goal for a thread that has one, or will before this run starts (a
     /// goal is written once): the run named is the one that brought it. Continue the
@@ -153,4 +156,14 @@ pub(crate) fn chain(error: &dyn std::error::Error) -> String {
         source = inner.source();
     }
     text
+}
+
+/// `" (and N more queued after it)"`, or nothing for none: the tail of
+/// [`FleetError::ThreadBusy`]'s message.
+pub fn queued_after(more: usize) -> String {
+    match more {
+        0 => String::new(),
+        1 => " (and 1 more run queued after it)".to_owned(),
+        n => format!(" (and {n} more runs queued after it)"),
+    }
 }

@@ -92,7 +92,7 @@ mod queue;
 mod schema;
 mod worker;
 
-pub use error::FleetError;
+pub use error::{FleetError, queued_after};
 pub use input::{INPUT_FORMAT, RunInput};
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.

@@ -337,6 +337,8 @@ pub(crate) struct Claimed {
     pub(crate) input_applied: bool,
     /// When the claim was sent: the lease runs at least until this plus the lease.
     pub(crate) sent_at: Instant,
+    /// Whether it was taken over from a worker whose lease had lapsed.
+    pub(crate) takeover: bool,
 }
 
 /// What a renewal found.
@@ -516,6 +518,7 @@ impl Queue {
                             thread: thread.to_owned(),
                             run,
                             status,
+                            more: busy.len() - 1,
                         });
                     }
                 }
@@ -735,7 +738,10 @@ impl Queue {
             if let Some(row) = row {
                 let status: String = row.get(6);
                 if status == "running" {
-                    return Ok(Some(claimed_of(&row, token, sent_at)));
+                    return Ok(Some(Claimed {
+                        takeover: true,
+                        ..claimed_of(&row, token, sent_at)
+                    }));
                 }
                 tracing::warn!(run = %RunId(row.get(1)), "a run used up its attempts and failed");
                 continue;
@@ -871,6 +877,7 @@ fn claimed_of(row: &tokio_postgres::Row, token: Uuid, sent_at: Instant) -> Claim
         input: serde_json::from_str(row.get::<_, &str>(4)).unwrap_or(Value::Null),
         input_applied: row.get(5),
         sent_at,
+        takeover: false,
     }
 }
 

@@ -36,6 +36,9 @@ const MAX_CONFLICT_RETRIES: u32 = 3;
 pub struct WorkerReport {
     /// Runs claimed (takeovers included).
     pub claimed: usize,
+    /// Of those, runs taken over from a worker whose lease had lapsed (it died, hung,
+    /// or lost the database).
+    pub taken_over: usize,
     /// Runs this worker finished.
     pub done: usize,
     /// Runs it failed (an agent error, an input that does not decode).
@@ -58,6 +61,7 @@ pub struct WorkerReport {
 impl WorkerReport {
     fn merge(&mut self, other: WorkerReport) {
         self.claimed += other.claimed;
+        self.taken_over += other.taken_over;
         self.done += other.done;
         self.failed += other.failed;
         self.cancelled += other.cancelled;
@@ -451,6 +455,7 @@ impl Worker {
                 Ok(Some(claimed)) => {
                     report.claim_latencies.push(started.elapsed());
                     report.claimed += 1;
+                    report.taken_over += usize::from(claimed.takeover);
                     backoff = w.poll_interval;
                     tracing::debug!(slot = %name, run = %claimed.run, thread = %claimed.thread, attempt = claimed.attempts, "claimed");
                     self.execute(claimed, &mut shutdown, &mut report).await;

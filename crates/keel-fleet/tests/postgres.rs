@@ -77,6 +77,10 @@ async fn submit_claim_complete() {
     let w = worker(&db, &echo, "w", 2);
     let report = w.run_until_idle().await.unwrap();
     assert_eq!((report.claimed, report.done, report.failed), (3, 3, 0));
+    assert_eq!(
+        report.taken_over, 0,
+        "queued runs are claimed, not taken over"
+    );
     assert_eq!(report.claim_latencies.len(), 3);
     for (t, run) in threads.iter().zip(runs) {
         let info = db.queue.status(run).await.unwrap();
@@ -193,7 +197,7 @@ async fn lease_expiry_takeover_continues_from_the_last_checkpoint() {
     let info = wait_for(&db.queue, run, "done", is_done).await;
     stop2.send(()).unwrap();
     let report = h2.await.unwrap();
-    assert_eq!((report.claimed, report.done), (1, 1));
+    assert_eq!((report.claimed, report.taken_over, report.done), (1, 1, 1));
     assert_eq!(info.attempts, 2);
     let after = state(&w2, "t").await;
     assert!(after.milestones_made >= 2, "compacted across the takeover");
@@ -279,11 +283,31 @@ async fn double_text_reject_refuses_a_busy_thread() {
             thread,
             run,
             status,
+            more,
         }) => {
-            assert_eq!((thread.as_str(), run, status), ("t", first, "queued"));
+            assert_eq!(
+                (thread.as_str(), run, status, more),
+                ("t", first, "queued", 0)
+            );
         }
         other => panic!("{other:?}"),
     }
+    // With a second run queued after the first, the refusal counts it too.
+    let second = db
+        .queue
+        .submit_with("t", again.clone(), Policy::Enqueue)
+        .await
+        .unwrap();
+    let err = db.queue.submit("t", again.clone()).await.unwrap_err();
+    assert!(
+        matches!(err, FleetError::ThreadBusy { run, more: 1, .. } if run == first),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("(and 1 more run queued after it)"),
+        "{err}"
+    );
+    db.queue.cancel(second).await.unwrap();
     let w = worker(&db, &echo, "w", 1);
     let (stop, h) = background(&w);
     gate.wait_entered().await;
@@ -307,8 +331,8 @@ async fn double_text_reject_refuses_a_busy_thread() {
     wait_for(&db.queue, first, "done", is_done).await;
     stop.send(()).unwrap();
     h.await.unwrap();
-    // Only the first run exists; another thread was never busy.
-    assert_eq!(db.queue.runs("t").await.unwrap().len(), 1);
+    // Only the first run and the cancelled second exist; another thread was never busy.
+    assert_eq!(db.queue.runs("t").await.unwrap().len(), 2);
     db.queue
         .submit("u", RunInput::new().goal(goal("u")))
         .await

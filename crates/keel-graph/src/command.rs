@@ -339,6 +339,7 @@ pub struct NodeContext {
     pub(crate) resume: Arc<Vec<Value>>,
     pub(crate) interrupts: Arc<std::sync::atomic::AtomicUsize>,
     pub(crate) invocation: Arc<InvocationInfo>,
+    pub(crate) emitter: Option<crate::engine::Emitter>,
 }
 
 impl NodeContext {
@@ -381,6 +382,64 @@ impl NodeContext {
     /// the state should not hold. Not stored with checkpoints. Empty unless set.
     pub fn config(&self) -> &Map<String, Value> {
         &self.invocation.configurable
+    }
+
+    /// Sends `value` to the run's stream as an [`Event::Custom`](crate::Event::Custom)
+    /// naming this node and step, when the run is a [`stream`](crate::CompiledGraph::stream)
+    /// that asked for [`StreamMode::custom`](crate::StreamMode::custom); otherwise does
+    /// nothing ([`emits`](Self::emits) tells which). This is LangGraph's stream writer:
+    /// progress, a model's tokens, anything a caller should see before the node
+    /// returns. Values are not stored: a node run again (a retry, a resume after an
+    /// interrupt or a crash) sends them again.
+    ///
+    /// The stream holds a few events: while its reader is behind, this waits for it, so
+    /// a slow reader slows the node rather than growing memory.
+    ///
+    /// ```
+    /// use futures::StreamExt;
+    /// use keel_graph::{END, Event, NodeContext, RunConfig, START, State, StateGraph, StreamMode};
+    /// use serde_json::json;
+    ///
+    /// #[derive(Clone, State)]
+    /// struct Job {
+    ///     done: u32,
+    /// }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Job>::new()
+    ///     .add_node("work", |_state, ctx: NodeContext| async move {
+    ///         for part in 1..=3 {
+    ///             ctx.emit(json!({ "part": part, "of": 3 })).await;
+    ///         }
+    ///         Ok(JobUpdate::default().done(3))
+    ///     })
+    ///     .add_edge(START, "work")
+    ///     .add_edge("work", END)
+    ///     .compile()?;
+    /// let mut events = graph.stream(JobUpdate::default(), RunConfig::default(), StreamMode::custom());
+    /// let mut parts = Vec::new();
+    /// while let Some(event) = events.next().await {
+    ///     if let Event::Custom { node, value, .. } = event? {
+    ///         assert_eq!(node, "work");
+    ///         parts.push(value["part"].clone());
+    ///     }
+    /// }
+    /// assert_eq!(parts, [json!(1), json!(2), json!(3)]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn emit(&self, value: Value) {
+        if let Some(emitter) = &self.emitter {
+            emitter.emit(value).await;
+        }
+    }
+
+    /// Whether [`emit`](Self::emit) reaches a reader: the run is a stream with
+    /// [`StreamMode::custom`](crate::StreamMode::custom). A node can skip building what
+    /// it would emit when not.
+    pub fn emits(&self) -> bool {
+        self.emitter.is_some()
     }
 
     /// The invocation's durability ([`RunConfig::durability`](crate::RunConfig::durability)):

@@ -56,9 +56,9 @@
 //!   with a typed error naming the channel ([`StateError`]) rather than dropping it:
 //!   keep a retired field (unused, with its type) while such threads live, and add new
 //!   fields freely (a thread that never wrote one reads it as empty).
-//! - **Stream modes:** `values`, `updates` and `debug` ([`StreamMode`]). There is no
-//!   `messages` mode (a model's tokens) and no `custom` mode: a node that streams tokens
-//!   or progress sends them on a channel of its own. Interrupts arrive in
+//! - **Stream modes:** `values`, `updates`, `debug` and `custom` ([`StreamMode`]; a
+//!   node's stream writer is [`NodeContext::emit`]). There is no `messages` mode: a
+//!   node that calls a model emits its tokens as custom events. Interrupts arrive in
 //!   [`Event::Done`], not as an `__interrupt__` update.
 //! - **No subgraphs:** a compiled graph is not a node; call one from a node's function.
 //! - **Routing is declared.** A node that routes only with [`Command::goto`] lists where

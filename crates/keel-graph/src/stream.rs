@@ -9,7 +9,7 @@ use crate::config::Interrupt;
 ///
 /// ```
 /// let mode = keel_graph::StreamMode::values().with_updates();
-/// assert!(mode.values && mode.updates && !mode.debug);
+/// assert!(mode.values && mode.updates && !mode.debug && !mode.custom);
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -21,6 +21,10 @@ pub struct StreamMode {
     pub updates: bool,
     /// Each stored checkpoint.
     pub debug: bool,
+    /// What nodes send with [`NodeContext::emit`](crate::NodeContext::emit) (progress,
+    /// a model's tokens, anything a caller should see before the node returns), as
+    /// LangGraph's `custom` mode.
+    pub custom: bool,
 }
 
 impl StreamMode {
@@ -40,12 +44,21 @@ impl StreamMode {
         }
     }
 
+    /// Only what nodes emit ([`NodeContext::emit`](crate::NodeContext::emit)).
+    pub fn custom() -> Self {
+        StreamMode {
+            custom: true,
+            ..Self::default()
+        }
+    }
+
     /// Everything.
     pub fn all() -> Self {
         StreamMode {
             values: true,
             updates: true,
             debug: true,
+            custom: true,
         }
     }
 
@@ -60,6 +73,13 @@ impl StreamMode {
     #[must_use]
     pub fn with_debug(mut self) -> Self {
         self.debug = true;
+        self
+    }
+
+    /// Adds what nodes emit.
+    #[must_use]
+    pub fn with_custom(mut self) -> Self {
+        self.custom = true;
         self
     }
 }
@@ -92,6 +112,16 @@ pub enum Event<S> {
         id: CheckpointId,
         /// Nodes scheduled next.
         next: Vec<String>,
+    },
+    /// A value a node sent with [`NodeContext::emit`](crate::NodeContext::emit) while
+    /// it ran (with [`StreamMode::custom`]), in the order it sent them.
+    Custom {
+        /// The step the node runs in.
+        step: i64,
+        /// The node.
+        node: String,
+        /// What it sent.
+        value: Value,
     },
     /// The run ended: at `END` (empty `next`), at an interrupt, or at a breakpoint.
     Done {

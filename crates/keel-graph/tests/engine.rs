@@ -1097,6 +1097,96 @@ async fn stream_yields_values_updates_and_checkpoints() {
     assert!(matches!(events.last(), Some(Event::Done { next, .. }) if next.is_empty()));
 }
 
+/// `NodeContext::emit`: custom events arrive while their node runs, before its update,
+/// in the order sent, from parallel nodes alike; without the custom mode, or in
+/// `invoke`, they go nowhere and the run is the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_emit_custom_events_while_they_run() {
+    let emitter = |name: &'static str, n: usize| {
+        move |_s: Arc<S>, ctx: keel_graph::NodeContext| async move {
+            for i in 0..n {
+                ctx.emit(json!({ "from": name, "i": i, "heard": ctx.emits() }))
+                    .await;
+            }
+            Ok(log(name))
+        }
+    };
+    let g = StateGraph::<S>::new()
+        .add_node("a", emitter("a", 200))
+        .add_node("b", emitter("b", 3))
+        .add_node("c", emitter("c", 2))
+        .add_edge(START, "a")
+        .add_edge(START, "b")
+        .add_edge("a", "c")
+        .add_edge("b", "c")
+        .add_edge("c", END)
+        .compile()
+        .unwrap();
+
+    // The reader is slow: the nodes wait for it, and nothing is lost or reordered.
+    let mut stream = g.stream(
+        log("in"),
+        RunConfig::default(),
+        StreamMode::updates().with_custom(),
+    );
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        if events.len() % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        events.push(e.unwrap());
+    }
+    for (name, n) in [("a", 200), ("b", 3), ("c", 2)] {
+        // The step of the node's own update.
+        let step = events
+            .iter()
+            .find_map(|e| match e {
+                Event::Updates { step, node, .. } if node == name => Some(*step),
+                _ => None,
+            })
+            .unwrap();
+        let sent: Vec<(i64, serde_json::Value)> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Custom { step, node, value } if node == name => Some((*step, value.clone())),
+                _ => None,
+            })
+            .collect();
+        let expected: Vec<(i64, serde_json::Value)> = (0..n)
+            .map(|i| (step, json!({ "from": name, "i": i, "heard": true })))
+            .collect();
+        assert_eq!(sent, expected, "{name}");
+        let last_custom = events
+            .iter()
+            .rposition(|e| matches!(e, Event::Custom { node, .. } if node == name))
+            .unwrap();
+        let update = events
+            .iter()
+            .position(|e| matches!(e, Event::Updates { node, .. } if node == name))
+            .unwrap();
+        assert!(last_custom < update, "{name}: emitted before its update");
+    }
+
+    // Not asked for: no custom events, and the node knows it.
+    let g2 = StateGraph::<S>::new()
+        .add_node("a", |_s: Arc<S>, ctx: keel_graph::NodeContext| async move {
+            ctx.emit(json!("unheard")).await;
+            Ok(log(if ctx.emits() { "heard" } else { "unheard" }))
+        })
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .compile()
+        .unwrap();
+    let events: Vec<Event<S>> = g2
+        .stream(log("in"), RunConfig::default(), StreamMode::values())
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    assert!(!events.iter().any(|e| matches!(e, Event::Custom { .. })));
+    let run = g2.invoke(log("in"), &RunConfig::default()).await.unwrap();
+    assert_eq!(run.state.log, ["in", "unheard"]);
+}
+
 #[tokio::test]
 async fn dropping_the_stream_cancels_the_run() {
     let started = Arc::new(AtomicUsize::new(0));

@@ -59,6 +59,7 @@ pub(crate) use self::index::Inner;
 use self::index::{NodeIx, Target};
 use self::persist::{ChannelBook, Writer, book_mut, group_by_channel, json_size};
 use self::resume::{decode_tasks, pending_interrupts, rebuild, task_names};
+pub(crate) use self::streaming::Emitter;
 use self::streaming::EventSink;
 use self::superstep::{Outcome, RunState, Task, TaskSpec, task_path};
 

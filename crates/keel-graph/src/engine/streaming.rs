@@ -83,4 +83,59 @@ impl<S: State> EventSink<S> {
         // A dropped receiver cancels the run.
         self.tx.send(Ok(e)).await.map_err(|_| GraphError::Cancelled)
     }
+
+    /// Where a task's [`NodeContext::emit`] sends, when the stream asked for custom
+    /// events.
+    pub(super) fn emitter(&self, node: Arc<str>, step: i64) -> Option<Emitter> {
+        self.mode.custom.then(|| {
+            Emitter(Arc::new(Custom {
+                tx: self.tx.clone(),
+                node,
+                step,
+            }))
+        })
+    }
+}
+
+/// One task's way into its run's stream, without the state's type.
+#[derive(Clone)]
+pub(crate) struct Emitter(Arc<dyn EmitCustom>);
+
+impl Emitter {
+    pub(crate) async fn emit(&self, value: Value) {
+        self.0.emit(value).await;
+    }
+}
+
+impl std::fmt::Debug for Emitter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Emitter")
+    }
+}
+
+trait EmitCustom: Send + Sync {
+    fn emit(&self, value: Value) -> futures::future::BoxFuture<'_, ()>;
+}
+
+struct Custom<S: State> {
+    tx: mpsc::Sender<Result<Event<S>, GraphError>>,
+    node: Arc<str>,
+    step: i64,
+}
+
+impl<S: State> EmitCustom for Custom<S> {
+    fn emit(&self, value: Value) -> futures::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            // A dropped receiver cancels the run at the engine's next event; the node
+            // need not hear of it.
+            let _ = self
+                .tx
+                .send(Ok(Event::Custom {
+                    step: self.step,
+                    node: self.node.to_string(),
+                    value,
+                }))
+                .await;
+        })
+    }
 }

@@ -381,9 +381,14 @@ impl<S: State> RunState<S> {
                 .into_iter()
                 .cloned()
                 .collect();
+            let emitter = self
+                .events
+                .as_ref()
+                .and_then(|e| e.emitter(Arc::clone(g.name(t.node)), self.step + 1));
             let ctx = NodeContext {
                 node: Arc::clone(g.name(t.node)),
                 step: self.step + 1,
+                emitter,
                 task_id: t.id.as_str().into(),
                 payload: t.payload.clone(),
                 resume: Arc::new(resume),
