@@ -168,7 +168,11 @@ impl AgentInput {
         self.message(Message::user(content))
     }
 
-    /// The answer to a pending interrupt (tool approval).
+    /// The answer to a pending interrupt (tool approval; see
+    /// [`AgentBuilder::approve`] for the answers it takes). A resume carries nothing
+    /// else: with a message, goal or system prompt beside it the run fails with
+    /// [`AgentError::ResumeWithInput`]. To tell the model why a call was denied, give
+    /// the reason in the answer; to add a message, send it in a run after the resume.
     #[must_use]
     pub fn resume(mut self, answer: impl Into<Value>) -> Self {
         self.resume = Some(answer.into());
@@ -553,7 +557,16 @@ impl Agent {
                 StreamMode::updates(),
             ));
             let mut settled = false;
-            while let Some(e) = events.next().await {
+            loop {
+                // A dropped receiver cancels the run at once, mid-step: the graph's
+                // stream is dropped with this task's loop, and the step's model call
+                // or tools with it (the thread continues from its last checkpoint).
+                let closed = std::pin::pin!(tx.closed());
+                let e = match futures::future::select(events.next(), closed).await {
+                    futures::future::Either::Left((e, _)) => e,
+                    futures::future::Either::Right(((), _)) => return,
+                };
+                let Some(e) = e else { break };
                 let items = match e {
                     Ok(e) => ending.updates_of(e).into_iter().map(Ok).collect::<Vec<_>>(),
                     Err(e) => vec![Err(AgentError::from(e))],
@@ -952,6 +965,13 @@ impl Agent {
             }
         }
         if let Some(answer) = input.resume {
+            // A resume only answers the pending question: a message, goal or system
+            // prompt beside it would be lost, so it is refused.
+            if !input.messages.is_empty() || input.goal.is_some() || input.system.is_some() {
+                return Err(AgentError::ResumeWithInput {
+                    thread_id: thread_id.to_owned(),
+                });
+            }
             return Ok(Command::resume(answer));
         }
         let mut update = AgentStateUpdate::default();
@@ -1192,7 +1212,9 @@ impl AgentBuilder {
 
     /// Options of every model call (model name, temperature, max tokens, timeout). The
     /// profile keeps `max_tokens` free for the reply; more than a quarter of the window
-    /// is refused at build ([`BuildError::ReplyCapTooLarge`]).
+    /// is refused at build ([`BuildError::ReplyCapTooLarge`]). Left unset, `max_tokens`
+    /// is the profile's reply reserve (at most a quarter of the window): a reply the
+    /// prompt budget did not keep room for would overflow the next call's context.
     pub fn options(mut self, options: ChatOptions) -> Self {
         self.options = options;
         self
@@ -1347,13 +1369,30 @@ impl AgentBuilder {
         self
     }
 
-    /// Asks before running these tools: the run pauses with an interrupt listing the
-    /// calls; answer with [`AgentInput::resume`] (`true`/`"yes"` for all, `false` for
-    /// none, or `{"<call id>": true, ..}` per call; `"no"`/`"deny"` also deny, and an
-    /// answer that is none of these is asked again, with the question's
-    /// `not_understood` field holding it). Each name must be one of the
-    /// agent's tools ([`BuildError::UnknownApprovalTool`]), and the pause needs a
-    /// checkpointer ([`BuildError::ApprovalNeedsCheckpointer`]).
+    /// Asks before running these tools: the run pauses with an interrupt whose value
+    /// lists the calls, `{"approve": [{"id", "name", "arguments"}, ..]}` (`arguments`
+    /// as the model wrote them, a JSON string). The reply's other calls, those needing
+    /// no approval among them, wait for the answer too. Answer with
+    /// [`AgentInput::resume`]:
+    ///
+    /// - `true` or `"yes"` (`"ok"`, `"approve"`) approves every call, `false` or `"no"`
+    ///   (`"deny"`, `"reject"`) denies every one;
+    /// - `{"approved": false, "reason": "use staging"}` denies every call and tells the
+    ///   model why (the reason is what its tool results say);
+    /// - `{"<call id>": <one of the above>, ..}` decides per call, and must name every
+    ///   call asked about;
+    /// - `["<call id>", ..]` approves the calls listed and denies the rest.
+    ///
+    /// Any other answer, a map naming a call not asked about (a typo) or leaving one
+    /// out among them, is asked again, with the question's `not_understood` field
+    /// holding it: it is never read as a no. Each name must be one of the agent's tools
+    /// ([`BuildError::UnknownApprovalTool`]), and the pause needs a checkpointer
+    /// ([`BuildError::ApprovalNeedsCheckpointer`]).
+    ///
+    /// The question is asked of the calls as the thread holds them when the node
+    /// runs. An answer approves whatever calls the thread holds when it is resumed: to
+    /// change a call's arguments, deny it with a reason (the model writes the call
+    /// again), rather than editing the stored reply under a pending question.
     pub fn approve(mut self, tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
         self.approve.extend(tools.into_iter().map(Into::into));
         self
@@ -1434,6 +1473,17 @@ impl AgentBuilder {
                 });
             }
             profile.max_output_tokens = profile.max_output_tokens.max(cap);
+        }
+        let mut options = self.options;
+        if options.max_tokens.is_none() {
+            // Ask for no more than the room kept free for the reply: a longer one,
+            // kept in the raw tail beside a full prompt, would overflow every later
+            // call of the thread with nothing left to compact.
+            let reserve = profile
+                .max_output_tokens
+                .min(profile.context_window / 4)
+                .max(1);
+            options.max_tokens = Some(u32::try_from(reserve).unwrap_or(u32::MAX));
         }
         let counter: Arc<dyn TokenCounter> = match self.counter {
             Some(c) => c,
@@ -1567,7 +1617,7 @@ impl AgentBuilder {
         }
         let parts = Parts {
             model,
-            options: self.options,
+            options,
             tools: toolbox,
             store,
             counter,

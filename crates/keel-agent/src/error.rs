@@ -149,6 +149,25 @@ pub enum AgentError {
         /// How many interrupts wait.
         count: usize,
     },
+    /// [`AgentInput::resume`](crate::AgentInput::resume) with a message, goal or system
+    /// prompt beside the answer: a resume only answers the pending question, and what
+    /// came with it would be lost.
+    #[error(
+        "thread `{thread_id}` was resumed with an answer and a message, goal or system prompt: a resume carries only the answer; give a denial's reason in the answer ({{\"approved\": false, \"reason\": \"...\"}}) and send a message in a run after it"
+    )]
+    ResumeWithInput {
+        /// The thread.
+        thread_id: String,
+    },
+    /// [`AgentInput::resume`](crate::AgentInput::resume) on a thread with no pending
+    /// question (none was asked, it was answered already, or the thread is new).
+    #[error(
+        "thread `{thread_id}` has no pending question to answer: run it with AgentInput::new() to continue it, or with a message"
+    )]
+    NothingToResume {
+        /// The thread.
+        thread_id: String,
+    },
     /// The thread id is not usable as an offload namespace.
     #[error("thread id `{thread_id}` is not valid: {reason}")]
     BadThreadId {
@@ -223,7 +242,19 @@ pub enum AgentError {
     NoRuntime,
     /// The graph run failed (a node, the checkpointer, a changed graph shape, ...).
     #[error(transparent)]
-    Graph(#[from] GraphError),
+    Graph(GraphError),
+}
+
+impl From<GraphError> for AgentError {
+    fn from(e: GraphError) -> Self {
+        match e {
+            // The graph's advice names graph calls; an agent's caller gets the agent's.
+            GraphError::NoPendingInterrupt { thread_id, .. } => {
+                AgentError::NothingToResume { thread_id }
+            }
+            e => AgentError::Graph(e),
+        }
+    }
 }
 
 impl AgentError {

@@ -1,6 +1,6 @@
 //! The agent's nodes and routers, usable in a graph of your own.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -535,19 +535,23 @@ impl AgentNodes {
             };
             let calls = &reply.tool_calls;
             let denied = self.approval(calls, &ctx)?;
+            let denied = &denied;
             // Every call reads the offload store as this checkpoint's lineage sees it.
             let lineage = s.lineage.to_value();
             let runs = calls.iter().map(|c| {
-                let denied = denied.contains(&c.id);
+                let denied = denied.get(&c.id);
                 let call_ctx = ToolContext::new(c.id.clone())
                     .with_thread_id(thread.clone())
                     .with_configurable(LINEAGE_KEY, lineage.clone());
                 async move {
-                    if denied {
-                        let mut m = Message::tool(
-                            c.id.clone(),
-                            "The user did not approve this call; it was not run. Ask them or try another way.",
-                        );
+                    if let Some(reason) = denied {
+                        let text = match reason {
+                            Some(reason) => format!(
+                                "The user did not approve this call; it was not run. Their reason: {reason}"
+                            ),
+                            None => "The user did not approve this call; it was not run. Ask them or try another way.".to_owned(),
+                        };
+                        let mut m = Message::tool(c.id.clone(), text);
                         m.name = Some(c.name.clone());
                         crate::tools::ToolOutcome {
                             message: m,
@@ -603,12 +607,13 @@ impl AgentNodes {
         .await
     }
 
-    /// Asks about calls to tools that need approval; returns the ids of denied calls.
+    /// Asks about calls to tools that need approval; returns the ids of denied calls,
+    /// each with the reason the answer gave, if any.
     fn approval(
         &self,
         calls: &[ToolCall],
         ctx: &NodeContext,
-    ) -> Result<BTreeSet<String>, NodeError> {
+    ) -> Result<BTreeMap<String, Option<String>>, NodeError> {
         // A call whose arguments are not JSON never runs (its result says why), so
         // nobody is asked to approve it.
         let asked: Vec<&ToolCall> = calls
@@ -617,8 +622,9 @@ impl AgentNodes {
             .filter(|c| !matches!(c.arguments, keel_message::ToolArguments::Invalid(_)))
             .collect();
         if asked.is_empty() {
-            return Ok(BTreeSet::new());
+            return Ok(BTreeMap::new());
         }
+        let ids: BTreeSet<&str> = asked.iter().map(|c| c.id.as_str()).collect();
         let question = json!({
             "approve": asked.iter().map(|c| json!({
                 "id": c.id,
@@ -629,15 +635,18 @@ impl AgentNodes {
         let mut answer = ctx.interrupt(question.clone())?;
         // An answer that is neither yes nor no is asked again (another interrupt of
         // this node, so the thread stays paused and resumable), never read as a no.
-        while !understood(&answer) {
+        // So is a map that names a call not asked about (a typo) or leaves one out.
+        while !understood(&answer, &ids) {
             let mut again = question.clone();
             again["not_understood"] = answer;
             answer = ctx.interrupt(again)?;
         }
         Ok(asked
             .iter()
-            .filter(|c| !approved(&answer, &c.id))
-            .map(|c| c.id.clone())
+            .filter_map(|c| match decision(&answer, &c.id) {
+                Decision::Yes => None,
+                Decision::No(reason) => Some((c.id.clone(), reason)),
+            })
             .collect())
     }
 
@@ -991,30 +1000,82 @@ fn no_goal() -> NodeError {
 const YES: [&str; 5] = ["y", "yes", "approve", "approved", "ok"];
 const NO: [&str; 5] = ["n", "no", "deny", "denied", "reject"];
 
-fn approved(answer: &Value, id: &str) -> bool {
-    match answer {
-        Value::Bool(b) => *b,
-        Value::String(s) => YES.contains(&s.trim().to_ascii_lowercase().as_str()),
-        Value::Object(m) => m.get(id).is_some_and(|v| approved(v, id)),
-        Value::Array(ids) => ids.iter().any(|v| v.as_str() == Some(id)),
-        _ => false,
+/// What an approval answer says of one call.
+enum Decision {
+    Yes,
+    /// No, with the reason given, if any.
+    No(Option<String>),
+}
+
+/// A yes or no on its own: a bool or a word of [`YES`] or [`NO`].
+fn yes_or_no(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::String(s) => {
+            let s = s.trim().to_ascii_lowercase();
+            if YES.contains(&s.as_str()) {
+                Some(true)
+            } else if NO.contains(&s.as_str()) {
+                Some(false)
+            } else {
+                None
+            }
+        }
+        _ => None,
     }
 }
 
-/// Whether `answer` is an approval answer: a yes or no (bool or word), a map of call
-/// ids to yes or no, or a list of approved call ids.
-fn understood(answer: &Value) -> bool {
+/// `{"approved": <yes or no>, "reason": "..."}` (the reason optional): a decision with
+/// a reason the model is told.
+fn with_reason(v: &Value) -> Option<Decision> {
+    let m = v.as_object()?;
+    let yes = yes_or_no(m.get("approved")?)?;
+    let reason = match m.get("reason") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(r)) => Some(r.trim().to_owned()).filter(|r| !r.is_empty()),
+        Some(_) => return None,
+    };
+    if m.keys().any(|k| k != "approved" && k != "reason") {
+        return None;
+    }
+    Some(if yes {
+        Decision::Yes
+    } else {
+        Decision::No(reason)
+    })
+}
+
+/// One call's decision: the answer for every call, its entry in a map of call ids,
+/// or whether a list of approved ids holds it. Only for answers [`understood`].
+fn decision(answer: &Value, id: &str) -> Decision {
+    let of = |v: &Value| match yes_or_no(v) {
+        Some(true) => Decision::Yes,
+        Some(false) => Decision::No(None),
+        None => with_reason(v).unwrap_or(Decision::No(None)),
+    };
     match answer {
-        Value::Bool(_) => true,
-        Value::String(s) => {
-            let s = s.trim().to_ascii_lowercase();
-            YES.contains(&s.as_str()) || NO.contains(&s.as_str())
+        Value::Object(m) if !m.contains_key(id) && with_reason(answer).is_some() => of(answer),
+        Value::Object(m) => m.get(id).map_or(Decision::No(None), of),
+        Value::Array(ids) if ids.iter().any(|v| v.as_str() == Some(id)) => Decision::Yes,
+        Value::Array(_) => Decision::No(None),
+        other => of(other),
+    }
+}
+
+/// Whether `answer` is an approval answer for the calls `ids`: a yes or no (a bool, a
+/// word, or `{"approved": .., "reason": ..}`) for every call, a map of every call id
+/// to one, or a list of approved call ids (each one of `ids`).
+fn understood(answer: &Value, ids: &BTreeSet<&str>) -> bool {
+    let one = |v: &Value| yes_or_no(v).is_some() || with_reason(v).is_some();
+    match answer {
+        Value::Object(m) if m.keys().all(|k| !ids.contains(k.as_str())) => one(answer),
+        Value::Object(m) => {
+            m.len() == ids.len() && m.iter().all(|(k, v)| ids.contains(k.as_str()) && one(v))
         }
-        Value::Object(m) => m
-            .values()
-            .all(|v| matches!(v, Value::Bool(_) | Value::String(_)) && understood(v)),
-        Value::Array(ids) => ids.iter().all(Value::is_string),
-        _ => false,
+        Value::Array(list) => list
+            .iter()
+            .all(|v| v.as_str().is_some_and(|id| ids.contains(id))),
+        other => one(other),
     }
 }
 

@@ -1238,6 +1238,144 @@ async fn approvals_are_checked_when_built_and_a_message_waits_for_the_answer() {
     );
 }
 
+/// Records the reply cap each call asked for.
+struct CapSeen(Arc<Mutex<Vec<Option<u32>>>>);
+
+#[async_trait::async_trait]
+impl keel_model::ChatModel for CapSeen {
+    fn model_name(&self) -> &str {
+        "cap-seen"
+    }
+    async fn chat(
+        &self,
+        _messages: &[Message],
+        _tools: &[ToolSpec],
+        options: &keel_model::ChatOptions,
+    ) -> Result<ChatResponse, ModelError> {
+        self.0.lock().unwrap().push(options.max_tokens);
+        Ok(ChatResponse::new(Message::assistant("Done."), "cap-seen"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_call_asks_for_no_more_than_the_room_kept_for_the_reply() {
+    for (profile, given, asked) in [
+        // The profile's reply reserve, when no cap is given.
+        (
+            ModelProfile::new("small", 2_048, 256, Encoding::Approximate),
+            None,
+            256,
+        ),
+        // At most a quarter of the window, whatever the profile reserves.
+        (
+            ModelProfile::new("odd", 4_000, 3_000, Encoding::Approximate),
+            None,
+            1_000,
+        ),
+        // A cap given is sent as it is.
+        (
+            ModelProfile::new("small", 8_192, 1_024, Encoding::Approximate),
+            Some(512),
+            512,
+        ),
+    ] {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut options = keel_model::ChatOptions::new();
+        options.max_tokens = given;
+        let agent = Agent::builder()
+            .model(Arc::new(CapSeen(seen.clone())))
+            .profile(profile.clone())
+            .options(options)
+            .goal(GOAL)
+            .build()
+            .unwrap();
+        agent.run("cap", AgentInput::new()).await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), [Some(asked)], "{profile:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn approval_answers_name_every_call_and_a_denial_can_say_why() {
+    let agent = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("why", AgentInput::new()).await.unwrap();
+    assert_eq!(run.interrupts[0].value["approve"][0]["id"], json!("call-0"));
+    // A resume carries only the answer: a message beside it would be lost.
+    let err = agent
+        .run("why", AgentInput::new().resume(true).user("and this"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AgentError::ResumeWithInput { .. }), "{err}");
+    // A typo'd call id, or a map that leaves a call out, is asked again.
+    for answer in [
+        json!({"call-9": true}),
+        json!({}),
+        json!(["call-9"]),
+        json!({"call-0": "maybe"}),
+    ] {
+        let run = agent
+            .run("why", AgentInput::new().resume(answer.clone()))
+            .await
+            .unwrap();
+        assert_eq!(run.interrupts.len(), 1, "{answer}");
+        assert_eq!(run.interrupts[0].value["not_understood"], answer);
+    }
+    // A denial with a reason: the model reads it in the call's result.
+    let run = agent
+        .run(
+            "why",
+            AgentInput::new()
+                .resume(json!({"call-0": {"approved": false, "reason": "use staging"}})),
+        )
+        .await
+        .unwrap();
+    let result = run
+        .state
+        .messages
+        .iter()
+        .find(|m| m.role == Role::Tool)
+        .unwrap();
+    assert!(
+        result.text().contains("not approve")
+            && result.text().ends_with("Their reason: use staging"),
+        "{}",
+        result.text()
+    );
+    // The next call is asked about; the whole-answer form with a reason denies it too.
+    assert_eq!(run.interrupts[0].value["approve"][0]["id"], json!("call-1"));
+    let run = agent
+        .run(
+            "why",
+            AgentInput::new().resume(json!({"approved": false, "reason": "enough"})),
+        )
+        .await
+        .unwrap();
+    assert!(
+        run.state
+            .messages
+            .iter()
+            .any(|m| m.role == Role::Tool && m.text().ends_with("Their reason: enough")),
+    );
+    // With nothing pending, a resume says so in the agent's terms.
+    let other = builder(counting_model(1, Arc::default()))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    other.run("done", AgentInput::new()).await.unwrap();
+    let err = other
+        .run("done", AgentInput::new().resume(true))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::NothingToResume { thread_id } if thread_id == "done"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("AgentInput::new()"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_threads_are_swept_with_their_offloaded_files() {
     let saver = Arc::new(SqliteSaver::open_in_memory().await.unwrap());
@@ -1533,6 +1671,70 @@ async fn dropping_a_run_stops_it_although_it_runs_on_a_task_of_its_own() {
     // The thread stays resumable from its last checkpoint.
     let run = agent.run("dropped", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("The slow tool answered."));
+}
+
+/// Counts the calls that ran to their end.
+struct SlowCounted(Arc<AtomicU64>);
+impl Tool for SlowCounted {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("slow", "Answers after a while.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok("finally".to_owned())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dropping_an_agent_stream_stops_its_run_mid_step() {
+    let model = PolicyModel::new("slow", move |messages, _t| {
+        let reply = if messages.iter().any(|m| m.role == Role::Tool) {
+            Message::assistant("The slow tool answered.")
+        } else {
+            Message::assistant("Waiting.").with_tool_calls(vec![ToolCall::new(
+                "s",
+                "slow",
+                json!({}),
+            )])
+        };
+        Ok(ChatResponse::new(reply, "slow"))
+    });
+    let finished = Arc::new(AtomicU64::new(0));
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tools([Arc::new(SlowCounted(finished.clone())) as Arc<dyn Tool>])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    {
+        let mut updates = agent.stream("dropped", AgentInput::new());
+        // The model's call arrives; the slow tool is then running.
+        let first = updates.next().await.unwrap().unwrap();
+        assert!(
+            matches!(first, AgentUpdate::Event(AgentEvent::ModelCall { .. })),
+            "{first:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        0,
+        "the dropped stream's tool call ran on"
+    );
+    let state = agent.state("dropped").await.unwrap().unwrap();
+    assert!(
+        !state.messages.iter().any(|m| m.role == Role::Tool),
+        "the dropped step stored its result"
+    );
+    // The thread continues from its last checkpoint, with no conflict.
+    let run = agent.run("dropped", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("The slow tool answered."));
+    assert_eq!(finished.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -173,16 +173,16 @@ impl Toolbox {
         // Its own task: a panic is caught as a JoinError, and a tool that never yields
         // cannot stall the other calls of the step.
         let task = tokio::spawn(async move { tool.call(arguments, ctx).await });
-        let abort = task.abort_handle();
+        // Dropped with this call when the run is cancelled (its stream or future
+        // dropped): the tool's task stops at its next await, as it would have on the
+        // run's own task, rather than running on with nobody to take its result.
+        let _abort = AbortOnDrop(task.abort_handle());
         match tokio::time::timeout(timeout, task).await {
-            Err(_) => {
-                abort.abort();
-                Err(format!(
-                    "`{}` did not finish within {} s; its result is discarded, and whatever it changed before then stays changed",
-                    call.name,
-                    timeout.as_secs_f64()
-                ))
-            }
+            Err(_) => Err(format!(
+                "`{}` did not finish within {} s; its result is discarded, and whatever it changed before then stays changed",
+                call.name,
+                timeout.as_secs_f64()
+            )),
             Ok(Err(join)) if join.is_panic() => Err(format!(
                 "`{}` crashed (it panicked: {}); the call had no effect you can rely on",
                 call.name,
@@ -195,6 +195,15 @@ impl Toolbox {
             }),
             Ok(Ok(Ok(text))) => Ok(text),
         }
+    }
+}
+
+/// Aborts a task when dropped (a no-op once it has finished).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
