@@ -1285,7 +1285,10 @@ impl AgentBuilder {
 
     /// The model's window and output limits (default: the builtin profile for the
     /// model's name; an unknown name gets the conservative default, reported by an
-    /// [`AgentEvent::ProfileFallback`] at the first step).
+    /// [`AgentEvent::ProfileFallback`] at the first step). Without a profile given, a
+    /// model client that runs the model with a smaller window of its own
+    /// ([`ChatModel::context_window`]: an `OllamaModel`'s `num_ctx`) narrows the
+    /// builtin profile to it; a profile given is used as it is (with a warning then).
     pub fn profile(mut self, profile: ModelProfile) -> Self {
         self.profile = Some(profile);
         self
@@ -1448,6 +1451,7 @@ impl AgentBuilder {
     /// Builds the agent.
     pub fn build(self) -> Result<Agent, BuildError> {
         let model = self.model.ok_or(BuildError::NoModel)?;
+        let explicit_profile = self.profile.is_some();
         let (profile, profile_fallback) = match self.profile {
             Some(p) => (p, false),
             None => {
@@ -1459,10 +1463,27 @@ impl AgentBuilder {
                 }
             }
         };
+        // A client that runs the model with a window of its own (Ollama's `num_ctx`)
+        // bounds the prompt: a server drops what does not fit, silently.
+        let mut profile = profile;
+        if let Some(window) = model.context_window()
+            && window < profile.context_window
+        {
+            if explicit_profile {
+                tracing::warn!(
+                    model = %profile.name,
+                    profile_window = profile.context_window,
+                    client_window = window,
+                    "the profile's window is larger than the one the model client runs with; prompts may be cut by the server"
+                );
+            } else {
+                profile.context_window = window;
+                profile.max_output_tokens = profile.max_output_tokens.min(window / 4);
+            }
+        }
         // The reply cap asked of every call must fit what the profile keeps free for
         // the reply (at most a quarter of the window): a longer reply beside a prompt
         // at its budget would overflow the server's context.
-        let mut profile = profile;
         if let Some(cap) = self.options.max_tokens.map(|n| n as usize) {
             let quarter = profile.context_window / 4;
             if cap > quarter {

@@ -2371,3 +2371,44 @@ fn a_reply_cap_over_a_quarter_of_the_window_is_refused_at_build() {
         .unwrap();
     assert_eq!(agent.nodes().profile().reserved_output(), 8_000);
 }
+
+/// A client that runs its model with a 4,096-token window.
+struct SmallServer(Arc<Mutex<Vec<Option<u32>>>>);
+
+#[async_trait::async_trait]
+impl keel_model::ChatModel for SmallServer {
+    fn model_name(&self) -> &str {
+        "llama3.1:8b"
+    }
+    fn context_window(&self) -> Option<usize> {
+        Some(4_096)
+    }
+    async fn chat(
+        &self,
+        _messages: &[Message],
+        _tools: &[ToolSpec],
+        options: &keel_model::ChatOptions,
+    ) -> Result<ChatResponse, ModelError> {
+        self.0.lock().unwrap().push(options.max_tokens);
+        Ok(ChatResponse::new(Message::assistant("Done."), "small"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_s_own_window_narrows_the_builtin_profile() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = Agent::builder()
+        .model(Arc::new(SmallServer(seen.clone())))
+        .goal(GOAL)
+        .build()
+        .unwrap();
+    // The builtin llama3.1 profile has a 131,072-token window; the server runs 4,096.
+    assert_eq!(agent.nodes().profile().context_window, 4_096);
+    assert!(agent.nodes().profile().input_budget() < 4_096);
+    agent.run("small", AgentInput::new()).await.unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [Some(1_024)],
+        "a quarter of the window"
+    );
+}

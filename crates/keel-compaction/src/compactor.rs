@@ -783,8 +783,20 @@ impl Compactor {
     }
 
     /// Checks and compacts until no trigger fires (at most a few rounds). Call it after
-    /// every step. Returns the events of this call; a failed compaction is an event
-    /// with an error, and the context is unchanged by it. A compaction with nothing
+    /// every step. Returns the events of this call.
+    ///
+    /// A compaction that fails (the summarizer's model cannot be reached, the archive
+    /// cannot be written) returns its error: the context is unchanged, the failed event
+    /// is recorded in [`ContextState::events`] and counted in
+    /// [`ContextState::failures_in_a_row`], and the next call tries again (with the
+    /// extractive summary after
+    /// [`fallback_after_failures`](CompactionConfig::fallback_after_failures) failures).
+    /// A loop can log it and go on, as keel-agent does until too many fail in a row.
+    /// At the step ceiling ([`CompactionConfig::max_steps`], 500 model calls by
+    /// default) it returns [`CompactionError::StepCeiling`] every time: stop the loop,
+    /// or raise the ceiling with [`CompactionConfig::with_max_steps`].
+    ///
+    /// A compaction with nothing
     /// to move, or whose result would be no smaller than what it replaces, changes
     /// nothing and records no event (it is logged), so the prompt can stay over the
     /// budget: when the goal, system prompt and tool specs alone exceed it, or the raw
@@ -906,9 +918,17 @@ impl Compactor {
                 Err(e) if e.is_context_overflow() && retries < 2 => {
                     retries += 1;
                     tracing::warn!(error = %e, "provider reports context overflow; compacting");
-                    self.compact(state, Trigger::Overflow, tools)
-                        .await
-                        .map_err(CallError::Compaction)?;
+                    match self.compact(state, Trigger::Overflow, tools).await {
+                        Ok(_) => {}
+                        // Nothing could be compacted: the overflow is the error, and
+                        // what a caller matches on (`ModelError::is_context_overflow`).
+                        Err(
+                            CompactionError::NothingToCompact | CompactionError::NotSmaller { .. },
+                        ) => {
+                            return Err(CallError::Model(e));
+                        }
+                        Err(c) => return Err(CallError::Compaction(c)),
+                    }
                 }
                 Err(e) => return Err(CallError::Model(e)),
                 Ok(r) => return Ok(r),

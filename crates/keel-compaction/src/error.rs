@@ -27,7 +27,9 @@ pub enum CompactionError {
     #[error("summarizing failed: {0}")]
     Summarize(#[source] SummarizeError),
     /// The run reached the hard step ceiling.
-    #[error("step ceiling reached: {steps} model calls (max {max})")]
+    #[error(
+        "step ceiling reached: {steps} model calls (max {max}); raise it with CompactionConfig::with_max_steps"
+    )]
     StepCeiling {
         /// Model calls made.
         steps: u64,
@@ -40,10 +42,11 @@ pub enum CompactionError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CallError {
-    /// The model call failed (a context overflow only after compacting and retrying).
+    /// The model call failed. A context overflow comes here after compacting and
+    /// retrying did not cure it, or when there was nothing left to compact.
     #[error(transparent)]
     Model(#[from] keel_model::ModelError),
-    /// Compacting after a context overflow failed.
+    /// Compacting after a context overflow failed (the summarizer or the archive).
     #[error(transparent)]
     Compaction(#[from] CompactionError),
 }

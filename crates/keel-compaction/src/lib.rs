@@ -45,7 +45,10 @@
 //! for [`Compactor::call`], as [`model`]), so `keel-compaction` is the one dependency
 //! to add (with its `fs` feature for `offload::FsStore`, an archive on disk).
 //! [`Compactor::after_step`] is async and runs on tokio (a current-thread runtime is
-//! enough); your loop needs one.
+//! enough); your loop needs one. It stops a loop at the step ceiling,
+//! [`CompactionConfig::max_steps`] (500 model calls unless raised, as in the example
+//! below), with [`CompactionError::StepCeiling`]; a compaction that failed returns
+//! its error with the context unchanged, and the next call tries again.
 //!
 //! Token counts are estimates (about 4 characters a token) unless keel-token's
 //! `tiktoken` feature is on: turn on this crate's `tiktoken` feature for exact counts
@@ -60,7 +63,7 @@
 //! use keel_compaction::offload::{Archive, MemoryStore, Pattern, ThreadId};
 //! use keel_compaction::summarize::ExtractiveSummarizer;
 //! use keel_compaction::token::{Encoding, ModelProfile, TokenCounter};
-//! use keel_compaction::{CompactionConfig, Compactor, ContextState, GoalAnchor};
+//! use keel_compaction::{CompactionConfig, CompactionError, Compactor, ContextState, GoalAnchor};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 //! // A model with a 4,096-token window, 1,024 of them kept for the reply.
@@ -75,11 +78,15 @@
 //!     counter.clone(),
 //!     profile.clone(),
 //! )
-//! .with_config(CompactionConfig::default().with_every_steps(Some(10)));
+//! .with_config(
+//!     CompactionConfig::default()
+//!         .with_every_steps(Some(10))
+//!         .with_max_steps(1_000), // the default ceiling, 500, would stop this loop
+//! );
 //!
 //! let goal = GoalAnchor::new("Find why the build fails.").with_constraints(["Never push."]);
 //! let mut state = ContextState::new(goal).with_system(Message::system("You are an agent."));
-//! for i in 0..200 {
+//! for i in 0..600 {
 //!     // Your model call: send the assembled prompt (system, goal, summaries, recent steps).
 //!     let prompt = compactor.assemble(&mut state);
 //!     assert_eq!(&prompt[1], state.goal.message()); // the goal, byte for byte, every time
@@ -89,7 +96,14 @@
 //!     // Your tool: its result joins the step.
 //!     let result = Message::tool(format!("c{i}"), format!("build {i}: exit code {}", 100 + i));
 //!     compactor.push_step(&mut state, reply, vec![result]);
-//!     compactor.after_step(&mut state, &[]).await?; // compacts when it is due
+//!     // Compacts when it is due. A failed compaction (a summarizer's model out of
+//!     // reach) leaves the context as it was; log it and go on.
+//!     if let Err(e) = compactor.after_step(&mut state, &[]).await {
+//!         if matches!(e, CompactionError::StepCeiling { .. }) {
+//!             break;
+//!         }
+//!         eprintln!("compaction failed, the next step tries again: {e}");
+//!     }
 //! }
 //! // Step 3's result left the prompt long ago, and is in the archive.
 //! let prompt = compactor.assemble(&mut state);
@@ -123,8 +137,8 @@ pub use goal::{GOAL_ID, GoalAnchor};
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
 /// The model contract (keel-model) that [`Compactor::call`] calls, re-exported so a user
-/// of this crate alone needs no second dependency. Built without providers: for
-/// `OpenAiModel` or `OllamaModel` add keel-model with its `openai` or `ollama` feature.
+/// of this crate alone needs no second dependency. Built without providers: this
+/// crate's `openai` and `ollama` features bring `OpenAiModel` and `OllamaModel`.
 pub use keel_model as model;
 /// The offload store and archive (keel-offload) that [`Compactor::new`] takes, re-exported
 /// so a user of this crate alone needs no second dependency. `MemoryStore` is always

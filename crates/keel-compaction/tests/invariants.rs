@@ -560,3 +560,31 @@ async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
     assert!(calls[1] <= 1_500);
     assert_eq!(state.events.last().unwrap().trigger, Trigger::Overflow);
 }
+
+#[tokio::test]
+async fn an_overflow_nothing_can_cure_is_the_model_s_error() {
+    let rig = rig(
+        CompactionConfig::default().with_every_steps(None),
+        100_000,
+        false,
+    );
+    let mut state = ContextState::new(goal());
+    for i in 0..20 {
+        let (reply, results) = step(i, 1, 400, false);
+        rig.compactor.push_step(&mut state, reply, results);
+    }
+    // Even the goal and the last step are over this model's limit.
+    let model = Limited {
+        limit: 10,
+        calls: Mutex::default(),
+    };
+    let err = rig
+        .compactor
+        .call(&model, &mut state, &[], &Default::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, keel_compaction::CallError::Model(e) if e.is_context_overflow()),
+        "the overflow, not `nothing to compact`: {err}"
+    );
+}

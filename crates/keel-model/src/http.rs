@@ -958,6 +958,24 @@ pub(crate) fn encode_body(body: &serde_json::Value) -> Result<Vec<u8>, ModelErro
         .map_err(|e| ModelError::Config(format!("request is not serializable: {e}")))
 }
 
+/// `base` (a server's base URL) with `path` after it, or [`ModelError::Config`] when
+/// `base` is not an `http` or `https` URL with a host: a URL no request could reach
+/// is refused when the client is built, not retried as a connection failure at every
+/// call.
+pub(crate) fn endpoint(base: &str, path: &str) -> Result<String, ModelError> {
+    let url = reqwest::Url::parse(base.trim()).map_err(|e| {
+        ModelError::Config(format!(
+            "base URL `{base}` is not a URL ({e}); give one like http://localhost:11434"
+        ))
+    })?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
+        return Err(ModelError::Config(format!(
+            "base URL `{base}` is not an http or https URL with a host; give one like http://localhost:11434"
+        )));
+    }
+    Ok(format!("{}/{path}", base.trim().trim_end_matches('/')))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

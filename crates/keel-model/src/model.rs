@@ -66,6 +66,14 @@ pub trait ChatModel: Send + Sync {
     /// traces).
     fn model_name(&self) -> &str;
 
+    /// The context window, in tokens, this client runs the model with, when the
+    /// client sets it (Ollama's `num_ctx`); `None` (the default) when it is the
+    /// server's or the model's own. Callers that size prompts from a model profile
+    /// (keel-agent, keel-summarize's `LlmSummarizer`) keep them within it.
+    fn context_window(&self) -> Option<usize> {
+        None
+    }
+
     /// One complete reply.
     async fn chat(
         &self,
@@ -118,6 +126,9 @@ macro_rules! forward {
         impl<T: ChatModel + ?Sized> ChatModel for $ptr {
             fn model_name(&self) -> &str {
                 (**self).model_name()
+            }
+            fn context_window(&self) -> Option<usize> {
+                (**self).context_window()
             }
             async fn chat(
                 &self,

@@ -169,7 +169,7 @@ impl OllamaModel {
 
     fn build(config: OllamaConfig, client: Option<reqwest::Client>) -> Result<Self, ModelError> {
         let http = Http::new(config.http.clone(), &[], classify, client)?;
-        let chat_url = format!("{}/api/chat", config.base_url.trim_end_matches('/'));
+        let chat_url = crate::http::endpoint(&config.base_url, "api/chat")?;
         Ok(OllamaModel {
             config,
             http,
@@ -241,7 +241,7 @@ impl OllamaModel {
 
     /// The models the server has, from `GET {base_url}/api/tags`.
     pub async fn list_models(&self) -> Result<Vec<String>, ModelError> {
-        let url = format!("{}/api/tags", self.config.base_url.trim_end_matches('/'));
+        let url = crate::http::endpoint(&self.config.base_url, "api/tags")?;
         let body = http::parse_body(&self.http.call(&url, None, None).await?)?;
         let models = body
             .get("models")
@@ -278,6 +278,11 @@ impl OllamaModel {
 impl ChatModel for OllamaModel {
     fn model_name(&self) -> &str {
         &self.config.model
+    }
+
+    /// The config's [`num_ctx`](OllamaConfig::num_ctx), when set.
+    fn context_window(&self) -> Option<usize> {
+        self.config.num_ctx.map(|n| n as usize)
     }
 
     async fn chat(

@@ -168,7 +168,7 @@ impl OpenAiModel {
             headers.push(("authorization", format!("Bearer {key}")));
         }
         let http = Http::new(config.http.clone(), &headers, classify, client)?;
-        let chat_url = format!("{}/chat/completions", config.base_url.trim_end_matches('/'));
+        let chat_url = crate::http::endpoint(&config.base_url, "chat/completions")?;
         Ok(OpenAiModel {
             config,
             http,
@@ -254,7 +254,7 @@ impl OpenAiModel {
 
     /// The model ids the server lists at `GET {base_url}/models`.
     pub async fn list_models(&self) -> Result<Vec<String>, ModelError> {
-        let url = format!("{}/models", self.config.base_url.trim_end_matches('/'));
+        let url = crate::http::endpoint(&self.config.base_url, "models")?;
         let body = http::parse_body(&self.http.call(&url, None, None).await?)?;
         let data = body.get("data").and_then(Value::as_array).ok_or_else(|| {
             ModelError::Malformed(format!(

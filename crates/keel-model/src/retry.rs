@@ -142,6 +142,10 @@ impl<M: ChatModel> ChatModel for Retrying<M> {
         self.inner.model_name()
     }
 
+    fn context_window(&self) -> Option<usize> {
+        self.inner.context_window()
+    }
+
     async fn chat(
         &self,
         messages: &[Message],

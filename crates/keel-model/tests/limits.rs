@@ -235,3 +235,43 @@ async fn a_stream_that_never_pauses_still_ends_at_the_stream_timeout() {
         );
     }
 }
+
+/// A base URL no request could reach is refused when the client is built, with a
+/// `Config` error (not retried as a connection failure at every call).
+#[test]
+fn a_base_url_that_is_not_an_http_url_is_refused_when_built() {
+    for bad in [
+        "not a url",
+        "ftp://example.com/v1",
+        "http://exa mple.com/v1",
+        "localhost:8080",
+        "",
+    ] {
+        let openai = OpenAiModel::new(OpenAiConfig::new("m").base_url(bad));
+        assert!(
+            matches!(&openai, Err(ModelError::Config(why)) if why.contains("base URL")),
+            "{bad:?}: {:?}",
+            openai.err()
+        );
+        let ollama = OllamaModel::new(OllamaConfig::new("m").base_url(bad));
+        assert!(
+            matches!(&ollama, Err(ModelError::Config(_))),
+            "{bad:?}: {:?}",
+            ollama.err()
+        );
+    }
+    for good in [
+        "http://localhost:11434",
+        "https://api.example.com/v1/",
+        " http://127.0.0.1:8080/v1 ",
+    ] {
+        assert!(
+            OpenAiModel::new(OpenAiConfig::new("m").base_url(good)).is_ok(),
+            "{good}"
+        );
+        assert!(
+            OllamaModel::new(OllamaConfig::new("m").base_url(good)).is_ok(),
+            "{good}"
+        );
+    }
+}

@@ -31,7 +31,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use keel_summarize::message::{Message, ToolCall};
-//! use keel_model::{ModelError, ScriptedModel, Turn};
+//! use keel_summarize::model::{ModelError, ScriptedModel, Turn};
 //! use keel_summarize::{
 //!     ExtractiveSummarizer, LlmSummarizer, SummarizeError, Summarizer, SummaryRequest,
 //!     GOAL_METADATA_KEY, SUMMARY,
@@ -82,6 +82,12 @@ pub use extractive::{
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
+/// The model contract (keel-model) that [`LlmSummarizer`] calls, re-exported so a user
+/// of this crate alone needs no second dependency and no matching version. Built
+/// without providers: this crate's `openai` and `ollama` features bring
+/// `model::OpenAiModel` and `model::OllamaModel`; the extractive summarizer needs
+/// neither (and no HTTP client).
+pub use keel_model as model;
 pub use llm::{DEFAULT_MAX_MESSAGE_CHARS, LlmSummarizer, SummaryFormat};
 pub use prompts::{EPOCH_V1, MILESTONE_V1, STRUCTURED_V1, Template};
 pub use summary::{

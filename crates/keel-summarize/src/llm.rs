@@ -97,11 +97,17 @@ impl std::fmt::Debug for LlmSummarizer {
 
 impl LlmSummarizer {
     /// A bullet summarizer over `model`, counting with [`ApproxCounter`], with the
-    /// window of the model's [`ModelProfiles`] entry (8,192 tokens when unknown).
+    /// window the client runs the model with ([`ChatModel::context_window`]: an
+    /// `OllamaModel`'s `num_ctx`), else that of the model's [`ModelProfiles`] entry
+    /// (8,192 tokens when unknown). Set it with
+    /// [`with_window_tokens`](Self::with_window_tokens) when the server runs the model
+    /// with a smaller one: a server may drop the start of a prompt over its window.
     pub fn new(model: Arc<dyn ChatModel>) -> Self {
-        let window_tokens = ModelProfiles::new()
-            .lookup(model.model_name())
-            .context_window;
+        let window_tokens = model.context_window().unwrap_or_else(|| {
+            ModelProfiles::new()
+                .lookup(model.model_name())
+                .context_window
+        });
         LlmSummarizer {
             model,
             counter: Arc::new(ApproxCounter::new()),

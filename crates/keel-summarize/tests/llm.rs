@@ -493,3 +493,23 @@ async fn a_summary_that_quotes_an_error_from_the_span_is_kept() {
         assert!(summary.text.contains("rate limit exceeded"), "{reply}");
     }
 }
+
+/// An Ollama client run with `num_ctx` gives the summarizer its window, not the
+/// model's builtin profile (llama3.1: 131,072 tokens).
+#[test]
+fn the_summarizer_takes_the_window_the_client_runs_the_model_with() {
+    let small =
+        keel_model::OllamaModel::new(keel_model::OllamaConfig::new("llama3.1:8b").num_ctx(4_096))
+            .unwrap();
+    let summarizer = LlmSummarizer::new(Arc::new(small));
+    assert!(
+        format!("{summarizer:?}").contains("window_tokens: 4096"),
+        "{summarizer:?}"
+    );
+    let unset = keel_model::OllamaModel::new(keel_model::OllamaConfig::new("llama3.1:8b")).unwrap();
+    let summarizer = LlmSummarizer::new(Arc::new(unset));
+    assert!(
+        format!("{summarizer:?}").contains("window_tokens: 131072"),
+        "{summarizer:?}"
+    );
+}

@@ -221,6 +221,10 @@ impl ModelProfiles {
     /// // A prefix matches only before a variant suffix, not more of another name.
     /// assert!(profiles.get("gpt-4.5-preview").is_none());
     /// assert_eq!(profiles.get("gpt-4-32k").map(|p| p.context_window), Some(32_768));
+    /// // Variants with a smaller window than the name they begin with have their own.
+    /// assert_eq!(profiles.get("o1-mini-2024-09-12").map(|p| p.context_window), Some(128_000));
+    /// assert_eq!(profiles.get("gpt-5-chat-latest").map(|p| p.context_window), Some(128_000));
+    /// assert_eq!(profiles.get("gpt-5-mini").map(|p| p.context_window), Some(400_000));
     /// ```
     pub fn get(&self, model: &str) -> Option<&ModelProfile> {
         let name = normalize(model);
@@ -333,7 +337,11 @@ pub fn builtin_profiles() -> Vec<ModelProfile> {
         p("gpt-4o", 128_000, 16_384, O200kBase),
         p("gpt-4o-mini", 128_000, 16_384, O200kBase),
         p("gpt-5", 400_000, 128_000, O200kBase),
+        // Variants with smaller windows than the name they begin with.
+        p("gpt-5-chat", 128_000, 16_384, O200kBase),
         p("o1", 200_000, 100_000, O200kBase),
+        p("o1-mini", 128_000, 65_536, O200kBase),
+        p("o1-preview", 128_000, 32_768, O200kBase),
         p("o3", 200_000, 100_000, O200kBase),
         p("o4-mini", 200_000, 100_000, O200kBase),
         p("gpt-4", 8_192, 8_192, Cl100kBase),
