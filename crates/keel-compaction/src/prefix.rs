@@ -133,7 +133,7 @@ impl PrefixSummarizer {
                 keel_summarize::SUMMARY.to_owned(),
             ])));
         }
-        let tokens = self.counter.count_text(&text);
+        let tokens = keel_summarize::reply_tokens(&*self.counter, &text, response.usage.as_ref());
         if tokens > request.budget_tokens + request.budget_tokens / 4 {
             return Err(reject(Rejection::OverBudget {
                 tokens,

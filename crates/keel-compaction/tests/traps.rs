@@ -86,7 +86,7 @@ async fn the_newest_step_stays_even_when_larger_than_the_tail_and_over_budget() 
     }
     // The newest step alone is far larger than the 50-token tail (and below the
     // eviction threshold), and the prompt is over the budget.
-    let (reply, results) = step(12, 80);
+    let (reply, results) = step(12, 50);
     rig.compactor.push_step(&mut state, reply, results);
     assert!(
         !state

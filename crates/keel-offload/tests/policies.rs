@@ -78,7 +78,7 @@ fn the_threshold_is_counted_in_tokens_by_the_counter() {
 #[test]
 fn the_default_threshold_is_20k_tokens() {
     assert_eq!(EvictLargeResults::new().threshold_tokens, 20_000);
-    let counter = ApproxCounter::new();
+    let counter = ApproxCounter::new().with_chars_per_token(4);
     let store = MemoryStore::new();
     let t = thread();
     let env = PolicyEnv::new(&store, &t, &counter);

@@ -75,12 +75,17 @@ pub(crate) fn fit(
     counter: &dyn TokenCounter,
     available: usize,
 ) -> Result<(String, usize), SummarizeError> {
-    let costs: Vec<usize> = entries.iter().map(|e| counter.count_text(e) + 1).collect();
+    // Each entry costs its text and the line break joining it to the next.
+    let newline = counter.count_text("\n").max(1);
+    let costs: Vec<usize> = entries
+        .iter()
+        .map(|e| counter.count_text(e) + newline)
+        .collect();
     let total: usize = costs.iter().sum();
     if total <= available {
         return Ok((entries.join("\n"), 0));
     }
-    let marker_cost = counter.count_text("[… 0000000 messages omitted …]") + 1;
+    let marker_cost = counter.count_text("[… 0000000 messages omitted …]") + newline;
     let room = available.saturating_sub(marker_cost);
     let mut head = 0;
     let mut used = 0;

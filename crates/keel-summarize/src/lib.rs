@@ -88,7 +88,7 @@ pub use keel_message as message;
 /// `model::OpenAiModel` and `model::OllamaModel`; the extractive summarizer needs
 /// neither (and no HTTP client).
 pub use keel_model as model;
-pub use llm::{DEFAULT_MAX_MESSAGE_CHARS, LlmSummarizer, SummaryFormat};
+pub use llm::{DEFAULT_MAX_MESSAGE_CHARS, LlmSummarizer, SummaryFormat, reply_tokens};
 pub use prompts::{EPOCH_V1, MILESTONE_V1, STRUCTURED_V1, Template};
 pub use summary::{
     ARTIFACTS, GOAL_METADATA_KEY, Level, NEXT_STEPS, SECTIONS, SESSION_INTENT, SUMMARY, Section,

@@ -38,8 +38,9 @@ pub enum SummaryFormat {
 ///   prompt) by keeping the head and the tail of the span with the omitted middle
 ///   marked, never by keeping only the latest messages.
 /// * The reply is asked for with `max_tokens` = the budget and checked: it must be
-///   non-empty, not cut off, within the budget (counted with this summarizer's
-///   counter), in the requested shape (bullet count, or all four sections), and about
+///   non-empty, not cut off, within the budget (the fewer of the tokens the model
+///   reports for its reply and this summarizer's counter's count), in the requested
+///   shape (bullet count, or all four sections), and about
 ///   the input: it must share at least one distinctive term (a name, path, number or
 ///   uncommon word) with the span it summarizes, and a reply of ten or more such terms
 ///   must find at least one in ten of them in it ([`Rejection::Unrelated`]), and one
@@ -277,7 +278,7 @@ impl LlmSummarizer {
         if reply.finish_reason == Some(FinishReason::Length) {
             return Err(Rejection::Truncated);
         }
-        let tokens = self.counter.count_text(text);
+        let tokens = reply_tokens(&*self.counter, text, reply.usage.as_ref());
         if tokens > budget {
             return Err(Rejection::OverBudget { tokens, budget });
         }
@@ -587,6 +588,23 @@ impl Summarizer for LlmSummarizer {
             }
         }
     }
+}
+
+/// The tokens of a summary reply, for the budget check: the fewer of what the model
+/// reports for its reply (`usage.completion_tokens`, when it reports any) and what
+/// `counter` counts in `text`. The model's own count is the truth its `max_tokens` of
+/// the budget held it to; an estimate that leans high (as `ApproxCounter` does, on
+/// purpose) would refuse replies the model kept within it.
+pub fn reply_tokens(
+    counter: &dyn keel_token::TokenCounter,
+    text: &str,
+    usage: Option<&keel_model::Usage>,
+) -> usize {
+    let estimate = counter.count_text(text);
+    usage
+        .and_then(|u| usize::try_from(u.completion_tokens).ok())
+        .filter(|&reported| reported > 0)
+        .map_or(estimate, |reported| reported.min(estimate))
 }
 
 #[cfg(test)]

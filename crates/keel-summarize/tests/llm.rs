@@ -180,8 +180,9 @@ async fn empty_truncated_over_budget_and_too_many_bullets_are_rejected() {
         ),
         (
             vec![Turn::text(long.clone()), Turn::text(long)],
+            // "-" and 400 words, a token each, and a quarter more.
             Rejection::OverBudget {
-                tokens: 501,
+                tokens: 502,
                 budget: 100,
             },
         ),

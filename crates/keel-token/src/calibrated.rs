@@ -21,7 +21,7 @@ use crate::{Framing, TokenCounter, TokenError};
 /// ```
 /// use keel_token::{ApproxCounter, CalibratedCounter, TokenCounter};
 ///
-/// let counter = CalibratedCounter::new(ApproxCounter::new());
+/// let counter = CalibratedCounter::new(ApproxCounter::new().with_chars_per_token(4));
 /// let text = "x".repeat(400);
 /// assert_eq!(counter.count_text(&text), 100);
 ///
@@ -65,7 +65,7 @@ impl<C: TokenCounter> CalibratedCounter<C> {
     /// ```
     /// use keel_token::{ApproxCounter, CalibratedCounter, TokenCounter};
     /// // Claude's tokenizer is known to give more tokens than chars / 4 suggests.
-    /// let c = CalibratedCounter::new(ApproxCounter::new()).with_factor(1.15)?;
+    /// let c = CalibratedCounter::new(ApproxCounter::new().with_chars_per_token(4)).with_factor(1.15)?;
     /// assert_eq!(c.count_text(&"x".repeat(400)), 115);
     /// # Ok::<(), keel_token::TokenError>(())
     /// ```

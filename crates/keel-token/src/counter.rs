@@ -16,8 +16,9 @@ use keel_message::{Content, ContentPart, Message, ToolCall, ToolSpec};
 /// use keel_message::Message;
 ///
 /// let bare = ApproxCounter::new().with_framing(Framing::NONE);
-/// // Only the text is counted: "user" (1) + "hello there" (11 chars -> 3).
-/// assert_eq!(bare.count_message(&Message::user("hello there")), 4);
+/// // Only the text is counted: "user" (1 word, a quarter more: 2) + "hello there"
+/// // (2 words, a quarter more: 3).
+/// assert_eq!(bare.count_message(&Message::user("hello there")), 5);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Framing {

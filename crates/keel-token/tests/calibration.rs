@@ -7,7 +7,12 @@ use keel_message::Message;
 use keel_token::{ApproxCounter, CalibratedCounter, Framing, TokenCounter, TokenError};
 
 fn counter() -> CalibratedCounter<ApproxCounter> {
-    CalibratedCounter::new(ApproxCounter::new().with_framing(Framing::NONE))
+    // Four characters a token, so the arithmetic below reads plainly.
+    CalibratedCounter::new(
+        ApproxCounter::new()
+            .with_chars_per_token(4)
+            .with_framing(Framing::NONE),
+    )
 }
 
 /// Runs `rounds` model calls whose real cost is `truth_ratio` times our raw estimate.
