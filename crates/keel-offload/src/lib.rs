@@ -155,4 +155,4 @@ pub use sqlite::{SQLITE_SCHEMA_VERSION, SqliteStore, SqliteStoreOptions};
 pub use store::{
     Entry, GrepMatch, GrepOptions, GrepOutcome, Line, LineRange, Lines, OffloadStore, Pattern,
 };
-pub use tools::{GREP, LS, READ_FILE, RetrievalTools, ToolError, ToolLimits};
+pub use tools::{GREP, LS, READ_FILE, RetrievalTools, ToolError, ToolLimits, output_room};

@@ -307,14 +307,14 @@ impl RetrievalTools {
         if entries.is_empty() {
             return Ok(format!("No files{place}."));
         }
-        let mut out = format!("{} files{place}:\n", thousands(entries.len()));
+        let mut out = format!("{}{place}:\n", files(entries.len()));
         let shown = entries.len().min(self.limits.max_ls_entries);
         let mut capped = false;
         let mut chars = out.chars().count();
         for e in &entries[..shown] {
             let line = format!("{}\t{} bytes\n", e.path, thousands(e.bytes as usize));
             let n = line.chars().count();
-            if chars + n > self.limits.max_output_chars {
+            if chars + n > output_room(self.limits.max_output_chars) {
                 capped = true;
                 break;
             }
@@ -367,7 +367,7 @@ impl RetrievalTools {
             let text = show_line(&line.text, line.truncated, self.limits.max_line_chars);
             let row = format!("{:>6}\t{text}\n", line.number);
             let n = row.chars().count();
-            if chars + n > self.limits.max_output_chars && !out.is_empty() {
+            if chars + n > output_room(self.limits.max_output_chars) && !out.is_empty() {
                 let _ = write!(
                     out,
                     "[output capped at {} characters: continue with offset={next}]",
@@ -382,7 +382,12 @@ impl RetrievalTools {
         if lines.more {
             let _ = write!(out, "[more lines follow: continue with offset={next}]");
         } else if let Some(total) = lines.total_lines {
-            let _ = write!(out, "[end of file: {} lines]", thousands(total));
+            let lines = if total == 1 {
+                "1 line".to_owned()
+            } else {
+                format!("{} lines", thousands(total))
+            };
+            let _ = write!(out, "[end of file: {lines}]");
         }
         Ok(out)
     }
@@ -414,9 +419,9 @@ impl RetrievalTools {
             })?;
         if found.matches.is_empty() {
             return Ok(format!(
-                "No lines match {} in {} files.",
+                "No lines match {} in {}.",
                 Shown::new(pattern_text),
-                thousands(found.files_searched)
+                files(found.files_searched)
             ));
         }
         let mut out = String::new();
@@ -425,7 +430,7 @@ impl RetrievalTools {
             let text = show_line(&m.line, m.truncated, self.limits.grep_line_chars);
             let row = format!("{}:{}: {text}\n", m.path, m.line_number);
             let n = row.chars().count();
-            if chars + n > self.limits.max_output_chars && !out.is_empty() {
+            if chars + n > output_room(self.limits.max_output_chars) && !out.is_empty() {
                 let _ = write!(
                     out,
                     "[output capped at {} characters: narrow the pattern or the path]",
@@ -445,6 +450,26 @@ impl RetrievalTools {
         Ok(out.trim_end().to_owned())
     }
 }
+
+/// "1 file", "2 files".
+fn files(n: usize) -> String {
+    if n == 1 {
+        "1 file".to_owned()
+    } else {
+        format!("{} files", thousands(n))
+    }
+}
+
+/// What a tool's output may hold before the note that says it was cut, so the
+/// output, note included, stays within `max_output_chars` (keel-agent's file tools
+/// cut theirs the same way).
+pub fn output_room(max_output_chars: usize) -> usize {
+    max_output_chars.saturating_sub(NOTE_ROOM.min(max_output_chars / 4))
+}
+
+/// Room kept for the note ending a cut output (the longest is under 100 characters),
+/// at most a quarter of the output.
+const NOTE_ROOM: usize = 100;
 
 /// A line cut to `max` characters. A line the store already cut (its full length
 /// unknown here) is marked `[line cut]`; otherwise the note says how much is hidden.

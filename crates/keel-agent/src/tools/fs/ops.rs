@@ -101,7 +101,7 @@ pub(super) fn ls(tools: &FileTools, args: &Map<String, Value>) -> Result<String,
     for ByName(name, entry) in smallest.into_sorted_vec() {
         let line = entry_line(&tools.root, &entry, &prefix, &name);
         let n = line.chars().count() + 1;
-        if chars + n > tools.limits.max_output_chars {
+        if chars + n > keel_offload::output_room(tools.limits.max_output_chars) {
             break;
         }
         chars += n;
@@ -256,7 +256,7 @@ pub(super) fn read_file(tools: &FileTools, args: &Map<String, Value>) -> Result<
             show_line(&line, info.truncated, l.max_line_chars)
         );
         let n = row.chars().count();
-        if chars + n > l.max_output_chars && !out.is_empty() {
+        if chars + n > keel_offload::output_room(l.max_output_chars) && !out.is_empty() {
             let _ = write!(
                 out,
                 "[output capped at {} characters: continue with offset={last}]",

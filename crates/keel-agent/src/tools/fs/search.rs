@@ -469,7 +469,7 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     for m in &found {
         let row = format!("{}:{}: {}\n", m.path, m.line, m.text);
         let n = row.chars().count();
-        if chars + n > l.max_output_chars && !out.is_empty() {
+        if chars + n > keel_offload::output_room(l.max_output_chars) && !out.is_empty() {
             let _ = write!(
                 out,
                 "[output capped at {} characters: narrow the pattern or the path]",
