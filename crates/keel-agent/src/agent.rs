@@ -1451,6 +1451,7 @@ impl AgentBuilder {
     /// Builds the agent.
     pub fn build(self) -> Result<Agent, BuildError> {
         let model = self.model.ok_or(BuildError::NoModel)?;
+        self.compaction.validate().map_err(BuildError::Compaction)?;
         let explicit_profile = self.profile.is_some();
         let (profile, profile_fallback) = match self.profile {
             Some(p) => (p, false),
@@ -1549,6 +1550,7 @@ impl AgentBuilder {
             );
         }
         for t in tools {
+            check_spec(&t.spec())?;
             toolbox
                 .add(t)
                 .map_err(|name| BuildError::DuplicateTool { name })?;
@@ -1731,6 +1733,31 @@ where
         let fut = f(s, ctx);
         Box::pin(async move { fut.await.map(Into::into) })
     })
+}
+
+/// Refuses a tool spec the providers would refuse at every call: OpenAI takes names
+/// of letters, digits, `_` and `-`, at most 64, and parameters that are a JSON object
+/// schema.
+fn check_spec(spec: &keel_message::ToolSpec) -> Result<(), BuildError> {
+    let bad = |reason: &str| {
+        Err(BuildError::BadToolSpec {
+            name: spec.name.clone(),
+            reason: reason.to_owned(),
+        })
+    };
+    if spec.name.is_empty()
+        || spec.name.len() > 64
+        || !spec
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return bad("a tool name is 1 to 64 letters, digits, `_` or `-`");
+    }
+    if !spec.parameters.is_object() {
+        return bad("its parameters must be a JSON schema object, such as {\"type\": \"object\"}");
+    }
+    Ok(())
 }
 
 /// The model of nodes built without one.

@@ -93,6 +93,20 @@ pub enum BuildError {
         /// The name given.
         name: String,
     },
+    /// A compaction setting is out of its range
+    /// ([`CompactionConfig::validate`](keel_compaction::CompactionConfig::validate)).
+    #[error(transparent)]
+    Compaction(keel_compaction::CompactionError),
+    /// A tool's spec would be refused by the providers: its name is empty or not made
+    /// of letters, digits, `_` and `-` (at most 64), or its parameters are not a JSON
+    /// object schema.
+    #[error("tool `{name}`: {reason}")]
+    BadToolSpec {
+        /// The tool's name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The graph did not compile (a replaced node or a custom edge is wrong).
     #[error(transparent)]
     Graph(#[from] GraphBuildError),

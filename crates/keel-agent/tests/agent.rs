@@ -2412,3 +2412,64 @@ async fn a_client_s_own_window_narrows_the_builtin_profile() {
         "a quarter of the window"
     );
 }
+
+/// A tool with any spec, for the build's checks.
+struct Named(ToolSpec);
+impl Tool for Named {
+    fn spec(&self) -> ToolSpec {
+        self.0.clone()
+    }
+    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async { Ok(String::new()) })
+    }
+}
+
+#[test]
+fn settings_and_tool_specs_every_call_would_trip_on_are_refused_at_build() {
+    for (config, field) in [
+        (
+            CompactionConfig::default().with_every_steps(Some(0)),
+            "every_steps",
+        ),
+        (
+            CompactionConfig::default().with_window_fraction(0.0),
+            "window_fraction",
+        ),
+        (
+            CompactionConfig::default().with_window_fraction(f64::NAN),
+            "window_fraction",
+        ),
+        (
+            CompactionConfig::default().with_summary_share(5.0),
+            "summary_share",
+        ),
+        (
+            CompactionConfig::default().with_epoch_every(0),
+            "epoch_every",
+        ),
+        (CompactionConfig::default().with_max_steps(0), "max_steps"),
+    ] {
+        let err = builder(counting_model(1, Arc::default()))
+            .compaction(config)
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, BuildError::Compaction(keel_compaction::CompactionError::BadConfig { field: f, .. }) if *f == field),
+            "{field}: {err}"
+        );
+    }
+    for (name, parameters) in [
+        ("", json!({"type": "object"})),
+        ("my tool", json!({"type": "object"})),
+        ("ok_name", json!("nope")),
+    ] {
+        let err = builder(counting_model(1, Arc::default()))
+            .tools([Arc::new(Named(ToolSpec::new(name, "x", parameters))) as Arc<dyn Tool>])
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, BuildError::BadToolSpec { name: n, .. } if n == name),
+            "{name:?}: {err}"
+        );
+    }
+}

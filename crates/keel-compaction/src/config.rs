@@ -393,6 +393,79 @@ impl Default for CompactionConfig {
 }
 
 impl CompactionConfig {
+    /// Checks the settings a builder cannot: a fraction outside its range (or not a
+    /// number), a step trigger of 0, an epoch of 0 milestones, a ceiling of 0 steps.
+    /// keel-agent's builder calls it; a loop of your own can call it once before the
+    /// first step.
+    ///
+    /// ```
+    /// use keel_compaction::CompactionConfig;
+    /// assert!(CompactionConfig::default().validate().is_ok());
+    /// let err = CompactionConfig::default().with_window_fraction(1.5).validate().unwrap_err();
+    /// assert!(err.to_string().contains("window_fraction"));
+    /// ```
+    pub fn validate(&self) -> Result<(), crate::CompactionError> {
+        let bad = |field: &'static str, reason: String| {
+            Err(crate::CompactionError::BadConfig { field, reason })
+        };
+        let fraction = |v: f64, low_open: bool| {
+            v.is_finite() && v <= 1.0 && if low_open { v > 0.0 } else { v >= 0.0 }
+        };
+        if self.every_steps == Some(0) {
+            return bad(
+                "every_steps",
+                "0 steps would compact at every step; give None to turn the step trigger off"
+                    .into(),
+            );
+        }
+        if !fraction(self.window_fraction, true) {
+            return bad(
+                "window_fraction",
+                format!(
+                    "{} is not a fraction of the budget above 0 and at most 1",
+                    self.window_fraction
+                ),
+            );
+        }
+        if !fraction(self.summary_share, true) || self.summary_share >= 1.0 {
+            return bad(
+                "summary_share",
+                format!(
+                    "{} is not a share of the room above 0 and below 1",
+                    self.summary_share
+                ),
+            );
+        }
+        if !fraction(self.min_token_gain, false) {
+            return bad(
+                "min_token_gain",
+                format!("{} is not a fraction from 0 to 1", self.min_token_gain),
+            );
+        }
+        if !fraction(self.cached_input_price, false) {
+            return bad(
+                "cached_input_price",
+                format!(
+                    "{} is not a relative price from 0 to 1",
+                    self.cached_input_price
+                ),
+            );
+        }
+        if self.epoch_every == 0 {
+            return bad(
+                "epoch_every",
+                "an epoch of 0 milestones; give at least 1".into(),
+            );
+        }
+        if self.max_steps == 0 {
+            return bad(
+                "max_steps",
+                "a ceiling of 0 steps allows no model call".into(),
+            );
+        }
+        Ok(())
+    }
+
     /// The budget the prompt is kept within for a model whose input budget is
     /// `input_budget` ([`ModelProfile::input_budget`](keel_token::ModelProfile::input_budget)):
     /// that budget, or [`max_prompt_tokens`](Self::max_prompt_tokens) when smaller.

@@ -5,6 +5,15 @@ use keel_summarize::SummarizeError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CompactionError {
+    /// A setting of [`CompactionConfig`](crate::CompactionConfig) out of its range
+    /// ([`CompactionConfig::validate`](crate::CompactionConfig::validate)).
+    #[error("compaction setting `{field}`: {reason}")]
+    BadConfig {
+        /// The field.
+        field: &'static str,
+        /// What is wrong, and what to give.
+        reason: String,
+    },
     /// Nothing can leave the context: the raw buffer is all recent tail, or no cut
     /// keeps tool calls with their results.
     #[error("nothing to compact")]
