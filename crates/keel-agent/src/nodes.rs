@@ -1,6 +1,6 @@
 //! The agent's nodes and routers, usable in a graph of your own.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -454,6 +454,7 @@ impl AgentNodes {
             reply.role = Role::Assistant;
             let usage = response.usage;
             let step = s.step + 1;
+            unique_call_ids(&mut reply.tool_calls, step);
             let span = tracing::Span::current();
             span.record("prompt_tokens", prompt_tokens);
             span.record("tool_calls", reply.tool_calls.len());
@@ -999,6 +1000,24 @@ fn no_goal() -> NodeError {
 /// Words that approve a call, and words that deny it (compared trimmed, in lower case).
 const YES: [&str; 5] = ["y", "yes", "approve", "approved", "ok"];
 const NO: [&str; 5] = ["n", "no", "deny", "denied", "reject"];
+
+/// Gives every call of one reply an id of its own: an empty id becomes
+/// `call-<step>-<index>`, and an id an earlier call of the reply has becomes
+/// `<id>-<index>`. A tool's result is matched to its call by id, an approval answer
+/// names calls by id, and tools use it as an idempotency key: two calls of one reply
+/// sharing one (some servers and hand-written models send `""` or repeat one) would be
+/// taken for one call.
+fn unique_call_ids(calls: &mut [ToolCall], step: u64) {
+    let mut seen = HashSet::with_capacity(calls.len());
+    for (i, c) in calls.iter_mut().enumerate() {
+        if c.id.trim().is_empty() {
+            c.id = format!("call-{step}-{i}");
+        }
+        while !seen.insert(c.id.clone()) {
+            c.id = format!("{}-{i}", c.id);
+        }
+    }
+}
 
 /// What an approval answer says of one call.
 enum Decision {

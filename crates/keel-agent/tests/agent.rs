@@ -2473,3 +2473,61 @@ fn settings_and_tool_specs_every_call_would_trip_on_are_refused_at_build() {
         );
     }
 }
+
+/// Records the call id each call ran with.
+struct Ids(Arc<Mutex<Vec<String>>>);
+impl Tool for Ids {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("note", "Notes.", json!({"type": "object"}))
+    }
+    fn call(&self, _a: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async move {
+            self.0.lock().unwrap().push(ctx.call_id().to_owned());
+            Ok("noted".to_owned())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_of_one_reply_sharing_an_id_or_without_one_get_ids_of_their_own() {
+    let model = PolicyModel::new("ids", move |messages, _t| {
+        let reply = if messages.iter().any(|m| m.role == Role::Tool) {
+            Message::assistant("Done.")
+        } else {
+            Message::assistant("Noting.").with_tool_calls(vec![
+                ToolCall::new("x", "note", json!({})),
+                ToolCall::new("x", "note", json!({})),
+                ToolCall::new("", "note", json!({})),
+                ToolCall::new("", "note", json!({})),
+            ])
+        };
+        Ok(ChatResponse::new(reply, "ids"))
+    });
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Ids(seen.clone())))
+        .build()
+        .unwrap();
+    let run = agent.run("ids", AgentInput::new()).await.unwrap();
+    let mut ids = seen.lock().unwrap().clone();
+    ids.sort();
+    assert_eq!(ids, ["call-1-2", "call-1-3", "x", "x-1"]);
+    // Each result answers its own call.
+    let calls: Vec<&str> = run
+        .state
+        .messages
+        .iter()
+        .flat_map(|m| m.tool_calls.iter().map(|c| c.id.as_str()))
+        .collect();
+    let results: Vec<&str> = run
+        .state
+        .messages
+        .iter()
+        .filter_map(|m| m.tool_call_id.as_deref())
+        .collect();
+    assert_eq!(calls, ["x", "x-1", "call-1-2", "call-1-3"]);
+    assert_eq!(results, calls);
+}
