@@ -427,6 +427,13 @@ impl Agent {
     /// Without a checkpointer, or with a checkpoint the thread does not have, the run
     /// fails before it writes anything.
     ///
+    /// A checkpoint where the thread paused for approval holds the answer it was
+    /// resumed with (stored with the step's writes, as LangGraph stores them): a run
+    /// from it replays that answer, and runs the approved calls again, without asking.
+    /// To be asked again, fork with an edit instead
+    /// (`agent.graph().update_state(&RunConfig::thread(t).at(id), AgentStateUpdate::default(), None)`),
+    /// then run the thread.
+    ///
     /// ```
     /// use std::sync::Arc;
     /// use keel_agent::{Agent, AgentInput};
@@ -595,6 +602,18 @@ impl Agent {
     /// The thread's latest state, if it has one.
     pub async fn state(&self, thread_id: &str) -> Result<Option<AgentState>, AgentError> {
         Ok(self.snapshot(thread_id).await?.map(|s| s.values))
+    }
+
+    /// The questions the thread waits on (tool approvals, with the value
+    /// [`AgentBuilder::approve`] describes), as the run that paused returned them in
+    /// [`AgentRun::interrupts`]; empty when none waits. Reads only: nothing is run or
+    /// written.
+    pub async fn interrupts(&self, thread_id: &str) -> Result<Vec<Interrupt>, AgentError> {
+        Ok(self
+            .snapshot(thread_id)
+            .await?
+            .map(|s| s.interrupts)
+            .unwrap_or_default())
     }
 
     /// The thread's checkpoints, newest first, as a stream of snapshots (each with its
@@ -1408,7 +1427,10 @@ impl AgentBuilder {
     }
 
     /// Replaces one of the nodes (`agent`, `tools`, `compact`, `epoch`) with your own;
-    /// the others and the routing stay. Another name adds a node of that name, to be
+    /// the others and the routing stay. To wrap a node rather than replace it (an
+    /// audit log, a policy check before the tools run), build the nodes once more with
+    /// the same settings ([`AgentBuilder::build_nodes`]) and call the built-in one, such
+    /// as [`AgentNodes::tools`], from your closure. Another name adds a node of that name, to be
     /// connected with [`AgentBuilder::customize`]; one left unconnected fails the build
     /// with [`BuildError::UnconnectedNode`] (a misspelt name of a node to replace does).
     pub fn node<F, Fut, R>(mut self, name: &str, node: F) -> Self

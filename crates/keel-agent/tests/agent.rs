@@ -1303,6 +1303,11 @@ async fn approval_answers_name_every_call_and_a_denial_can_say_why() {
         .unwrap();
     let run = agent.run("why", AgentInput::new()).await.unwrap();
     assert_eq!(run.interrupts[0].value["approve"][0]["id"], json!("call-0"));
+    // The pending question reads back without running anything.
+    let pending = agent.interrupts("why").await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].value, run.interrupts[0].value);
+    assert!(agent.interrupts("no-such-thread").await.unwrap().is_empty());
     // A resume carries only the answer: a message beside it would be lost.
     let err = agent
         .run("why", AgentInput::new().resume(true).user("and this"))
