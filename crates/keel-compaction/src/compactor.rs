@@ -310,6 +310,13 @@ impl Compactor {
     /// lost. JSON results that stay are minified ([`CompactionConfig::minify_json`]).
     /// This is the one way into the raw buffer, with [`Compactor::push`].
     ///
+    /// It is synchronous and counts and stores what it is given: with exact counts, a
+    /// result of megabytes takes a while (about half a second a megabyte for a run of
+    /// one repeated character, far less for prose), and a file store writes to disk. In
+    /// async code, call it inside `tokio::task::spawn_blocking` (or `block_in_place`)
+    /// when tool results can be that large; keel-agent does its eviction off the
+    /// runtime.
+    ///
     /// The goal anchor is the state's own ([`ContextState::goal`]) and heads every
     /// prompt. A message pushed with the goal flag (say, a copy of the anchor pushed as
     /// the first user turn) enters as an ordinary turn: its flag is removed, so it
