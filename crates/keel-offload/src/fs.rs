@@ -34,9 +34,10 @@ pub enum Fsync {
 ///   written straight from the caller's `&str`: a 200 MB result is not copied.
 /// * `append` opens the file in append mode and writes only the new bytes. The handle
 ///   stays open (up to 64 files), so later appends cost one write; `put` and `delete`
-///   close it first. Appends to one key assume one writer at a time (keel's rule of
-///   one writer per thread): the offset returned is the end of the file just before
-///   the write.
+///   close it first. Appends to one key through one store (and its clones) take
+///   turns, so the offset returned is where the text landed, whatever the threads;
+///   another process appending to the same file is not seen (keel's rule is one
+///   writer per thread).
 /// * With [`Fsync::Always`] (the default) the file, and the directory when an entry
 ///   appears, are synced before the call returns.
 /// * Symbolic links are never followed: every directory on the way to an entry is
@@ -71,7 +72,7 @@ pub struct FsStore {
     /// Files opened for appending, kept open so an append costs a write rather than a
     /// path walk and an open. `put` and `delete` drop a key's handle before replacing
     /// or removing its file.
-    appenders: Arc<Mutex<HashMap<Key, Arc<File>>>>,
+    appenders: Arc<Mutex<HashMap<Key, Arc<Mutex<File>>>>>,
 }
 
 /// Most files kept open for appending; past it, the handles are closed and reopened
@@ -239,7 +240,7 @@ impl FsStore {
     }
 
     /// The open append handle of `key`, opening (with every check) when needed.
-    fn appender(&self, key: &Key) -> Result<Arc<File>, OffloadError> {
+    fn appender(&self, key: &Key) -> Result<Arc<Mutex<File>>, OffloadError> {
         let mut open = self
             .appenders
             .lock()
@@ -260,7 +261,7 @@ impl FsStore {
         if open.len() >= MAX_APPENDERS {
             open.clear();
         }
-        let f = Arc::new(f);
+        let f = Arc::new(Mutex::new(f));
         open.insert(key.clone(), Arc::clone(&f));
         Ok(f)
     }
@@ -390,7 +391,9 @@ impl OffloadStore for FsStore {
     fn append(&self, key: &Key, text: &str) -> Result<u64, OffloadError> {
         let file = self.appender(key)?;
         let result = (|| {
-            // One writer per key: the end is where this text will land.
+            // Appends to one key through this store take turns, so the end found is
+            // where this text lands (another process appending is not seen).
+            let file = file.lock().unwrap_or_else(PoisonError::into_inner);
             let start = (&*file)
                 .seek(SeekFrom::End(0))
                 .map_err(|e| OffloadError::io("seek", key, e))?;

@@ -259,6 +259,44 @@ fn readers_never_see_half_a_put() {
     writer.join().unwrap();
 }
 
+/// Threads appending to one key through one store get the offsets their text landed
+/// at: every offset distinct, and the text at each is the thread's own.
+#[test]
+fn appends_from_many_threads_return_where_each_landed() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never));
+    let k = key("t1", "log.jsonl");
+    store.put(&k, "").unwrap();
+    let writers: Vec<_> = (0..8)
+        .map(|t| {
+            let (store, k) = (Arc::clone(&store), k.clone());
+            std::thread::spawn(move || {
+                (0..2_000)
+                    .map(|i| {
+                        let line = format!("thread {t} line {i:03}\n");
+                        (store.append(&k, &line).unwrap(), line)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let all: Vec<(u64, String)> = writers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap())
+        .collect();
+    let text = store.get(&k).unwrap();
+    let offsets: std::collections::HashSet<u64> = all.iter().map(|(o, _)| *o).collect();
+    assert_eq!(
+        offsets.len(),
+        all.len(),
+        "two appends were given one offset"
+    );
+    for (offset, line) in &all {
+        let at = usize::try_from(*offset).unwrap();
+        assert_eq!(&text[at..at + line.len()], line);
+    }
+}
+
 #[test]
 fn invalid_utf8_on_disk_is_reported() {
     let dir = tempfile::tempdir().unwrap();
