@@ -427,11 +427,11 @@ impl CompactionConfig {
                 ),
             );
         }
-        if !fraction(self.summary_share, true) || self.summary_share >= 1.0 {
+        if !fraction(self.summary_share, true) {
             return bad(
                 "summary_share",
                 format!(
-                    "{} is not a share of the room above 0 and below 1",
+                    "{} is not a share of the room above 0 and at most 1",
                     self.summary_share
                 ),
             );

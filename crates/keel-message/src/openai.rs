@@ -15,8 +15,9 @@
 //! * Fields keel does not model (`refusal`, `audio`, SWE-agent's `thought`, ...) are
 //!   kept in `metadata["openai"]` and written back on export.
 //! * Arguments that are not valid JSON are kept verbatim ([`ToolArguments::Invalid`])
-//!   and exported unchanged. Valid arguments are re-serialized compactly, with key order
-//!   kept.
+//!   and exported unchanged. Valid arguments are exported as they were received, byte
+//!   for byte (spacing and key order kept); arguments built from a JSON value are
+//!   written compactly.
 //! * An assistant message with tool calls and empty text exports `"content": null`.
 //! * Message ids and keel metadata have no place in this format and are not exported.
 //!

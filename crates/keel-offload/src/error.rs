@@ -320,6 +320,9 @@ pub enum KeyProblem {
     /// Nothing was given.
     #[error("it is empty")]
     Empty,
+    /// Only whitespace was given.
+    #[error("it is only whitespace")]
+    Blank,
     /// Longer than allowed in total.
     #[error("it is {len} bytes long (at most {max} allowed)")]
     TooLong {
@@ -351,7 +354,7 @@ pub enum KeyProblem {
     #[error("it contains a NUL byte")]
     Nul,
     /// Contains a control character (newline, tab, escape, ...).
-    #[error("it contains the control character U+{0:04X}")]
+    #[error("it contains the control or text-direction character U+{0:04X}")]
     ControlChar(u32),
     /// Contains a backslash (refused so that paths mean the same on every platform).
     #[error("it contains a backslash")]

@@ -262,11 +262,17 @@ fn check_common(s: &str) -> Result<(), KeyProblem> {
     if s.is_empty() {
         return Err(KeyProblem::Empty);
     }
+    if s.chars().all(char::is_whitespace) {
+        return Err(KeyProblem::Blank);
+    }
     for c in s.chars() {
         if c == '\0' {
             return Err(KeyProblem::Nul);
         }
-        if c.is_control() {
+        // Text-direction marks and overrides would make a name read as another.
+        if c.is_control()
+            || matches!(c, '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+        {
             return Err(KeyProblem::ControlChar(u32::from(c)));
         }
         if c == '\\' {

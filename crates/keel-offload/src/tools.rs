@@ -258,7 +258,7 @@ impl RetrievalTools {
                 json!({
                     "type": "object",
                     "properties": {
-                        "pattern": {"type": "string", "description": "The regular expression."},
+                        "pattern": {"type": "string", "description": "The regular expression, matched within one line at a time."},
                         "path": {"type": "string", "description": "A file or directory to search, relative. Omit to search everything."},
                         "max_results": {"type": "integer", "minimum": 1, "maximum": l.max_grep_results, "description": "Most matching lines to return."}
                     },

@@ -89,6 +89,21 @@ fn bad_keys_are_refused_before_any_io() {
     for bad_thread in ["..", "a/b", ".tmp", "", "t\0"] {
         assert!(Key::new(bad_thread, "x").is_err(), "{bad_thread:?}");
     }
+    // A blank id, or one a text-direction override makes read as another.
+    for (thread, want) in [
+        (" ", KeyProblem::Blank),
+        ("\t \u{3000}", KeyProblem::Blank),
+        ("\u{202E}live-prod", KeyProblem::ControlChar(0x202E)),
+        ("run\u{2067}1", KeyProblem::ControlChar(0x2067)),
+    ] {
+        match ThreadId::new(thread) {
+            Err(OffloadError::InvalidKey { problem, .. }) => {
+                assert_eq!(problem, want, "{thread:?}")
+            }
+            other => panic!("{thread:?} was not refused: {other:?}"),
+        }
+    }
+    assert!(ThreadId::new("run 1").is_ok(), "inner spaces are fine");
 }
 
 #[cfg(unix)]

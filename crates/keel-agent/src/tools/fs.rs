@@ -517,7 +517,7 @@ fn spec(kind: Kind, tools: &FileTools) -> ToolSpec {
             json!({
                 "type": "object",
                 "properties": {
-                    "pattern": {"type": "string", "description": "The regular expression."},
+                    "pattern": {"type": "string", "description": "The regular expression, matched within one line at a time."},
                     "path": {"type": "string", "description": "A directory or file to search, relative to the root. Omit for the root."},
                     "glob": {"type": "string", "description": "Only search files whose path matches this glob, e.g. `*.rs`."},
                     "max_results": {"type": "integer", "minimum": 1, "maximum": l.max_grep_results, "description": "Most matching lines to return."}
