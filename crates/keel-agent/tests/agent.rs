@@ -1238,13 +1238,21 @@ async fn approvals_are_checked_when_built_and_a_message_waits_for_the_answer() {
     );
 }
 
-/// Records the reply cap each call asked for.
-struct CapSeen(Arc<Mutex<Vec<Option<u32>>>>);
+/// Records the reply cap each call asked for; `window` is the window it says it runs
+/// its model with, `name` the model it calls.
+struct CapSeen {
+    seen: Arc<Mutex<Vec<Option<u32>>>>,
+    name: &'static str,
+    window: Option<usize>,
+}
 
 #[async_trait::async_trait]
 impl keel_model::ChatModel for CapSeen {
     fn model_name(&self) -> &str {
-        "cap-seen"
+        self.name
+    }
+    fn context_window(&self) -> Option<usize> {
+        self.window
     }
     async fn chat(
         &self,
@@ -1252,8 +1260,8 @@ impl keel_model::ChatModel for CapSeen {
         _tools: &[ToolSpec],
         options: &keel_model::ChatOptions,
     ) -> Result<ChatResponse, ModelError> {
-        self.0.lock().unwrap().push(options.max_tokens);
-        Ok(ChatResponse::new(Message::assistant("Done."), "cap-seen"))
+        self.seen.lock().unwrap().push(options.max_tokens);
+        Ok(ChatResponse::new(Message::assistant("Done."), self.name))
     }
 }
 
@@ -1283,7 +1291,11 @@ async fn every_call_asks_for_no_more_than_the_room_kept_for_the_reply() {
         let mut options = keel_model::ChatOptions::new();
         options.max_tokens = given;
         let agent = Agent::builder()
-            .model(Arc::new(CapSeen(seen.clone())))
+            .model(Arc::new(CapSeen {
+                seen: seen.clone(),
+                name: "cap-seen",
+                window: None,
+            }))
             .profile(profile.clone())
             .options(options)
             .goal(GOAL)
@@ -2377,33 +2389,16 @@ fn a_reply_cap_over_a_quarter_of_the_window_is_refused_at_build() {
     assert_eq!(agent.nodes().profile().reserved_output(), 8_000);
 }
 
-/// A client that runs its model with a 4,096-token window.
-struct SmallServer(Arc<Mutex<Vec<Option<u32>>>>);
-
-#[async_trait::async_trait]
-impl keel_model::ChatModel for SmallServer {
-    fn model_name(&self) -> &str {
-        "llama3.1:8b"
-    }
-    fn context_window(&self) -> Option<usize> {
-        Some(4_096)
-    }
-    async fn chat(
-        &self,
-        _messages: &[Message],
-        _tools: &[ToolSpec],
-        options: &keel_model::ChatOptions,
-    ) -> Result<ChatResponse, ModelError> {
-        self.0.lock().unwrap().push(options.max_tokens);
-        Ok(ChatResponse::new(Message::assistant("Done."), "small"))
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_s_own_window_narrows_the_builtin_profile() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let agent = Agent::builder()
-        .model(Arc::new(SmallServer(seen.clone())))
+        // A client that runs llama3.1 with a 4,096-token window.
+        .model(Arc::new(CapSeen {
+            seen: seen.clone(),
+            name: "llama3.1:8b",
+            window: Some(4_096),
+        }))
         .goal(GOAL)
         .build()
         .unwrap();

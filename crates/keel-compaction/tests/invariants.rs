@@ -533,8 +533,8 @@ impl keel_model::ChatModel for Limited {
     }
 }
 
-#[tokio::test]
-async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
+/// Twenty steps of 400 tokens, and a model that refuses prompts over `limit`.
+fn overflowing(limit: usize) -> (Rig, ContextState, Limited) {
     let rig = rig(
         CompactionConfig::default().with_every_steps(None),
         100_000,
@@ -546,9 +546,15 @@ async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
         rig.compactor.push_step(&mut state, reply, results);
     }
     let model = Limited {
-        limit: 1_500,
+        limit,
         calls: Mutex::default(),
     };
+    (rig, state, model)
+}
+
+#[tokio::test]
+async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
+    let (rig, mut state, model) = overflowing(1_500);
     let reply = rig
         .compactor
         .call(&model, &mut state, &[], &Default::default())
@@ -563,21 +569,8 @@ async fn a_context_overflow_compacts_at_once_and_retries_the_call() {
 
 #[tokio::test]
 async fn an_overflow_nothing_can_cure_is_the_model_s_error() {
-    let rig = rig(
-        CompactionConfig::default().with_every_steps(None),
-        100_000,
-        false,
-    );
-    let mut state = ContextState::new(goal());
-    for i in 0..20 {
-        let (reply, results) = step(i, 1, 400, false);
-        rig.compactor.push_step(&mut state, reply, results);
-    }
     // Even the goal and the last step are over this model's limit.
-    let model = Limited {
-        limit: 10,
-        calls: Mutex::default(),
-    };
+    let (rig, mut state, model) = overflowing(10);
     let err = rig
         .compactor
         .call(&model, &mut state, &[], &Default::default())
