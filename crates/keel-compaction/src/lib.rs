@@ -50,7 +50,7 @@
 //! below), with [`CompactionError::StepCeiling`]; a compaction that failed returns
 //! its error with the context unchanged, and the next call tries again.
 //!
-//! Token counts are estimates (about 4 characters a token) unless keel-token's
+//! Token counts are estimates that lean high (keel-token's `ApproxCounter`) unless keel-token's
 //! `tiktoken` feature is on: turn on this crate's `tiktoken` feature for exact counts
 //! of OpenAI models, and check [`ModelProfile::counts_exactly`](token::ModelProfile::counts_exactly)
 //! where an estimate would not do (a small window). A profile for a model keel does not

@@ -32,7 +32,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `sqlite` | yes | `sqlite::SqliteSaver`: checkpoints in one SQLite file, and `offload::SqliteStore` (the archive in the same file) |
-//! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base); without it a profile's counter approximates (about 4 characters a token) |
+//! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base); without it a profile's counter estimates, leaning high (`ApproxCounter`) |
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
 //! | `agent` | yes | `agent`: the compacting agent graph |
 //! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database); call `PostgresSaver::setup()` once to create or migrate its tables before the first run (`examples/agent_postgres.rs`) |
