@@ -854,9 +854,7 @@ impl Agent {
                     id: id.clone(),
                 })?)
             }
-            (Some(_), None) if input.resume.is_none() || input.max_steps.is_some() => {
-                self.graph.get_state(&RunConfig::thread(thread_id)).await?
-            }
+            (Some(_), None) => self.graph.get_state(&RunConfig::thread(thread_id)).await?,
             _ => None,
         };
         if let Some(snap) = &existing {
@@ -990,6 +988,9 @@ impl Agent {
                 return Err(AgentError::ResumeWithInput {
                     thread_id: thread_id.to_owned(),
                 });
+            }
+            if let Some(snap) = existing {
+                check_question_current(thread_id, snap)?;
             }
             return Ok(Command::resume(answer));
         }
@@ -1412,9 +1413,10 @@ impl AgentBuilder {
     /// ([`BuildError::ApprovalNeedsCheckpointer`]).
     ///
     /// The question is asked of the calls as the thread holds them when the node
-    /// runs. An answer approves whatever calls the thread holds when it is resumed: to
-    /// change a call's arguments, deny it with a reason (the model writes the call
-    /// again), rather than editing the stored reply under a pending question.
+    /// runs. A resume after a call was edited under the pending question (the stored
+    /// reply changed with `update_state`) is refused with [`AgentError::StaleQuestion`]:
+    /// run the thread with `AgentInput::new()` to be asked about the calls as they are.
+    /// To have the model change a call, deny it with a reason.
     pub fn approve(mut self, tools: impl IntoIterator<Item = impl Into<String>>) -> Self {
         self.approve.extend(tools.into_iter().map(Into::into));
         self
@@ -1755,6 +1757,38 @@ where
         let fut = f(s, ctx);
         Box::pin(async move { fut.await.map(Into::into) })
     })
+}
+
+/// Refuses to resume an approval whose calls changed after it was asked (the stored
+/// reply edited with `update_state`): the answer was given to calls the human saw,
+/// and would run others.
+fn check_question_current(
+    thread_id: &str,
+    snap: &keel_graph::StateSnapshot<AgentState>,
+) -> Result<(), AgentError> {
+    let calls = snap
+        .values
+        .last_message()
+        .filter(|m| m.role == keel_message::Role::Assistant)
+        .map(|m| m.tool_calls.as_slice())
+        .unwrap_or_default();
+    for asked in snap
+        .interrupts
+        .iter()
+        .filter_map(|i| i.value.get("approve").and_then(Value::as_array))
+        .flatten()
+    {
+        let id = asked.get("id").and_then(Value::as_str).unwrap_or_default();
+        let shown = asked.get("arguments").and_then(Value::as_str);
+        let now = calls.iter().find(|c| c.id == id);
+        if now.map(|c| c.arguments.to_json_string()).as_deref() != shown {
+            return Err(AgentError::StaleQuestion {
+                thread_id: thread_id.to_owned(),
+                call_id: id.to_owned(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a tool spec the providers would refuse at every call: OpenAI takes names

@@ -173,6 +173,19 @@ pub enum AgentError {
         /// The thread.
         thread_id: String,
     },
+    /// [`AgentInput::resume`](crate::AgentInput::resume) of an approval whose call
+    /// changed after the question was asked (its reply edited): the answer was given to
+    /// the call as it was shown. Run the thread with `AgentInput::new()` to be asked
+    /// about the calls as they are now.
+    #[error(
+        "thread `{thread_id}`: call `{call_id}` changed after its approval was asked (or is gone), so the answer would run what was not shown; run the thread with AgentInput::new() to be asked again"
+    )]
+    StaleQuestion {
+        /// The thread.
+        thread_id: String,
+        /// The call that changed.
+        call_id: String,
+    },
     /// [`AgentInput::resume`](crate::AgentInput::resume) on a thread with no pending
     /// question (none was asked, it was answered already, or the thread is new).
     #[error(

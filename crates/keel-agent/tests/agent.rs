@@ -2531,3 +2531,57 @@ async fn calls_of_one_reply_sharing_an_id_or_without_one_get_ids_of_their_own() 
     assert_eq!(calls, ["x", "x-1", "call-1-2", "call-1-3"]);
     assert_eq!(results, calls);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_approval_of_a_call_edited_after_it_was_asked_is_refused_and_asked_again() {
+    let agent = builder(counting_model(2, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("edit", AgentInput::new()).await.unwrap();
+    assert_eq!(
+        run.interrupts[0].value["approve"][0]["arguments"],
+        json!(r#"{"i":0}"#)
+    );
+    // The stored reply's call is edited under the pending question.
+    let mut reply = run.state.messages.last().unwrap().clone();
+    reply.tool_calls[0] = ToolCall::new("call-0", "echo", json!({"i": 41}));
+    agent
+        .graph()
+        .update_state(
+            &RunConfig::thread("edit"),
+            AgentStateUpdate::default()
+                .messages(keel_graph::reducer::AddMessagesUpdate::append([reply])),
+            None,
+        )
+        .await
+        .unwrap();
+    // A yes to the question shown would run a call nobody saw.
+    let err = agent
+        .run("edit", AgentInput::new().resume(true))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, AgentError::StaleQuestion { call_id, .. } if call_id == "call-0"),
+        "{err}"
+    );
+    // Run again: the question shows the call as it is now, and a yes runs it.
+    let run = agent.run("edit", AgentInput::new()).await.unwrap();
+    assert_eq!(run.interrupts.len(), 1, "{:?}", run.stop);
+    assert_eq!(
+        run.interrupts[0].value["approve"][0]["arguments"],
+        json!(r#"{"i":41}"#)
+    );
+    let run = agent
+        .run("edit", AgentInput::new().resume(true))
+        .await
+        .unwrap();
+    let result = run
+        .state
+        .messages
+        .iter()
+        .find(|m| m.role == Role::Tool)
+        .unwrap();
+    assert!(result.text().contains("41"), "{}", result.text());
+}
