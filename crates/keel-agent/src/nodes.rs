@@ -1008,6 +1008,13 @@ const NO: [&str; 5] = ["n", "no", "deny", "denied", "reject"];
 /// sharing one (some servers and hand-written models send `""` or repeat one) would be
 /// taken for one call.
 fn unique_call_ids(calls: &mut [ToolCall], step: u64) {
+    // The usual reply: one call with an id of its own.
+    if let [only] = calls {
+        if only.id.trim().is_empty() {
+            only.id = format!("call-{step}-0");
+        }
+        return;
+    }
     let mut seen = HashSet::with_capacity(calls.len());
     for (i, c) in calls.iter_mut().enumerate() {
         if c.id.trim().is_empty() {

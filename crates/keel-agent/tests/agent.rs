@@ -1631,19 +1631,6 @@ async fn a_large_json_result_kept_in_full_is_minified_off_the_runtime() {
 }
 
 /// A tool that answers after a pause.
-struct Slow;
-impl Tool for Slow {
-    fn spec(&self) -> ToolSpec {
-        ToolSpec::new("slow", "Answers after a while.", json!({"type": "object"}))
-    }
-    fn call(&self, _a: Value, _ctx: ToolContext) -> ToolFuture<'_> {
-        Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            Ok("finally".to_owned())
-        })
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn dropping_a_run_stops_it_although_it_runs_on_a_task_of_its_own() {
     let calls = Arc::new(AtomicU64::new(0));
@@ -1664,7 +1651,7 @@ async fn dropping_a_run_stops_it_although_it_runs_on_a_task_of_its_own() {
         .model(Arc::new(model))
         .profile(profile())
         .goal(GOAL)
-        .tools([Arc::new(Slow) as Arc<dyn Tool>])
+        .tools([Arc::new(SlowCounted(Arc::default())) as Arc<dyn Tool>])
         .checkpointer(saver)
         .build()
         .unwrap();
@@ -1705,20 +1692,29 @@ impl Tool for SlowCounted {
     }
 }
 
+/// A model that asks for `calls` until a tool result is in its prompt, then answers.
+fn calls_then_answer(
+    name: &'static str,
+    calls: Vec<ToolCall>,
+    answer: &'static str,
+) -> PolicyModel {
+    PolicyModel::new(name, move |messages, _t| {
+        let reply = if messages.iter().any(|m| m.role == Role::Tool) {
+            Message::assistant(answer)
+        } else {
+            Message::assistant("Working.").with_tool_calls(calls.clone())
+        };
+        Ok(ChatResponse::new(reply, name))
+    })
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn dropping_an_agent_stream_stops_its_run_mid_step() {
-    let model = PolicyModel::new("slow", move |messages, _t| {
-        let reply = if messages.iter().any(|m| m.role == Role::Tool) {
-            Message::assistant("The slow tool answered.")
-        } else {
-            Message::assistant("Waiting.").with_tool_calls(vec![ToolCall::new(
-                "s",
-                "slow",
-                json!({}),
-            )])
-        };
-        Ok(ChatResponse::new(reply, "slow"))
-    });
+    let model = calls_then_answer(
+        "slow",
+        vec![ToolCall::new("s", "slow", json!({}))],
+        "The slow tool answered.",
+    );
     let finished = Arc::new(AtomicU64::new(0));
     let agent = Agent::builder()
         .model(Arc::new(model))
@@ -2490,19 +2486,16 @@ impl Tool for Ids {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn calls_of_one_reply_sharing_an_id_or_without_one_get_ids_of_their_own() {
-    let model = PolicyModel::new("ids", move |messages, _t| {
-        let reply = if messages.iter().any(|m| m.role == Role::Tool) {
-            Message::assistant("Done.")
-        } else {
-            Message::assistant("Noting.").with_tool_calls(vec![
-                ToolCall::new("x", "note", json!({})),
-                ToolCall::new("x", "note", json!({})),
-                ToolCall::new("", "note", json!({})),
-                ToolCall::new("", "note", json!({})),
-            ])
-        };
-        Ok(ChatResponse::new(reply, "ids"))
-    });
+    let model = calls_then_answer(
+        "ids",
+        vec![
+            ToolCall::new("x", "note", json!({})),
+            ToolCall::new("x", "note", json!({})),
+            ToolCall::new("", "note", json!({})),
+            ToolCall::new("", "note", json!({})),
+        ],
+        "Done.",
+    );
     let seen = Arc::new(Mutex::new(Vec::new()));
     let agent = Agent::builder()
         .model(Arc::new(model))

@@ -408,9 +408,6 @@ impl CompactionConfig {
         let bad = |field: &'static str, reason: String| {
             Err(crate::CompactionError::BadConfig { field, reason })
         };
-        let fraction = |v: f64, low_open: bool| {
-            v.is_finite() && v <= 1.0 && if low_open { v > 0.0 } else { v >= 0.0 }
-        };
         if self.every_steps == Some(0) {
             return bad(
                 "every_steps",
@@ -418,38 +415,34 @@ impl CompactionConfig {
                     .into(),
             );
         }
-        if !fraction(self.window_fraction, true) {
-            return bad(
+        // (field, value, whether 0 is refused, what it is)
+        let fractions = [
+            (
                 "window_fraction",
-                format!(
-                    "{} is not a fraction of the budget above 0 and at most 1",
-                    self.window_fraction
-                ),
-            );
-        }
-        if !fraction(self.summary_share, true) {
-            return bad(
+                self.window_fraction,
+                true,
+                "a fraction of the budget",
+            ),
+            (
                 "summary_share",
-                format!(
-                    "{} is not a share of the room above 0 and at most 1",
-                    self.summary_share
-                ),
-            );
-        }
-        if !fraction(self.min_token_gain, false) {
-            return bad(
-                "min_token_gain",
-                format!("{} is not a fraction from 0 to 1", self.min_token_gain),
-            );
-        }
-        if !fraction(self.cached_input_price, false) {
-            return bad(
+                self.summary_share,
+                true,
+                "a share of the room",
+            ),
+            ("min_token_gain", self.min_token_gain, false, "a fraction"),
+            (
                 "cached_input_price",
-                format!(
-                    "{} is not a relative price from 0 to 1",
-                    self.cached_input_price
-                ),
-            );
+                self.cached_input_price,
+                false,
+                "a relative price",
+            ),
+        ];
+        for (field, v, above_zero, what) in fractions {
+            let low_ok = if above_zero { v > 0.0 } else { v >= 0.0 };
+            if !(v.is_finite() && low_ok && v <= 1.0) {
+                let low = if above_zero { "above 0" } else { "from 0" };
+                return bad(field, format!("{v} is not {what} {low} and at most 1"));
+            }
         }
         if self.epoch_every == 0 {
             return bad(
