@@ -20,7 +20,8 @@ use crate::util::{cargo, has_program, run, run_capture};
 /// report "skipped" locally; under `CI=true` the run fails instead.
 pub fn test(extra: &[String]) -> Result<()> {
     // fsync off: a throwaway cluster need not survive a power cut, and tests run faster.
-    let db = Database::get(&["fsync = off", "full_page_writes = off"]);
+    // TLS on: the tests of each `sslmode` need a server that takes it.
+    let db = Database::get(&["fsync = off", "full_page_writes = off"], true);
     eprintln!("Postgres tests: {}", db.describe());
     if let Database::Unavailable(reason) = &db {
         if pg::in_ci() {
@@ -217,6 +218,18 @@ const FORBIDDEN: &[(&str, &[&str], &str, &str)] = &[
         &["--no-default-features", "-e", "build"],
         "tiktoken-rs",
         "exact BPE counts come only with the `tiktoken` feature",
+    ),
+    (
+        "keel-checkpoint-postgres",
+        &[],
+        "rustls",
+        "TLS for PostgreSQL is the `tls` feature",
+    ),
+    (
+        "keel-fleet",
+        &[],
+        "rustls",
+        "TLS for PostgreSQL is the `tls` feature",
     ),
 ];
 

@@ -35,14 +35,15 @@ pub enum Database {
 
 impl Database {
     /// `DATABASE_URL` if set, else a throwaway cluster (`tune`: extra
-    /// `postgresql.conf` lines), else the reason there is none.
-    pub fn get(tune: &[&str]) -> Database {
+    /// `postgresql.conf` lines; `tls`: TLS on, see [`Cluster::start`]), else the
+    /// reason there is none.
+    pub fn get(tune: &[&str], tls: bool) -> Database {
         if let Ok(url) = std::env::var("DATABASE_URL")
             && !url.trim().is_empty()
         {
             return Database::External(url);
         }
-        match Cluster::start(tune) {
+        match Cluster::start(tune, tls) {
             Ok(cluster) => Database::Throwaway(cluster),
             Err(e) => Database::Unavailable(format!("{e:#}")),
         }
@@ -89,11 +90,16 @@ pub struct Cluster {
     run_as: Option<String>,
     /// Where `initdb` and `pg_ctl` are, when not on PATH.
     bin: Option<PathBuf>,
+    /// The server's certificate, when TLS is on.
+    tls_cert: Option<PathBuf>,
 }
 
 impl Cluster {
     /// Makes, configures and starts a cluster; `tune` lines go into `postgresql.conf`.
-    pub fn start(tune: &[&str]) -> Result<Cluster> {
+    /// With `tls`, and `openssl` on PATH, the server takes TLS with a self-signed
+    /// certificate for `localhost` (named to the tests in `KEEL_PG_TLS_CERT`), so the
+    /// tests of each `sslmode` run; without `openssl` they report the server's TLS off.
+    pub fn start(tune: &[&str], tls: bool) -> Result<Cluster> {
         let bin = server_bin_dir()?;
         let run_as = if is_root()? {
             let user = std::env::var("KEEL_PG_USER").unwrap_or_else(|_| "postgres".into());
@@ -128,6 +134,7 @@ impl Cluster {
             port: 0,
             run_as,
             bin,
+            tls_cert: None,
         };
         // From here on, dropping `cluster` cleans up whatever was made.
         if let Some(user) = &cluster.run_as {
@@ -152,6 +159,22 @@ impl Cluster {
         for line in tune {
             conf.push_str(line);
             conf.push('\n');
+        }
+        if tls {
+            match cluster.make_certificate() {
+                Ok(Some((cert, key))) => {
+                    conf.push_str(&format!(
+                        "ssl = on\nssl_cert_file = '{}'\nssl_key_file = '{}'\n",
+                        cert.display(),
+                        key.display()
+                    ));
+                    cluster.tls_cert = Some(cert);
+                }
+                Ok(None) => eprintln!(
+                    "the throwaway PostgreSQL cluster has TLS off: `openssl` is not on PATH"
+                ),
+                Err(e) => eprintln!("the throwaway PostgreSQL cluster has TLS off: {e:#}"),
+            }
         }
         let conf_path = cluster.data.join("postgresql.conf");
         let mut text = std::fs::read_to_string(&conf_path)
@@ -184,14 +207,61 @@ impl Cluster {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
-    /// `DATABASE_URL`, `KEEL_PG_DATADIR` and `KEEL_PG_RUNAS` for the test processes.
+    /// `DATABASE_URL`, `KEEL_PG_DATADIR`, `KEEL_PG_RUNAS` and `KEEL_PG_CTL` for the
+    /// test processes, and `KEEL_PG_TLS_CERT` when TLS is on.
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        vec![
+        let mut env = vec![
             ("DATABASE_URL", self.url()),
             ("KEEL_PG_DATADIR", self.data.display().to_string()),
             ("KEEL_PG_RUNAS", self.run_as.clone().unwrap_or_default()),
             ("KEEL_PG_CTL", self.program("pg_ctl")),
-        ]
+        ];
+        if let Some(cert) = &self.tls_cert {
+            env.push(("KEEL_PG_TLS_CERT", cert.display().to_string()));
+        }
+        env
+    }
+
+    /// A self-signed certificate for `localhost` and its key, in the cluster's
+    /// directory and owned by the server's user; `None` without `openssl`.
+    fn make_certificate(&self) -> Result<Option<(PathBuf, PathBuf)>> {
+        let has_openssl = Command::new("openssl")
+            .arg("version")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !has_openssl {
+            return Ok(None);
+        }
+        let (cert, key) = (self.dir.join("server.crt"), self.dir.join("server.key"));
+        run(Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+            .args(["ec_paramgen_curve:P-256", "-nodes", "-days", "2"])
+            .args([
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost",
+            ])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .stderr(std::process::Stdio::null()))
+        .context("openssl could not make a certificate")?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // The server refuses a key others can read.
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))
+                .context("making the key private")?;
+        }
+        if let Some(user) = &self.run_as {
+            run(Command::new("chown")
+                .arg(format!("{user}:"))
+                .arg(&cert)
+                .arg(&key))?;
+        }
+        Ok(Some((cert, key)))
     }
 
     /// `program` (a PostgreSQL server program) as a path or a name on PATH.

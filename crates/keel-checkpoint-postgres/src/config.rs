@@ -1,6 +1,5 @@
 //! Connection settings.
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::PostgresError;
@@ -25,9 +24,13 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// * **Schema**: [`DEFAULT_SCHEMA`]; tables are named `keel_*` so they sit beside other
 ///   applications' tables. [`PostgresSaver::setup`](crate::PostgresSaver::setup)
 ///   creates the schema if it is missing.
-/// * **TLS is off**: connections are made without TLS (`NoTls`); a connection string
-///   with `sslmode=require` fails to connect. For TLS, build a `deadpool_postgres::Pool`
-///   with a TLS connector and use [`PostgresSaver::from_pool`](crate::PostgresSaver::from_pool).
+/// * **TLS** follows the string's `sslmode` as libpq does (`disable`, `prefer`, the
+///   default, `require`, `verify-ca`, `verify-full`; `sslrootcert` names the roots),
+///   with this crate's `tls` feature (rustls). Without it connections are made without
+///   TLS, and a string that requires TLS is refused here with
+///   [`PostgresError::Config`]. [`keel_postgres_tls`] has the details. For client
+///   certificates, build a `deadpool_postgres::Pool` with a connector of your own and
+///   use [`PostgresSaver::from_pool`](crate::PostgresSaver::from_pool).
 ///
 /// Other session settings go in the connection string's `options`, e.g.
 /// `?options=-c%20synchronous_commit%3Doff` (commits return before the WAL is flushed
@@ -49,19 +52,21 @@ pub const DEFAULT_SCHEMA: &str = "public";
 #[derive(Debug, Clone)]
 pub struct PostgresConfig {
     pub(crate) pg: tokio_postgres::Config,
+    pub(crate) tls: keel_postgres_tls::Tls,
     pub(crate) pool_size: usize,
     pub(crate) statement_timeout: Option<Duration>,
     pub(crate) schema: String,
 }
 
 impl PostgresConfig {
-    /// Parses a connection string (URL or `key=value` pairs).
+    /// Parses a connection string (URL or `key=value` pairs), TLS options included;
+    /// reads the `sslrootcert` file when the `sslmode` checks certificates.
     pub fn new(connection_string: &str) -> Result<Self, PostgresError> {
-        let mut pg = tokio_postgres::Config::from_str(connection_string).map_err(|e| {
-            PostgresError::Config {
-                reason: format!("cannot parse the connection string: {e}"),
-            }
-        })?;
+        let (mut pg, tls) = keel_postgres_tls::ConnectionString::parse(connection_string)
+            .map_err(|e| PostgresError::Config {
+                reason: e.to_string(),
+            })?
+            .into_parts();
         if pg.get_application_name().is_none() {
             pg.application_name("keel");
         }
@@ -70,6 +75,7 @@ impl PostgresConfig {
         }
         Ok(Self {
             pg,
+            tls,
             pool_size: DEFAULT_POOL_SIZE,
             statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
             schema: DEFAULT_SCHEMA.to_owned(),

@@ -5,8 +5,9 @@
 //! The one abstraction is [`PostgresSaver`]: the `keel_checkpoint` contract (fenced
 //! puts, channel deltas, pending writes, history) on tokio-postgres with a deadpool
 //! connection pool. Configure it with a [`PostgresConfig`] (a connection string or
-//! `DATABASE_URL`; pool size, statement timeout, schema; TLS off), create or upgrade the
-//! tables with [`PostgresSaver::setup`], and hand it to a graph as its checkpointer.
+//! `DATABASE_URL`; pool size, statement timeout, schema; TLS by `sslmode` with the
+//! `tls` feature), create or upgrade the tables with [`PostgresSaver::setup`], and
+//! hand it to a graph as its checkpointer.
 //!
 //! # Schema
 //!

@@ -15,7 +15,6 @@ use keel_checkpoint::{
     ThreadInfo, ThreadKey,
 };
 use serde_json::{Map, Value};
-use tokio_postgres::NoTls;
 use tokio_postgres::Row;
 use uuid::Uuid;
 
@@ -108,7 +107,7 @@ impl PostgresSaver {
     pub fn connect(config: &PostgresConfig) -> Result<Self, PostgresError> {
         let manager = Manager::from_config(
             config.session_config(),
-            NoTls,
+            config.tls.clone(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -125,7 +124,7 @@ impl PostgresSaver {
         Self::from_pool(pool, &config.schema)
     }
 
-    /// A saver over an existing pool (e.g. one with a TLS connector), with its tables in
+    /// A saver over an existing pool (e.g. one with a connector of your own), with its tables in
     /// `schema`.
     pub fn from_pool(pool: Pool, schema: &str) -> Result<Self, PostgresError> {
         check_schema(schema)?;

@@ -1378,6 +1378,53 @@ fn database_url() -> Option<String> {
 /// a `keel worker` (which would claim any queued run).
 static FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// `url` with `extra` options added (`k=v&k=v`).
+fn with_options(url: &str, extra: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{extra}")
+}
+
+#[test]
+fn the_database_url_takes_libpq_tls_options() {
+    let Some(url) = database_url() else { return };
+    let list = |url: &str| {
+        keel()
+            .args(["threads", "list", "--database-url", url])
+            .output()
+            .unwrap()
+    };
+    // A root file that is not there is named before anything connects.
+    let missing = list(&with_options(
+        &url,
+        "sslmode=verify-full&sslrootcert=/nonexistent/keel-root.pem",
+    ));
+    assert_eq!(missing.status.code(), Some(1), "{:?}", text(&missing));
+    assert!(
+        text(&missing)
+            .1
+            .contains("sslrootcert /nonexistent/keel-root.pem"),
+        "{:?}",
+        text(&missing)
+    );
+    assert!(
+        list(&with_options(&url, "sslmode=disable"))
+            .status
+            .success(),
+        "sslmode=disable"
+    );
+    // `require` connects where the server takes TLS (the throwaway cluster of `cargo
+    // xtask test` does) and fails, saying so, where it does not.
+    let required = list(&with_options(&url, "sslmode=require"));
+    if std::env::var("KEEL_PG_TLS_CERT").is_ok() {
+        assert!(required.status.success(), "{:?}", text(&required));
+    } else if !required.status.success() {
+        eprintln!(
+            "the sslmode=require check skipped: the server at DATABASE_URL does not take TLS ({})",
+            text(&required).1.trim()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threads_admin_works_on_postgres() {
     let Some(url) = database_url() else { return };

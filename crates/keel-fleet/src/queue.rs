@@ -9,7 +9,6 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use keel_agent::Stop;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 use uuid::Uuid;
 
@@ -352,16 +351,20 @@ pub(crate) enum Renewal {
 
 impl Queue {
     /// A queue over a new pool for `url` (a `postgres://` URL or `key=value` pairs),
-    /// schema `public`. Connections open lazily.
+    /// schema `public`. Connections open lazily. TLS follows the string's `sslmode` as
+    /// libpq does with the `tls` feature; without it, a string that requires TLS is
+    /// refused with [`FleetError::Config`] (see `keel_postgres_tls`).
     pub fn connect(url: &str) -> Result<Self, FleetError> {
         Self::connect_with(url, QueueOptions::new())
     }
 
     /// A queue over a new pool, with options.
     pub fn connect_with(url: &str, options: QueueOptions) -> Result<Self, FleetError> {
-        let mut pg = tokio_postgres::Config::from_str(url).map_err(|e| FleetError::Config {
-            reason: format!("cannot parse the connection string: {e}"),
-        })?;
+        let (mut pg, tls) = keel_postgres_tls::ConnectionString::parse(url)
+            .map_err(|e| FleetError::Config {
+                reason: e.to_string(),
+            })?
+            .into_parts();
         if pg.get_application_name().is_none() {
             pg.application_name("keel-fleet");
         }
@@ -380,7 +383,7 @@ impl Queue {
         }
         let manager = Manager::from_config(
             pg,
-            NoTls,
+            tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -397,7 +400,8 @@ impl Queue {
         Self::from_pool(pool, options)
     }
 
-    /// A queue over an existing pool (e.g. the checkpointer's, or one with TLS).
+    /// A queue over an existing pool (e.g. the checkpointer's, or one with a connector
+    /// of your own).
     pub fn from_pool(pool: Pool, options: QueueOptions) -> Result<Self, FleetError> {
         check_schema(&options.schema)?;
         Ok(Queue {

@@ -2,7 +2,6 @@ use std::fmt;
 use std::future::Future;
 use std::io::{self, Read};
 use std::pin::Pin;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
@@ -12,7 +11,7 @@ use deadpool_postgres::{
 };
 use tokio::sync::mpsc;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{IsolationLevel, NoTls, Row};
+use tokio_postgres::{IsolationLevel, Row};
 
 use crate::db::{self, CHUNK, ChunkReader, FETCH};
 use crate::error::OffloadError;
@@ -297,6 +296,8 @@ fn gone(what: &str) -> OffloadError {
 /// Opens the pool's connections on the connection thread, whoever asks for one.
 struct BridgeConnect {
     handle: tokio::runtime::Handle,
+    /// The connector the connection string's `sslmode` asks for.
+    tls: keel_postgres_tls::Tls,
     /// Keeps the connection thread running while the pool lives.
     _keep: mpsc::UnboundedSender<Job>,
 }
@@ -317,10 +318,11 @@ impl deadpool_postgres::Connect for BridgeConnect {
     fn connect(&self, pg_config: &tokio_postgres::Config) -> ConnectFuture<'_> {
         let config = pg_config.clone();
         let handle = self.handle.clone();
+        let (tls, fallback_tls) = (self.tls.clone(), self.tls.clone());
         Box::pin(async move {
             let there = config.clone();
             let opened = handle.spawn(async move {
-                let (client, connection) = there.connect(NoTls).await?;
+                let (client, connection) = there.connect(tls).await?;
                 let task = tokio::spawn(async move {
                     let _ = connection.await;
                 });
@@ -330,7 +332,7 @@ impl deadpool_postgres::Connect for BridgeConnect {
                 Ok(result) => result,
                 // The connection thread is gone: open the connection here instead.
                 Err(_) => {
-                    let (client, connection) = config.connect(NoTls).await?;
+                    let (client, connection) = config.connect(fallback_tls).await?;
                     let task = tokio::spawn(async move {
                         let _ = connection.await;
                     });
@@ -724,8 +726,10 @@ enum Ack {
 }
 
 impl PostgresStore {
-    /// Connects to `url` (a URL or `key=value` pairs, without TLS) with default
-    /// [`PostgresStoreOptions`], and creates or upgrades the tables.
+    /// Connects to `url` (a URL or `key=value` pairs) with default
+    /// [`PostgresStoreOptions`], and creates or upgrades the tables. TLS follows the
+    /// string's `sslmode` as libpq does with the `tls` feature; without it, a string
+    /// that requires TLS is refused (see `keel_postgres_tls`).
     pub fn connect(url: &str) -> Result<Self, OffloadError> {
         Self::connect_with(url, PostgresStoreOptions::default())
     }
@@ -767,8 +771,9 @@ impl PostgresStore {
 
     /// Connects to `url` with `options`, and creates or upgrades the tables.
     pub fn connect_with(url: &str, options: PostgresStoreOptions) -> Result<Self, OffloadError> {
-        let mut config = tokio_postgres::Config::from_str(url)
-            .map_err(pg("parse the connection string", "postgres"))?;
+        let (mut config, tls) = keel_postgres_tls::ConnectionString::parse(url)
+            .map_err(|e| OffloadError::database("parse the connection string", "postgres", e))?
+            .into_parts();
         if config.get_application_name().is_none() {
             config.application_name("keel-offload");
         }
@@ -788,6 +793,7 @@ impl PostgresStore {
         let bridge = Bridge::start()?;
         let connect = BridgeConnect {
             handle: bridge.handle.clone(),
+            tls,
             _keep: bridge.jobs.clone(),
         };
         let manager = Manager::from_connect(
@@ -807,7 +813,7 @@ impl PostgresStore {
         Self::setup(Arc::new(bridge), pool, options.schema)
     }
 
-    /// A store over an existing pool (the checkpointer's, say, or one with TLS), with
+    /// A store over an existing pool (the checkpointer's, say, or one with a connector of your own), with
     /// the schema of `options`; creates or upgrades the tables. See the type's docs for
     /// where such a pool's connections run.
     pub fn from_pool(pool: Pool, options: PostgresStoreOptions) -> Result<Self, OffloadError> {

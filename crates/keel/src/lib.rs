@@ -36,6 +36,7 @@
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
 //! | `agent` | yes | `agent`: the compacting agent graph |
 //! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database); call `PostgresSaver::setup()` once to create or migrate its tables before the first run (`examples/agent_postgres.rs`) |
+//! | `tls` | no | TLS for every PostgreSQL connection keel opens (checkpointer, offload store, fleet queue), by the connection string's `sslmode` as libpq reads it, `verify-full` and `sslrootcert` included, over rustls (keel-postgres-tls); turns on `postgres` |
 //! | `fleet` | no | `fleet::{Queue, Worker}`: runs submitted to PostgreSQL, taken by any number of workers (turns on `postgres` and `agent`) |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |

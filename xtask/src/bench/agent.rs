@@ -114,7 +114,7 @@ pub fn run() -> Result<Vec<Row>> {
     let max_secs = env_u64("KEEL_BENCH_AGENT_MAX_SECS", 240) as f64;
     let mut skipped: Vec<String> = Vec::new();
 
-    let db = Database::get(&[]);
+    let db = Database::get(&[], false);
     eprintln!("agent bench: {}", db.describe());
     let url = db.url();
     if url.is_none() {

@@ -12,7 +12,7 @@ use crate::util::{self, release_example};
 /// Runs the fleet benchmark against `DATABASE_URL` or a throwaway cluster and prints
 /// its table (`--quick`: 50 threads x 40 steps, one repetition).
 pub fn run() -> Result<()> {
-    let db = Database::get(&[]);
+    let db = Database::get(&[], false);
     eprintln!("fleet bench: {}", db.describe());
     if db.url().is_none() {
         bail!("no PostgreSQL for the benchmark: {}", db.describe());

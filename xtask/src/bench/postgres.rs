@@ -55,7 +55,7 @@ fn rows(text: &str) -> Result<Vec<Value>> {
 pub fn run() -> Result<Vec<Row>> {
     let reps = super::reps("3");
     let peer_reps = std::env::var("KEEL_BENCH_PEER_REPS").unwrap_or_else(|_| reps.clone());
-    let db = Database::get(&[]);
+    let db = Database::get(&[], false);
     eprintln!("postgres bench: {}", db.describe());
     let Some(url) = db.url() else {
         bail!("no PostgreSQL for the benchmark: {}", db.describe());

@@ -1,0 +1,181 @@
+//! The rustls client settings for each `sslmode`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+};
+
+use crate::{ConnectError, SslMode};
+
+/// The client settings for `mode`, with `root_cert`'s certificates (or the Mozilla
+/// roots) when the mode checks the server's.
+pub(crate) fn client_config(
+    mode: SslMode,
+    root_cert: Option<&Path>,
+) -> Result<ClientConfig, ConnectError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ConnectError::Tls {
+            reason: e.to_string(),
+        })?;
+    // libpq: `require` with a root certificate given checks the chain, as `verify-ca`.
+    let check_chain = match mode {
+        SslMode::VerifyCa | SslMode::VerifyFull => true,
+        SslMode::Require => root_cert.is_some(),
+        _ => false,
+    };
+    if !check_chain {
+        return Ok(builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Unchecked(provider)))
+            .with_no_client_auth());
+    }
+    let roots = Arc::new(roots(root_cert)?);
+    if mode == SslMode::VerifyFull {
+        return Ok(builder.with_root_certificates(roots).with_no_client_auth());
+    }
+    let chain = WebPkiServerVerifier::builder_with_provider(roots, provider)
+        .build()
+        .map_err(|e| ConnectError::Tls {
+            reason: e.to_string(),
+        })?;
+    Ok(builder
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ChainOnly(chain)))
+        .with_no_client_auth())
+}
+
+/// The certificates of the PEM file, or the Mozilla roots.
+fn roots(root_cert: Option<&Path>) -> Result<RootCertStore, ConnectError> {
+    let Some(path) = root_cert else {
+        return Ok(RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        });
+    };
+    let bad = |reason: String| ConnectError::RootCert {
+        path: path.to_owned(),
+        reason,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| bad(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(bad("the file holds no PEM certificate".to_owned()));
+    }
+    let mut store = RootCertStore::empty();
+    let (_, refused) = store.add_parsable_certificates(certs);
+    if store.is_empty() {
+        return Err(bad(format!(
+            "none of its {refused} certificates could be used as a root"
+        )));
+    }
+    Ok(store)
+}
+
+/// `prefer` and `require` as libpq has them: the server's certificate is not checked
+/// (the handshake's signatures still are, against the certificate it presents). This
+/// encrypts the connection; it does not prove who is at the other end.
+#[derive(Debug)]
+struct Unchecked(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the chain is checked against the roots, the host name is not. webpki
+/// checks the chain before the name, so a name error means the chain passed.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
