@@ -11,8 +11,8 @@ use tokio_postgres::types::{FromSql, IsNull, ToSql, Type, to_sql_checked};
 use uuid::Uuid;
 
 /// The longest thread id stored, in bytes: key columns must fit a btree index entry
-/// (about 2.7 KB with the other key columns).
-pub const MAX_THREAD_ID_BYTES: usize = 1024;
+/// (about 2.7 KB with the other key columns). The contract's bound for every saver.
+pub const MAX_THREAD_ID_BYTES: usize = keel_checkpoint::MAX_THREAD_ID_BYTES;
 /// The longest namespace, channel name or task id stored, in bytes.
 pub const MAX_NAME_BYTES: usize = 512;
 

@@ -242,7 +242,43 @@ impl ThreadKey {
         self.ns = ns.into();
         self
     }
+
+    /// Why the thread id is not one every keel saver stores alike, if it is not: it
+    /// is empty or only whitespace, holds a NUL (which PostgreSQL text cannot store),
+    /// or is longer than [`MAX_THREAD_ID_BYTES`]. Savers take any id they can store;
+    /// keel-graph refuses these before a run, so an id that works on SQLite in
+    /// development works on PostgreSQL in production.
+    ///
+    /// ```
+    /// use keel_checkpoint::ThreadKey;
+    ///
+    /// assert!(ThreadKey::new("ticket-42").portability_problem().is_none());
+    /// assert!(ThreadKey::new("  ").portability_problem().is_some());
+    /// assert!(ThreadKey::new("a\0b").portability_problem().is_some());
+    /// ```
+    pub fn portability_problem(&self) -> Option<String> {
+        let id = &self.thread_id;
+        if id.trim().is_empty() {
+            return Some("it is empty or only whitespace".to_owned());
+        }
+        if id.contains('\0') {
+            return Some(
+                "it holds a NUL character (U+0000), which PostgreSQL cannot store".to_owned(),
+            );
+        }
+        if id.len() > MAX_THREAD_ID_BYTES {
+            return Some(format!(
+                "it is {} bytes, over the {MAX_THREAD_ID_BYTES} every saver stores",
+                id.len()
+            ));
+        }
+        None
+    }
 }
+
+/// The longest thread id, in bytes, that every keel saver stores (PostgreSQL's is part
+/// of an index key).
+pub const MAX_THREAD_ID_BYTES: usize = 1024;
 
 impl fmt::Display for ThreadKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -117,7 +117,7 @@ pub mod conformance;
 /// The attribute [`Checkpointer`] implementations put on their `impl` block.
 pub use async_trait::async_trait;
 pub use error::CheckpointError;
-pub use id::{CheckpointId, ParseCheckpointIdError, ThreadKey};
+pub use id::{CheckpointId, MAX_THREAD_ID_BYTES, ParseCheckpointIdError, ThreadKey};
 pub use memory::{MemorySaver, MemoryStats};
 pub use saver::Checkpointer;
 pub use types::{

@@ -393,7 +393,10 @@ impl NodeContext {
     /// interrupt or a crash) sends them again.
     ///
     /// The stream holds a few events: while its reader is behind, this waits for it, so
-    /// a slow reader slows the node rather than growing memory.
+    /// a slow reader slows the node rather than growing memory. That wait is part of
+    /// the node's attempt: it counts against the node's
+    /// [`timeout`](crate::NodeOptions::timeout), so a node that emits much and has a
+    /// timeout wants a reader that keeps up (or a timeout with room for it).
     ///
     /// ```
     /// use futures::StreamExt;
@@ -575,7 +578,9 @@ impl NodeContext {
 pub struct NodeOptions {
     /// Fail the attempt if it takes longer.
     pub timeout: Option<Duration>,
-    /// Retry failed attempts (not interrupts).
+    /// Retry failed attempts: a node's `Err` and a timeout. Not interrupts, and not
+    /// panics: a panic is a bug, not a passing failure, and ends the run at once with
+    /// [`GraphError::NodePanicked`](crate::GraphError::NodePanicked).
     pub retry: Option<RetryPolicy>,
     /// Where a node that routes itself with [`Command::goto`] may go, for the
     /// reachability check in `compile`.

@@ -55,7 +55,12 @@ pub struct RunConfig {
     /// Checkpoint namespace (`""` for a root graph).
     pub checkpoint_ns: String,
     /// Start from this past checkpoint instead of the latest (time travel: the run
-    /// forks from it).
+    /// forks from it). What was stored against that checkpoint is replayed, not run
+    /// again: a task that finished, and the answer given to an interrupt there (a
+    /// `Command::resume` at it is refused, since nothing is pending). To be asked
+    /// again, or to change what a step did, fork with
+    /// [`update_state`](crate::CompiledGraph::update_state) at that checkpoint and
+    /// run from the fork.
     pub checkpoint_id: Option<CheckpointId>,
     /// The most supersteps this invocation may run.
     pub recursion_limit: usize,
@@ -95,7 +100,8 @@ impl RunConfig {
         }
     }
 
-    /// Starts from a past checkpoint.
+    /// Starts from a past checkpoint: see [`checkpoint_id`](Self::checkpoint_id) for
+    /// what is replayed from it.
     #[must_use]
     pub fn at(mut self, checkpoint_id: CheckpointId) -> Self {
         self.checkpoint_id = Some(checkpoint_id);
@@ -152,10 +158,20 @@ impl RunConfig {
         self
     }
 
-    pub(crate) fn thread_key(&self) -> Option<ThreadKey> {
-        self.thread_id
-            .as_ref()
-            .map(|t| ThreadKey::new(t.clone()).with_ns(self.checkpoint_ns.clone()))
+    /// The thread to load and store, refused when its id is not one every saver
+    /// stores alike ([`ThreadKey::portability_problem`]).
+    pub(crate) fn thread_key(&self) -> Result<Option<ThreadKey>, crate::GraphError> {
+        let Some(t) = &self.thread_id else {
+            return Ok(None);
+        };
+        let key = ThreadKey::new(t.clone()).with_ns(self.checkpoint_ns.clone());
+        match key.portability_problem() {
+            None => Ok(Some(key)),
+            Some(reason) => Err(crate::GraphError::BadThreadId {
+                thread_id: t.chars().take(64).collect(),
+                reason,
+            }),
+        }
     }
 }
 

@@ -33,6 +33,26 @@ pub enum GraphError {
         /// The panic message.
         message: String,
     },
+    /// The run's thread id is not one every saver stores alike (empty or only
+    /// whitespace, a NUL, over [`keel_checkpoint::MAX_THREAD_ID_BYTES`]): refused before
+    /// anything runs or is stored.
+    #[error("thread id {thread_id:?} cannot be used: {reason}")]
+    BadThreadId {
+        /// The id (its first 64 characters).
+        thread_id: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A router ([`StateGraph::add_conditional_edges`](crate::StateGraph::add_conditional_edges))
+    /// panicked. The step's writes are not stored: the thread resumes from the step
+    /// before, and runs the node again.
+    #[error("the router after `{from}` panicked: {message}")]
+    RouterPanicked {
+        /// The node the router follows (`__start__` for `START`).
+        from: String,
+        /// The panic message.
+        message: String,
+    },
     /// A node took longer than its timeout (on its last attempt).
     #[error("node `{node}` timed out after {after:?}")]
     NodeTimeout {

@@ -415,6 +415,58 @@ async fn failing_and_panicking_nodes_are_typed_errors_and_the_thread_keeps_its_c
 }
 
 #[tokio::test]
+async fn a_panicking_router_is_a_typed_error_in_invoke_and_stream_and_the_thread_resumes() {
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("ok", logger("ok"))
+        .add_edge(START, "ok")
+        .add_conditional_edges(
+            "ok",
+            |s: &S| {
+                if s.count == 1 {
+                    panic!("kaboom in router");
+                }
+                END
+            },
+            None,
+        )
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("router");
+    let err = g.invoke(log("in").count(1), &config).await.unwrap_err();
+    assert!(
+        matches!(&err, GraphError::RouterPanicked { from, message } if from == "ok" && message == "kaboom in router"),
+        "{err:?}"
+    );
+    // The step whose router panicked is not stored: the thread waits to run `ok`.
+    let snap = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(snap.values.log, ["in"]);
+    assert_eq!(snap.next, ["ok"]);
+
+    // A stream ends with the error, not silently.
+    let events: Vec<_> = g
+        .stream(
+            log("s").count(1),
+            RunConfig::thread("router-stream"),
+            StreamMode::all(),
+        )
+        .collect()
+        .await;
+    assert!(
+        matches!(events.last(), Some(Err(GraphError::RouterPanicked { .. }))),
+        "{events:?}"
+    );
+
+    // Once the state no longer makes it panic, the thread goes on from its checkpoint.
+    g.update_state(&config, SUpdate::default().count(-1), None)
+        .await
+        .unwrap();
+    let done = g.invoke(Command::<S>::none(), &config).await.unwrap();
+    assert_eq!(done.state.log, ["in", "ok"]);
+}
+
+#[tokio::test]
 async fn timeout_and_retry_policy() {
     let calls = Arc::new(AtomicUsize::new(0));
     let c = Arc::clone(&calls);
@@ -2235,4 +2287,79 @@ async fn update_state_as_start_seeds_a_new_thread_that_then_runs() {
     let other = RunConfig::thread("edited");
     g.update_state(&other, log("seed"), None).await.unwrap();
     assert!(g.get_state(&other).await.unwrap().unwrap().next.is_empty());
+}
+
+#[tokio::test]
+async fn continuing_a_thread_that_has_nothing_stores_nothing_with_every_durability() {
+    for durability in [Durability::Sync, Durability::Async, Durability::Exit] {
+        let cp = saver();
+        let g = StateGraph::<S>::new()
+            .add_node("a", logger("a"))
+            .add_edge(START, "a")
+            .add_edge("a", END)
+            .with_checkpointer(Arc::clone(&cp))
+            .compile()
+            .unwrap();
+        let config = RunConfig::thread("never-started").with_durability(durability);
+        let run = g.invoke(Command::<S>::none(), &config).await.unwrap();
+        assert!(run.state.log.is_empty(), "{durability:?}");
+        assert!(
+            g.get_state(&config).await.unwrap().is_none(),
+            "{durability:?} stored a checkpoint for a thread that ran nothing"
+        );
+    }
+}
+
+#[tokio::test]
+async fn get_state_at_a_checkpoint_the_thread_does_not_hold_is_checkpoint_not_found() {
+    let g = one_logger_saved();
+    let config = RunConfig::thread("pruned");
+    g.invoke(log("in"), &config).await.unwrap();
+    let missing = keel_checkpoint::CheckpointId::new();
+    let err = g
+        .get_state(&config.clone().at(missing.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, GraphError::CheckpointNotFound { thread_id, id } if thread_id == "pruned" && *id == missing),
+        "{err:?}"
+    );
+    // A thread with no checkpoint at all is still `None`.
+    assert!(
+        g.get_state(&RunConfig::thread("never"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn thread_ids_no_saver_could_store_alike_are_refused_before_anything_runs() {
+    let cp = saver();
+    let g = StateGraph::<S>::new()
+        .add_node("a", logger("a"))
+        .add_edge(START, "a")
+        .add_edge("a", END)
+        .with_checkpointer(Arc::clone(&cp))
+        .compile()
+        .unwrap();
+    let long = "x".repeat(keel_checkpoint::MAX_THREAD_ID_BYTES + 1);
+    for id in ["", "  ", "a\0b", long.as_str()] {
+        let config = RunConfig::thread(id);
+        let err = g.invoke(log("in"), &config).await.unwrap_err();
+        assert!(
+            matches!(err, GraphError::BadThreadId { .. }),
+            "{id:?}: {err:?}"
+        );
+        assert!(matches!(
+            g.get_state(&config).await,
+            Err(GraphError::BadThreadId { .. })
+        ));
+        let key = keel_checkpoint::ThreadKey::new(id);
+        assert!(cp.get(&key, None).await.unwrap().is_none(), "{id:?} stored");
+    }
+    let longest = "x".repeat(keel_checkpoint::MAX_THREAD_ID_BYTES);
+    g.invoke(log("in"), &RunConfig::thread(longest))
+        .await
+        .unwrap();
 }

@@ -394,7 +394,10 @@ mod tests {
     #[test]
     fn bad_modes_client_certificates_and_bad_strings_are_typed_errors() {
         let e = ConnectionString::parse("host=h sslmode=on").unwrap_err();
-        assert!(matches!(e, ConnectError::BadSslMode { ref value } if value == "on"), "{e}");
+        assert!(
+            matches!(e, ConnectError::BadSslMode { ref value } if value == "on"),
+            "{e}"
+        );
         let e = ConnectionString::parse("postgres://h/db?sslcert=%2Fc.pem").unwrap_err();
         assert!(matches!(e, ConnectError::Unsupported { ref option } if option == "sslcert"));
         let e = ConnectionString::parse("postgres://h/db?nonsense=1").unwrap_err();

@@ -100,13 +100,22 @@ impl<S: State> CompiledGraph<S> {
 
 impl<S: State> CompiledGraph<S> {
     /// The state of a thread at its latest checkpoint (or at `config.checkpoint_id`).
+    /// `Ok(None)` when the thread has no checkpoint; a `checkpoint_id` the thread does
+    /// not hold (pruned, or another thread's) is [`GraphError::CheckpointNotFound`], as
+    /// a run from it is.
     pub async fn get_state(
         &self,
         config: &RunConfig,
     ) -> Result<Option<StateSnapshot<S>>, GraphError> {
         let (cp, thread) = self.require_checkpointer(config, "get_state")?;
         match cp.get(&thread, config.checkpoint_id.as_ref()).await? {
-            None => Ok(None),
+            None => match &config.checkpoint_id {
+                Some(id) => Err(GraphError::CheckpointNotFound {
+                    thread_id: thread.thread_id.clone(),
+                    id: id.clone(),
+                }),
+                None => Ok(None),
+            },
             Some(tuple) => self.snapshot_of(tuple).map(Some),
         }
     }
@@ -276,7 +285,7 @@ impl<S: State> CompiledGraph<S> {
         config: &RunConfig,
         what: &'static str,
     ) -> Result<(Arc<dyn Checkpointer>, ThreadKey), GraphError> {
-        match (&self.inner.checkpointer, config.thread_key()) {
+        match (&self.inner.checkpointer, config.thread_key()?) {
             (Some(cp), Some(t)) => Ok((Arc::clone(cp), t)),
             _ => Err(GraphError::CheckpointerRequired { what }),
         }

@@ -419,10 +419,10 @@ impl Writer {
                     .clone()
                     .ok_or(GraphError::CheckpointerRequired { what: "checkpoint" })?;
                 let old = run.checkpoint.id.clone();
-                if run.stored.as_ref() != Some(&old)
-                    || !run.dirty.is_empty()
-                    || run.steps_since_store > 0
-                {
+                let ran = !run.dirty.is_empty() || run.steps_since_store > 0;
+                // A run that loaded nothing and ran nothing (`Command::none()` on an
+                // empty thread) stores nothing, as with the other durabilities.
+                if ran || run.stored.as_ref().is_some_and(|s| *s != old) {
                     run.commit(CheckpointSource::Loop, BTreeMap::new(), Some(&cp), &thread)
                         .await?;
                 }

@@ -10,7 +10,7 @@ impl<S: State> RunState<S> {
         events: Option<EventSink<S>>,
     ) -> Result<Self, GraphError> {
         let g = Arc::clone(&graph.inner);
-        let thread = match (&g.checkpointer, config.thread_key()) {
+        let thread = match (&g.checkpointer, config.thread_key()?) {
             (Some(_), Some(t)) => Some(t),
             _ => None,
         };

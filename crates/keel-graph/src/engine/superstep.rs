@@ -37,7 +37,7 @@ impl<S: State> CompiledGraph<S> {
             return Err(GraphError::NoRuntime);
         }
         let g = &*self.inner;
-        if g.checkpointer.is_some() && config.thread_key().is_none() {
+        if g.checkpointer.is_some() && config.thread_key()?.is_none() {
             return Err(GraphError::NoThreadId);
         }
         let mut run = RunState::load(self, config, events).await?;
@@ -305,7 +305,14 @@ impl<S: State> RunState<S> {
             }
         }
         for r in &out.routers {
-            let route = (r.route)(state);
+            // A router is the caller's code, as a node is: its panic is an error of the
+            // run, not an unwind through the caller.
+            let route = std::panic::catch_unwind(AssertUnwindSafe(|| (r.route)(state))).map_err(
+                |panic| GraphError::RouterPanicked {
+                    from: from.to_owned(),
+                    message: panic_message(panic.as_ref()),
+                },
+            )?;
             if let Some(declared) = &r.targets {
                 let undeclared = route.0.iter().find_map(|g| {
                     let name = match g {
@@ -603,6 +610,15 @@ impl<S: State> RunState<S> {
     }
 }
 
+/// The message a panic carries (`panic!("...")` gives a `&str` or a `String`).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic".to_owned())
+}
+
 /// Runs one task with its timeout and retry policy.
 pub(super) async fn run_task<S: State>(
     node: &NodeSpec<S>,
@@ -632,14 +648,9 @@ pub(super) async fn run_task<S: State>(
                 source: e,
             },
             Some(Err(panic)) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "non-string panic".to_owned());
                 return Err(GraphError::NodePanicked {
                     node: node.name.to_string(),
-                    message,
+                    message: panic_message(panic.as_ref()),
                 });
             }
             None => GraphError::NodeTimeout {
