@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use keel::checkpoint::Checkpointer;
+use keel::checkpoint::{Checkpointer, ThreadKey};
 use keel::offload::{FsStore, OffloadStore, PostgresStore, PostgresStoreOptions};
 use keel::postgres::{PostgresConfig, PostgresSaver};
 use keel::sqlite::SqliteOptions;
@@ -53,12 +53,28 @@ pub fn offload_dir(home: &Path) -> PathBuf {
     home.join("offload")
 }
 
-/// Opens Postgres when a URL is given, otherwise the embedded SQLite file (created,
-/// with its directory, when `create` is set).
+/// Opens Postgres when a URL is given (its tables created or upgraded), otherwise the
+/// embedded SQLite file (created, with its directory, when `create` is set).
 pub async fn open(
     home: &Path,
     database_url: Option<&str>,
     create: bool,
+) -> anyhow::Result<Storage> {
+    open_with(home, database_url, create, true).await
+}
+
+/// [`open`] for a command that only reads: Postgres's tables are read as they are,
+/// not created or upgraded, so it works under a read-only role and leaves no tables
+/// behind; a schema without them is named in the error.
+pub async fn open_to_read(home: &Path, database_url: Option<&str>) -> anyhow::Result<Storage> {
+    open_with(home, database_url, false, false).await
+}
+
+async fn open_with(
+    home: &Path,
+    database_url: Option<&str>,
+    create: bool,
+    setup: bool,
 ) -> anyhow::Result<Storage> {
     if let Some(url) = database_url {
         let mut config = PostgresConfig::new(url)
@@ -67,19 +83,52 @@ pub async fn open(
             config = config.schema(s).with_context(|| bad_schema(s))?;
         }
         let saver = PostgresSaver::connect(&config).context("cannot set up the Postgres pool")?;
-        saver.setup().await.with_context(|| {
-            format!(
-                "cannot reach Postgres at {}{} or create keel's tables there",
-                redact(url),
-                in_schema()
-            )
-        })?;
+        if setup {
+            saver.setup().await.with_context(|| {
+                format!(
+                    "cannot reach Postgres at {}{} or create keel's tables there",
+                    redact(url),
+                    in_schema()
+                )
+            })?;
+        } else {
+            let probe = saver.get(&ThreadKey::new("keel-cli-probe"), None).await;
+            if let Err(e) = probe {
+                let missing = match &e {
+                    keel::checkpoint::CheckpointError::Backend(b) => matches!(
+                        b.downcast_ref::<keel::postgres::PostgresError>(),
+                        Some(keel::postgres::PostgresError::NotSetUp { .. })
+                    ),
+                    _ => false,
+                };
+                if missing {
+                    anyhow::bail!(
+                        "no keel tables in schema {} at {}: nothing was stored there yet (or keel's tables are in another schema: set KEEL_SCHEMA)",
+                        schema().unwrap_or(config.get_schema()),
+                        redact(url)
+                    );
+                }
+                return Err(e).with_context(|| {
+                    format!(
+                        "cannot read keel's tables at {}{}",
+                        redact(url),
+                        in_schema()
+                    )
+                });
+            }
+        }
         return Ok(Storage {
             saver: Arc::new(saver),
             described: format!("Postgres at {}{}", redact(url), in_schema()),
         });
     }
     let path = sqlite_path(home);
+    if home.is_file() {
+        anyhow::bail!(
+            "--home names a directory, and {} is a file: keel keeps its SQLite file there as keel.sqlite (with offloaded results beside it in offload/); pass the directory that holds a keel.sqlite",
+            home.display()
+        );
+    }
     if !create && !path.exists() {
         anyhow::bail!(
             "no keel database at {}: run `keel demo` or `keel run` first, or pass --home DIR or --database-url URL",

@@ -106,8 +106,21 @@ enum ThreadsCommand {
 pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let home = settings.home(args.home.as_deref());
     let url = settings.store_url(args.database_url.as_deref(), args.home.as_deref());
-    let storage = store::open(&home, url.as_deref(), false).await?;
-    let offload = store::offload_for(&home, url.as_deref(), false)?;
+    // A look at the threads creates no tables; the commands that delete open the
+    // stores as every other command does (in Postgres, creating or upgrading their
+    // tables), and they alone need the offload store.
+    let writes = matches!(
+        args.command,
+        ThreadsCommand::Prune { .. } | ThreadsCommand::Delete { .. } | ThreadsCommand::Gc { .. }
+    );
+    let (storage, offload) = if writes {
+        (
+            store::open(&home, url.as_deref(), false).await?,
+            store::offload_for(&home, url.as_deref(), false)?,
+        )
+    } else {
+        (store::open_to_read(&home, url.as_deref()).await?, None)
+    };
     let saver = storage.saver.clone();
     let queue = match url.as_deref() {
         Some(url) => crate::fleet::queue_if_set_up(url).await,
@@ -289,6 +302,30 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
     Ok(ExitCode::SUCCESS)
 }
 
+/// A thread id as a table shows it: control characters escaped, an empty id as `""`,
+/// and a long one cut to 64 characters, so one odd id written by a program of its own
+/// does not break every row (`--json` has it whole).
+fn shown_id(id: &str) -> String {
+    if id.is_empty() {
+        return "\"\"".to_owned();
+    }
+    let escaped: String = id
+        .chars()
+        .flat_map(|c| {
+            if c.is_control() {
+                c.escape_default().collect::<Vec<_>>()
+            } else {
+                vec![c]
+            }
+        })
+        .collect();
+    if escaped.chars().count() <= 64 {
+        return escaped;
+    }
+    let kept: String = escaped.chars().take(63).collect();
+    format!("{kept}…")
+}
+
 /// The command that cancels `run`, on the database given by `--database-url` when it
 /// was (its password left out; `DATABASE_URL` and keel.toml need no repeating).
 fn cancel_hint(run: keel_fleet::RunId, database_url: Option<&str>) -> String {
@@ -383,10 +420,17 @@ async fn state_of(
     saver: &Arc<dyn Checkpointer>,
     thread: &str,
 ) -> anyhow::Result<Option<AgentState>> {
-    reader(saver.clone())?
-        .state(thread)
-        .await
-        .with_context(|| format!("thread `{thread}` is not an agent thread keel can read"))
+    match reader(saver.clone())?.state(thread).await {
+        Ok(state) => Ok(state),
+        // A state of another shape: a graph of the user's own wrote the thread.
+        Err(keel::agent::AgentError::Graph(keel::graph::GraphError::State(e))) => {
+            anyhow::bail!(
+                "thread `{thread}` was not written by keel's agent, whose state this command reads ({e}); `keel threads history {thread}` lists its checkpoints, and the graph that wrote it reads its values (`CompiledGraph::get_state`)"
+            )
+        }
+        Err(e) => Err(e)
+            .with_context(|| format!("thread `{thread}` is not an agent thread keel can read")),
+    }
 }
 
 /// A thread kept by `gc` for its run in flight: the thread, the run and its status.
@@ -506,7 +550,7 @@ async fn list(
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
         let mut row = vec![
-            t.thread_id.clone(),
+            shown_id(&t.thread_id),
             when,
             show(steps),
             show(milestones),
@@ -532,7 +576,7 @@ async fn list(
         );
         let dash = || "-".to_owned();
         rows.push(vec![
-            thread.clone(),
+            shown_id(thread),
             dash(),
             last_run.clone(),
             dash(),
@@ -783,29 +827,59 @@ async fn history(
         "superstep".into(),
         "source".into(),
         "written by".into(),
+        "parent".into(),
     ]];
-    let mut out = Vec::new();
+    let mut listed = Vec::new();
     while let Some(item) = items.next().await {
         let c = item.with_context(|| format!("cannot read the history of `{thread}`"))?;
-        if out.len() == limit {
+        if listed.len() == limit {
             more = true;
             break;
         }
+        listed.push(c);
+    }
+    let mut out = Vec::new();
+    let mut forked = false;
+    for (i, c) in listed.iter().enumerate() {
         let when = utc(c.checkpoint.id.timestamp_millis());
         let source = format!("{:?}", c.metadata.source).to_lowercase();
-        out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": iso_utc(c.checkpoint.id.timestamp_millis()), "step": c.metadata.step, "source": source, "writes": c.metadata.writes}));
+        let parent = c.checkpoint.parent.as_ref().map(ToString::to_string);
+        out.push(json!({"checkpoint": c.checkpoint.id.to_string(), "made": iso_utc(c.checkpoint.id.timestamp_millis()), "step": c.metadata.step, "source": source, "writes": c.metadata.writes, "parent": parent}));
+        // The usual parent is the row below (the next older checkpoint): left blank,
+        // so the ids that stand out are where the thread forked.
+        let below = listed.get(i + 1).map(|b| &b.checkpoint.id);
+        let shown_parent = match &c.checkpoint.parent {
+            None => "-".to_owned(),
+            Some(p) if Some(p) == below => String::new(),
+            // Every checkpoint is listed and this one's parent is not among them.
+            Some(p) if !more && !listed.iter().any(|l| l.checkpoint.id == *p) => {
+                "(pruned)".to_owned()
+            }
+            // The page's last row: its parent is on the next page.
+            Some(_) if below.is_none() => String::new(),
+            Some(p) => {
+                forked = true;
+                p.to_string()
+            }
+        };
         rows.push(vec![
             c.checkpoint.id.to_string(),
             when,
             c.metadata.step.to_string(),
             source,
             c.metadata.writes.join(", "),
+            shown_parent,
         ]);
     }
     if json_out {
         crate::outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         crate::out!("{}", table(&rows));
+        if forked {
+            crate::outln!(
+                "(a parent is named where it is not the row below: the thread was forked there, by a run from a past checkpoint or an edit of its state)"
+            );
+        }
         if more {
             crate::outln!(
                 "(the newest {limit} shown; older ones follow: --limit {} shows more)",
@@ -913,6 +987,17 @@ pub(crate) fn utc(millis: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn odd_thread_ids_keep_the_table_in_shape() {
+        assert_eq!(shown_id("ticket-42"), "ticket-42");
+        assert_eq!(shown_id(""), "\"\"");
+        assert_eq!(shown_id("a\0b\nc"), "a\\u{0}b\\nc");
+        let long = shown_id(&"é".repeat(2000));
+        assert_eq!(long.chars().count(), 64);
+        assert!(long.ends_with('…'));
+        assert_eq!(shown_id(&"x".repeat(64)), "x".repeat(64));
+    }
 
     #[test]
     fn durations_parse_and_bad_ones_say_how_to_write_them() {

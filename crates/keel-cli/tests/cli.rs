@@ -1385,6 +1385,49 @@ fn with_options(url: &str, extra: &str) -> String {
 }
 
 #[test]
+fn looking_at_threads_creates_no_tables_and_names_the_schema_it_looked_in() {
+    let Some(url) = database_url() else { return };
+    let schema = format!("keel_cli_empty_{}", std::process::id());
+    let list = || {
+        keel()
+            .args(["threads", "list", "--database-url", &url])
+            .env("KEEL_SCHEMA", &schema)
+            .output()
+            .unwrap()
+    };
+    // Twice: had the first look created keel's tables, the second would list no
+    // threads instead of saying there are no tables.
+    for _ in 0..2 {
+        let out = list();
+        assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+        let err = text(&out).1;
+        assert!(
+            err.contains(&format!("no keel tables in schema {schema}"))
+                && err.contains("KEEL_SCHEMA"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn a_home_that_is_a_file_says_home_is_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mine.sqlite");
+    std::fs::write(&file, b"").unwrap();
+    let out = keel()
+        .args(["threads", "list", "--home"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("--home names a directory") && text(&out).1.contains("keel.sqlite"),
+        "{:?}",
+        text(&out)
+    );
+}
+
+#[test]
 fn the_database_url_takes_libpq_tls_options() {
     let Some(url) = database_url() else { return };
     let list = |url: &str| {
@@ -3804,4 +3847,94 @@ fn replay_notes_full_history_prompts_no_model_would_have_taken() {
     std::fs::write(&small, OPENAI_RUN).unwrap();
     let out = keel().arg("replay").arg(&small).output().unwrap();
     assert!(!text(&out).0.contains("over the"), "{:?}", text(&out));
+}
+
+/// A state of a graph of the user's own, not the agent's.
+#[derive(Clone, keel::graph::State)]
+struct Plain {
+    #[reducer(keel::reducer::Append<String>)]
+    log: Vec<String>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_on_a_thread_of_another_graph_says_whose_it_is_and_history_still_lists_it() {
+    use keel::graph::{END, RunConfig, START, StateGraph};
+    let home = tempfile::tempdir().unwrap();
+    let saver = keel::sqlite::SqliteOptions::default()
+        .open(home.path().join("keel.sqlite"))
+        .await
+        .unwrap();
+    let graph = StateGraph::<Plain>::new()
+        .add_node("note", |_s, _c| async {
+            Ok(PlainUpdate::default().log(vec!["noted".to_owned()]))
+        })
+        .add_edge(START, "note")
+        .add_edge("note", END)
+        .with_checkpointer(std::sync::Arc::new(saver))
+        .compile()
+        .unwrap();
+    let config = RunConfig::thread("plain");
+    graph.invoke(PlainUpdate::default(), &config).await.unwrap();
+    // A fork: an edit at the thread's first checkpoint.
+    let first = graph
+        .get_state(&config)
+        .await
+        .unwrap()
+        .unwrap()
+        .parent_id
+        .unwrap();
+    let fork = graph
+        .update_state(
+            &config.clone().at(first.clone()),
+            PlainUpdate::default().log(vec!["edited".to_owned()]),
+            None,
+        )
+        .await
+        .unwrap();
+    let h = home.path().to_owned();
+    let (show, history) = tokio::task::spawn_blocking(move || {
+        let run = |args: &[&str]| {
+            keel()
+                .arg("threads")
+                .args(args)
+                .arg("--home")
+                .arg(&h)
+                .output()
+                .unwrap()
+        };
+        (
+            run(&["show", "plain"]),
+            (
+                run(&["history", "plain"]),
+                run(&["history", "plain", "--json"]),
+            ),
+        )
+    })
+    .await
+    .unwrap();
+    let (history, history_json) = history;
+    assert_eq!(show.status.code(), Some(1), "{:?}", text(&show));
+    assert!(
+        text(&show).1.contains("was not written by keel's agent")
+            && text(&show).1.contains("keel threads history plain"),
+        "{:?}",
+        text(&show)
+    );
+    assert!(history.status.success(), "{:?}", text(&history));
+    // The fork's parent is not the row below it: named, with a note saying why.
+    let table = text(&history).0;
+    let fork_row = table
+        .lines()
+        .find(|l| l.starts_with(&fork.to_string()))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(fork_row.ends_with(&first.to_string()), "{table}");
+    assert!(table.contains("the thread was forked there"), "{table}");
+    let listed: Value = serde_json::from_slice(&history_json.stdout).unwrap();
+    let fork_entry = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["checkpoint"] == fork.to_string().as_str())
+        .unwrap();
+    assert_eq!(fork_entry["parent"], first.to_string().as_str());
 }

@@ -18,6 +18,11 @@ impl<S: State> CompiledGraph<S> {
     /// checkpoint by the node that wrote it, use
     /// [`last_checkpoint_by`](Self::last_checkpoint_by).
     ///
+    /// Each state rebuilt costs its channels' decoding, so listing a long history this
+    /// way takes time in proportion to it. To list checkpoints without their states
+    /// (ids, parents, steps, the nodes that wrote them), read the checkpointer's
+    /// [`Checkpointer::list`] with the same options: it decodes no channel.
+    ///
     /// ```
     /// use std::sync::Arc;
     ///
