@@ -18,7 +18,9 @@ use crate::store::{GrepOptions, OffloadStore, Pattern};
 ///
 /// Every line is one record, `{"seq":N,"id":"<message id>","hash":"<xxh3>","message":{...}}`,
 /// where `message` is the message in keel's own JSON (lossless) and `seq` its
-/// position in the archive. The file lives in the thread's namespace
+/// position in the archive. The position is the line's place in the file: should two
+/// writers append to one thread at once, a line's `seq` field may repeat another's,
+/// but positions (what `append` returns and `get`, `range` and `grep` use) do not. The file lives in the thread's namespace
 /// (`archive/messages.jsonl` by default), so the agent's retrieval tools can read and
 /// grep it like any offloaded file.
 ///
@@ -398,6 +400,33 @@ impl Archive {
                     return Err(e);
                 }
             };
+            if offset != idx.end {
+                // Another writer (another `Archive` over the store, another worker)
+                // appended between this index's look at the archive and the append: the
+                // positions given above are stale. The archive is read again, and each
+                // new record's position is where the store put it.
+                let first_new = idx.records.len() as u64;
+                *idx = self.load(store, key)?;
+                let at: HashMap<u64, u64> = idx
+                    .records
+                    .iter()
+                    .enumerate()
+                    .map(|(seq, p)| (p.offset, seq as u64))
+                    .collect();
+                for seq in &mut out.seqs {
+                    let Some(&(_, start, _, _)) = seq
+                        .checked_sub(first_new)
+                        .and_then(|k| new.get(usize::try_from(k).ok()?))
+                    else {
+                        continue;
+                    };
+                    if let Some(&true_seq) = at.get(&(offset + start as u64)) {
+                        *seq = true_seq;
+                    }
+                }
+                out.written = new.len();
+                return Ok(out);
+            }
             for &(i, start, len, hash) in &new {
                 let seq = idx.records.len();
                 idx.records.push(Pos {
@@ -408,10 +437,6 @@ impl Archive {
                 if let Some(id) = &messages[i].id {
                     idx.by_id.insert(self.id_hash(id), seq);
                 }
-            }
-            if offset != idx.end {
-                // Someone else appended too: rebuild the index on next use.
-                idx.loaded = false;
             }
             idx.end = offset + batch.len() as u64;
             idx.needs_newline = false;

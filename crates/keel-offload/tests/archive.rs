@@ -395,3 +395,47 @@ fn indexes_of_many_threads_stay_bounded_and_reload() {
     }
     assert!(archive.cached_threads() <= Archive::CACHED_THREADS);
 }
+
+#[test]
+fn two_archives_appending_to_one_thread_at_once_return_distinct_true_positions() {
+    // Two workers' `Archive`s over one store (one writer a thread is the rule, but a
+    // worker taking over a thread may overlap with one that has not noticed yet).
+    let store: Arc<dyn OffloadStore> = Arc::new(MemoryStore::new());
+    let t = thread("shared");
+    let per_writer = 300;
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let archive = Archive::new(store.clone());
+            let t = t.clone();
+            std::thread::spawn(move || {
+                (0..per_writer)
+                    .map(|i| {
+                        let m = Message::user(format!("writer {w} message {i}"))
+                            .with_id(format!("w{w}-{i}"));
+                        let seq = archive.append(&t, std::slice::from_ref(&m)).unwrap().seqs[0];
+                        (seq, m)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let appended: Vec<(u64, Message)> = writers
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    let mut seqs: Vec<u64> = appended.iter().map(|(s, _)| *s).collect();
+    seqs.sort_unstable();
+    seqs.dedup();
+    assert_eq!(
+        seqs.len(),
+        2 * per_writer,
+        "two appends were given one position"
+    );
+    // Each position holds the message appended there, read by a third archive.
+    let reader = Archive::new(store);
+    for (seq, m) in &appended {
+        let found = reader.range(&t, *seq..seq + 1).unwrap();
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].message.content, m.content, "position {seq}");
+    }
+}
