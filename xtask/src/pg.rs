@@ -243,6 +243,9 @@ impl Cluster {
                 "-addext",
                 "subjectAltName=DNS:localhost",
             ])
+            // A server's certificate, not an authority's (openssl's default for -x509):
+            // rustls refuses an authority's certificate presented by a server.
+            .args(["-addext", "basicConstraints=critical,CA:FALSE"])
             .arg("-keyout")
             .arg(&key)
             .arg("-out")

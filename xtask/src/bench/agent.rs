@@ -21,8 +21,11 @@
 //! `KEEL_BENCH_AGENT_RUNTIME=current_thread`
 //! runs keel's side on tokio's one-thread scheduler instead of the multi-thread one
 //! `#[tokio::main]` builds (the peer, on Node.js, is single-threaded either way).
-//! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`);
-//! without one, the PostgreSQL rows and pgbench are skipped and the reason printed.
+//! PostgreSQL comes from `DATABASE_URL`, else a throwaway cluster (see `crate::pg`;
+//! without TLS); without one, the PostgreSQL rows and pgbench are skipped and the
+//! reason printed. On a server that takes TLS, keel and pgbench connect with it (libpq's
+//! `sslmode=prefer` default, which keel follows) and node-postgres without it: add
+//! `?sslmode=disable` to `DATABASE_URL` to measure all three in the clear.
 //!
 //! Prints one table and the targets; writes every raw result to `target/bench-agent.json`.
 //! keel's PostgreSQL sync results carry `commit_tps_before`, the rate pgbench measured
