@@ -27,8 +27,8 @@ pub const DEFAULT_SCHEMA: &str = "public";
 /// * **TLS** follows the string's `sslmode` as libpq does (`disable`, `prefer`, the
 ///   default, `require`, `verify-ca`, `verify-full`; `sslrootcert` names the roots),
 ///   with this crate's `tls` feature (rustls). Without it connections are made without
-///   TLS, and a string that requires TLS is refused here with
-///   [`PostgresError::Config`]. [`keel_postgres_tls`] has the details. For client
+///   TLS, even where the server offers it (unlike `psql`), and a string that requires
+///   TLS is refused here with [`PostgresError::ConnectionString`]. [`keel_postgres_tls`] has the details. For client
 ///   certificates, build a `deadpool_postgres::Pool` with a connector of your own and
 ///   use [`PostgresSaver::from_pool`](crate::PostgresSaver::from_pool).
 ///
@@ -62,11 +62,8 @@ impl PostgresConfig {
     /// Parses a connection string (URL or `key=value` pairs), TLS options included;
     /// reads the `sslrootcert` file when the `sslmode` checks certificates.
     pub fn new(connection_string: &str) -> Result<Self, PostgresError> {
-        let (mut pg, tls) = keel_postgres_tls::ConnectionString::parse(connection_string)
-            .map_err(|e| PostgresError::Config {
-                reason: e.to_string(),
-            })?
-            .into_parts();
+        let (mut pg, tls) =
+            keel_postgres_tls::ConnectionString::parse(connection_string)?.into_parts();
         if pg.get_application_name().is_none() {
             pg.application_name("keel");
         }

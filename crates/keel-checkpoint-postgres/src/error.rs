@@ -22,6 +22,11 @@ pub enum PostgresError {
         /// What is wrong.
         reason: String,
     },
+    /// The connection string cannot be used (it does not parse, names a root
+    /// certificate file that cannot be read, or asks for TLS this build leaves out):
+    /// nothing has connected.
+    #[error(transparent)]
+    ConnectionString(#[from] keel_postgres_tls::ConnectError),
     /// `DATABASE_URL` is not set (for [`PostgresConfig::from_env`](crate::PostgresConfig::from_env)).
     #[error("DATABASE_URL is not set")]
     NoDatabaseUrl,

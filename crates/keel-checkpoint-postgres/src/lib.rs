@@ -125,5 +125,12 @@ pub use error::PostgresError;
 pub use saver::{PostgresSaver, ThreadStorage};
 pub use schema::{MIGRATIONS, Migration, migrate};
 
+/// The pool crate, for a pool of your own (a connector with client certificates, say)
+/// at the version this crate takes.
+pub use deadpool_postgres;
 /// The connection pool type [`PostgresSaver::from_pool`] takes.
 pub use deadpool_postgres::Pool;
+/// Connection strings read as libpq reads them, and the TLS connector they ask for.
+pub use keel_postgres_tls as tls;
+/// The driver, at the version this crate takes.
+pub use tokio_postgres;

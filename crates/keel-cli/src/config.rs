@@ -23,6 +23,7 @@ pub struct Settings {
     /// Directory of the embedded SQLite file and offload store.
     pub home: Option<PathBuf>,
     /// A Postgres URL; threads and checkpoints live there instead of the embedded file.
+    /// TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     pub database_url: Option<String>,
     /// The Postgres schema of keel's tables (`KEEL_SCHEMA` wins; default `public`).
     pub schema: Option<String>,

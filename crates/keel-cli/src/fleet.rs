@@ -49,7 +49,8 @@ The URL may also come from DATABASE_URL or keel.toml; the queue's tables are cre
 when missing."
 )]
 pub struct SubmitArgs {
-    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in
+    /// keel.toml). TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long)]
     database_url: Option<String>,
     /// The thread to run.
@@ -86,7 +87,8 @@ Checkpoints, the archive and offloaded results live in the same database. The fi
 tools are read-only and rooted at --dir. `--model scripted` needs no model server: a
 deterministic agent that lists the directory, greps it twice and answers.")]
 pub struct WorkerArgs {
-    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in
+    /// keel.toml). TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long)]
     database_url: Option<String>,
     /// Runs held at once.
@@ -139,9 +141,10 @@ fn queue(url: &str) -> anyhow::Result<Queue> {
             .schema(s)
             .with_context(|| crate::store::bad_schema(s))?;
     }
-    Queue::connect_with(url, options).context(
-        "the database URL is not a valid Postgres connection string (postgres://user@host:port/db)",
-    )
+    Queue::connect_with(url, options).map_err(|e| match e {
+        keel_fleet::FleetError::ConnectionString(e) => store::url_error(e),
+        e => anyhow::Error::new(e),
+    })
 }
 
 /// Runs `keel submit`.
@@ -552,7 +555,8 @@ pub struct StatusArgs {
     /// Every run of this thread instead.
     #[arg(long, value_parser = crate::ui::thread_id)]
     thread: Option<String>,
-    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in
+    /// keel.toml). TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long)]
     database_url: Option<String>,
     /// Print JSON instead of text.
@@ -572,7 +576,8 @@ pub struct CancelArgs {
     /// The run id `keel submit` printed.
     #[arg(value_parser = parse_run_id)]
     run: RunId,
-    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in keel.toml).
+    /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in
+    /// keel.toml). TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long)]
     database_url: Option<String>,
     /// Print JSON instead of text.
@@ -598,15 +603,25 @@ async fn existing_queue(
                 store::redact(&url)
             )
         }),
-        Err(e @ (FleetError::Pool(_) | FleetError::Query(_))) => Err(e).with_context(|| {
-            format!(
-                "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names the fleet's database",
-                store::redact(&url)
-            )
-        }),
-        Err(e) => Err(e).with_context(|| {
-            format!("the run queue at {} cannot be used", store::redact(&url))
-        }),
+        Err(e @ (FleetError::Pool(_) | FleetError::Query(_))) => {
+            // A refused TLS handshake is not a server that is down.
+            let tls = e.to_string().contains("TLS handshake");
+            Err(e).with_context(|| {
+                if tls {
+                    format!(
+                        "cannot connect to Postgres at {} over TLS: see the TLS options of the URL (sslmode, sslrootcert)",
+                        store::redact(&url)
+                    )
+                } else {
+                    format!(
+                        "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names the fleet's database",
+                        store::redact(&url)
+                    )
+                }
+            })
+        }
+        Err(e) => Err(e)
+            .with_context(|| format!("the run queue at {} cannot be used", store::redact(&url))),
     }
 }
 

@@ -59,7 +59,8 @@ pub struct RunArgs {
     /// over DATABASE_URL and `database_url` in keel.toml).
     #[arg(long)]
     home: Option<PathBuf>,
-    /// A Postgres URL for checkpoints and the archive.
+    /// A Postgres URL for checkpoints and the archive. TLS as with psql:
+    /// `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long)]
     database_url: Option<String>,
     /// Enable `write_file` and `edit_file`, each call approved at the terminal.

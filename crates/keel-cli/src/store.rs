@@ -63,6 +63,19 @@ pub async fn open(
     open_with(home, database_url, create, true).await
 }
 
+/// A database without keel's tables, found by [`open_to_read`]: nothing was stored
+/// there. The sentence says where it looked.
+#[derive(Debug)]
+pub struct NoTables(pub String);
+
+impl std::fmt::Display for NoTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NoTables {}
+
 /// [`open`] for a command that only reads: Postgres's tables are read as they are,
 /// not created or upgraded, so it works under a read-only role and leaves no tables
 /// behind; a schema without them is named in the error.
@@ -77,8 +90,10 @@ async fn open_with(
     setup: bool,
 ) -> anyhow::Result<Storage> {
     if let Some(url) = database_url {
-        let mut config = PostgresConfig::new(url)
-            .context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")?;
+        let mut config = PostgresConfig::new(url).map_err(|e| match e {
+            keel::postgres::PostgresError::ConnectionString(e) => url_error(e),
+            e => anyhow::Error::new(e),
+        })?;
         if let Some(s) = schema() {
             config = config.schema(s).with_context(|| bad_schema(s))?;
         }
@@ -102,11 +117,11 @@ async fn open_with(
                     _ => false,
                 };
                 if missing {
-                    anyhow::bail!(
+                    return Err(anyhow::Error::new(NoTables(format!(
                         "no keel tables in schema {} at {}: nothing was stored there yet (or keel's tables are in another schema: set KEEL_SCHEMA)",
                         schema().unwrap_or(config.get_schema()),
                         redact(url)
-                    );
+                    ))));
                 }
                 return Err(e).with_context(|| {
                     format!(
@@ -196,15 +211,19 @@ pub fn new_thread_id(prefix: &str) -> String {
 
 /// A URL with its password replaced, for messages.
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let Some((auth, host)) = rest.split_once('@') else {
-        return url.to_owned();
-    };
-    match auth.split_once(':') {
-        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
-        None => format!("{scheme}://{auth}@{host}"),
+    keel::postgres::tls::redact(url)
+}
+
+/// The error of a connection string keel cannot use: said to be malformed only when
+/// it does not parse (a root certificate file that cannot be read, or an option keel
+/// does not support, says so itself).
+pub fn url_error(e: keel::postgres::tls::ConnectError) -> anyhow::Error {
+    let malformed = matches!(e, keel::postgres::tls::ConnectError::Parse { .. });
+    let e = anyhow::Error::new(e);
+    if malformed {
+        e.context("the database URL is not a valid Postgres connection string (postgres://user@host:port/db)")
+    } else {
+        e.context("the database URL cannot be used")
     }
 }
 
@@ -230,5 +249,13 @@ mod tests {
         );
         assert_eq!(redact("postgres://bob@db/x"), "postgres://bob@db/x");
         assert_eq!(redact("host=db user=bob"), "host=db user=bob");
+        assert_eq!(
+            redact("host=db user=bob password=s3cret sslmode=require"),
+            "host=db user=bob password=*** sslmode=require"
+        );
+        assert_eq!(
+            redact("postgres://bob@db/x?password=s3cret&sslmode=require"),
+            "postgres://bob@db/x?password=***&sslmode=require"
+        );
     }
 }

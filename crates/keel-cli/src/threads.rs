@@ -38,7 +38,7 @@ pub struct ThreadsArgs {
     #[arg(long, global = true)]
     home: Option<PathBuf>,
     /// A Postgres URL (else `DATABASE_URL`, else `database_url` in keel.toml, else the
-    /// embedded file).
+    /// embedded file). TLS as with psql: `?sslmode=require`, `verify-full`, `sslrootcert=`.
     #[arg(long, global = true)]
     database_url: Option<String>,
     /// Print JSON instead of tables.
@@ -119,7 +119,22 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             store::offload_for(&home, url.as_deref(), false)?,
         )
     } else {
-        (store::open_to_read(&home, url.as_deref()).await?, None)
+        match store::open_to_read(&home, url.as_deref()).await {
+            Ok(storage) => (storage, None),
+            // Nothing stored there yet: a list of no threads, not a failure.
+            Err(e) if matches!(args.command, ThreadsCommand::List { .. }) => {
+                let Some(none) = e.downcast_ref::<store::NoTables>() else {
+                    return Err(e);
+                };
+                if args.json {
+                    crate::outln!("[]");
+                } else {
+                    crate::outln!("no threads ({none})");
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            Err(e) => return Err(e),
+        }
     };
     let saver = storage.saver.clone();
     let queue = match url.as_deref() {

@@ -12,6 +12,11 @@ pub enum FleetError {
         /// What is wrong.
         reason: String,
     },
+    /// The connection string cannot be used (it does not parse, names a root
+    /// certificate file that cannot be read, or asks for TLS this build leaves out):
+    /// nothing has connected.
+    #[error(transparent)]
+    ConnectionString(#[from] keel_postgres_tls::ConnectError),
     /// No pooled connection could be had (the server is down, refused the login, or
     /// every connection stayed busy past the wait timeout).
     #[error("no Postgres connection: {}", chain(.0))]

@@ -38,6 +38,12 @@
 //! Every table is keyed by thread id first and the statements about one run name its
 //! thread, so a distributed PostgreSQL sharded by thread id takes the schema.
 //!
+//! [`Queue::connect`] reads its connection string as libpq does (keel-postgres-tls).
+//! With the `tls` feature (which the `keel` crate's `fleet` feature turns on), TLS
+//! follows the string's `sslmode`: `?sslmode=verify-full&sslrootcert=ca.pem` for a
+//! managed database. Without it, connections go without TLS, and a string that
+//! requires TLS is refused with [`FleetError::ConnectionString`].
+//!
 //! # Example
 //!
 //! A worker and a submitted run on one database (the doctest needs a server, so it is

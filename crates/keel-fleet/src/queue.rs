@@ -352,19 +352,16 @@ pub(crate) enum Renewal {
 impl Queue {
     /// A queue over a new pool for `url` (a `postgres://` URL or `key=value` pairs),
     /// schema `public`. Connections open lazily. TLS follows the string's `sslmode` as
-    /// libpq does with the `tls` feature; without it, a string that requires TLS is
-    /// refused with [`FleetError::Config`] (see `keel_postgres_tls`).
+    /// libpq does with the `tls` feature; without it, connections go without TLS even
+    /// where the server offers it (unlike `psql`), and a string that requires TLS is
+    /// refused with [`FleetError::ConnectionString`] (see `keel_postgres_tls`).
     pub fn connect(url: &str) -> Result<Self, FleetError> {
         Self::connect_with(url, QueueOptions::new())
     }
 
     /// A queue over a new pool, with options.
     pub fn connect_with(url: &str, options: QueueOptions) -> Result<Self, FleetError> {
-        let (mut pg, tls) = keel_postgres_tls::ConnectionString::parse(url)
-            .map_err(|e| FleetError::Config {
-                reason: e.to_string(),
-            })?
-            .into_parts();
+        let (mut pg, tls) = keel_postgres_tls::ConnectionString::parse(url)?.into_parts();
         if pg.get_application_name().is_none() {
             pg.application_name("keel-fleet");
         }

@@ -728,7 +728,8 @@ enum Ack {
 impl PostgresStore {
     /// Connects to `url` (a URL or `key=value` pairs) with default
     /// [`PostgresStoreOptions`], and creates or upgrades the tables. TLS follows the
-    /// string's `sslmode` as libpq does with the `tls` feature; without it, a string
+    /// string's `sslmode` as libpq does with the `tls` feature; without it, connections
+    /// go without TLS even where the server offers it (unlike `psql`), and a string
     /// that requires TLS is refused (see `keel_postgres_tls`).
     pub fn connect(url: &str) -> Result<Self, OffloadError> {
         Self::connect_with(url, PostgresStoreOptions::default())

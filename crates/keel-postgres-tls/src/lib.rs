@@ -22,9 +22,16 @@
 //! absent or `system`, the Mozilla roots compiled in (webpki-roots): a managed
 //! database whose certificate chains to a public authority needs nothing more, and
 //! one with a private authority (Amazon RDS, say) needs its bundle in `sslrootcert`.
-//! Client certificates (`sslcert`, `sslkey`) are not supported: they are refused with
-//! [`ConnectError::Unsupported`]; build a pool with a connector of your own for them.
-//! libpq's environment variables (`PGSSLMODE`, ...) are not read.
+//! As with libpq, `PGSSLMODE` and `PGSSLROOTCERT` give the mode and the roots when the
+//! string does not, and `ssl_min_protocol_version` / `ssl_max_protocol_version` bound
+//! the TLS version (rustls speaks 1.2 and 1.3). A `sslrootcert` file that cannot be
+//! read is an error in every mode that reads it (libpq's `require` would go on without
+//! checking). Refused with [`ConnectError::Unsupported`], naming the option: client
+//! certificates (`sslcert`, `sslkey`, `sslcertmode=require`), revocation lists
+//! (`sslcrl`, `sslcrldir`) and `gssencmode=require`; for those, build a pool with a
+//! connector of your own. A certificate that no root signed fails with an error naming
+//! the roots looked in and `sslrootcert=`. [`redact`] shows a connection string with
+//! its password hidden, in either form.
 //!
 //! ```
 //! use keel_postgres_tls::{ConnectionString, SslMode};
@@ -60,6 +67,7 @@
 //! ```
 
 mod parse;
+pub use parse::redact;
 #[cfg(feature = "rustls")]
 mod verify;
 
@@ -165,7 +173,7 @@ pub enum ConnectError {
     },
     /// The string requires TLS and this build has none.
     #[error(
-        "sslmode={mode} needs TLS, which this build leaves out: turn on the `tls` feature of the keel crate that connects (keel-postgres-tls's `rustls`), or use sslmode=disable or prefer"
+        "sslmode={mode} needs TLS, which this build leaves out: turn it on (the `keel` crate's `postgres` feature has it; alone, keel-checkpoint-postgres's, keel-offload's or keel-fleet's `tls` feature)"
     )]
     NeedsTls {
         /// The mode asked for.
@@ -179,13 +187,14 @@ pub enum ConnectError {
         /// What went wrong.
         reason: String,
     },
-    /// An option libpq knows that is not supported here (client certificates).
-    #[error(
-        "the connection string's `{option}` is not supported: client certificates need a pool built with a TLS connector of your own"
-    )]
+    /// An option libpq knows that is not supported here (client certificates,
+    /// revocation lists, GSSAPI encryption).
+    #[error("the connection string's `{option}` is not supported: {why}")]
     Unsupported {
         /// The option.
         option: String,
+        /// Why, and what to do instead.
+        why: &'static str,
     },
     /// rustls refused the settings (no usable protocol version, say).
     #[error("cannot set up TLS: {reason}")]
@@ -218,17 +227,26 @@ impl fmt::Debug for ConnectionString {
 
 impl ConnectionString {
     /// Parses a URL (`postgres://user:pass@host:5432/db?sslmode=verify-full`) or
-    /// `key=value` pairs (`host=db user=keel sslmode=require`). Reads the
-    /// `sslrootcert` file when the mode checks certificates.
+    /// `key=value` pairs (`host=db user=keel sslmode=require`). As libpq, takes
+    /// `sslmode` and `sslrootcert` from the environment (`PGSSLMODE`,
+    /// `PGSSLROOTCERT`) when the string does not give them. Reads the `sslrootcert`
+    /// file when the mode checks certificates.
     pub fn parse(s: &str) -> Result<Self, ConnectError> {
+        Self::parse_with_env(s, |name| std::env::var(name).ok())
+    }
+
+    /// [`parse`](Self::parse) with the environment given as a function.
+    fn parse_with_env(s: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConnectError> {
         let parsed = parse::split_tls_options(s)?;
-        let mode = match parsed.ssl_mode.as_deref() {
-            Some(v) => SslMode::parse(v)?,
+        if let Some((option, why)) = parsed.unsupported {
+            return Err(ConnectError::Unsupported { option, why });
+        }
+        let mode = match parsed.ssl_mode.or_else(|| env("PGSSLMODE")) {
+            Some(v) => SslMode::parse(&v)?,
             None => SslMode::default(),
         };
-        if let Some(option) = parsed.unsupported {
-            return Err(ConnectError::Unsupported { option });
-        }
+        let versions =
+            TlsVersions::between(parsed.min_version.as_deref(), parsed.max_version.as_deref())?;
         let mut config =
             tokio_postgres::Config::from_str(&parsed.rest).map_err(|e| ConnectError::Parse {
                 reason: with_sources(&e),
@@ -236,9 +254,10 @@ impl ConnectionString {
         config.ssl_mode(mode.for_tokio());
         let root_cert = parsed
             .root_cert
+            .or_else(|| env("PGSSLROOTCERT"))
             .filter(|r| r != "system")
             .map(PathBuf::from);
-        let tls = Tls::new(mode, root_cert.as_deref())?;
+        let tls = Tls::new(mode, root_cert.as_deref(), versions)?;
         Ok(ConnectionString {
             config,
             mode,
@@ -277,6 +296,44 @@ impl ConnectionString {
     /// `deadpool_postgres::Manager`.
     pub fn into_parts(self) -> (tokio_postgres::Config, Tls) {
         (self.config, self.tls)
+    }
+}
+
+/// The TLS versions a connection may use: libpq's `ssl_min_protocol_version` and
+/// `ssl_max_protocol_version` over the two rustls speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TlsVersions {
+    pub(crate) tls12: bool,
+    pub(crate) tls13: bool,
+}
+
+impl TlsVersions {
+    fn between(min: Option<&str>, max: Option<&str>) -> Result<Self, ConnectError> {
+        // libpq's spellings, as minor versions of TLS 1.
+        let minor = |option: &str, value: &str| match value {
+            "TLSv1" => Ok(0),
+            "TLSv1.1" => Ok(1),
+            "TLSv1.2" => Ok(2),
+            "TLSv1.3" => Ok(3),
+            _ => Err(ConnectError::Parse {
+                reason: format!(
+                    "{option} `{value}` is not one of TLSv1, TLSv1.1, TLSv1.2, TLSv1.3"
+                ),
+            }),
+        };
+        let low = min.map_or(Ok(2), |v| minor("ssl_min_protocol_version", v))?;
+        let high = max.map_or(Ok(3), |v| minor("ssl_max_protocol_version", v))?;
+        let versions = TlsVersions {
+            tls12: low <= 2 && 2 <= high,
+            tls13: low <= 3 && 3 <= high,
+        };
+        if !versions.tls12 && !versions.tls13 {
+            return Err(ConnectError::Unsupported {
+                option: "ssl_max_protocol_version".to_owned(),
+                why: "the versions allowed leave out TLS 1.2 and 1.3, the ones rustls speaks",
+            });
+        }
+        Ok(versions)
     }
 }
 
@@ -322,8 +379,12 @@ impl fmt::Debug for Tls {
 
 impl Tls {
     #[cfg(feature = "rustls")]
-    fn new(mode: SslMode, root_cert: Option<&std::path::Path>) -> Result<Self, ConnectError> {
-        let config = verify::client_config(mode, root_cert)?;
+    fn new(
+        mode: SslMode,
+        root_cert: Option<&std::path::Path>,
+        versions: TlsVersions,
+    ) -> Result<Self, ConnectError> {
+        let config = verify::client_config(mode, root_cert, versions)?;
         Ok(Tls {
             inner: tokio_postgres_rustls::MakeRustlsConnect::new(config),
             mode,
@@ -331,7 +392,11 @@ impl Tls {
     }
 
     #[cfg(not(feature = "rustls"))]
-    fn new(mode: SslMode, _root_cert: Option<&std::path::Path>) -> Result<Self, ConnectError> {
+    fn new(
+        mode: SslMode,
+        _root_cert: Option<&std::path::Path>,
+        _versions: TlsVersions,
+    ) -> Result<Self, ConnectError> {
         if mode.requires_tls() {
             return Err(ConnectError::NeedsTls { mode });
         }
@@ -399,7 +464,7 @@ mod tests {
             "{e}"
         );
         let e = ConnectionString::parse("postgres://h/db?sslcert=%2Fc.pem").unwrap_err();
-        assert!(matches!(e, ConnectError::Unsupported { ref option } if option == "sslcert"));
+        assert!(matches!(e, ConnectError::Unsupported { ref option, .. } if option == "sslcert"));
         let e = ConnectionString::parse("postgres://h/db?nonsense=1").unwrap_err();
         assert!(matches!(e, ConnectError::Parse { .. }), "{e}");
         assert!(e.to_string().contains("nonsense"), "{e}");
@@ -411,13 +476,71 @@ mod tests {
         assert!(!format!("{parsed:?}").contains("hunter2"));
     }
 
+    #[test]
+    fn the_environment_gives_what_the_string_does_not_as_libpq() {
+        let env = |name: &str| match name {
+            "PGSSLMODE" => Some("disable".to_owned()),
+            _ => None,
+        };
+        let from_env = ConnectionString::parse_with_env("host=h", env).unwrap();
+        assert_eq!(from_env.ssl_mode(), SslMode::Disable);
+        let given = ConnectionString::parse_with_env("host=h sslmode=allow", env).unwrap();
+        assert_eq!(given.ssl_mode(), SslMode::Allow);
+        let bad = |name: &str| (name == "PGSSLMODE").then(|| "on".to_owned());
+        assert!(matches!(
+            ConnectionString::parse_with_env("host=h", bad),
+            Err(ConnectError::BadSslMode { .. })
+        ));
+        let root = |name: &str| (name == "PGSSLROOTCERT").then(|| "/etc/ca.pem".to_owned());
+        let with_root = ConnectionString::parse_with_env("host=h sslmode=prefer", root).unwrap();
+        assert_eq!(
+            with_root.root_cert(),
+            Some(std::path::Path::new("/etc/ca.pem"))
+        );
+    }
+
+    #[test]
+    fn protocol_versions_are_libpqs_spellings_over_the_two_rustls_speaks() {
+        let v = |min, max| TlsVersions::between(min, max);
+        assert_eq!(
+            v(None, None).unwrap(),
+            TlsVersions {
+                tls12: true,
+                tls13: true
+            }
+        );
+        assert_eq!(
+            v(Some("TLSv1.3"), None).unwrap(),
+            TlsVersions {
+                tls12: false,
+                tls13: true
+            }
+        );
+        assert_eq!(
+            v(Some("TLSv1"), Some("TLSv1.2")).unwrap(),
+            TlsVersions {
+                tls12: true,
+                tls13: false
+            }
+        );
+        assert!(matches!(
+            v(None, Some("TLSv1.1")),
+            Err(ConnectError::Unsupported { .. })
+        ));
+        assert!(matches!(
+            v(Some("1.3"), None),
+            Err(ConnectError::Parse { .. })
+        ));
+        ConnectionString::parse("host=h ssl_min_protocol_version=TLSv1.3").unwrap();
+    }
+
     #[cfg(not(feature = "rustls"))]
     #[test]
     fn without_tls_a_string_that_requires_it_is_refused() {
         for mode in ["require", "verify-ca", "verify-full"] {
             let e = ConnectionString::parse(&format!("host=h sslmode={mode}")).unwrap_err();
             assert!(matches!(e, ConnectError::NeedsTls { .. }), "{e}");
-            assert!(e.to_string().contains("`tls` feature"), "{e}");
+            assert!(e.to_string().contains("`postgres` feature"), "{e}");
         }
     }
 }

@@ -5,19 +5,42 @@ use percent_encoding::percent_decode_str;
 
 use crate::ConnectError;
 
-/// Client-certificate options: refused, since the connector has no client identity.
-const UNSUPPORTED: [&str; 5] = ["sslcert", "sslkey", "sslpassword", "sslcrl", "sslcrldir"];
+const CLIENT_CERTIFICATES: &str =
+    "client certificates need a pool built with a TLS connector of your own (`from_pool`)";
+
+/// libpq options refused, with why: the connector has no client identity and checks
+/// no revocation list, and there is no GSSAPI encryption.
+fn unsupported(key: &str, value: &str) -> Option<&'static str> {
+    match (key, value) {
+        ("sslcert" | "sslkey" | "sslpassword", _) | ("sslcertmode", "require") => {
+            Some(CLIENT_CERTIFICATES)
+        }
+        ("sslcrl" | "sslcrldir", _) => Some(
+            "certificate revocation lists are not checked: leave them out, or build a pool with a TLS connector of your own (`from_pool`)",
+        ),
+        ("gssencmode", "require") => {
+            Some("GSSAPI encryption is not supported: encrypt with TLS (`sslmode`) instead")
+        }
+        _ => None,
+    }
+}
+
 /// Options libpq takes that change nothing here: rustls always sends SNI for a host
-/// name, and TLS compression is gone from every protocol version rustls speaks.
-const IGNORED: [&str; 2] = ["sslsni", "sslcompression"];
+/// name, TLS compression is gone from every protocol version rustls speaks, no client
+/// certificate is ever sent, and GSSAPI encryption is never tried (libpq's `prefer`
+/// falls back from it too).
+const IGNORED: [&str; 4] = ["sslsni", "sslcompression", "sslcertmode", "gssencmode"];
 
 /// A connection string with its TLS options taken out.
 #[derive(Debug, Default, PartialEq)]
 pub(crate) struct Parsed {
     pub(crate) ssl_mode: Option<String>,
     pub(crate) root_cert: Option<String>,
-    /// The first client-certificate option found.
-    pub(crate) unsupported: Option<String>,
+    /// `ssl_min_protocol_version` and `ssl_max_protocol_version`.
+    pub(crate) min_version: Option<String>,
+    pub(crate) max_version: Option<String>,
+    /// The first option refused, and why.
+    pub(crate) unsupported: Option<(String, &'static str)>,
     /// The string without the options above, for tokio-postgres.
     pub(crate) rest: String,
 }
@@ -25,12 +48,16 @@ pub(crate) struct Parsed {
 impl Parsed {
     /// Takes `key`'s `value` if it is one of ours; whether it was.
     fn take(&mut self, key: &str, value: String) -> bool {
+        if let Some(why) = unsupported(key, &value) {
+            self.unsupported
+                .get_or_insert_with(|| (key.to_owned(), why));
+            return true;
+        }
         match key {
             "sslmode" => self.ssl_mode = Some(value),
             "sslrootcert" => self.root_cert = Some(value),
-            k if UNSUPPORTED.contains(&k) => {
-                self.unsupported.get_or_insert_with(|| k.to_owned());
-            }
+            "ssl_min_protocol_version" => self.min_version = Some(value),
+            "ssl_max_protocol_version" => self.max_version = Some(value),
             k if IGNORED.contains(&k) => {}
             _ => return false,
         }
@@ -135,6 +162,69 @@ fn scan_pairs(s: &str) -> Option<Vec<(String, String, &str)>> {
     Some(pairs)
 }
 
+/// The connection string with every password shown as `***`: a URL's (`user:pw@`,
+/// `?password=`) and a `password=` pair's. A `key=value` string that does not scan
+/// is not shown at all, since where its password ends cannot be told.
+pub fn redact(s: &str) -> String {
+    if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+        return redact_url(s);
+    }
+    match scan_pairs(s) {
+        Some(pairs) => pairs
+            .into_iter()
+            .map(|(key, _, raw)| {
+                if key == "password" {
+                    "password=***".to_owned()
+                } else {
+                    raw.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+        None if s.contains("password") => {
+            "(a connection string that does not parse, not shown: it names a password)".to_owned()
+        }
+        None => s.to_owned(),
+    }
+}
+
+fn redact_url(s: &str) -> String {
+    let (base, query) = match s.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (s, None),
+    };
+    let (scheme, rest) = base.split_once("://").unwrap_or(("postgres", base));
+    // The userinfo ends at the last `@` before the path.
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let base = match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let (userinfo, after) = rest.split_at(at);
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{scheme}://{user}:***{after}"),
+                None => base.to_owned(),
+            }
+        }
+        None => base.to_owned(),
+    };
+    match query {
+        None => base,
+        Some(q) => {
+            let pairs: Vec<String> = q
+                .split('&')
+                .map(|pair| {
+                    let key = pair.split_once('=').map_or(pair, |(k, _)| k);
+                    if percent_decode_str(key).decode_utf8_lossy() == "password" {
+                        format!("{key}=***")
+                    } else {
+                        pair.to_owned()
+                    }
+                })
+                .collect();
+            format!("{base}?{}", pairs.join("&"))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,12 +262,19 @@ mod tests {
 
     #[test]
     fn client_certificates_are_flagged_and_libpq_only_options_dropped() {
-        let p = split("host=h sslsni=1 sslcert=/c.pem sslkey=/k.pem");
-        assert_eq!(p.unsupported.as_deref(), Some("sslcert"));
+        let p = split("host=h sslsni=1 sslcert=/c.pem sslkey=/k.pem gssencmode=disable");
+        assert_eq!(p.unsupported.map(|u| u.0).as_deref(), Some("sslcert"));
         assert_eq!(p.rest, "host=h");
-        let u = split("postgres://h/db?sslkey=%2Fk&sslcompression=0");
-        assert_eq!(u.unsupported.as_deref(), Some("sslkey"));
+        let u = split("postgres://h/db?sslkey=%2Fk&sslcompression=0&sslcertmode=allow");
+        assert_eq!(u.unsupported.map(|u| u.0).as_deref(), Some("sslkey"));
         assert_eq!(u.rest, "postgres://h/db");
+        let crl = split("host=h sslcrl=/crl.pem").unsupported.unwrap();
+        assert!(crl.1.contains("revocation"), "{}", crl.1);
+        let gss = split("host=h gssencmode=require").unsupported.unwrap();
+        assert!(gss.1.contains("GSSAPI"), "{}", gss.1);
+        let v = split("host=h ssl_min_protocol_version=TLSv1.3");
+        assert_eq!(v.min_version.as_deref(), Some("TLSv1.3"));
+        assert_eq!(v.rest, "host=h");
     }
 
     #[test]
@@ -187,6 +284,39 @@ mod tests {
             assert_eq!(p.rest, bad);
             assert_eq!(p.ssl_mode, None);
         }
+    }
+
+    #[test]
+    fn passwords_are_never_shown() {
+        for (given, shown) in [
+            (
+                "postgres://bob:hunter2@db:5432/x",
+                "postgres://bob:***@db:5432/x",
+            ),
+            (
+                "postgres://bob:p@ss@db/x?sslmode=require",
+                "postgres://bob:***@db/x?sslmode=require",
+            ),
+            (
+                "postgresql://bob@db/x?password=hunter2&sslmode=require",
+                "postgresql://bob@db/x?password=***&sslmode=require",
+            ),
+            (
+                "postgres://db/x?pass%77ord=hunter2",
+                "postgres://db/x?pass%77ord=***",
+            ),
+            ("postgres://bob@db/x", "postgres://bob@db/x"),
+            (
+                "host=db user=bob password=hunter2 sslmode=require",
+                "host=db user=bob password=*** sslmode=require",
+            ),
+            (r"host=db password='hun ter\'2'", "host=db password=***"),
+            ("host=db user=bob", "host=db user=bob"),
+        ] {
+            assert_eq!(redact(given), shown, "{given}");
+        }
+        let unscannable = redact("host=db password='hunter2");
+        assert!(!unscannable.contains("hunter2"), "{unscannable}");
     }
 
     #[test]

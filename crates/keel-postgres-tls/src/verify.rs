@@ -12,17 +12,25 @@ use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 
-use crate::{ConnectError, SslMode};
+use crate::{ConnectError, SslMode, TlsVersions};
 
 /// The client settings for `mode`, with `root_cert`'s certificates (or the Mozilla
 /// roots) when the mode checks the server's.
 pub(crate) fn client_config(
     mode: SslMode,
     root_cert: Option<&Path>,
+    versions: TlsVersions,
 ) -> Result<ClientConfig, ConnectError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut allowed = Vec::new();
+    if versions.tls12 {
+        allowed.push(&rustls::version::TLS12);
+    }
+    if versions.tls13 {
+        allowed.push(&rustls::version::TLS13);
+    }
     let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(&allowed)
         .map_err(|e| ConnectError::Tls {
             reason: e.to_string(),
         })?;
@@ -39,19 +47,46 @@ pub(crate) fn client_config(
             .with_no_client_auth());
     }
     let roots = Arc::new(roots(root_cert)?);
-    if mode == SslMode::VerifyFull {
-        return Ok(builder.with_root_certificates(roots).with_no_client_auth());
-    }
-    let chain = WebPkiServerVerifier::builder_with_provider(roots, provider)
+    let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
         .build()
         .map_err(|e| ConnectError::Tls {
             reason: e.to_string(),
         })?;
+    let verifier = Checked {
+        webpki,
+        check_name: mode == SslMode::VerifyFull,
+        roots: match root_cert {
+            Some(path) => format!("the certificates in {}", path.display()),
+            None => "the Mozilla roots (no sslrootcert given)".to_owned(),
+        },
+    };
     Ok(builder
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(ChainOnly(chain)))
+        .with_custom_certificate_verifier(Arc::new(verifier))
         .with_no_client_auth())
 }
+
+/// An unknown issuer, said in the terms of the connection string.
+struct UnknownIssuer(String);
+
+/// rustls shows a certificate error's inner error by `Debug`: the sentence.
+impl std::fmt::Debug for UnknownIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::fmt::Display for UnknownIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the server's certificate is not signed by {}: name its authority's certificate (a managed database's CA bundle) in sslrootcert=",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownIssuer {}
 
 /// The certificates of the PEM file, or the Mozilla roots.
 fn roots(root_cert: Option<&Path>) -> Result<RootCertStore, ConnectError> {
@@ -132,12 +167,18 @@ impl ServerCertVerifier for Unchecked {
     }
 }
 
-/// `verify-ca`: the chain is checked against the roots, the host name is not. webpki
-/// checks the chain before the name, so a name error means the chain passed.
+/// `verify-full`, and `verify-ca` (`check_name` off): the chain is checked against the
+/// roots, and with `check_name` the host name too. webpki checks the chain before the
+/// name, so a name error means the chain passed. An unknown issuer says which roots
+/// were looked in and how to give others.
 #[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
+struct Checked {
+    webpki: Arc<WebPkiServerVerifier>,
+    check_name: bool,
+    roots: String,
+}
 
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Checked {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -146,13 +187,22 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let checked = self.webpki.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        );
+        match checked {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            Err(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)) => {
+                Err(rustls::Error::InvalidCertificate(CertificateError::Other(
+                    rustls::OtherError(Arc::new(UnknownIssuer(self.roots.clone()))),
+                )))
+            }
             other => other,
         }
     }
@@ -163,7 +213,7 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        self.webpki.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -172,10 +222,10 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        self.webpki.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.webpki.supported_verify_schemes()
     }
 }

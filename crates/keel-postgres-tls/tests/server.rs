@@ -105,9 +105,21 @@ async fn each_sslmode_connects_or_refuses_as_libpq_would() {
         .await
         .expect_err("a self-signed certificate passed verify-full");
     assert!(
-        refused.contains("certificate") || refused.contains("UnknownIssuer"),
+        refused.contains("not signed by the Mozilla roots") && refused.contains("sslrootcert="),
         "{refused}"
     );
+    // Either TLS version rustls speaks, when the string pins one.
+    for pinned in [
+        "ssl_min_protocol_version=TLSv1.3",
+        "ssl_max_protocol_version=TLSv1.2",
+    ] {
+        assert!(
+            encrypted(&with(&url, &format!("sslmode=require&{pinned}")))
+                .await
+                .unwrap(),
+            "{pinned}"
+        );
+    }
     let Some(cert) = server_cert(&url).await else {
         eprintln!(
             "server: the checks against the server's own certificate skipped: its file cannot be read here"

@@ -17,7 +17,7 @@
 //! | [`compaction`] | keel-compaction | `Compactor`: goal anchor, milestones, epochs |
 //! | `agent` | keel-agent | the prebuilt compacting agent (feature `agent`) |
 //! | `sqlite` | keel-checkpoint-sqlite | the embedded checkpointer (feature `sqlite`) |
-//! | `postgres` | keel-checkpoint-postgres | the production checkpointer (feature `postgres`) |
+//! | `postgres` | keel-checkpoint-postgres | the production checkpointer (feature `postgres`); `postgres::tls` is keel-postgres-tls, connection strings as libpq reads them |
 //! | `fleet` | keel-fleet | the run queue and workers on one PostgreSQL (feature `fleet`) |
 //!
 //! Each module is its crate, whole: the examples in a crate's own docs name it by its
@@ -35,8 +35,7 @@
 //! | `tiktoken` | yes | exact token counts (o200k_base, cl100k_base); without it a profile's counter estimates, leaning high (`ApproxCounter`) |
 //! | `fs` | yes | the filesystem offload store and the agent's file tools |
 //! | `agent` | yes | `agent`: the compacting agent graph |
-//! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database); call `PostgresSaver::setup()` once to create or migrate its tables before the first run (`examples/agent_postgres.rs`) |
-//! | `tls` | no | TLS for every PostgreSQL connection keel opens (checkpointer, offload store, fleet queue), by the connection string's `sslmode` as libpq reads it, `verify-full` and `sslrootcert` included, over rustls (keel-postgres-tls); turns on `postgres` |
+//! | `postgres` | no | `postgres::PostgresSaver`, and `offload::PostgresStore` (the archive in the same database); call `PostgresSaver::setup()` once to create or migrate its tables before the first run (`examples/agent_postgres.rs`). Connections follow the connection string's `sslmode` as `psql`'s do, over rustls (`postgres::tls`, keel-postgres-tls) |
 //! | `fleet` | no | `fleet::{Queue, Worker}`: runs submitted to PostgreSQL, taken by any number of workers (turns on `postgres` and `agent`) |
 //! | `openai` | no | `model::OpenAiModel`, any OpenAI-compatible server |
 //! | `ollama` | no | `model::OllamaModel` |
