@@ -2292,14 +2292,7 @@ async fn update_state_as_start_seeds_a_new_thread_that_then_runs() {
 #[tokio::test]
 async fn continuing_a_thread_that_has_nothing_stores_nothing_with_every_durability() {
     for durability in [Durability::Sync, Durability::Async, Durability::Exit] {
-        let cp = saver();
-        let g = StateGraph::<S>::new()
-            .add_node("a", logger("a"))
-            .add_edge(START, "a")
-            .add_edge("a", END)
-            .with_checkpointer(Arc::clone(&cp))
-            .compile()
-            .unwrap();
+        let g = one_logger_saved();
         let config = RunConfig::thread("never-started").with_durability(durability);
         let run = g.invoke(Command::<S>::none(), &config).await.unwrap();
         assert!(run.state.log.is_empty(), "{durability:?}");

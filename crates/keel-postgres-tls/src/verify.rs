@@ -40,26 +40,25 @@ pub(crate) fn client_config(
         SslMode::Require => root_cert.is_some(),
         _ => false,
     };
-    if !check_chain {
-        return Ok(builder
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Unchecked(provider)))
-            .with_no_client_auth());
-    }
-    let roots = Arc::new(roots(root_cert)?);
-    let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
-        .build()
-        .map_err(|e| ConnectError::Tls {
-            reason: e.to_string(),
-        })?;
-    let verifier = Checked {
-        webpki,
-        check_name: mode == SslMode::VerifyFull,
-        roots: match root_cert {
-            Some(path) => format!("the certificates in {}", path.display()),
-            None => "the Mozilla roots (no sslrootcert given)".to_owned(),
-        },
+    let chain = if check_chain {
+        let roots = Arc::new(roots(root_cert)?);
+        let webpki = WebPkiServerVerifier::builder_with_provider(roots, Arc::clone(&provider))
+            .build()
+            .map_err(|e| ConnectError::Tls {
+                reason: e.to_string(),
+            })?;
+        Some(Chain {
+            webpki,
+            check_name: mode == SslMode::VerifyFull,
+            roots: match root_cert {
+                Some(path) => format!("the certificates in {}", path.display()),
+                None => "the Mozilla roots (no sslrootcert given)".to_owned(),
+            },
+        })
+    } else {
+        None
     };
+    let verifier = Verifier { provider, chain };
     Ok(builder
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(verifier))
@@ -116,55 +115,14 @@ fn roots(root_cert: Option<&Path>) -> Result<RootCertStore, ConnectError> {
     Ok(store)
 }
 
-/// `prefer` and `require` as libpq has them: the server's certificate is not checked
-/// (the handshake's signatures still are, against the certificate it presents). This
-/// encrypts the connection; it does not prove who is at the other end.
+/// What is checked of the server's certificate. Without a chain (`prefer`, and
+/// `require` without `sslrootcert`, as libpq has them) nothing is: the handshake's
+/// signatures still are, against the certificate the server presents, so the
+/// connection is encrypted, but who is at the other end is not proved.
 #[derive(Debug)]
-struct Unchecked(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Verifier {
+    provider: Arc<CryptoProvider>,
+    chain: Option<Chain>,
 }
 
 /// `verify-full`, and `verify-ca` (`check_name` off): the chain is checked against the
@@ -172,13 +130,13 @@ impl ServerCertVerifier for Unchecked {
 /// name, so a name error means the chain passed. An unknown issuer says which roots
 /// were looked in and how to give others.
 #[derive(Debug)]
-struct Checked {
+struct Chain {
     webpki: Arc<WebPkiServerVerifier>,
     check_name: bool,
     roots: String,
 }
 
-impl ServerCertVerifier for Checked {
+impl ServerCertVerifier for Verifier {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -187,7 +145,10 @@ impl ServerCertVerifier for Checked {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let checked = self.webpki.verify_server_cert(
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        let checked = chain.webpki.verify_server_cert(
             end_entity,
             intermediates,
             server_name,
@@ -197,10 +158,10 @@ impl ServerCertVerifier for Checked {
         match checked {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            )) if !chain.check_name => Ok(ServerCertVerified::assertion()),
             Err(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)) => {
                 Err(rustls::Error::InvalidCertificate(CertificateError::Other(
-                    rustls::OtherError(Arc::new(UnknownIssuer(self.roots.clone()))),
+                    rustls::OtherError(Arc::new(UnknownIssuer(chain.roots.clone()))),
                 )))
             }
             other => other,
@@ -213,7 +174,8 @@ impl ServerCertVerifier for Checked {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -222,10 +184,13 @@ impl ServerCertVerifier for Checked {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.webpki.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.webpki.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
