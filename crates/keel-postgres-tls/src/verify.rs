@@ -66,14 +66,8 @@ pub(crate) fn client_config(
 }
 
 /// An unknown issuer, said in the terms of the connection string.
+#[derive(Debug)]
 struct UnknownIssuer(String);
-
-/// rustls shows a certificate error's inner error by `Debug`: the sentence.
-impl std::fmt::Debug for UnknownIssuer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
-    }
-}
 
 impl std::fmt::Display for UnknownIssuer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -159,10 +153,11 @@ impl ServerCertVerifier for Verifier {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) if !chain.check_name => Ok(ServerCertVerified::assertion()),
+            // As rustls's own error, the sentence would be shown by `Debug`, wrapped.
             Err(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)) => {
-                Err(rustls::Error::InvalidCertificate(CertificateError::Other(
-                    rustls::OtherError(Arc::new(UnknownIssuer(chain.roots.clone()))),
-                )))
+                Err(rustls::Error::Other(rustls::OtherError(Arc::new(
+                    UnknownIssuer(chain.roots.clone()),
+                ))))
             }
             other => other,
         }
