@@ -180,7 +180,9 @@ mod tests {
         assert_eq!(kv.get_pool_size(), DEFAULT_POOL_SIZE);
         assert!(matches!(
             PostgresConfig::new("postgres://[bad"),
-            Err(PostgresError::Config { .. })
+            Err(PostgresError::ConnectionString(
+                keel_postgres_tls::ConnectError::Parse { .. }
+            ))
         ));
     }
 
