@@ -452,7 +452,8 @@ mod tests {
             assert_eq!(parsed.ssl_mode(), mode);
             assert_eq!(parsed.config().get_ssl_mode(), tokio);
         }
-        let default = ConnectionString::parse("postgres://u@h/db").unwrap();
+        // The environment left out: `PGSSLMODE` would set the mode.
+        let default = ConnectionString::parse_with_env("postgres://u@h/db", |_| None).unwrap();
         assert_eq!(default.ssl_mode(), SslMode::Prefer);
     }
 
