@@ -194,9 +194,9 @@ fn redact_url(s: &str) -> String {
         None => (s, None),
     };
     let (scheme, rest) = base.split_once("://").unwrap_or(("postgres", base));
-    // The userinfo ends at the last `@` before the path.
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let base = match rest[..authority_end].rfind('@') {
+    // The userinfo ends at the last `@` before the query: a password written with an
+    // unescaped `/` or `@` is still hidden whole.
+    let base = match rest.rfind('@') {
         Some(at) => {
             let (userinfo, after) = rest.split_at(at);
             match userinfo.split_once(':') {
@@ -297,6 +297,7 @@ mod tests {
                 "postgres://bob:p@ss@db/x?sslmode=require",
                 "postgres://bob:***@db/x?sslmode=require",
             ),
+            ("postgres://bob:p/ss@db/x", "postgres://bob:***@db/x"),
             (
                 "postgresql://bob@db/x?password=hunter2&sslmode=require",
                 "postgresql://bob@db/x?password=***&sslmode=require",
