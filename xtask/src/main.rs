@@ -10,7 +10,6 @@
 //! * `fuzz` — run the cargo-fuzz targets of `fuzz/` for a while each (not part of `ci`,
 //!   which replays their corpora through the tests).
 
-use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod bench;
@@ -52,7 +51,10 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
-    /// The targeted context evals (tests/evals): one line per eval, transcripts under target/evals.
+    /// The targeted context evals (tests/evals): goal, intent, needle, continuation,
+    /// resume, large and adversarial, each a line with what it measured against its
+    /// limit, then a count of those passed; transcripts under target/evals. What each
+    /// proves: docs/architecture.md, "keel-evals".
     Eval {
         /// Run the model-facing evals against OPENAI_BASE_URL / OLLAMA_BASE_URL.
         #[arg(long)]
@@ -74,8 +76,8 @@ enum Command {
     },
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().command {
+fn main() -> std::process::ExitCode {
+    let done = match Cli::parse().command {
         Command::Ci => ci::ci(),
         Command::Test { args } => ci::test(&args),
         Command::Bench { target, quick } => bench::bench(&target, quick),
@@ -83,5 +85,14 @@ fn main() -> Result<()> {
         Command::LlmLive => llm::live(),
         Command::GenVectors => vectors::gen_vectors(),
         Command::Fuzz { seconds, targets } => fuzz::fuzz(seconds, &targets),
+    };
+    match done {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // The message and its causes, without the backtrace `RUST_BACKTRACE` would add:
+        // a failed step is the command that failed, not a place in xtask.
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

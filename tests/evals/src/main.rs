@@ -104,11 +104,13 @@ async fn main() -> ExitCode {
         eprintln!("cannot create {}: {e}", out_dir.display());
     }
     let mut failed = false;
+    let (mut passed, total) = (0, results.len());
     for (name, result) in results {
         match result {
             Ok(outcome) => {
                 println!("{outcome}");
                 failed |= !outcome.ok();
+                passed += usize::from(outcome.ok());
                 if !outcome.transcript.is_empty() {
                     let path = out_dir.join(format!(
                         "{name}{}.jsonl",
@@ -127,6 +129,10 @@ async fn main() -> ExitCode {
             }
         }
     }
+    println!(
+        "{passed} of {total} evals passed{}",
+        if live_mode { " (live)" } else { "" }
+    );
     if live_mode || !failed {
         println!("transcripts: {}", out_dir.display());
     }

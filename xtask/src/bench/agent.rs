@@ -68,15 +68,36 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-fn sizes() -> Vec<u64> {
+/// `KEEL_BENCH_AGENT_SIZES`, every item a number of steps (`1_000` or `1000`), else
+/// the defaults; a value that is not one is an error naming it, not a size left out.
+fn sizes() -> Result<Vec<u64>> {
     match std::env::var("KEEL_BENCH_AGENT_SIZES") {
         Ok(v) if !v.trim().is_empty() => v
             .split(',')
-            .filter_map(|s| s.trim().replace('_', "").parse().ok())
+            .map(|s| match s.trim().replace('_', "").parse::<u64>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => bail!(
+                    "KEEL_BENCH_AGENT_SIZES: `{}` is not a number of agent steps (e.g. 100,1000)",
+                    s.trim()
+                ),
+            })
             .collect(),
-        _ if super::quick() => vec![100, 1_000],
-        _ => DEFAULT_SIZES.to_vec(),
+        _ if super::quick() => Ok(vec![100, 1_000]),
+        _ => Ok(DEFAULT_SIZES.to_vec()),
     }
+}
+
+/// `var` as a comma-separated list of names out of `known`; `None` when unset. A name
+/// not known is an error listing the known ones: a typo would otherwise run nothing.
+fn names(var: &str, known: &[&str]) -> Result<Option<Vec<String>>> {
+    let Ok(v) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let names: Vec<String> = v.split(',').map(|b| b.trim().to_owned()).collect();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        bail!("{var}: `{bad}` is not one of {}", known.join(", "));
+    }
+    Ok(Some(names))
 }
 
 /// How many times each side runs one (backend, durability, N).
@@ -97,30 +118,57 @@ impl Reps {
 /// LangGraph.js runs once at 10,000 and more, where one of its runs takes minutes. keel's
 /// take seconds there, so it keeps its count: the 10,000/100 per-step ratio compares two
 /// medians instead of a median and one sample of a machine whose speed drifts.
-fn reps_for(n: u64, env: Option<&str>) -> Reps {
-    let reps = env
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&r| r > 0)
-        .unwrap_or(3);
-    Reps {
+fn reps_for(n: u64, env: Option<&str>) -> Result<Reps> {
+    let reps = match env.map(str::trim).filter(|v| !v.is_empty()) {
+        None => 3,
+        Some(v) => match v.parse::<u32>() {
+            Ok(r) if r > 0 => r,
+            _ => bail!("KEEL_BENCH_AGENT_REPS: `{v}` is not a number of repetitions (at least 1)"),
+        },
+    };
+    Ok(Reps {
         keel: reps,
         peer: if n >= 10_000 { 1 } else { reps },
-    }
+    })
 }
 
 /// Runs the benchmark, prints the comparison and returns its rows for the one table.
 pub fn run() -> Result<Vec<Row>> {
-    let sizes = sizes();
+    let sizes = sizes()?;
     if sizes.is_empty() {
         bail!("KEEL_BENCH_AGENT_SIZES has no sizes");
     }
+    let reps_env = std::env::var("KEEL_BENCH_AGENT_REPS").ok();
+    // Checked before anything starts: a typo is an error, not an empty run.
+    reps_for(1, reps_env.as_deref())?;
+    let known = |pick: fn(&(&'static str, &'static str)) -> &'static str| {
+        let mut names: Vec<&str> = Vec::new();
+        for name in CONFIGS.iter().map(pick) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
+    };
+    // KEEL_BENCH_AGENT_BACKENDS=postgres,sqlite runs only those backends.
+    let only = names("KEEL_BENCH_AGENT_BACKENDS", &known(|c| c.0))?;
+    // KEEL_BENCH_AGENT_DURABILITIES=sync runs only that durability.
+    let only_durability = names("KEEL_BENCH_AGENT_DURABILITIES", &known(|c| c.1))?;
+    let excluded = |only: &Option<Vec<String>>, name: &str| {
+        only.as_ref().is_some_and(|o| !o.iter().any(|b| b == name))
+    };
     let max_secs = env_u64("KEEL_BENCH_AGENT_MAX_SECS", 240) as f64;
     let mut skipped: Vec<String> = Vec::new();
 
-    let db = Database::get(&[], false);
+    // PostgreSQL and pgbench only for a run with PostgreSQL rows.
+    let db = if excluded(&only, "postgres") {
+        Database::Unavailable("no PostgreSQL rows asked for (KEEL_BENCH_AGENT_BACKENDS)".into())
+    } else {
+        Database::get(&[], false)
+    };
     eprintln!("agent bench: {}", db.describe());
     let url = db.url();
-    if url.is_none() {
+    if url.is_none() && !excluded(&only, "postgres") {
         skipped.push(format!("PostgreSQL rows and pgbench: {}", db.describe()));
     }
 
@@ -153,18 +201,6 @@ pub fn run() -> Result<Vec<Row>> {
     let mut peer_rows: Vec<Value> = Vec::new();
     let mut keel_rows: Vec<Value> = Vec::new();
     let mut keel_errors: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    // KEEL_BENCH_AGENT_BACKENDS=postgres,sqlite runs only those backends.
-    let list = |var: &str| -> Option<Vec<String>> {
-        std::env::var(var)
-            .ok()
-            .map(|v| v.split(',').map(|b| b.trim().to_owned()).collect())
-    };
-    let only = list("KEEL_BENCH_AGENT_BACKENDS");
-    // KEEL_BENCH_AGENT_DURABILITIES=sync runs only that durability.
-    let only_durability = list("KEEL_BENCH_AGENT_DURABILITIES");
-    let excluded = |only: &Option<Vec<String>>, name: &str| {
-        only.as_ref().is_some_and(|o| !o.iter().any(|b| b == name))
-    };
     for &(backend, durability) in CONFIGS {
         if backend == "postgres" && url.is_none() {
             continue;
@@ -176,7 +212,7 @@ pub fn run() -> Result<Vec<Row>> {
         let mut last_peer: Option<(u64, f64)> = None;
         let mut last_keel: Option<(u64, f64)> = None;
         for &n in &sizes {
-            let reps = reps_for(n, std::env::var("KEEL_BENCH_AGENT_REPS").ok().as_deref());
+            let reps = reps_for(n, reps_env.as_deref())?;
             let too_long = |last: Option<(u64, f64)>| {
                 last.map(|(m, secs)| secs * n as f64 / m as f64)
                     .filter(|est| *est > max_secs)
@@ -1095,14 +1131,22 @@ mod tests {
 
     #[test]
     fn keel_keeps_its_repetitions_where_the_peer_runs_once() {
-        assert_eq!(reps_for(1_000, None), Reps { keel: 3, peer: 3 });
-        assert_eq!(reps_for(10_000, None), Reps { keel: 3, peer: 1 });
-        assert_eq!(reps_for(10_000, Some(" 5 ")), Reps { keel: 5, peer: 1 });
-        assert_eq!(reps_for(100, Some("2")), Reps { keel: 2, peer: 2 });
-        // Nothing sensible given: the default, not zero rounds.
-        assert_eq!(reps_for(100, Some("0")), Reps { keel: 3, peer: 3 });
-        assert_eq!(reps_for(100, Some("x")), Reps { keel: 3, peer: 3 });
-        assert_eq!(reps_for(10_000, None).rounds(), 3);
+        assert_eq!(reps_for(1_000, None).unwrap(), Reps { keel: 3, peer: 3 });
+        assert_eq!(reps_for(10_000, None).unwrap(), Reps { keel: 3, peer: 1 });
+        assert_eq!(
+            reps_for(10_000, Some(" 5 ")).unwrap(),
+            Reps { keel: 5, peer: 1 }
+        );
+        assert_eq!(reps_for(100, Some("2")).unwrap(), Reps { keel: 2, peer: 2 });
+        // A value that is not a count is an error naming it, not a silent default.
+        assert!(reps_for(100, Some("0")).is_err());
+        assert!(
+            reps_for(100, Some("x"))
+                .unwrap_err()
+                .to_string()
+                .contains("`x`")
+        );
+        assert_eq!(reps_for(10_000, None).unwrap().rounds(), 3);
     }
 
     #[test]

@@ -144,6 +144,7 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
     let rustc = command_line("rustc", &["-V"]);
     let python = command_line("python3", &["--version"]);
     let node = command_line("node", &["--version"]);
+    let commit = command_line("git", &["rev-parse", "--short", "HEAD"]);
     let _ = writeln!(md, "# Benchmarks\n");
     let _ = writeln!(
         md,
@@ -156,7 +157,7 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
     let _ = writeln!(md, "* Date: {date}; the run took {:.0} min", secs / 60.0);
     let _ = writeln!(
         md,
-        "* keel {} built with {rustc}; {python}; Node.js {node}",
+        "* keel {} at commit {commit}, built with {rustc}; {python}; Node.js {node}",
         env!("CARGO_PKG_VERSION")
     );
     for (peer, version) in peers {
@@ -181,8 +182,10 @@ pub fn write(rows: &[Row], quick: bool, peers: &[(&str, &str)], secs: f64) -> Re
     let _ = writeln!(
         md,
         "Runs of single groups (`cargo xtask bench agent`, ...), and what was measured and \
-         tried along the way, are in [benchmark-notes.md](benchmark-notes.md), with notes on \
-         the latest full run first.\n"
+         tried along the way, are in [benchmark-notes.md](benchmark-notes.md): the latest \
+         agent-loop run first, then this full run's agent-loop figures with the targets each \
+         met or missed (among them the runtime a step and the pgbench bound, which these \
+         tables do not show), then every earlier run.\n"
     );
     let mut sections: Vec<&str> = Vec::new();
     for r in rows {
