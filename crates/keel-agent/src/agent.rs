@@ -846,13 +846,10 @@ impl Agent {
             return Err(AgentError::ReservedMetadata { key: key.clone() });
         }
         let existing = match (&self.checkpointer, at) {
+            // A checkpoint the thread does not hold is `CheckpointNotFound` from the graph.
             (Some(_), Some(id)) => {
                 let config = RunConfig::thread(thread_id).at(id.clone());
-                let snapshot = self.graph.get_state(&config).await?;
-                Some(snapshot.ok_or_else(|| GraphError::CheckpointNotFound {
-                    thread_id: thread_id.to_owned(),
-                    id: id.clone(),
-                })?)
+                self.graph.get_state(&config).await?
             }
             (Some(_), None) => self.graph.get_state(&RunConfig::thread(thread_id)).await?,
             _ => None,
