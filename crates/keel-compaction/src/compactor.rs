@@ -311,8 +311,9 @@ impl Compactor {
     /// This is the one way into the raw buffer, with [`Compactor::push`].
     ///
     /// It is synchronous and counts and stores what it is given: with exact counts, a
-    /// result of megabytes takes a while (about half a second a megabyte for a run of
-    /// one repeated character, far less for prose), and a file store writes to disk. In
+    /// result of megabytes takes a while (about a third of a second a megabyte for a
+    /// run of one repeated character, in time and memory linear in the text, and far
+    /// less for prose), and a file store writes to disk. In
     /// async code, call it inside `tokio::task::spawn_blocking` (or `block_in_place`)
     /// when tool results can be that large; keel-agent does its eviction off the
     /// runtime.

@@ -21,6 +21,11 @@ use crate::{Encoding, Framing, TokenCounter, TokenError};
 /// numbers (the crate's tests compare it with tiktoken piece by piece and token by
 /// token, and the cached counts with uncached ones) several times faster.
 ///
+/// Time and memory stay linear in the text whatever it holds. A piece the splitter
+/// cannot cut (a megabyte run of `=`, a file of NUL bytes, where tiktoken's merge is
+/// quadratic) is merged in overlapping windows of 16 KiB joined at a token both give,
+/// which is exact: about a third of a second a megabyte, in a few hundred KiB.
+///
 /// ```
 /// use keel_token::{TiktokenCounter, TokenCounter};
 ///

@@ -5,6 +5,10 @@
 //! tie) until no adjacent pair is a token. Short pieces use a flat array (cache
 //! friendly, `O(n²)` worst case on tiny `n`); long pieces use a linked list and a heap
 //! (`O(n log n)`). Both pick the same pair at every step, so they agree.
+//!
+//! Pieces longer than [`WINDOW`] (a megabyte run of one character, a file of NUL
+//! bytes) are counted window by window in bounded memory, and exactly: see
+//! [`count_windowed`].
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -15,6 +19,10 @@ const NONE: u32 = u32::MAX;
 
 /// Pieces at least this long use the heap-based merge.
 pub(crate) const LARGE: usize = 128;
+
+/// Pieces longer than this are counted window by window ([`count_windowed`]): the heap
+/// merge keeps about 20 bytes of state a byte, so a 100 MB piece would take 2 GB.
+pub(crate) const WINDOW: usize = 1 << 14;
 
 /// The number of tokens of one pre-tokenized piece.
 #[inline]
@@ -28,10 +36,10 @@ pub(crate) fn count_piece(vocab: &Vocab, piece: &[u8]) -> usize {
                 1
             } else if n < LARGE {
                 merge_small(vocab, piece).parts
-            } else if n < u32::MAX as usize {
+            } else if n <= WINDOW {
                 count_large::<u32>(vocab, piece)
             } else {
-                count_large::<usize>(vocab, piece)
+                count_windowed(vocab, piece, WINDOW)
             }
         }
     }
@@ -227,6 +235,100 @@ fn count_large<P: Pos>(vocab: &Vocab, piece: &[u8]) -> usize {
     merge_large::<P>(vocab, piece).parts
 }
 
+/// The heap merge of a piece of any length, in one go (memory grows with the piece).
+pub(crate) fn count_whole(vocab: &Vocab, piece: &[u8]) -> usize {
+    if piece.len() < u32::MAX as usize {
+        count_large::<u32>(vocab, piece)
+    } else {
+        count_large::<usize>(vocab, piece)
+    }
+}
+
+/// Where the tokens of `text` start, as the heap merge splits it, offset by `at`, with
+/// `at + text.len()` last.
+fn bounds(vocab: &Vocab, text: &[u8], at: usize) -> Vec<usize> {
+    let st = merge_large::<u32>(vocab, text);
+    let mut out = Vec::with_capacity(st.parts + 1);
+    let mut s = 0;
+    out.push(at);
+    while s < text.len() {
+        s = st.next[s].to_usize();
+        out.push(at + s);
+    }
+    out
+}
+
+/// Counts a long piece exactly, holding the merge state of at most two windows of
+/// `window` bytes at a time.
+///
+/// BPE's tokenization of a text is the only token sequence that BPE would give back
+/// for its own bytes (call such a sequence valid), and it has two properties (laid out
+/// in the README of GitHub's `bpe` crate):
+///
+/// * a contiguous run of a valid sequence is the valid sequence of its bytes (no merge
+///   crossed its ends);
+/// * two valid sequences that overlap in one whole token, the same bytes at the same
+///   place, join at that token into the valid sequence of their union.
+///
+/// So: merge the first window; merge the next window, which starts at a token start of
+/// the current one at least half a window in; find a token both give, at the same
+/// place; keep the current window's tokens up to it and the next window's from it on.
+/// Each join is exact, so the sum is the piece's count, whatever the window size. Every
+/// byte is merged about twice. Should two windows share no token (no text seen does
+/// this: windows that start at a token boundary fall into the same tokens within a few
+/// tokens), the piece is merged whole, with memory that grows with it.
+pub(crate) fn count_windowed(vocab: &Vocab, piece: &[u8], window: usize) -> usize {
+    try_count_windowed(vocab, piece, window).unwrap_or_else(|| count_whole(vocab, piece))
+}
+
+/// [`count_windowed`], or `None` where two windows share no token.
+pub(crate) fn try_count_windowed(vocab: &Vocab, piece: &[u8], window: usize) -> Option<usize> {
+    let n = piece.len();
+    let half = (window / 2).max(1);
+    // The tokens so far: `counted` of them, then those of `cur` from index `from` on.
+    let mut counted = 0;
+    let mut start = 0;
+    let mut cur = bounds(vocab, &piece[..window.min(n)], 0);
+    let mut from = 0;
+    loop {
+        let end = cur.last().copied().unwrap_or(n);
+        if end >= n {
+            return Some(counted + (cur.len() - 1 - from));
+        }
+        // The next window starts at a token start of this one, past its middle.
+        let at = cur
+            .partition_point(|&p| p < start + half)
+            .max(from)
+            .min(cur.len() - 1);
+        let b = cur[at];
+        if b >= end {
+            return None;
+        }
+        let next = bounds(vocab, &piece[b..(b + window).min(n)], b);
+        // A token both give: equal start and end, within the current window.
+        let (mut i, mut j) = (at, 0);
+        let shared = loop {
+            if i + 1 >= cur.len() || j + 1 >= next.len() {
+                break None;
+            }
+            match cur[i].cmp(&next[j]) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal if cur[i + 1] == next[j + 1] => break Some((i, j)),
+                std::cmp::Ordering::Equal => {
+                    i += 1;
+                    j += 1;
+                }
+            }
+        };
+        let (i, j) = shared?;
+        counted += i - from;
+        cur = next;
+        from = j;
+        start = b;
+    }
+}
+
 #[cfg(test)]
 fn parts_large(vocab: &Vocab, piece: &[u8]) -> Vec<usize> {
     let st = merge_large::<u32>(vocab, piece);
@@ -287,6 +389,31 @@ mod tests {
                 .collect();
             let (small, large) = both(&v, &piece);
             assert_eq!(small, large, "len {len}");
+        }
+    }
+
+    #[test]
+    fn windowed_counts_equal_whole_counts_on_the_toy_vocabulary() {
+        let v = toy();
+        let mut seed = 11u64;
+        for len in [300usize, 1_000, 4_000] {
+            for alphabet in [1u64, 2, 3, 5] {
+                let piece: Vec<u8> = (0..len)
+                    .map(|_| {
+                        seed = seed
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        b'a' + ((seed >> 33) % alphabet) as u8
+                    })
+                    .collect();
+                for window in [16usize, 33, 64, 129, 1_000] {
+                    assert_eq!(
+                        try_count_windowed(&v, &piece, window),
+                        Some(count_whole(&v, &piece)),
+                        "len {len}, alphabet {alphabet}, window {window}"
+                    );
+                }
+            }
         }
     }
 }

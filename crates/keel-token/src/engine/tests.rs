@@ -181,6 +181,69 @@ fn long_pieces_use_the_heap_merge_correctly() {
     }
 }
 
+/// Pieces longer than a window are counted window by window: the joins must give the
+/// count of the whole piece, on both vocabularies, with windows small enough that a
+/// piece crosses dozens of them. A window pair that shares no token would fall back to
+/// the whole merge (`None` here): none of these texts may need it.
+#[test]
+fn windowed_counts_equal_whole_counts() {
+    let mut seed = 5u64;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize
+    };
+    let mut pick = |set: &[&str], len: usize| -> String {
+        let mut s = String::with_capacity(len + 8);
+        while s.len() < len {
+            s.push_str(set[next() % set.len()]);
+        }
+        s
+    };
+    let len = 20_000;
+    let texts = [
+        "a".repeat(len),
+        "=".repeat(len),
+        " ".repeat(len),
+        "\0".repeat(len),
+        "中".repeat(len / 3),
+        "é".repeat(len / 2),
+        "ab".repeat(len / 2),
+        "abc".repeat(len / 3),
+        "=-".repeat(len / 2),
+        "\r\n".repeat(len / 2),
+        pick(&["a", "b"], len),
+        pick(&["a", "b", "c", "d", "e"], len),
+        pick(
+            &[
+                "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
+            ],
+            len,
+        ),
+        pick(&["中", "文", "字", "符", "的", "是", "不", "了"], len),
+        pick(&["=", "-", "_", "*", "#", "/", ".", ":", "!", "?"], len),
+        pick(
+            &["a", "Z", "0", "é", "\u{1F600}", " ", "\0", "=", "\u{0301}"],
+            len,
+        ),
+    ];
+    for (name, engine) in [("o200k", o200k()), ("cl100k", cl100k())] {
+        for text in &texts {
+            let piece = text.as_bytes();
+            let whole = merge::count_whole(&engine.vocab, piece);
+            for window in [512, 4_096] {
+                assert_eq!(
+                    merge::try_count_windowed(&engine.vocab, piece, window),
+                    Some(whole),
+                    "{name}, window {window}, text starting {:?}",
+                    &text[..text.char_indices().nth(12).map_or(text.len(), |(i, _)| i)]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn real_source_text() {
     for text in [
@@ -277,6 +340,25 @@ proptest! {
     fn same_tokens_as_tiktoken(chars in prop::collection::vec(nasty_char(), 0..80)) {
         let text: String = chars.into_iter().collect();
         check_both(&text);
+    }
+
+    /// Any bytes, from a few chars (so runs and repeats are common): windowed counting
+    /// (falling back to the whole merge should two windows share no token) equals the
+    /// whole merge.
+    #[test]
+    fn windowed_counts_equal_whole_counts_on_any_text(
+        alphabet in prop::collection::vec(nasty_char(), 1..6),
+        picks in prop::collection::vec(any::<prop::sample::Index>(), 600..2_000),
+        window in 300usize..1_200,
+    ) {
+        let text: String = picks.iter().map(|i| *i.get(&alphabet)).collect();
+        for engine in [o200k(), cl100k()] {
+            let piece = text.as_bytes();
+            prop_assert_eq!(
+                merge::count_windowed(&engine.vocab, piece, window),
+                merge::count_whole(&engine.vocab, piece)
+            );
+        }
     }
 
     #[test]
