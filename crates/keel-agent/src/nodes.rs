@@ -16,7 +16,7 @@ use keel_offload::{
     Collected, EvictLargeResults, LINEAGE_KEY, Lineage, LineageStore, OffloadStore, PolicyEnv,
     StoredWhat, ThreadId, collect_garbage,
 };
-use keel_token::{Encoding, ModelProfile, TokenCounter};
+use keel_token::{ModelProfile, TokenCounter};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -404,7 +404,7 @@ impl AgentNodes {
                 let now = compacted.as_ref().map_or(parts, ContextState::parts);
                 let prompt_tokens = compactor.tokens_of(now, specs).total as u64;
                 let started = Instant::now();
-                let reply = if let Some(overflow) = over_window(&p.profile, prompt_tokens) {
+                let reply = if let Some(overflow) = over_budget(&p.profile, prompt_tokens) {
                     // Not sent: a provider would refuse it, or (Ollama) silently cut it.
                     Err(overflow)
                 } else {
@@ -422,15 +422,23 @@ impl AgentNodes {
                     Err(e) if e.is_context_overflow() && compacted.is_none() => {
                         tracing::warn!(error = %e, "context overflow; compacting and retrying once");
                         let mut c = context(&s)?;
-                        if let Err(ce) = compactor.compact(&mut c, Trigger::Overflow, specs).await {
+                        let compaction = compactor.compact(&mut c, Trigger::Overflow, specs).await;
+                        let over = compactor.tokens(&mut c, specs).total > compactor.prompt_budget();
+                        let mut folded = false;
+                        if compactor.epoch_due(&c) || over {
+                            // Still over the budget: the milestones go into the epoch
+                            // summary before they are due. A failed epoch keeps them
+                            // (recorded as an event).
+                            folded = compactor
+                                .fold_epoch(&mut c, Trigger::Overflow, specs)
+                                .await
+                                .is_ok();
+                        }
+                        if let (Err(ce), false) = (compaction, folded) {
                             return Err(NodeError::new(crate::error::OverflowUnresolved {
                                 model: e,
                                 compaction: ce,
                             }));
-                        }
-                        if compactor.epoch_due(&c) {
-                            // A failed epoch keeps the milestones (recorded as an event).
-                            let _ = compactor.fold_epoch(&mut c, Trigger::Overflow, specs).await;
                         }
                         compacted = Some(c);
                     }
@@ -971,17 +979,20 @@ pub(crate) async fn collect_after_prune(
 }
 
 /// A context overflow found before sending: the counted prompt is over the model's
-/// window (by a quarter for an approximate count, which may be that far off). The
-/// agent then compacts and retries once, as for a provider's overflow.
-fn over_window(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError> {
-    let window = profile.context_window as u64;
-    let limit = match profile.encoding {
-        Encoding::Approximate => window.saturating_add(window / 4),
-        _ => window,
-    };
-    (prompt_tokens > limit).then(|| ModelError::ContextOverflow {
+/// input budget, its window less what is kept free for the reply (`max_tokens`), so
+/// prompt and reply fit the window together as the servers that check it (OpenAI,
+/// vLLM) require. The agent then compacts and retries once, as for a provider's
+/// overflow; an approximate count can refuse a prompt that would have fit, which costs
+/// a compaction, where sending it could cost a refusal or (Ollama) a prompt cut
+/// silently.
+fn over_budget(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError> {
+    let budget = profile.input_budget() as u64;
+    (prompt_tokens > budget).then(|| ModelError::ContextOverflow {
         message: format!(
-            "the prompt counts {prompt_tokens} tokens, over the {window}-token window of the model's profile; it was not sent"
+            "the prompt counts {prompt_tokens} tokens, over the input budget of {budget} \
+             (the model's {}-token window less {} kept for the reply); it was not sent",
+            profile.context_window,
+            profile.reserved_output()
         ),
     })
 }

@@ -920,27 +920,41 @@ impl PromptWatch {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_prompt_counted_over_the_window_is_never_sent() {
-    // No result ever evicted (a threshold no result reaches; `evict(None)` would still
-    // offload this one) and a tool result far over the window: no compaction can make
-    // the prompt fit, and the model must not receive it (Ollama would cut it silently).
+async fn a_result_over_the_window_is_stored_and_cut_to_a_stub_before_it_is_sent() {
+    // No result is evicted when it arrives (a threshold no result reaches), and the
+    // tool's result is far over the window: the prompt counted with it is not sent
+    // (Ollama would cut it silently); the overflow's compaction stores it whole and
+    // leaves a short stub, and the run goes on from there.
     let watch = PromptWatch::default();
     let seen = watch.clone();
+    let prompts = Arc::new(Mutex::new(Vec::<String>::new()));
+    let kept = prompts.clone();
     let model = PolicyModel::new("small", move |messages, _t| {
         let n = seen.call(messages);
-        Ok(ChatResponse::new(
-            Message::assistant("look").with_tool_calls(vec![ToolCall::new(
-                format!("c{n}"),
-                "huge",
-                json!({}),
-            )]),
-            "small",
-        ))
+        kept.lock().unwrap().push(
+            messages
+                .iter()
+                .map(|m| m.text())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        );
+        let reply = if n == 0 {
+            Message::assistant("look").with_tool_calls(vec![ToolCall::new("c0", "huge", json!({}))])
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "small"))
     });
+    let result = "all work and no play\n".repeat(20_000);
+    let full = result.clone();
     let huge = keel_message::tool_fn(
         ToolSpec::new("huge", "Returns a lot.", json!({"type": "object"})),
-        |_, _| async { Ok("all work and no play ".repeat(20_000)) },
+        move |_, _| {
+            let r = full.clone();
+            async move { Ok(r) }
+        },
     );
+    let store = Arc::new(keel_offload::MemoryStore::new());
     let agent = Agent::builder()
         .model(Arc::new(model))
         .profile(ModelProfile::new(
@@ -955,6 +969,69 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
             keel_offload::EvictLargeResults::new().with_threshold(usize::MAX),
         ))
         .checkpointer(Arc::new(MemorySaver::new()))
+        .offload_store(store.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("big", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done."));
+    // The model never saw the 420,000 characters: the stub is about a thousand.
+    assert!(watch.largest() < 10_000, "{}", watch.largest());
+    let second = prompts.lock().unwrap()[1].clone();
+    let path = second
+        .split("stored in full at ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .expect("a stub in the second prompt")
+        .to_owned();
+    assert!(
+        second.contains("all work and no play"),
+        "the stub shows the first lines"
+    );
+    // Stored whole, where the stub says.
+    assert_eq!(
+        keel_offload::OffloadStore::get(&*store, &keel_offload::Key::new("big", &path).unwrap())
+            .unwrap(),
+        result
+    );
+    let state = agent.state("big").await.unwrap().unwrap();
+    assert!(
+        state
+            .compactions
+            .iter()
+            .any(|e| e.trigger == keel_compaction::Trigger::Overflow),
+        "{:?}",
+        state.compactions
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prompt_that_cannot_fit_is_never_sent() {
+    // The model's own reply is far over the window. The newest step always stays (the
+    // model must see what it asked for) and a reply is no tool result to store away,
+    // so nothing can make the next prompt fit: the model must not receive it.
+    let watch = PromptWatch::default();
+    let seen = watch.clone();
+    let model = PolicyModel::new("small", move |messages, _t| {
+        let n = seen.call(messages);
+        let reply = if n == 0 {
+            Message::assistant("all work and no play ".repeat(20_000))
+                .with_tool_calls(vec![ToolCall::new("c0", "echo", json!({"i": 0}))])
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "small"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new(
+            "small",
+            8_192,
+            1_024,
+            Encoding::O200kBase,
+        ))
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .checkpointer(Arc::new(MemorySaver::new()))
         .build()
         .unwrap();
     let err = agent.run("big", AgentInput::new()).await.unwrap_err();
@@ -962,9 +1039,7 @@ async fn a_prompt_counted_over_the_window_is_never_sent() {
         matches!(err.model_error(), Some(ModelError::ContextOverflow { message }) if message.contains("not sent")),
         "{err:?}"
     );
-    // The model saw the first prompt only: tens of characters, not the 420,000 of the
-    // tool's result.
-    assert!(watch.largest() < 10_000, "{}", watch.largest());
+    assert_eq!(watch.calls.load(Ordering::SeqCst), 1);
     // The thread stays resumable from its last checkpoint.
     assert!(agent.state("big").await.unwrap().is_some());
 }

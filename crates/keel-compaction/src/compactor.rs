@@ -854,6 +854,15 @@ impl Compactor {
     /// into a milestone (and folds milestones into an epoch). On failure the context is
     /// unchanged: the failed event is recorded and
     /// [`ContextState::failures_in_a_row`] counts it.
+    ///
+    /// The newest step always stays, but it is made to fit: for
+    /// [`Trigger::Overflow`], or when the prompt is still over the budget, the newest
+    /// step's largest tool results (of any tool, `read_file` included) are stored
+    /// whole in the offload store and left as short stubs (path, size, three head and
+    /// three tail lines), largest first, until the prompt is within the budget (for a
+    /// provider's overflow of a prompt already within it, three quarters of the
+    /// prompt); if stubs are still too many, each shrinks to where its result is and
+    /// how to read it. Done alone, that is an [`EventKind::Fit`] event.
     pub async fn compact(
         &self,
         state: &mut ContextState,
@@ -862,12 +871,35 @@ impl Compactor {
     ) -> Result<CompactionEvent, CompactionError> {
         let started = Instant::now();
         let before = self.tokens(state, tools).total;
-        let result = match self.config.strategy {
+        let mut result = match self.config.strategy {
             Strategy::Hierarchical => self.milestone(state, trigger, tools).await,
             Strategy::Masking { .. } | Strategy::Hybrid { .. } => {
                 self.relieve(state, trigger, tools).await
             }
         };
+        let budget = self.prompt_budget();
+        if (trigger == Trigger::Overflow || self.tokens(state, tools).total > budget)
+            && matches!(
+                result,
+                Ok(_) | Err(CompactionError::NothingToCompact | CompactionError::NotSmaller { .. })
+            )
+        {
+            // Over the budget: down to it. Under it, the provider still refused (its
+            // window is smaller than the profile's): down by a quarter.
+            let target = if trigger != Trigger::Overflow || before > budget {
+                budget
+            } else {
+                before - before / 4
+            };
+            match self.fit_newest(state, tools, target).await {
+                Ok(0) => {}
+                Ok(_) if result.is_ok() => {}
+                Ok(_) => result = Ok(Done::fit()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cutting the newest step's results to fit failed");
+                }
+            }
+        }
         let kind = match &result {
             Ok(d) => d.kind,
             Err(_) => EventKind::Milestone,
@@ -942,6 +974,119 @@ impl Compactor {
                 Ok(r) => return Ok(r),
             }
         }
+    }
+
+    /// When the prompt is still over `target` tokens after compacting for an overflow,
+    /// the newest step, which compaction never moves (the model must see what it just
+    /// asked for), is made to fit. Its largest tool results, those of every tool
+    /// (`read_file` included), are stored whole in the offload store as
+    /// [`EvictLargeResults`] stores them and left as stubs of three head and three tail
+    /// lines, largest first, until the estimate fits; if the prompt is still over,
+    /// each stub of the step shrinks to its first line and how to read it
+    /// ([`EvictLargeResults::brief`]). Every call keeps its answer, and each result can
+    /// be read back. Returns how many results changed.
+    async fn fit_newest(
+        &self,
+        state: &mut ContextState,
+        tools: &[ToolSpec],
+        target: usize,
+    ) -> Result<usize, OffloadError> {
+        /// What a stub of three and three lines of at most 160 characters costs, about
+        /// (less for a short result: one whose stub would not be smaller stays).
+        const STUB_TOKENS: usize = 150;
+        /// Results this small are not worth a stub's header.
+        const SMALL: usize = 80;
+        let total = self.tokens(state, tools).total;
+        if total <= target {
+            return Ok(0);
+        }
+        let newest = state
+            .raw
+            .iter()
+            .rposition(|m| m.role == Role::Assistant)
+            .unwrap_or(0);
+        let mut candidates: Vec<(usize, usize)> = (newest..state.raw.len())
+            .filter(|&i| {
+                let m = &state.raw[i];
+                is_observation(m)
+                    && !m.metadata.contains_key(MASKED_METADATA_KEY)
+                    && EvictLargeResults::brief(m).is_none()
+            })
+            .map(|i| (i, state.ledger.raw.get(i).copied().unwrap_or_default()))
+            .filter(|&(_, tokens)| tokens > SMALL)
+            .collect();
+        candidates.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut excess = total - target;
+        let mut chosen = Vec::new();
+        for (i, tokens) in candidates {
+            if excess == 0 {
+                break;
+            }
+            chosen.push(i);
+            excess = excess.saturating_sub(tokens.saturating_sub(STUB_TOKENS));
+        }
+        chosen.sort_unstable();
+        let mut changed = 0;
+        if !chosen.is_empty() {
+            let mut policy = self.evict.clone().unwrap_or_default();
+            policy.threshold_tokens = 0;
+            policy.exempt_tools.clear();
+            policy.head_lines = 3;
+            policy.tail_lines = 3;
+            policy.max_line_chars = 160;
+            let reply = match state.raw.get(newest) {
+                Some(m) if m.role == Role::Assistant => m.clone(),
+                _ => Message::assistant(""),
+            };
+            let results: Vec<Message> = chosen.iter().map(|&i| state.raw[i].clone()).collect();
+            let this = self.clone();
+            let mut lineage = state.lineage.clone();
+            let evict = move || {
+                let out = this.evict(&policy, &reply, results, &mut lineage);
+                (out, lineage)
+            };
+            let (out, lineage) = match tokio::runtime::Handle::try_current() {
+                Ok(handle) => handle
+                    .spawn_blocking(evict)
+                    .await
+                    .map_err(|e| OffloadError::Io {
+                        op: "store the newest step's results",
+                        key: self.thread.to_string(),
+                        source: std::io::Error::other(format!("the blocking task ended: {e}")),
+                    })?,
+                Err(_) => evict(),
+            };
+            state.lineage = lineage;
+            for (i, m) in chosen.into_iter().zip(out) {
+                if m != state.raw[i] {
+                    changed += 1;
+                    self.replace_raw(state, i, m);
+                }
+            }
+        }
+        if self.tokens(state, tools).total > target {
+            for i in newest..state.raw.len() {
+                if let Some(brief) = EvictLargeResults::brief(&state.raw[i]) {
+                    let mut m = state.raw[i].clone();
+                    if m.text() != brief {
+                        m.content = brief.into();
+                        changed += 1;
+                        self.replace_raw(state, i, m);
+                    }
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Puts `m` at `i` of the raw buffer, counting it into the ledger.
+    fn replace_raw(&self, state: &mut ContextState, i: usize, m: Message) {
+        let n = self.counter.count_message(&m);
+        if let Some(slot) = state.ledger.raw.get_mut(i) {
+            state.ledger.raw_total = state.ledger.raw_total - *slot + n;
+            *slot = n;
+        }
+        state.raw[i] = m;
     }
 
     /// Masking strategies under pressure: mask old tool results first; summarize only
@@ -1728,6 +1873,13 @@ struct Done {
 }
 
 impl Done {
+    fn fit() -> Self {
+        Done {
+            kind: EventKind::Fit,
+            ..Done::masked(0)
+        }
+    }
+
     fn masked(archived: usize) -> Self {
         Done {
             kind: EventKind::Mask,

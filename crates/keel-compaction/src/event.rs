@@ -32,15 +32,20 @@ pub enum EventKind {
     Epoch,
     /// Old tool results were masked.
     Mask,
+    /// After a context overflow, with nothing older left to compact, the newest step's
+    /// largest tool results were stored whole in the offload store and left as short
+    /// stubs, so the prompt fits (see [`Compactor::compact`](crate::Compactor::compact)).
+    Fit,
 }
 
 impl EventKind {
-    /// `milestone`, `epoch` or `mask` (the serialized name).
+    /// `milestone`, `epoch`, `mask` or `fit` (the serialized name).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Milestone => "milestone",
             Self::Epoch => "epoch",
             Self::Mask => "mask",
+            Self::Fit => "fit",
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use keel_compaction::{
-    CompactionConfig, CompactionError, Compactor, ContextState, GoalAnchor, Trigger,
+    CompactionConfig, CompactionError, Compactor, ContextState, EventKind, GoalAnchor, Trigger,
 };
 use keel_message::{Message, Role, ToolCall};
 use keel_offload::{Archive, MemoryStore, OffloadStore, ThreadId};
@@ -104,6 +104,133 @@ async fn the_newest_step_stays_even_when_larger_than_the_tail_and_over_budget() 
     let ids: Vec<&str> = state.raw.iter().filter_map(|m| m.id.as_deref()).collect();
     assert_eq!(ids, ["a12", "r12"], "the newest step, whole");
     assert!(rig.archive.get(&rig.thread, "r11").unwrap().is_some());
+}
+
+#[tokio::test]
+async fn an_overflow_with_only_the_newest_step_left_stores_its_results_and_fits() {
+    // Two reads in one step, both exempt from eviction (`read_file`) and together over
+    // the budget, with nothing older to compact: the overflow stores each whole and
+    // leaves stubs, so the prompt fits and every call keeps its answer.
+    let rig = rig(CompactionConfig::default(), 4_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    let file = |i: usize| -> String {
+        (0..120)
+            .map(|k| {
+                format!("{k:>6}\tlet value_{k} = compute_{i}_{k}(&input, Options::default())?;\n")
+            })
+            .collect()
+    };
+    let reply = Message::assistant("Reading two files.")
+        .with_id("a1")
+        .with_tool_calls(vec![
+            ToolCall::new("c1", "read_file", json!({"path": "a.rs"})),
+            ToolCall::new("c2", "read_file", json!({"path": "b.rs"})),
+        ]);
+    let results = vec![
+        Message::tool("c1", file(1))
+            .with_id("r1")
+            .with_name("read_file"),
+        Message::tool("c2", file(2))
+            .with_id("r2")
+            .with_name("read_file"),
+    ];
+    rig.compactor.push_step(&mut state, reply, results);
+    let budget = rig.compactor.prompt_budget();
+    assert!(
+        rig.compactor.tokens(&mut state, &[]).total > budget,
+        "exempt: kept whole"
+    );
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert_eq!(event.kind, EventKind::Fit);
+    assert!(event.tokens_after <= budget, "{event:?}");
+    assert_eq!(
+        rig.compactor.tokens(&mut state, &[]).total,
+        event.tokens_after
+    );
+    let ids: Vec<&str> = state.raw.iter().filter_map(|m| m.id.as_deref()).collect();
+    assert_eq!(
+        ids,
+        ["a1", "r1", "r2"],
+        "the newest step stays, each call answered"
+    );
+    for (id, i) in [("r1", 1), ("r2", 2)] {
+        let m = state
+            .raw
+            .iter()
+            .find(|m| m.id.as_deref() == Some(id))
+            .unwrap();
+        let stub = m.text();
+        if let Some(rest) =
+            stub.strip_prefix("[Tool result too large for the context; stored in full at ")
+        {
+            let path = rest.split(':').next().unwrap();
+            let stored = rig
+                .store
+                .get(&keel_offload::Key::new("t", path).unwrap())
+                .unwrap();
+            assert_eq!(stored, file(i), "{id} stored whole at {path}");
+        } else {
+            // Cutting the larger one was enough.
+            assert_eq!(stub, file(i));
+        }
+    }
+    // The provider refuses the prompt all the same (its window is smaller than the
+    // profile's): a second overflow cuts further.
+    let again = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert!(again.tokens_after < event.tokens_after, "{again:?}");
+}
+
+#[tokio::test]
+async fn stubs_shrink_to_their_first_line_when_the_preview_does_not_fit() {
+    // Forty results in one step on a small window: even stubs with a preview are too
+    // many, so each is cut to where it is stored and how to read it.
+    let rig = rig(CompactionConfig::default(), 12_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    let calls: Vec<ToolCall> = (0..40)
+        .map(|i| {
+            ToolCall::new(
+                format!("c{i}"),
+                "read_file",
+                json!({"path": format!("{i}.rs")}),
+            )
+        })
+        .collect();
+    let reply = Message::assistant("Reading.")
+        .with_id("a")
+        .with_tool_calls(calls);
+    let results: Vec<Message> = (0..40)
+        .map(|i| {
+            let text: String = (0..60)
+                .map(|k| {
+                    format!("part {i} line {k}: a line of source long enough to matter here\n")
+                })
+                .collect();
+            Message::tool(format!("c{i}"), text).with_name("read_file")
+        })
+        .collect();
+    rig.compactor.push_step(&mut state, reply, results);
+    let budget = rig.compactor.prompt_budget();
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert!(event.tokens_after <= budget, "{event:?}");
+    let briefs = state
+        .raw
+        .iter()
+        .filter(|m| m.text().contains("stored in full at") && !m.text().contains("First 3 lines"))
+        .count();
+    assert!(briefs > 0, "some stubs are briefs");
+    assert_eq!(state.raw.len(), 41, "every call keeps its answer");
 }
 
 #[tokio::test]

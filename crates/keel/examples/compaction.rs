@@ -136,6 +136,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
                         state.epochs_made, state.milestones_made
                     ),
                     EventKind::Mask => "masking".to_owned(),
+                    EventKind::Fit => "newest results cut to fit".to_owned(),
                 };
                 format!(
                     "{kind}: {:?} trigger, {} messages archived, {} -> {} tokens",

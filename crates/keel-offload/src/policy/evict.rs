@@ -257,14 +257,8 @@ impl EvictLargeResults {
             }
         }
         let omitted = total - head.len() - tail.len();
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "[Tool result too large for the context; stored in full at {path}: {} tokens, {} lines, {} bytes.]",
-            thousands(tokens),
-            thousands(total),
-            thousands(text.len()),
-        );
+        let mut s = header(path.as_str(), tokens, total, text.len());
+        s.push('\n');
         let show = |s: &mut String, number: usize, line: &str| {
             let _ = writeln!(s, "{number:>6}\t{}", cap_chars(line, self.max_line_chars));
         };
@@ -285,14 +279,66 @@ impl EvictLargeResults {
         for (number, line) in &tail {
             show(&mut s, *number, line);
         }
-        let _ = write!(
-            s,
-            "To see more, call {READ_FILE}(path=\"{path}\", offset={}, limit=100) \
-             (offset counts lines from 0), or {GREP}(pattern=\"...\", path=\"{path}\") to search it.",
-            head.len(),
-        );
+        s.push_str(&hint(path.as_str(), head.len()));
         (s, total)
     }
+
+    /// The shortest form of an evicted result's stub: its first line (path and size)
+    /// and how to read it, without the preview lines. For a runtime that must make
+    /// an evicted result smaller still (a window too small for the preview). `None`
+    /// for a message this policy did not evict.
+    ///
+    /// ```
+    /// use keel_offload::message::Message;
+    /// use keel_offload::{EvictLargeResults, MemoryStore, PolicyEnv, ThreadId};
+    /// use keel_offload::token::ApproxCounter;
+    ///
+    /// let (store, counter) = (MemoryStore::new(), ApproxCounter::new());
+    /// let thread = ThreadId::new("t1")?;
+    /// let env = PolicyEnv::new(&store, &thread, &counter);
+    /// let log: String = (1..=1000).map(|i| format!("line {i}: ok\n")).collect();
+    /// let policy = EvictLargeResults::new().with_threshold(100);
+    /// let out = policy.apply(vec![Message::tool("call_1", log)], &env);
+    ///
+    /// let brief = EvictLargeResults::brief(&out.messages[0]).unwrap();
+    /// assert!(brief.starts_with("[Tool result too large for the context; stored in full at large_tool_results/call_1"));
+    /// assert!(brief.contains("offset=0"));
+    /// assert!(brief.len() < out.messages[0].text().len());
+    /// assert_eq!(EvictLargeResults::brief(&Message::tool("call_2", "small")), None);
+    /// # Ok::<(), keel_offload::OffloadError>(())
+    /// ```
+    pub fn brief(message: &Message) -> Option<String> {
+        let r = record(message, RECORD)?;
+        let path = r.get("path")?.as_str()?;
+        let number = |k: &str| {
+            r.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or_default()
+        };
+        let mut s = header(path, number("tokens"), number("lines"), number("bytes"));
+        s.push('\n');
+        s.push_str(&hint(path, 0));
+        Some(s)
+    }
+}
+
+/// A stub's first line: where the result is stored and how large it is.
+fn header(path: &str, tokens: usize, lines: usize, bytes: usize) -> String {
+    format!(
+        "[Tool result too large for the context; stored in full at {path}: {} tokens, {} lines, {} bytes.]",
+        thousands(tokens),
+        thousands(lines),
+        thousands(bytes),
+    )
+}
+
+/// A stub's last line: how to read on from line `offset`, or search.
+fn hint(path: &str, offset: usize) -> String {
+    format!(
+        "To see more, call {READ_FILE}(path=\"{path}\", offset={offset}, limit=100) \
+         (offset counts lines from 0), or {GREP}(pattern=\"...\", path=\"{path}\") to search it."
+    )
 }
 
 #[cfg(test)]
