@@ -21,6 +21,26 @@ pub(crate) fn display_line(bytes: &[u8], max: usize) -> (String, bool) {
     cut_text(bytes, max)
 }
 
+/// Like [`display_line`], but a line longer than `max` is cut around byte `at` (a
+/// match) rather than from its start: an eighth of `max` before it (so a reader
+/// that shows a quarter of `max` in characters, as the `grep` tool does, shows the
+/// match), the rest after. Returns the text, whether it stops before the line's end,
+/// and the byte of the line it starts at.
+pub(crate) fn display_line_at(bytes: &[u8], max: usize, at: usize) -> (String, bool, usize) {
+    let bytes = bytes.strip_suffix(b"\r").unwrap_or(bytes);
+    if bytes.len() <= max || at < max / 8 {
+        let (text, cut) = cut_text(bytes, max);
+        return (text, cut, 0);
+    }
+    let mut from = at.saturating_sub(max / 8).min(bytes.len());
+    // Start on a character: skip continuation bytes.
+    while from < bytes.len() && (bytes[from] & 0b1100_0000) == 0b1000_0000 {
+        from += 1;
+    }
+    let (text, cut) = cut_text(&bytes[from..], max);
+    (text, cut, from)
+}
+
 fn cut_text(bytes: &[u8], max: usize) -> (String, bool) {
     if bytes.len() <= max {
         return (String::from_utf8_lossy(bytes).into_owned(), false);
@@ -187,6 +207,11 @@ pub(crate) struct Found<'a> {
     /// The line without its `\n` (for a line longer than [`MAX_WINDOW`], the window
     /// the match was found in).
     pub line: &'a [u8],
+    /// Where in `line` the first match starts.
+    pub match_at: usize,
+    /// Where in the whole line `line` starts: 0, unless the line is longer than
+    /// [`MAX_WINDOW`] and `line` is a later window of it.
+    pub window_at: u64,
 }
 
 /// Calls `on_match` for each line of `reader` matching `pattern`, in order, until it
@@ -300,10 +325,13 @@ fn search_region(
                 } else {
                     st.base_offset + start as u64
                 };
+                let line = &hay[start..end];
                 flow = on_match(Found {
                     line_number: line_no,
                     byte_offset,
-                    line: &hay[start..end],
+                    line,
+                    match_at: re.find(line).map_or(0, |m| m.start()),
+                    window_at: (st.base_offset + start as u64).saturating_sub(byte_offset),
                 });
                 if flow.is_break() {
                     break;

@@ -181,13 +181,17 @@ pub trait OffloadStore: Send + Sync {
                     truncated = true;
                     return ControlFlow::Break(());
                 }
-                let (line, line_truncated) = scan::display_line(m.line, options.max_line_bytes);
+                let (line, line_truncated, from_byte) =
+                    scan::display_line_at(m.line, options.max_line_bytes, m.match_at);
                 matches.push(GrepMatch {
                     path: entry.path.clone(),
                     line_number: m.line_number,
                     byte_offset: m.byte_offset,
                     line,
                     truncated: line_truncated,
+                    from_byte: usize::try_from(m.window_at)
+                        .unwrap_or(usize::MAX)
+                        .saturating_add(from_byte),
                 });
                 ControlFlow::Continue(())
             })
@@ -354,10 +358,16 @@ pub struct GrepMatch {
     pub line_number: usize,
     /// Byte offset of the start of the line in the file.
     pub byte_offset: u64,
-    /// The line, cut to the requested length.
+    /// The line, cut to the requested length: from its start, or, when the match lies
+    /// past what that would show, from a little before the match ([`from_byte`]).
+    ///
+    /// [`from_byte`]: GrepMatch::from_byte
     pub line: String,
-    /// The line was longer than the requested length.
+    /// `line` stops before the line's end.
     pub truncated: bool,
+    /// The byte of the line `line` starts at: 0, or more when a long line was cut
+    /// around its match.
+    pub from_byte: usize,
 }
 
 /// A regular expression matched line by line (the `regex` crate's syntax).

@@ -428,7 +428,16 @@ impl RetrievalTools {
         let mut chars = 0;
         for m in &found.matches {
             let text = show_line(&m.line, m.truncated, self.limits.grep_line_chars);
-            let row = format!("{}:{}: {text}\n", m.path, m.line_number);
+            let row = if m.from_byte > 0 {
+                format!(
+                    "{}:{}: [from byte {} of the line] …{text}\n",
+                    m.path,
+                    m.line_number,
+                    thousands(m.from_byte)
+                )
+            } else {
+                format!("{}:{}: {text}\n", m.path, m.line_number)
+            };
             let n = row.chars().count();
             if chars + n > output_room(self.limits.max_output_chars) && !out.is_empty() {
                 let _ = write!(

@@ -152,6 +152,41 @@ fn grep_reports_path_and_line() {
 }
 
 #[test]
+fn grep_shows_a_match_far_into_a_long_line() {
+    // An offloaded result of one 2 MB line (compact JSON, say): reading pages by
+    // lines, so grep is how its far end is reached, and it must show the match, not
+    // the line's first characters.
+    let (store, tools) = setup();
+    let line = format!("{}END-MARKER tail", "0123456789abcdef".repeat(125_000));
+    store
+        .put(
+            &Key::new("t1", "large_tool_results/one_line").unwrap(),
+            &line,
+        )
+        .unwrap();
+    let out = run(
+        &tools,
+        "grep",
+        json!({"pattern": "END-MARKER", "path": "large_tool_results/one_line"}),
+    );
+    assert!(
+        out.starts_with("large_tool_results/one_line:1: [from byte 1,99"),
+        "{out}"
+    );
+    assert!(out.ends_with("0123456789abcdefEND-MARKER tail"), "{out}");
+    // A match near the start shows the line from its start, as before.
+    let out = run(
+        &tools,
+        "grep",
+        json!({"pattern": "^0123", "path": "large_tool_results/one_line"}),
+    );
+    assert!(
+        out.starts_with("large_tool_results/one_line:1: 0123456789abcdef"),
+        "{out}"
+    );
+}
+
+#[test]
 fn grep_finds_archived_history() {
     let (store, tools) = setup();
     let archive = Archive::new(store.clone());

@@ -279,7 +279,7 @@ impl EvictLargeResults {
         for (number, line) in &tail {
             show(&mut s, *number, line);
         }
-        s.push_str(&hint(path.as_str(), head.len()));
+        s.push_str(&hint(path.as_str(), head.len(), total));
         (s, total)
     }
 
@@ -318,7 +318,7 @@ impl EvictLargeResults {
         };
         let mut s = header(path, number("tokens"), number("lines"), number("bytes"));
         s.push('\n');
-        s.push_str(&hint(path, 0));
+        s.push_str(&hint(path, 0, number("lines")));
         Some(s)
     }
 }
@@ -333,8 +333,16 @@ fn header(path: &str, tokens: usize, lines: usize, bytes: usize) -> String {
     )
 }
 
-/// A stub's last line: how to read on from line `offset`, or search.
-fn hint(path: &str, offset: usize) -> String {
+/// A stub's last line: how to read on from line `offset` of `lines`, or search.
+fn hint(path: &str, offset: usize, lines: usize) -> String {
+    if offset >= lines && lines > 0 {
+        // Every line is in the stub already (a result of one long line, say): reading
+        // on from `offset` would be past the end.
+        return format!(
+            "Every line is shown above, long lines cut: call {GREP}(pattern=\"...\", \
+             path=\"{path}\") to see the text around a match in them."
+        );
+    }
     format!(
         "To see more, call {READ_FILE}(path=\"{path}\", offset={offset}, limit=100) \
          (offset counts lines from 0), or {GREP}(pattern=\"...\", path=\"{path}\") to search it."
@@ -349,6 +357,23 @@ mod tests {
         let policy = EvictLargeResults::new().with_preview(head, tail);
         let path = policy.path_for("call_1").unwrap();
         policy.stub(text, 42, &path)
+    }
+
+    #[test]
+    fn a_stub_that_shows_every_line_points_to_grep_not_past_the_end() {
+        // One long line: reading on from line 1 would be past the end.
+        let text = "x".repeat(5_000);
+        let (stub, lines) = stub_of(&text, 5, 5);
+        assert_eq!(lines, 1);
+        assert!(stub.contains("All 1 lines:"), "{stub}");
+        assert!(!stub.contains("offset=1"), "{stub}");
+        assert!(
+            stub.ends_with(
+                "Every line is shown above, long lines cut: call grep(pattern=\"...\", \
+                 path=\"large_tool_results/call_1\") to see the text around a match in them."
+            ),
+            "{stub}"
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use serde_json::{Map, Value};
 use super::args;
 use super::ops::{READ_BUFFER, count};
 use super::path::Root;
-use super::text::{LineReader, SNIFF_BYTES, quoted, show_line, thousands};
+use super::text::{LineReader, SNIFF_BYTES, quoted, show_match, thousands};
 use super::{FileTools, OFFLOAD_DIRS};
 
 /// Bytes of each line matched against the pattern: a match further into a longer
@@ -125,11 +125,11 @@ struct Sink<'a> {
 impl Sink<'_> {
     /// Records line `number` if it matches; true once `max_results` lines are found.
     fn offer(&mut self, text: &[u8], number: u64, truncated: bool) -> bool {
-        if self.regex.line.is_match(text) {
+        if let Some(m) = self.regex.line.find(text) {
             self.found.push(Found {
                 path: self.path.to_owned(),
                 line: number,
-                text: show_line(text, truncated, self.line_chars),
+                text: show_match(text, truncated, self.line_chars, m.start()),
             });
         }
         self.found.len() >= self.max_results

@@ -129,6 +129,30 @@ pub(super) fn show_line(bytes: &[u8], cut_before: bool, max_chars: usize) -> Str
     }
 }
 
+/// Like [`show_line`], for a line `grep` matched at byte `at`: a line too long to show
+/// whole is shown from a little before the match, so the match is in what the model
+/// reads.
+pub(super) fn show_match(bytes: &[u8], cut_before: bool, max_chars: usize, at: usize) -> String {
+    // A match that starts within the first three quarters shows from the start.
+    let near = max_chars - max_chars / 4;
+    if at < near {
+        // Fewer bytes than that before the match: fewer characters too.
+        return show_line(bytes, cut_before, max_chars);
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let at_char = text.get(..at).map_or(0, |t| t.chars().count());
+    if at_char < near {
+        return show_line(bytes, cut_before, max_chars);
+    }
+    let from = at_char - max_chars / 4;
+    let from_byte = text.char_indices().nth(from).map_or(0, |(i, _)| i);
+    let shown = show_line(&text.as_bytes()[from_byte..], cut_before, max_chars);
+    format!(
+        "[from character {} of the line] …{shown}",
+        thousands(from as u64)
+    )
+}
+
 /// A value from outside (a path, a pattern) quoted in backticks for a message, cut
 /// to 200 characters so an enormous argument is not echoed whole.
 pub(super) fn quoted(text: &str) -> String {
@@ -181,6 +205,19 @@ mod tests {
         assert_eq!(show_line(b"abcdef", false, 3), "abc… [3 more characters]");
         assert_eq!(show_line(b"abc", true, 3), "abc… [line cut]");
         assert_eq!(show_line("héllo".as_bytes(), false, 10), "héllo");
+        // A match near the start: as `show_line`. Far in: from a little before it.
+        assert_eq!(
+            show_match(b"abcdef", false, 3, 1),
+            "abc… [3 more characters]"
+        );
+        let long = format!("{}NEEDLE{}", "x".repeat(5_000), "y".repeat(5_000));
+        let shown = show_match(long.as_bytes(), false, 100, 5_000);
+        assert!(
+            shown.starts_with("[from character 4,975 of the line] …"),
+            "{shown}"
+        );
+        assert!(shown.contains("NEEDLE"), "{shown}");
+        assert!(shown.ends_with("… [4,931 more characters]"), "{shown}");
         assert_eq!(quoted("a"), "`a`");
         assert!(quoted(&"x".repeat(500)).ends_with("…`"));
     }
