@@ -1005,6 +1005,63 @@ async fn a_result_over_the_window_is_stored_and_cut_to_a_stub_before_it_is_sent(
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn on_a_small_window_a_stub_costs_at_most_two_thirds_of_the_eviction_threshold() {
+    // A 2,048-token window: results over 384 tokens are stored. With the default
+    // preview (5 and 5 lines of up to 1,000 characters) the stub of this result of
+    // long lines cost 669 tokens, far over the threshold itself; now 213.
+    let stubs = Arc::new(Mutex::new(Vec::<Message>::new()));
+    let kept = stubs.clone();
+    let model = PolicyModel::new("small", move |messages, _t| {
+        let calls = messages
+            .iter()
+            .filter(|m| m.role == Role::Assistant)
+            .count();
+        kept.lock()
+            .unwrap()
+            .extend(messages.iter().filter(|m| m.role == Role::Tool).cloned());
+        let reply = if calls == 0 {
+            Message::assistant("look").with_tool_calls(vec![ToolCall::new("c0", "blob", json!({}))])
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "small"))
+    });
+    let blob = keel_message::tool_fn(
+        ToolSpec::new("blob", "Returns a log.", json!({"type": "object"})),
+        |_, _| async {
+            Ok((0..100)
+                .map(|i| {
+                    format!(
+                        "{i:>4} {}\n",
+                        "request served with status 200 and no error; ".repeat(5)
+                    )
+                })
+                .collect::<String>())
+        },
+    );
+    let counter = keel_token::TiktokenCounter::o200k_base().unwrap();
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new("small", 2_048, 512, Encoding::O200kBase))
+        .goal(GOAL)
+        .tool(Arc::new(blob))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    let run = agent.run("small", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done."));
+    let stubs = stubs.lock().unwrap();
+    let stub = stubs.first().expect("the second call saw the result");
+    assert!(stub.text().contains("stored in full at"), "{}", stub.text());
+    let tokens = counter.count_text(&stub.text());
+    assert!(
+        tokens <= 1_536 / 4 * 2 / 3,
+        "{tokens} tokens: {}",
+        stub.text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_prompt_that_cannot_fit_is_never_sent() {
     // The model's own reply is far over the window. The newest step always stays (the
     // model must see what it asked for) and a reply is no tool result to store away,
