@@ -773,7 +773,7 @@ impl PostgresStore {
     /// Connects to `url` with `options`, and creates or upgrades the tables.
     pub fn connect_with(url: &str, options: PostgresStoreOptions) -> Result<Self, OffloadError> {
         let (mut config, tls) = keel_postgres_tls::ConnectionString::parse(url)
-            .map_err(|e| OffloadError::database("parse the connection string", "postgres", e))?
+            .map_err(|e| OffloadError::database("connect", "postgres", e))?
             .into_parts();
         if config.get_application_name().is_none() {
             config.application_name("keel-offload");
