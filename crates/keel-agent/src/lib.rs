@@ -10,8 +10,11 @@
 //! ```
 //!
 //! - `agent` sends the assembled prompt — system, goal, epoch summary, milestones, raw
-//!   tail — to the [`keel_model::ChatModel`]; on a provider context overflow it compacts
-//!   and retries once; at the step ceiling it stops with a resumable [`Stop`].
+//!   tail — to the [`keel_model::ChatModel`]; on a provider context overflow, or a
+//!   prompt counted over the input budget (the window less the reply's `max_tokens`,
+//!   which is then not sent), it compacts and retries once, storing the newest step's
+//!   largest results away to stubs when nothing older is left to compact; at the step
+//!   ceiling it stops with a resumable [`Stop`].
 //! - `tools` runs the reply's tool calls concurrently, each with a timeout; an unknown
 //!   tool, bad arguments, a tool error, a panic or a timeout becomes a tool message the
 //!   model can act on (a panic still passes through Rust's panic hook, which prints it
