@@ -263,7 +263,11 @@ impl EvictLargeResults {
             let _ = writeln!(s, "{number:>6}\t{}", cap_chars(line, self.max_line_chars));
         };
         if omitted == 0 {
-            let _ = writeln!(s, "All {} lines:", thousands(total));
+            if total == 1 {
+                let _ = writeln!(s, "Its one line:");
+            } else {
+                let _ = writeln!(s, "All {} lines:", thousands(total));
+            }
         } else if !head.is_empty() {
             let _ = writeln!(s, "First {} lines:", head.len());
         }
@@ -365,7 +369,7 @@ mod tests {
         let text = "x".repeat(5_000);
         let (stub, lines) = stub_of(&text, 5, 5);
         assert_eq!(lines, 1);
-        assert!(stub.contains("All 1 lines:"), "{stub}");
+        assert!(stub.contains("Its one line:"), "{stub}");
         assert!(!stub.contains("offset=1"), "{stub}");
         assert!(
             stub.ends_with(
