@@ -1371,11 +1371,10 @@ impl AgentBuilder {
         self
     }
 
-    /// The policy for large tool results (default: results over the smaller of 20,000
-    /// tokens and a quarter of the input budget go to the offload store; below a
-    /// threshold of 4,000 tokens, a window under about 20,000, their stubs show 3 and 3
-    /// lines cut to fit about half the threshold, rather than 5 and 5 of up to 1,000
-    /// characters, which at a 2,048-token window cost more than the threshold). `None` keeps
+    /// The policy for large tool results (default:
+    /// [`EvictLargeResults::for_budget`] of the input budget: results over the smaller
+    /// of 20,000 tokens and a quarter of the budget go to the offload store, with stubs
+    /// sized to fit a small window; start from it to change one thing). `None` keeps
     /// in full every result a prompt could hold: one over half the input budget, which
     /// would overflow every later model call of the thread, is offloaded all the same.
     pub fn evict(mut self, policy: Option<EvictLargeResults>) -> Self {
@@ -1384,8 +1383,9 @@ impl AgentBuilder {
     }
 
     /// Output limits of the retrieval tools. Left at their defaults, the retrieval and
-    /// file tools' output cap is lowered to the model's input budget in characters
-    /// (about a quarter of the window in tokens), so one result cannot fill a small
+    /// file tools' limits are [`ToolLimits::for_budget`] of the model's input budget
+    /// (output cut to the budget in characters, about a quarter of it in tokens, and
+    /// fewer lines a read on a small window), so one result cannot fill a small
     /// window; set limits here (or on `FileTools`) to choose them yourself.
     pub fn tool_limits(mut self, limits: ToolLimits) -> Self {
         self.limits = limits;
@@ -1549,14 +1549,12 @@ impl AgentBuilder {
         if let Some(t) = self.tool_timeout {
             toolbox.set_timeout(t);
         }
-        // Tool output that is left at the default cap (30,000 characters, about 7,500
-        // tokens) is capped to the model's input budget in characters (about a quarter
-        // of it in tokens), so one read cannot fill a small window.
+        // Tool limits left at their defaults (30,000 characters, about 7,500 tokens;
+        // 100 lines a read) are sized to the model's input budget
+        // (`ToolLimits::for_budget`), so one read cannot fill a small window.
         let fit = |l: ToolLimits| {
             if l == ToolLimits::default() {
-                let mut l = l;
-                l.max_output_chars = l.max_output_chars.min(profile.input_budget().max(2_000));
-                l
+                ToolLimits::for_budget(profile.input_budget())
             } else {
                 l
             }
@@ -1607,7 +1605,7 @@ impl AgentBuilder {
             return Err(BuildError::ApprovalNeedsCheckpointer);
         }
         let evict = match self.evict {
-            None => fitted_eviction(profile.input_budget()),
+            None => EvictLargeResults::for_budget(profile.input_budget()),
             Some(Some(policy)) => policy,
             // Kept in full, unless no prompt could hold it beside the rest: such a
             // result would overflow every model call of the thread from then on.
@@ -1724,25 +1722,6 @@ impl AgentBuilder {
             durability: self.durability,
         })
     }
-}
-
-/// The default eviction for a prompt budget of `budget` tokens: results over a quarter
-/// of it (at most 20,000 tokens) are stored, and their stub, whose preview is sized to
-/// the threshold, costs about half of it (two thirds at the smallest windows, where
-/// the stub's fixed lines weigh most). At the default preview (5 and 5 lines of 1,000
-/// characters) a stub can cost a few thousand tokens, more than the whole threshold of
-/// a small window (384 tokens at a 2,048-token window).
-fn fitted_eviction(budget: usize) -> EvictLargeResults {
-    let threshold = (budget / 4).clamp(1, 20_000);
-    let mut policy = EvictLargeResults::new().with_threshold(threshold);
-    if threshold < 4_000 {
-        // The header, the how-to-read line, the line numbers and the notes of cut
-        // lines take about 150 tokens; the preview about three characters a token.
-        let lines = 6;
-        policy = policy.with_preview(lines / 2, lines / 2);
-        policy.max_line_chars = ((threshold / 2).saturating_sub(150) * 3 / lines).clamp(40, 1_000);
-    }
-    policy
 }
 
 /// Tokens of the part of every prompt no compaction shrinks: the system prompt, the

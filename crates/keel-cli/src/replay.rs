@@ -329,15 +329,18 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
             })
             .collect();
         let made = || rr.events.iter().filter(|e| e.error.is_none());
+        // Results replaced by stubs (masked, or the newest step's stored to fit) are
+        // drawn as masks; summaries as milestones and epochs.
+        let stubbed = |k: EventKind| matches!(k, EventKind::Mask | EventKind::Fit);
         let marks: Vec<Mark> = made()
-            .filter(|e| e.kind != EventKind::Mask)
+            .filter(|e| !stubbed(e.kind))
             .map(|e| Mark {
                 turn: e.step + 1,
                 epoch: e.kind == EventKind::Epoch,
             })
             .collect();
         let masks: Vec<u64> = made()
-            .filter(|e| e.kind == EventKind::Mask)
+            .filter(|e| stubbed(e.kind))
             .map(|e| e.step + 1)
             .collect();
         chart::write_svg_with_masks(

@@ -3601,10 +3601,12 @@ fn a_masking_chart_marks_masking_not_milestones() {
         json!({"role": "system", "content": "You are a coder."}),
         json!({"role": "user", "content": "Find the bug."}),
     ];
+    // Results under the eviction threshold (750 tokens at this window), so they
+    // enter whole and masking is what makes room.
     for i in 0..12 {
         let id = format!("c{i}");
         messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function", "function": {"name": "cat", "arguments": format!("{{\"path\":\"f{i}.py\"}}")}}]}));
-        let body: String = (0..60)
+        let body: String = (0..40)
             .map(|k| format!("line {k} of file {i}: value = {}\n", k * i))
             .collect();
         messages.push(json!({"role": "tool", "tool_call_id": id, "content": body}));

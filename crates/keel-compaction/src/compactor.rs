@@ -162,7 +162,14 @@ impl std::fmt::Debug for Compactor {
 impl Compactor {
     /// A compactor with default settings and the extractive summarizer as fallback.
     /// Tool results over the smaller of 20,000 tokens and a quarter of the input budget
-    /// are offloaded on arrival.
+    /// are offloaded on arrival ([`EvictLargeResults::for_budget`] of the profile's
+    /// input budget).
+    ///
+    /// `profile` is what the compactor plans with: its input budget is the window
+    /// less the room it keeps for the reply ([`ModelProfile::reserved_output`], at most
+    /// a quarter of the window). Ask the model for replies of at most that
+    /// (`ChatOptions::max_tokens`): [`Compactor::call`] refuses a larger cap, since a
+    /// prompt at the budget beside it would overflow the window.
     pub fn new(
         summarizer: Arc<dyn Summarizer>,
         archive: Arc<Archive>,
@@ -178,9 +185,7 @@ impl Compactor {
             counter,
             config: CompactionConfig::default(),
             truncate: Some(TruncateArguments::new()),
-            evict: Some(
-                EvictLargeResults::new().with_threshold((profile.input_budget() / 4).min(20_000)),
-            ),
+            evict: Some(EvictLargeResults::for_budget(profile.input_budget())),
             profile,
             tools_tokens: Arc::default(),
             last_call: Arc::default(),
@@ -295,7 +300,10 @@ impl Compactor {
     }
 
     /// Replaces (or, with `None`, turns off) the evict-large-results policy that
-    /// [`Compactor::push_step`] applies to tool results as they arrive.
+    /// [`Compactor::push_step`] applies to tool results as they arrive. To change one
+    /// setting of the default, start from it:
+    /// `EvictLargeResults::for_budget(profile.input_budget()).exempt("read_source")`
+    /// (`EvictLargeResults::new()` has the 20,000-token threshold of a large window).
     #[must_use]
     pub fn with_evict(mut self, policy: Option<EvictLargeResults>) -> Self {
         self.evict = policy;
@@ -862,7 +870,9 @@ impl Compactor {
     /// three tail lines), largest first, until the prompt is within the budget (for a
     /// provider's overflow of a prompt already within it, three quarters of the
     /// prompt); if stubs are still too many, each shrinks to where its result is and
-    /// how to read it. Done alone, that is an [`EventKind::Fit`] event.
+    /// how to read it. Done alone, that is an [`EventKind::Fit`] event. If the prompt
+    /// is still over the budget, the milestones are folded into the epoch summary
+    /// before they are due (an [`EventKind::Epoch`] event).
     pub async fn compact(
         &self,
         state: &mut ContextState,
@@ -897,6 +907,23 @@ impl Compactor {
                 Ok(_) => result = Ok(Done::fit()),
                 Err(e) => {
                     tracing::warn!(error = %e, "cutting the newest step's results to fit failed");
+                }
+            }
+            // Still over the budget, with milestones: they go into the epoch summary
+            // before they are due (a failed fold keeps them, and what was done
+            // stands). Not for a provider's overflow of a prompt within the budget:
+            // there the target is a guess, and the next overflow compacts again.
+            if self.tokens(state, tools).total > budget && !state.milestones.is_empty() {
+                let fall_back = self.falls_back(state, true);
+                match self.epoch(state, fall_back, tools).await {
+                    Ok((usage, fell_back)) => {
+                        let mut done = result.unwrap_or_else(|_| Done::fit());
+                        done.kind = EventKind::Epoch;
+                        done.usage = add_usage(done.usage, usage);
+                        done.fallback |= fell_back;
+                        result = Ok(done);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "folding milestones early to fit failed"),
                 }
             }
         }
@@ -951,6 +978,16 @@ impl Compactor {
         tools: &[ToolSpec],
         options: &ChatOptions,
     ) -> Result<ChatResponse, CallError> {
+        let reserved = self.profile.reserved_output();
+        if let Some(cap) = options.max_tokens.map(|n| n as usize)
+            && cap > reserved
+        {
+            return Err(CallError::ReplyCapTooLarge {
+                max_tokens: cap,
+                reserved,
+                window: self.profile.context_window,
+            });
+        }
         let mut retries = 0;
         loop {
             let prompt = self.assemble(state);
@@ -1005,12 +1042,23 @@ impl Compactor {
             .iter()
             .rposition(|m| m.role == Role::Assistant)
             .unwrap_or(0);
+        // The thread's own policy (its directory), evicting every tool's results, with
+        // small stubs and reads sized to the budget.
+        let sized = EvictLargeResults::for_budget(self.prompt_budget());
+        let mut policy = self.evict.clone().unwrap_or_else(|| sized.clone());
+        policy.threshold_tokens = 0;
+        policy.exempt_tools.clear();
+        policy.head_lines = 3;
+        policy.tail_lines = 3;
+        policy.max_line_chars = policy.max_line_chars.min(160);
+        policy.preview_chars = policy.preview_chars.min(sized.preview_chars);
+        policy.read_lines = policy.read_lines.min(sized.read_lines);
         let mut candidates: Vec<(usize, usize)> = (newest..state.raw.len())
             .filter(|&i| {
                 let m = &state.raw[i];
                 is_observation(m)
                     && !m.metadata.contains_key(MASKED_METADATA_KEY)
-                    && EvictLargeResults::brief(m).is_none()
+                    && policy.brief(m).is_none()
             })
             .map(|i| (i, state.ledger.raw.get(i).copied().unwrap_or_default()))
             .filter(|&(_, tokens)| tokens > SMALL)
@@ -1028,12 +1076,6 @@ impl Compactor {
         chosen.sort_unstable();
         let mut changed = 0;
         if !chosen.is_empty() {
-            let mut policy = self.evict.clone().unwrap_or_default();
-            policy.threshold_tokens = 0;
-            policy.exempt_tools.clear();
-            policy.head_lines = 3;
-            policy.tail_lines = 3;
-            policy.max_line_chars = 160;
             let reply = match state.raw.get(newest) {
                 Some(m) if m.role == Role::Assistant => m.clone(),
                 _ => Message::assistant(""),
@@ -1041,8 +1083,9 @@ impl Compactor {
             let results: Vec<Message> = chosen.iter().map(|&i| state.raw[i].clone()).collect();
             let this = self.clone();
             let mut lineage = state.lineage.clone();
+            let stubs = policy.clone();
             let evict = move || {
-                let out = this.evict(&policy, &reply, results, &mut lineage);
+                let out = this.evict(&stubs, &reply, results, &mut lineage);
                 (out, lineage)
             };
             let (out, lineage) = match tokio::runtime::Handle::try_current() {
@@ -1066,7 +1109,7 @@ impl Compactor {
         }
         if self.tokens(state, tools).total > target {
             for i in newest..state.raw.len() {
-                if let Some(brief) = EvictLargeResults::brief(&state.raw[i]) {
+                if let Some(brief) = policy.brief(&state.raw[i]) {
                     let mut m = state.raw[i].clone();
                     if m.text() != brief {
                         m.content = brief.into();

@@ -58,4 +58,20 @@ pub enum CallError {
     /// Compacting after a context overflow failed (the summarizer or the archive).
     #[error(transparent)]
     Compaction(#[from] CompactionError),
+    /// The call asks for replies of more tokens (`ChatOptions::max_tokens`) than the
+    /// profile keeps free for them: the compactor keeps prompts within the window less
+    /// that room, so a server that checks prompt and reply against the window would
+    /// refuse every prompt near the budget, and compaction could never make room.
+    /// Nothing was sent.
+    #[error(
+        "the reply cap of {max_tokens} tokens is more than the {reserved} the profile keeps free for the reply (of a {window}-token window): ask for at most {reserved}, or give the compactor a profile whose maximum output is at least {max_tokens} (at most a quarter of the window)"
+    )]
+    ReplyCapTooLarge {
+        /// The `max_tokens` asked for.
+        max_tokens: usize,
+        /// What the profile keeps free ([`keel_token::ModelProfile::reserved_output`]).
+        reserved: usize,
+        /// The profile's window.
+        window: usize,
+    },
 }

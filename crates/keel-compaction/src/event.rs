@@ -32,7 +32,8 @@ pub enum EventKind {
     Epoch,
     /// Old tool results were masked.
     Mask,
-    /// After a context overflow, with nothing older left to compact, the newest step's
+    /// With the prompt over the budget after compacting (whatever the trigger), or
+    /// refused by the provider, and nothing older left to compact, the newest step's
     /// largest tool results were stored whole in the offload store and left as short
     /// stubs, so the prompt fits (see [`Compactor::compact`](crate::Compactor::compact)).
     Fit,

@@ -117,6 +117,23 @@
 //! ```
 //!
 //! See also the [`Compactor`] example.
+//!
+//! Three things the example leaves out, which a loop with real tools needs:
+//!
+//! - Give [`Compactor::after_step`] (and [`Compactor::call`]) the tool specs you send
+//!   the model: they are part of every prompt, and a compactor told of none plans as
+//!   if they cost nothing.
+//! - Ask the model for replies of at most [`ModelProfile::reserved_output`] tokens
+//!   (`ChatOptions::max_tokens`): prompts are kept within the window less that, and
+//!   [`Compactor::call`] refuses a larger cap
+//!   ([`CallError::ReplyCapTooLarge`]).
+//! - Stubs of stored results tell the model to call `read_file` and `grep` on paths
+//!   such as `large_tool_results/<call id>`: give it
+//!   [`RetrievalTools`](keel_offload::RetrievalTools) (over the archive's store and
+//!   thread, sized with `ToolLimits::for_budget`), or, if tools of yours already have
+//!   those names, send calls on those paths to it.
+//!
+//! [`ModelProfile::reserved_output`]: keel_token::ModelProfile::reserved_output
 
 mod compactor;
 pub mod config;

@@ -234,6 +234,83 @@ async fn stubs_shrink_to_their_first_line_when_the_preview_does_not_fit() {
 }
 
 #[tokio::test]
+async fn call_refuses_a_reply_cap_the_profile_keeps_no_room_for() {
+    // A 2,048-token window whose profile keeps 204 tokens for the reply, and a call
+    // asking for 1,024: a prompt at the budget beside such a reply overflows a server
+    // that checks both, and no compaction could make room. Refused before sending.
+    let rig = rig(CompactionConfig::default(), 2_048, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    let model = keel_model::ScriptedModel::from_texts(["never"]);
+    let options = keel_model::ChatOptions::new().max_tokens(1_024);
+    let err = rig
+        .compactor
+        .call(&model, &mut state, &[], &options)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            keel_compaction::CallError::ReplyCapTooLarge {
+                max_tokens: 1_024,
+                reserved: 204,
+                window: 2_048
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("ask for at most 204"), "{err}");
+    assert!(model.requests().is_empty(), "nothing was sent");
+    // Within the room kept, the call goes through.
+    let options = keel_model::ChatOptions::new().max_tokens(204);
+    let reply = rig
+        .compactor
+        .call(&model, &mut state, &[], &options)
+        .await
+        .unwrap();
+    assert_eq!(reply.message.text(), "never");
+}
+
+#[tokio::test]
+async fn over_the_budget_with_milestones_they_fold_before_they_are_due() {
+    // Three milestones (an epoch is due at five), then a reply nothing can cut that
+    // puts the prompt over the budget: the overflow's compaction folds the milestones
+    // into the epoch summary rather than leave the prompt as it was.
+    let rig = rig(CompactionConfig::default(), 4_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read every part."));
+    for i in 0..9 {
+        let (reply, results) = step(i, 25);
+        rig.compactor.push_step(&mut state, reply, results);
+        if i % 3 == 2 {
+            rig.compactor
+                .compact(&mut state, Trigger::Force, &[])
+                .await
+                .unwrap();
+        }
+    }
+    assert!(!state.milestones.is_empty(), "{}", state.milestones.len());
+    let long = "the plan is to read every part once more, carefully. ".repeat(240);
+    rig.compactor
+        .push_step(&mut state, Message::assistant(long).with_id("big"), vec![]);
+    assert!(rig.compactor.tokens(&mut state, &[]).total > rig.compactor.prompt_budget());
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert_eq!(event.kind, EventKind::Epoch, "{event:?}");
+    assert!(state.milestones.is_empty(), "folded");
+    assert!(
+        state.epoch.is_some() || !state.epochs.is_empty(),
+        "an epoch summary"
+    );
+    assert_eq!(
+        state.raw.last().unwrap().id.as_deref(),
+        Some("big"),
+        "the newest step stays"
+    );
+}
+
+#[tokio::test]
 async fn milestone_headers_name_the_steps_they_hold() {
     // Every 3 steps, a tail that holds about one step: milestone 1 holds steps 1-2
     // (step 3 is the tail), milestone 2 steps 3-5, and so on.

@@ -55,6 +55,33 @@ impl Default for ToolLimits {
     }
 }
 
+impl ToolLimits {
+    /// The defaults sized for a prompt budget of `budget_tokens` (a model's window less
+    /// its reply), so that one read cannot fill a small window: output is cut to the
+    /// budget in characters (about a quarter of it in tokens; at least 2,000 and at
+    /// most the default 30,000), and `read_file` without a `limit` returns a line per
+    /// 80 tokens of budget (5 to 100), as the stubs of
+    /// [`EvictLargeResults::for_budget`](crate::EvictLargeResults::for_budget) suggest.
+    /// keel-agent uses it for its retrieval and file tools when their limits are left
+    /// at the defaults.
+    ///
+    /// ```
+    /// use keel_offload::ToolLimits;
+    ///
+    /// assert_eq!(ToolLimits::for_budget(200_000), ToolLimits::default());
+    /// let small = ToolLimits::for_budget(1_536); // a 2,048-token window
+    /// assert_eq!((small.max_output_chars, small.default_read_lines), (2_000, 19));
+    /// ```
+    pub fn for_budget(budget_tokens: usize) -> Self {
+        let default = ToolLimits::default();
+        ToolLimits {
+            max_output_chars: budget_tokens.clamp(2_000, default.max_output_chars),
+            default_read_lines: (budget_tokens / 80).clamp(5, default.default_read_lines),
+            ..default
+        }
+    }
+}
+
 /// Why a retrieval tool call failed.
 ///
 /// The message of every variant is written for the model: send it back as the tool

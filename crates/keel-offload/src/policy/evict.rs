@@ -66,6 +66,7 @@ const RECORD: &str = "evicted";
 /// # Ok::<(), keel_offload::OffloadError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct EvictLargeResults {
     /// Results of more tokens than this are evicted (default 20,000).
     pub threshold_tokens: usize,
@@ -79,6 +80,13 @@ pub struct EvictLargeResults {
     pub exempt_tools: BTreeSet<String>,
     /// The directory results go to (default `large_tool_results`).
     pub dir: StorePath,
+    /// Characters the preview's lines may take together, shared among them, each
+    /// still at most `max_line_chars` (default: no limit beyond that).
+    pub preview_chars: usize,
+    /// The `limit` the stub suggests for reading on with `read_file` (default 100
+    /// lines). On a small window 100 lines may not fit: [`EvictLargeResults::for_budget`]
+    /// sizes it.
+    pub read_lines: usize,
 }
 
 impl Default for EvictLargeResults {
@@ -103,7 +111,47 @@ impl EvictLargeResults {
                 .map(str::to_owned)
                 .collect(),
             dir: StorePath::known("large_tool_results"),
+            preview_chars: usize::MAX,
+            read_lines: 100,
         }
+    }
+
+    /// The defaults sized for a prompt budget of `budget_tokens` (a model's window less
+    /// its reply): results over a quarter of it, at most 20,000 tokens, are evicted,
+    /// and a stub costs about half the threshold at most. The preview's lines share
+    /// the characters that leaves (about three a token, after some 150 tokens of
+    /// header, numbers and notes), where 5 and 5 lines of up to 1,000 characters each
+    /// could cost more than a small window's whole threshold; below a threshold of
+    /// 1,000 tokens it shows 3 and 3 lines. The stub suggests reading on a line per 80
+    /// tokens of budget at a time (5 to 100), so the read fits. keel-compaction's
+    /// `Compactor` and keel-agent use it by default; start from it to change one thing
+    /// without losing the rest.
+    ///
+    /// ```
+    /// use keel_offload::EvictLargeResults;
+    ///
+    /// let large = EvictLargeResults::for_budget(200_000);
+    /// assert_eq!(large.threshold_tokens, 20_000);
+    /// assert_eq!((large.head_lines, large.read_lines, large.preview_chars), (5, 100, 29_550));
+    ///
+    /// // A 2,048-token window keeping 512 for the reply.
+    /// let small = EvictLargeResults::for_budget(1_536).exempt("read_source");
+    /// assert_eq!(small.threshold_tokens, 384);
+    /// assert_eq!((small.head_lines, small.tail_lines, small.read_lines), (3, 3, 19));
+    /// assert_eq!(small.preview_chars, 240);
+    /// assert!(small.exempt_tools.contains("read_source"));
+    /// ```
+    pub fn for_budget(budget_tokens: usize) -> Self {
+        let threshold = (budget_tokens / 4).clamp(1, Self::DEFAULT_THRESHOLD);
+        let mut policy = Self::new().with_threshold(threshold);
+        if threshold < 1_000 {
+            policy = policy.with_preview(3, 3);
+        }
+        // The header, the how-to-read line, the line numbers and the notes of cut
+        // lines take about 150 tokens; the preview about three characters a token.
+        policy.preview_chars = ((threshold / 2).saturating_sub(150) * 3).max(240);
+        policy.read_lines = (budget_tokens / 80).clamp(5, 100);
+        policy
     }
 
     /// Sets the token threshold.
@@ -259,8 +307,11 @@ impl EvictLargeResults {
         let omitted = total - head.len() - tail.len();
         let mut s = header(path.as_str(), tokens, total, text.len());
         s.push('\n');
+        // Each shown line gets its share of the preview's characters.
+        let shown = (head.len() + tail.len()).max(1);
+        let per_line = self.max_line_chars.min(self.preview_chars / shown).max(1);
         let show = |s: &mut String, number: usize, line: &str| {
-            let _ = writeln!(s, "{number:>6}\t{}", cap_chars(line, self.max_line_chars));
+            let _ = writeln!(s, "{number:>6}\t{}", cap_chars(line, per_line));
         };
         if omitted == 0 {
             if total == 1 {
@@ -283,7 +334,7 @@ impl EvictLargeResults {
         for (number, line) in &tail {
             show(&mut s, *number, line);
         }
-        s.push_str(&hint(path.as_str(), head.len(), total));
+        s.push_str(&hint(path.as_str(), head.len(), total, self.read_lines));
         (s, total)
     }
 
@@ -304,14 +355,14 @@ impl EvictLargeResults {
     /// let policy = EvictLargeResults::new().with_threshold(100);
     /// let out = policy.apply(vec![Message::tool("call_1", log)], &env);
     ///
-    /// let brief = EvictLargeResults::brief(&out.messages[0]).unwrap();
+    /// let brief = policy.brief(&out.messages[0]).unwrap();
     /// assert!(brief.starts_with("[Tool result too large for the context; stored in full at large_tool_results/call_1"));
     /// assert!(brief.contains("offset=0"));
     /// assert!(brief.len() < out.messages[0].text().len());
-    /// assert_eq!(EvictLargeResults::brief(&Message::tool("call_2", "small")), None);
+    /// assert_eq!(policy.brief(&Message::tool("call_2", "small")), None);
     /// # Ok::<(), keel_offload::OffloadError>(())
     /// ```
-    pub fn brief(message: &Message) -> Option<String> {
+    pub fn brief(&self, message: &Message) -> Option<String> {
         let r = record(message, RECORD)?;
         let path = r.get("path")?.as_str()?;
         let number = |k: &str| {
@@ -322,7 +373,7 @@ impl EvictLargeResults {
         };
         let mut s = header(path, number("tokens"), number("lines"), number("bytes"));
         s.push('\n');
-        s.push_str(&hint(path, 0, number("lines")));
+        s.push_str(&hint(path, 0, number("lines"), self.read_lines));
         Some(s)
     }
 }
@@ -337,8 +388,9 @@ fn header(path: &str, tokens: usize, lines: usize, bytes: usize) -> String {
     )
 }
 
-/// A stub's last line: how to read on from line `offset` of `lines`, or search.
-fn hint(path: &str, offset: usize, lines: usize) -> String {
+/// A stub's last line: how to read on from line `offset` of `lines`, `limit` lines at
+/// a time, or search.
+fn hint(path: &str, offset: usize, lines: usize, limit: usize) -> String {
     if offset >= lines && lines > 0 {
         // Every line is in the stub already (a result of one long line, say): reading
         // on from `offset` would be past the end.
@@ -348,7 +400,7 @@ fn hint(path: &str, offset: usize, lines: usize) -> String {
         );
     }
     format!(
-        "To see more, call {READ_FILE}(path=\"{path}\", offset={offset}, limit=100) \
+        "To see more, call {READ_FILE}(path=\"{path}\", offset={offset}, limit={limit}) \
          (offset counts lines from 0), or {GREP}(pattern=\"...\", path=\"{path}\") to search it."
     )
 }
@@ -361,6 +413,26 @@ mod tests {
         let policy = EvictLargeResults::new().with_preview(head, tail);
         let path = policy.path_for("call_1").unwrap();
         policy.stub(text, 42, &path)
+    }
+
+    #[test]
+    fn a_small_budget_s_stub_is_short_and_asks_for_a_read_that_fits() {
+        let text: String = (1..=400)
+            .map(|i| format!("{i:>4} {}\n", "request served with status 200; ".repeat(6)))
+            .collect();
+        let policy = EvictLargeResults::for_budget(1_536);
+        let path = policy.path_for("call_1").unwrap();
+        let (stub, _) = policy.stub(&text, 9_000, &path);
+        assert!(stub.contains("First 3 lines:"), "{stub}");
+        assert!(stub.contains("offset=3, limit=19)"), "{stub}");
+        // Six lines share 240 characters: 40 each, and the note of what each hides.
+        assert!(
+            stub.contains("     1\t   1 request served with status 200; req… ["),
+            "{stub}"
+        );
+        let large = EvictLargeResults::for_budget(200_000);
+        let (stub, _) = large.stub(&text, 9_000, &path);
+        assert!(stub.contains("offset=5, limit=100)"), "{stub}");
     }
 
     #[test]
