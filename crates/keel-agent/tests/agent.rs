@@ -1061,6 +1061,19 @@ async fn on_a_small_window_a_stub_costs_at_most_two_thirds_of_the_eviction_thres
     );
 }
 
+/// An agent on an 8,192-token window (1,024 kept for the reply) with the echo tool
+/// and an in-memory saver.
+fn small_echo_agent(model: PolicyModel, encoding: Encoding) -> Agent {
+    Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new("small", 8_192, 1_024, encoding))
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prompt_that_cannot_fit_is_never_sent() {
     // The model's own reply is far over the window. The newest step always stays (the
@@ -1078,19 +1091,7 @@ async fn a_prompt_that_cannot_fit_is_never_sent() {
         };
         Ok(ChatResponse::new(reply, "small"))
     });
-    let agent = Agent::builder()
-        .model(Arc::new(model))
-        .profile(ModelProfile::new(
-            "small",
-            8_192,
-            1_024,
-            Encoding::O200kBase,
-        ))
-        .goal(GOAL)
-        .tool(Arc::new(Echo))
-        .checkpointer(Arc::new(MemorySaver::new()))
-        .build()
-        .unwrap();
+    let agent = small_echo_agent(model, Encoding::O200kBase);
     let err = agent.run("big", AgentInput::new()).await.unwrap_err();
     assert!(
         matches!(err.model_error(), Some(ModelError::ContextOverflow { message }) if message.contains("not sent")),
@@ -1117,19 +1118,7 @@ async fn a_model_that_gives_every_tool_call_the_same_id_still_compacts() {
         };
         Ok(ChatResponse::new(reply, "renumbering"))
     });
-    let agent = Agent::builder()
-        .model(Arc::new(model))
-        .profile(ModelProfile::new(
-            "small",
-            8_192,
-            1_024,
-            Encoding::Approximate,
-        ))
-        .goal(GOAL)
-        .tool(Arc::new(Echo))
-        .checkpointer(Arc::new(MemorySaver::new()))
-        .build()
-        .unwrap();
+    let agent = small_echo_agent(model, Encoding::Approximate);
     let run = agent.run("renumbered", AgentInput::new()).await.unwrap();
     assert_eq!(run.stop, None, "{:?}", run.stop);
     assert_eq!(run.state.step, 151);
