@@ -1018,9 +1018,10 @@ impl Compactor {
     /// asked for), is made to fit. Its largest tool results, those of every tool
     /// (`read_file` included), are stored whole in the offload store as
     /// [`EvictLargeResults`] stores them and left as stubs of three head and three tail
-    /// lines, largest first, until the estimate fits; if the prompt is still over,
-    /// each stub of the step shrinks to its first line and how to read it
-    /// ([`EvictLargeResults::brief`]). Every call keeps its answer, and each result can
+    /// lines, largest first, until the estimate fits (a short result of long lines,
+    /// which such a stub would not make smaller, gets a stub without preview lines);
+    /// if the prompt is still over, each stub of the step shrinks to its first line
+    /// and how to read it ([`EvictLargeResults::brief`]). Every call keeps its answer, and each result can
     /// be read back. Returns how many results changed.
     async fn fit_newest(
         &self,
@@ -1075,37 +1076,19 @@ impl Compactor {
         }
         chosen.sort_unstable();
         let mut changed = 0;
-        if !chosen.is_empty() {
-            let reply = match state.raw.get(newest) {
-                Some(m) if m.role == Role::Assistant => m.clone(),
-                _ => Message::assistant(""),
-            };
-            let results: Vec<Message> = chosen.iter().map(|&i| state.raw[i].clone()).collect();
-            let this = self.clone();
-            let mut lineage = state.lineage.clone();
-            let stubs = policy.clone();
-            let evict = move || {
-                let out = this.evict(&stubs, &reply, results, &mut lineage);
-                (out, lineage)
-            };
-            let (out, lineage) = match tokio::runtime::Handle::try_current() {
-                Ok(handle) => handle
-                    .spawn_blocking(evict)
-                    .await
-                    .map_err(|e| OffloadError::Io {
-                        op: "store the newest step's results",
-                        key: self.thread.to_string(),
-                        source: std::io::Error::other(format!("the blocking task ended: {e}")),
-                    })?,
-                Err(_) => evict(),
-            };
-            state.lineage = lineage;
-            for (i, m) in chosen.into_iter().zip(out) {
-                if m != state.raw[i] {
-                    changed += 1;
-                    self.replace_raw(state, i, m);
-                }
+        // Stubs with a preview first; a result whose stub with a preview would not be
+        // smaller (a short result of long lines) then gets one without.
+        let mut left = chosen;
+        for preview in [3, 0] {
+            if left.is_empty() || self.tokens(state, tools).total <= target {
+                break;
             }
+            let mut stubs = policy.clone();
+            stubs.head_lines = preview;
+            stubs.tail_lines = preview;
+            let (n, unchanged) = self.evict_in_place(state, newest, left, stubs).await?;
+            changed += n;
+            left = unchanged;
         }
         if self.tokens(state, tools).total > target {
             for i in newest..state.raw.len() {
@@ -1120,6 +1103,51 @@ impl Compactor {
             }
         }
         Ok(changed)
+    }
+
+    /// Runs `policy` over the raw messages at `indices` (results of the step whose
+    /// reply is at `newest`) off the runtime, and puts back those it changed. Returns
+    /// how many changed, and the indices it left as they were.
+    async fn evict_in_place(
+        &self,
+        state: &mut ContextState,
+        newest: usize,
+        indices: Vec<usize>,
+        policy: EvictLargeResults,
+    ) -> Result<(usize, Vec<usize>), OffloadError> {
+        let reply = match state.raw.get(newest) {
+            Some(m) if m.role == Role::Assistant => m.clone(),
+            _ => Message::assistant(""),
+        };
+        let results: Vec<Message> = indices.iter().map(|&i| state.raw[i].clone()).collect();
+        let this = self.clone();
+        let mut lineage = state.lineage.clone();
+        let evict = move || {
+            let out = this.evict(&policy, &reply, results, &mut lineage);
+            (out, lineage)
+        };
+        let (out, lineage) = match tokio::runtime::Handle::try_current() {
+            Ok(handle) => handle
+                .spawn_blocking(evict)
+                .await
+                .map_err(|e| OffloadError::Io {
+                    op: "store the newest step's results",
+                    key: self.thread.to_string(),
+                    source: std::io::Error::other(format!("the blocking task ended: {e}")),
+                })?,
+            Err(_) => evict(),
+        };
+        state.lineage = lineage;
+        let (mut changed, mut unchanged) = (0, Vec::new());
+        for (i, m) in indices.into_iter().zip(out) {
+            if m == state.raw[i] {
+                unchanged.push(i);
+            } else {
+                changed += 1;
+                self.replace_raw(state, i, m);
+            }
+        }
+        Ok((changed, unchanged))
     }
 
     /// Puts `m` at `i` of the raw buffer, counting it into the ledger.

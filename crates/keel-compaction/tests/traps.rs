@@ -234,6 +234,58 @@ async fn stubs_shrink_to_their_first_line_when_the_preview_does_not_fit() {
 }
 
 #[tokio::test]
+async fn a_short_result_of_long_lines_is_stored_with_a_stub_without_preview() {
+    // A dozen lines of 60 characters: a stub showing three and three of them (with
+    // its header and how-to-read line) would be no smaller than the result, so the
+    // fit stores it with a stub of the header and how to read it alone.
+    let result: String = (0..12)
+        .map(|k| format!("{k:>3} the build step {k} finished without any warning at all\n"))
+        .collect();
+    let push = |rig: &Rig, state: &mut ContextState| {
+        let reply = Message::assistant("Reading.")
+            .with_id("a")
+            .with_tool_calls(vec![ToolCall::new(
+                "c1",
+                "read_file",
+                json!({"path": "log"}),
+            )]);
+        let results = vec![
+            Message::tool("c1", result.clone())
+                .with_id("r")
+                .with_name("read_file"),
+        ];
+        rig.compactor.push_step(state, reply, results);
+    };
+    // The window whose budget is 10 tokens under this prompt.
+    let probe = rig(CompactionConfig::default(), 100_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read the log."));
+    push(&probe, &mut state);
+    let total = probe.compactor.tokens(&mut state, &[]).total;
+    let rig = rig(
+        CompactionConfig::default(),
+        (total - 10) * 10 / 9 + 1,
+        extractive(),
+    );
+    let mut state = ContextState::new(GoalAnchor::new("Read the log."));
+    push(&rig, &mut state);
+    let budget = rig.compactor.prompt_budget();
+    assert!(rig.compactor.tokens(&mut state, &[]).total > budget);
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert_eq!(event.kind, EventKind::Fit, "{event:?}");
+    assert!(event.tokens_after <= budget, "{event:?}");
+    let stub = state.raw.last().unwrap().text();
+    assert!(
+        stub.starts_with("[Tool result too large for the context; stored in full at"),
+        "{stub}"
+    );
+    assert!(!stub.contains("First 3 lines"), "{stub}");
+}
+
+#[tokio::test]
 async fn call_refuses_a_reply_cap_the_profile_keeps_no_room_for() {
     // A 2,048-token window whose profile keeps 204 tokens for the reply, and a call
     // asking for 1,024: a prompt at the budget beside such a reply overflows a server
