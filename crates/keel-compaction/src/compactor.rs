@@ -1019,7 +1019,9 @@ impl Compactor {
     /// (`read_file` included), are stored whole in the offload store as
     /// [`EvictLargeResults`] stores them and left as stubs of three head and three tail
     /// lines, largest first, until the estimate fits (a short result of long lines,
-    /// which such a stub would not make smaller, gets a stub without preview lines);
+    /// which such a stub would not make smaller, gets a stub without preview lines;
+    /// a `read_file` or `grep` of a stored result is not stored again but cut where it
+    /// stands, with a note to read less at a time);
     /// if the prompt is still over, each stub of the step shrinks to its first line
     /// and how to read it ([`EvictLargeResults::brief`]). Every call keeps its answer, and each result can
     /// be read back. Returns how many results changed.
@@ -1076,6 +1078,33 @@ impl Compactor {
         }
         chosen.sort_unstable();
         let mut changed = 0;
+        // A read of what the store already holds (the model following a stub) is cut
+        // where it stands: stored again, its stub would point to a copy of the read,
+        // and reading that would nest line numbers without ever showing more.
+        let (rereads, chosen): (Vec<usize>, Vec<usize>) = chosen
+            .into_iter()
+            .partition(|&i| reads_the_store(&state.raw, newest, i, &policy));
+        for i in rereads {
+            let total = self.tokens(state, tools).total;
+            if total <= target {
+                break;
+            }
+            let original = state.raw[i].clone();
+            let tokens = self.ledger_tokens(state, i);
+            let rest = total - tokens;
+            // Cut to what the prompt has room for, checked by counting: the note and
+            // the text's own density make the first guess a little off.
+            let mut keep = (target.saturating_sub(rest)).max(tokens / 8);
+            while let Some(m) = cut_reread(&original, tokens, keep) {
+                let fits = rest + self.counter.count_message(&m) <= target;
+                if fits || keep <= tokens / 8 {
+                    changed += 1;
+                    self.replace_raw(state, i, m);
+                    break;
+                }
+                keep = (keep * 4 / 5).max(tokens / 8);
+            }
+        }
         // Stubs with a preview first; a result whose stub with a preview would not be
         // smaller (a short result of long lines) then gets one without.
         let mut left = chosen;
@@ -1148,6 +1177,11 @@ impl Compactor {
             }
         }
         Ok((changed, unchanged))
+    }
+
+    /// The ledger's count of raw message `i`.
+    fn ledger_tokens(&self, state: &ContextState, i: usize) -> usize {
+        state.ledger.raw.get(i).copied().unwrap_or_default()
     }
 
     /// Puts `m` at `i` of the raw buffer, counting it into the ledger.
@@ -1917,6 +1951,51 @@ fn steps_label(first: u64, last: u64) -> String {
 }
 
 /// The text a masked tool result is replaced by.
+/// Whether raw message `i` answers a `read_file` or `grep` call of the reply at
+/// `newest` on a path under `policy`'s directory: a read of a result already stored.
+fn reads_the_store(raw: &[Message], newest: usize, i: usize, policy: &EvictLargeResults) -> bool {
+    let (Some(reply), Some(id)) = (raw.get(newest), raw[i].tool_call_id.as_deref()) else {
+        return false;
+    };
+    let dir = policy.dir.as_str();
+    reply.tool_calls.iter().any(|c| {
+        c.id == id
+            && (c.name == keel_offload::READ_FILE || c.name == keel_offload::GREP)
+            && c.arguments
+                .as_json()
+                .and_then(|a| a.get("path"))
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|p| {
+                    p.strip_prefix(dir)
+                        .is_some_and(|r| r.is_empty() || r.starts_with('/'))
+                })
+    })
+}
+
+/// A read of a stored result, `tokens` long, cut to about `keep_tokens` of text and a
+/// note saying so; `None` when that would cut nothing, or leave nothing.
+fn cut_reread(m: &Message, tokens: usize, keep_tokens: usize) -> Option<Message> {
+    let text = m.text();
+    // The note takes about 50 tokens of what is kept.
+    let keep_tokens = keep_tokens.saturating_sub(50);
+    if keep_tokens == 0 || keep_tokens >= tokens {
+        return None;
+    }
+    let keep_bytes = text.len() * keep_tokens / tokens;
+    let cut = (0..=keep_bytes).rev().find(|&b| text.is_char_boundary(b))?;
+    let mut out = m.clone();
+    out.content = format!(
+        "{}\n[This read was cut to fit the context: {} of its {} characters are shown. \
+         What it read is stored whole: read fewer lines at a time (a smaller `limit`), \
+         or grep it.]",
+        &text[..cut],
+        text[..cut].chars().count(),
+        text.chars().count()
+    )
+    .into();
+    Some(out)
+}
+
 fn mask_placeholder(tokens: usize, id: Option<&str>, seq: u64) -> String {
     match id {
         Some(id) => format!("[masked: {tokens}-token result, archived as {id} (seq {seq})]"),

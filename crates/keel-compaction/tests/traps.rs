@@ -286,6 +286,62 @@ async fn a_short_result_of_long_lines_is_stored_with_a_stub_without_preview() {
 }
 
 #[tokio::test]
+async fn a_read_of_a_stored_result_is_cut_where_it_stands_not_stored_again() {
+    // The model follows a stub and reads back more than the window holds. Storing the
+    // read would leave a stub pointing to a copy of it, and reading that would only
+    // nest line numbers: the read is cut in place, with a note to read less.
+    let rig = rig(CompactionConfig::default(), 4_000, extractive());
+    let mut state = ContextState::new(GoalAnchor::new("Read the log."));
+    let read: String = (0..300)
+        .map(|k| {
+            format!(
+                "{:>6}\tpart {k}: the request was served and logged\n",
+                k + 1
+            )
+        })
+        .collect();
+    let reply = Message::assistant("Reading it back.")
+        .with_id("a")
+        .with_tool_calls(vec![ToolCall::new(
+            "c9",
+            "read_file",
+            json!({"path": "large_tool_results/c1", "offset": 0, "limit": 300}),
+        )]);
+    rig.compactor.push_step(
+        &mut state,
+        reply,
+        vec![
+            Message::tool("c9", read.clone())
+                .with_id("r")
+                .with_name("read_file"),
+        ],
+    );
+    let budget = rig.compactor.prompt_budget();
+    assert!(rig.compactor.tokens(&mut state, &[]).total > budget);
+    let event = rig
+        .compactor
+        .compact(&mut state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert_eq!(event.kind, EventKind::Fit, "{event:?}");
+    assert!(event.tokens_after <= budget, "{event:?}");
+    let cut = state.raw.last().unwrap().text();
+    assert!(
+        cut.starts_with("     1\tpart 0: the request"),
+        "{}",
+        &cut[..80]
+    );
+    assert!(
+        cut.contains("[This read was cut to fit the context:"),
+        "{cut}"
+    );
+    assert!(
+        rig.store.list(&rig.thread, None).unwrap().is_empty(),
+        "nothing stored again"
+    );
+}
+
+#[tokio::test]
 async fn call_refuses_a_reply_cap_the_profile_keeps_no_room_for() {
     // A 2,048-token window whose profile keeps 204 tokens for the reply, and a call
     // asking for 1,024: a prompt at the budget beside such a reply overflows a server
