@@ -1013,18 +1013,18 @@ impl Compactor {
         }
     }
 
-    /// When the prompt is still over `target` tokens after compacting for an overflow,
-    /// the newest step, which compaction never moves (the model must see what it just
-    /// asked for), is made to fit. Its largest tool results, those of every tool
-    /// (`read_file` included), are stored whole in the offload store as
-    /// [`EvictLargeResults`] stores them and left as stubs of three head and three tail
-    /// lines, largest first, until the estimate fits (a short result of long lines,
-    /// which such a stub would not make smaller, gets a stub without preview lines;
-    /// a `read_file` or `grep` of a stored result is not stored again but cut where it
-    /// stands, with a note to read less at a time);
-    /// if the prompt is still over, each stub of the step shrinks to its first line
-    /// and how to read it ([`EvictLargeResults::brief`]). Every call keeps its answer, and each result can
-    /// be read back. Returns how many results changed.
+    /// When the prompt is still over `target` tokens after compacting (for an
+    /// overflow, or over the budget), the newest step, which compaction never moves
+    /// (the model must see what it just asked for), is made to fit. Its largest tool
+    /// results, those of every tool (`read_file` included), are stored whole in the
+    /// offload store as [`EvictLargeResults`] stores them and left as stubs of three
+    /// head and three tail lines, largest first, until the estimate fits. A short
+    /// result of long lines, which such a stub would not make smaller, gets a stub
+    /// without preview lines; a `read_file` or `grep` of a stored result is not stored
+    /// again but cut where it stands, with a note to read less at a time. If the
+    /// prompt is still over, each stub of the step shrinks to its first line and how
+    /// to read it ([`EvictLargeResults::brief`]). Every call keeps its answer, and each
+    /// result can be read back. Returns how many results changed.
     async fn fit_newest(
         &self,
         state: &mut ContextState,
@@ -1061,6 +1061,7 @@ impl Compactor {
                 let m = &state.raw[i];
                 is_observation(m)
                     && !m.metadata.contains_key(MASKED_METADATA_KEY)
+                    && !m.metadata.contains_key(CUT_METADATA_KEY)
                     && policy.brief(m).is_none()
             })
             .map(|i| (i, state.ledger.raw.get(i).copied().unwrap_or_default()))
@@ -1950,7 +1951,6 @@ fn steps_label(first: u64, last: u64) -> String {
     }
 }
 
-/// The text a masked tool result is replaced by.
 /// Whether raw message `i` answers a `read_file` or `grep` call of the reply at
 /// `newest` on a path under `policy`'s directory: a read of a result already stored.
 fn reads_the_store(raw: &[Message], newest: usize, i: usize, policy: &EvictLargeResults) -> bool {
@@ -1993,9 +1993,15 @@ fn cut_reread(m: &Message, tokens: usize, keep_tokens: usize) -> Option<Message>
         text.chars().count()
     )
     .into();
+    out.metadata
+        .insert(CUT_METADATA_KEY.to_owned(), serde_json::Value::Bool(true));
     Some(out)
 }
 
+/// The metadata key on a read of a stored result that was cut to fit the context.
+const CUT_METADATA_KEY: &str = "keel.cut_to_fit";
+
+/// The text a masked tool result is replaced by.
 fn mask_placeholder(tokens: usize, id: Option<&str>, seq: u64) -> String {
     match id {
         Some(id) => format!("[masked: {tokens}-token result, archived as {id} (seq {seq})]"),

@@ -28,7 +28,8 @@ pub(crate) fn display_line(bytes: &[u8], max: usize) -> (String, bool) {
 /// and the byte of the line it starts at.
 pub(crate) fn display_line_at(bytes: &[u8], max: usize, at: usize) -> (String, bool, usize) {
     let bytes = bytes.strip_suffix(b"\r").unwrap_or(bytes);
-    if bytes.len() <= max || at < max / 8 {
+    // A match early enough to show within the quarter a reader shows stays in place.
+    if bytes.len() <= max || at < max * 3 / 16 {
         let (text, cut) = cut_text(bytes, max);
         return (text, cut, 0);
     }
