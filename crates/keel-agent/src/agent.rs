@@ -962,6 +962,31 @@ impl Agent {
         Ok(())
     }
 
+    /// Fails with [`AgentError::MessageTooLarge`] when `messages`, given to a thread
+    /// that has run, do not fit beside its fixed part: they join the newest step, which
+    /// compaction keeps whole. (A new thread's first messages can be compacted.)
+    fn check_message_fits(
+        &self,
+        thread_id: &str,
+        snap: &keel_graph::StateSnapshot<AgentState>,
+        messages: &[Message],
+    ) -> Result<(), AgentError> {
+        let fixed =
+            self.fixed_prompt_tokens(snap.values.goal.as_ref(), snap.values.system.as_ref());
+        let budget = self.nodes.parts.compactor.prompt_budget();
+        let room = budget.saturating_sub(fixed);
+        let tokens = self.nodes.parts.counter.count_messages(messages);
+        if tokens > room {
+            return Err(AgentError::MessageTooLarge {
+                thread_id: thread_id.to_owned(),
+                tokens,
+                room,
+                budget,
+            });
+        }
+        Ok(())
+    }
+
     fn command_for(
         &self,
         thread_id: &str,
@@ -1011,6 +1036,9 @@ impl Agent {
                     // Interrupted mid-run: continue where it stopped. Finished with an
                     // answer and given nothing new: there is nothing to do.
                     return Ok(Command::none());
+                }
+                if !input.messages.is_empty() {
+                    self.check_message_fits(thread_id, snap, &input.messages)?;
                 }
                 let ceiling = self.nodes.compaction().max_steps;
                 if input.messages.is_empty()

@@ -260,6 +260,24 @@ pub enum AgentError {
         /// The prompt budget ([`Compactor::prompt_budget`](keel_compaction::Compactor::prompt_budget)).
         budget: usize,
     },
+    /// A message to a thread that has run is larger than what the prompt budget leaves
+    /// beside the goal, system prompt and tool specs. It would join the thread's newest
+    /// step, which compaction keeps whole, so no model call of the thread could fit
+    /// again. Nothing was written: shorten the message, or put its long material in a
+    /// file the agent can read and say where.
+    #[error(
+        "thread `{thread_id}`: the message takes {tokens} tokens, more than the {room} the {budget}-token prompt budget leaves beside the goal, system prompt and tool specs; nothing was stored: shorten it, or put the long part in a file the agent can read and say where"
+    )]
+    MessageTooLarge {
+        /// The thread.
+        thread_id: String,
+        /// Tokens of the message (of all the run's messages together).
+        tokens: usize,
+        /// What the budget leaves beside the fixed part.
+        room: usize,
+        /// The prompt budget.
+        budget: usize,
+    },
     /// The agent was run outside a Tokio runtime (under `futures::executor::block_on`,
     /// say): its tool calls, timeouts and checkpoint writes are Tokio tasks. Nothing was
     /// written.

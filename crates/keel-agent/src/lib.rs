@@ -116,7 +116,9 @@ pub use event::AgentEvent;
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
-pub use nodes::{AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS};
+pub use nodes::{
+    AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS, refused_before_sending,
+};
 pub use state::{
     AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Milestones,
     RECENT_COMPACTIONS, RECENT_EVENTS, Stop, WriteOnce,

@@ -990,11 +990,31 @@ fn over_budget(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError>
     (prompt_tokens > budget).then(|| ModelError::ContextOverflow {
         message: format!(
             "the prompt counts {prompt_tokens} tokens, over the input budget of {budget} \
-             (the model's {}-token window less {} kept for the reply); it was not sent",
+             (the model's {}-token window less {} kept for the reply){NOT_SENT}",
             profile.context_window,
             profile.reserved_output()
         ),
     })
+}
+
+/// How the agent's own refusal of a prompt over the input budget ends.
+const NOT_SENT: &str = "; it was not sent";
+
+/// Whether `error` is the agent's own refusal of a prompt counted over the input
+/// budget, which it did not send, rather than a provider's answer that the prompt does
+/// not fit: the advice differs (the provider's window may be smaller than the
+/// profile's; the agent's refusal means the prompt could not be made to fit the
+/// profile's window).
+///
+/// ```
+/// use keel_agent::refused_before_sending;
+/// use keel_model::ModelError;
+///
+/// let provider = ModelError::ContextOverflow { message: "maximum context length is 2048 tokens".into() };
+/// assert!(!refused_before_sending(&provider));
+/// ```
+pub fn refused_before_sending(error: &ModelError) -> bool {
+    matches!(error, ModelError::ContextOverflow { message } if message.ends_with(NOT_SENT))
 }
 
 fn context(s: &AgentState) -> Result<ContextState, NodeError> {

@@ -1098,8 +1098,41 @@ async fn a_prompt_that_cannot_fit_is_never_sent() {
         "{err:?}"
     );
     assert_eq!(watch.calls.load(Ordering::SeqCst), 1);
+    assert!(keel_agent::refused_before_sending(
+        err.model_error().unwrap()
+    ));
     // The thread stays resumable from its last checkpoint.
     assert!(agent.state("big").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_too_large_for_a_thread_that_has_run_is_refused_before_it_is_stored() {
+    // It would join the newest step, which compaction keeps whole: every later call
+    // of the thread would be over the budget. Refused, and nothing stored.
+    let model = PolicyModel::new("small", |_m, _t| {
+        Ok(ChatResponse::new(Message::assistant("Done."), "small"))
+    });
+    let agent = small_echo_agent(model, Encoding::O200kBase);
+    agent.run("t", AgentInput::new()).await.unwrap();
+    let before = agent.state("t").await.unwrap().unwrap();
+    let huge = AgentInput::new().user("all work and no play ".repeat(2_000));
+    let err = agent.run("t", huge).await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::MessageTooLarge { thread_id, tokens, room, budget: 7_168 }
+            if thread_id == "t" && *tokens > *room),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("nothing was stored"), "{err}");
+    assert_eq!(
+        agent.state("t").await.unwrap().unwrap().messages,
+        before.messages
+    );
+    // A message that fits goes through.
+    let run = agent
+        .run("t", AgentInput::new().user("One more thing."))
+        .await
+        .unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done."));
 }
 
 #[tokio::test(flavor = "multi_thread")]

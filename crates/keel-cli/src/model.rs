@@ -459,6 +459,14 @@ pub fn what_to_fix_at(
         ModelError::Api { status: 404, .. } => format!(
             "{url} has no chat completions endpoint (HTTP 404): check OPENAI_BASE_URL (it usually ends in /v1) and the model name after `openai/` in --model"
         ),
+        ModelError::ContextOverflow { message }
+            if keel::agent::refused_before_sending(model_error) =>
+        {
+            let counted = message.strip_suffix("; it was not sent").unwrap_or(message);
+            format!(
+                "keel did not send the prompt: {counted}, and compacting could not bring it under. The newest step or message alone is too large for the window: give a larger --window if the server's context allows it, or a shorter --message"
+            )
+        }
         ModelError::ContextOverflow { message } => {
             let says = format!(
                 "the server at {url} says the prompt does not fit its context (\"{message}\")"
@@ -497,6 +505,8 @@ fn model_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a M
 /// it states one.
 pub fn context_overflow(error: &(dyn std::error::Error + 'static)) -> Option<Option<usize>> {
     match model_error(error)? {
+        // keel's own refusal of a prompt over the budget: the server was not asked.
+        e if keel::agent::refused_before_sending(e) => None,
         ModelError::ContextOverflow { message } => Some(server_context_length(message)),
         _ => None,
     }
@@ -703,6 +713,20 @@ mod tests {
             }
             assert_eq!(context_overflow(&error), Some(n));
         }
+        // keel's own refusal: the server was never asked, and a smaller window would
+        // not help.
+        let error = ModelError::ContextOverflow {
+            message: "the prompt counts 3307 tokens, over the input budget of 3072 (the model's 4096-token window less 1024 kept for the reply); it was not sent".into(),
+        };
+        let spec = ModelSpec::parse("openai/local").unwrap();
+        let fix = what_to_fix_at(&error, &spec, "http://127.0.0.1:8000/v1").unwrap();
+        assert!(
+            fix.starts_with("keel did not send the prompt: the prompt counts 3307 tokens"),
+            "{fix}"
+        );
+        assert!(!fix.contains("server at"), "{fix}");
+        assert!(!fix.contains("it was not sent"), "{fix}");
+        assert_eq!(context_overflow(&error), None);
     }
 
     #[test]
