@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use keel_compaction::{
-    CompactionConfig, CompactionError, Compactor, ContextState, EventKind, GoalAnchor, Trigger,
+    CompactionConfig, CompactionError, CompactionEvent, Compactor, ContextState, EventKind,
+    GoalAnchor, Trigger,
 };
 use keel_message::{Message, Role, ToolCall};
 use keel_offload::{Archive, MemoryStore, OffloadStore, ThreadId};
@@ -106,6 +107,21 @@ async fn the_newest_step_stays_even_when_larger_than_the_tail_and_over_budget() 
     assert!(rig.archive.get(&rig.thread, "r11").unwrap().is_some());
 }
 
+/// Compacts `state`, whose prompt is over the budget with only its newest step left to
+/// give, for an overflow: the event must be a fit that brings it within the budget.
+async fn fit_over_budget(rig: &Rig, state: &mut ContextState) -> CompactionEvent {
+    let budget = rig.compactor.prompt_budget();
+    assert!(rig.compactor.tokens(state, &[]).total > budget);
+    let event = rig
+        .compactor
+        .compact(state, Trigger::Overflow, &[])
+        .await
+        .unwrap();
+    assert_eq!(event.kind, EventKind::Fit, "{event:?}");
+    assert!(event.tokens_after <= budget, "{event:?}");
+    event
+}
+
 #[tokio::test]
 async fn an_overflow_with_only_the_newest_step_left_stores_its_results_and_fits() {
     // Two reads in one step, both exempt from eviction (`read_file`) and together over
@@ -134,19 +150,9 @@ async fn an_overflow_with_only_the_newest_step_left_stores_its_results_and_fits(
             .with_id("r2")
             .with_name("read_file"),
     ];
+    // Exempt from eviction: kept whole, and over the budget.
     rig.compactor.push_step(&mut state, reply, results);
-    let budget = rig.compactor.prompt_budget();
-    assert!(
-        rig.compactor.tokens(&mut state, &[]).total > budget,
-        "exempt: kept whole"
-    );
-    let event = rig
-        .compactor
-        .compact(&mut state, Trigger::Overflow, &[])
-        .await
-        .unwrap();
-    assert_eq!(event.kind, EventKind::Fit);
-    assert!(event.tokens_after <= budget, "{event:?}");
+    let event = fit_over_budget(&rig, &mut state).await;
     assert_eq!(
         rig.compactor.tokens(&mut state, &[]).total,
         event.tokens_after
@@ -268,15 +274,7 @@ async fn a_short_result_of_long_lines_is_stored_with_a_stub_without_preview() {
     );
     let mut state = ContextState::new(GoalAnchor::new("Read the log."));
     push(&rig, &mut state);
-    let budget = rig.compactor.prompt_budget();
-    assert!(rig.compactor.tokens(&mut state, &[]).total > budget);
-    let event = rig
-        .compactor
-        .compact(&mut state, Trigger::Overflow, &[])
-        .await
-        .unwrap();
-    assert_eq!(event.kind, EventKind::Fit, "{event:?}");
-    assert!(event.tokens_after <= budget, "{event:?}");
+    fit_over_budget(&rig, &mut state).await;
     let stub = state.raw.last().unwrap().text();
     assert!(
         stub.starts_with("[Tool result too large for the context; stored in full at"),
@@ -316,15 +314,7 @@ async fn a_read_of_a_stored_result_is_cut_where_it_stands_not_stored_again() {
                 .with_name("read_file"),
         ],
     );
-    let budget = rig.compactor.prompt_budget();
-    assert!(rig.compactor.tokens(&mut state, &[]).total > budget);
-    let event = rig
-        .compactor
-        .compact(&mut state, Trigger::Overflow, &[])
-        .await
-        .unwrap();
-    assert_eq!(event.kind, EventKind::Fit, "{event:?}");
-    assert!(event.tokens_after <= budget, "{event:?}");
+    fit_over_budget(&rig, &mut state).await;
     let cut = state.raw.last().unwrap().text();
     assert!(
         cut.starts_with("     1\tpart 0: the request"),
