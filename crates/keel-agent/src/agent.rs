@@ -44,6 +44,33 @@ type BoxedNode = Arc<
 
 type Customize = Box<dyn FnOnce(StateGraph<AgentState>) -> StateGraph<AgentState> + Send>;
 
+type Wrapper = Arc<dyn Fn(BoxedNode) -> BoxedNode + Send + Sync>;
+
+/// The node a wrapper of [`AgentBuilder::wrap`] wraps: the built-in one, or the one
+/// [`AgentBuilder::node`] gave under that name.
+#[derive(Clone)]
+pub struct Next {
+    node: BoxedNode,
+}
+
+impl Next {
+    /// Runs the wrapped node on `state`. Call it once to go on as the agent would,
+    /// not at all to skip the node, or again to retry it.
+    pub fn run(
+        &self,
+        state: Arc<AgentState>,
+        ctx: NodeContext,
+    ) -> futures::future::BoxFuture<'static, Result<Command<AgentState>, NodeError>> {
+        (self.node)(state, ctx)
+    }
+}
+
+impl std::fmt::Debug for Next {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Next").finish_non_exhaustive()
+    }
+}
+
 /// A durable agent that keeps its context small: the compacting agent graph
 /// (`agent` ⇄ `tools`, with `compact` and `epoch` when the triggers fire) over a
 /// checkpointer.
@@ -836,7 +863,7 @@ impl Agent {
         thread_id: &str,
         at: Option<&CheckpointId>,
         input: AgentInput,
-    ) -> Result<(Command<AgentState>, Option<RunBudget>, Ending), AgentError> {
+    ) -> Result<(Command<AgentState>, Option<RunBudget>, AgentUpdates), AgentError> {
         let thread = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
         if let Some(key) = input
             .metadata
@@ -871,12 +898,12 @@ impl Agent {
                     && command.goto.is_empty()
                     && command.resume.is_none() =>
             {
-                Ending {
+                AgentUpdates {
                     answer: snap.values.answer(),
                     stop: snap.values.stop.clone(),
                 }
             }
-            _ => Ending::default(),
+            _ => AgentUpdates::default(),
         };
         Ok((command, budget, ending))
     }
@@ -1114,16 +1141,51 @@ impl RunBudget {
     }
 }
 
-/// What a stream has seen of the run's end: the last answer and stop written.
-#[derive(Default)]
-struct Ending {
+/// Reads the events of a graph's stream as [`Agent::stream`] yields them: for a graph
+/// of your own over [`AgentState`] (built from [`AgentNodes`]), streamed with
+/// [`StreamMode::updates`](keel_graph::StreamMode::updates). It keeps what it has seen
+/// of the run's end (the last answer and stop written) for the final
+/// [`AgentUpdate::Done`].
+///
+/// ```no_run
+/// # async fn f(graph: keel_graph::CompiledGraph<keel_agent::AgentState>) -> Result<(), Box<dyn std::error::Error>> {
+/// use futures::StreamExt;
+/// use keel_agent::{AgentStateUpdate, AgentUpdate, AgentUpdates};
+/// use keel_graph::{Command, RunConfig, StreamMode};
+///
+/// let mut updates = AgentUpdates::new();
+/// let mut stream = graph.stream(
+///     Command::update(AgentStateUpdate::default()),
+///     RunConfig::thread("t1"),
+///     StreamMode::updates(),
+/// );
+/// while let Some(event) = stream.next().await {
+///     for update in updates.updates_of(event?) {
+///         if let AgentUpdate::Event(e) = update {
+///             println!("{e:?}");
+///         }
+///     }
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Default)]
+pub struct AgentUpdates {
     answer: Option<String>,
     stop: Option<Stop>,
 }
 
-impl Ending {
-    /// The stream items of one graph event; a step's events come before its messages.
-    fn updates_of(&mut self, e: Event<AgentState>) -> Vec<AgentUpdate> {
+impl AgentUpdates {
+    /// A reader that has seen nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The items of one graph event: the agent's events (model and tool calls,
+    /// offloads, compactions) of a step, then the messages it wrote; for the run's end,
+    /// [`AgentUpdate::Done`]. Other events (values, checkpoints, what nodes emit) give
+    /// none.
+    pub fn updates_of(&mut self, e: Event<AgentState>) -> Vec<AgentUpdate> {
         match e {
             Event::Updates { update, .. } => {
                 let mut events = Vec::new();
@@ -1201,7 +1263,17 @@ pub struct AgentBuilder {
     approve: BTreeSet<String>,
     durability: Durability,
     replaced: BTreeMap<String, BoxedNode>,
+    wrapped: Vec<(String, Wrapper)>,
+    reroutes: Vec<Reroute>,
     customize: Vec<Customize>,
+}
+
+/// One [`AgentBuilder::reroute`]: where the route out of `from` would go to `to`, it
+/// goes to `via`.
+struct Reroute {
+    from: String,
+    to: String,
+    via: String,
 }
 
 impl Default for AgentBuilder {
@@ -1228,6 +1300,8 @@ impl Default for AgentBuilder {
             approve: BTreeSet::new(),
             durability: Durability::Sync,
             replaced: BTreeMap::new(),
+            wrapped: Vec::new(),
+            reroutes: Vec::new(),
             customize: Vec::new(),
         }
     }
@@ -1458,11 +1532,11 @@ impl AgentBuilder {
 
     /// Replaces one of the nodes (`agent`, `tools`, `compact`, `epoch`) with your own;
     /// the others and the routing stay. To wrap a node rather than replace it (an
-    /// audit log, a policy check before the tools run), build the nodes once more with
-    /// the same settings ([`AgentBuilder::build_nodes`]) and call the built-in one, such
-    /// as [`AgentNodes::tools`], from your closure. Another name adds a node of that name, to be
-    /// connected with [`AgentBuilder::customize`]; one left unconnected fails the build
-    /// with [`BuildError::UnconnectedNode`] (a misspelt name of a node to replace does).
+    /// audit log, a policy check before the tools run), use [`AgentBuilder::wrap`].
+    /// Another name adds a node of that name, to be put between two of the agent's
+    /// with [`AgentBuilder::reroute`], or connected with [`AgentBuilder::customize`];
+    /// one left unconnected fails the build with [`BuildError::UnconnectedNode`] (a
+    /// misspelt name of a node to replace does).
     pub fn node<F, Fut, R>(mut self, name: &str, node: F) -> Self
     where
         F: Fn(Arc<AgentState>, NodeContext) -> Fut + Send + Sync + 'static,
@@ -1478,7 +1552,101 @@ impl AgentBuilder {
         self
     }
 
-    /// Changes the graph before it is compiled: add nodes and edges of your own.
+    /// Wraps the node `name` (one of `agent`, `tools`, `compact`, `epoch`, or one given
+    /// with [`AgentBuilder::node`]): `wrapper` gets the state, the node's context and
+    /// [`Next`], the node it wraps, and decides whether and when to run it. Wrappers of
+    /// one node nest, the last given outermost. A name that is no node fails the build
+    /// with [`BuildError::UnknownNode`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use keel_agent::{Agent, AgentInput, TOOLS};
+    /// use keel_message::ToolCall;
+    /// use keel_model::{ScriptedModel, Turn};
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let model = ScriptedModel::new([
+    ///     Turn::tool_calls("Looking.", vec![ToolCall::new("c1", "grep", json!({"pattern": "x", "path": "archive"}))]),
+    ///     Turn::text("done"),
+    /// ]);
+    /// let calls = Arc::new(AtomicUsize::new(0));
+    /// let seen = calls.clone();
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(model))
+    ///     .goal("Say what the archive holds.")
+    ///     .wrap(TOOLS, move |state, ctx, next| {
+    ///         // An audit log, a policy check, a timer: then the node it wraps.
+    ///         seen.fetch_add(1, Ordering::Relaxed);
+    ///         next.run(state, ctx)
+    ///     })
+    ///     .build()?;
+    /// let run = agent.run("t1", AgentInput::new()).await?;
+    /// assert_eq!(run.answer.as_deref(), Some("done"));
+    /// assert_eq!(calls.load(Ordering::Relaxed), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn wrap<F, Fut, R>(mut self, name: &str, wrapper: F) -> Self
+    where
+        F: Fn(Arc<AgentState>, NodeContext, Next) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<R, NodeError>> + Send + 'static,
+        R: Into<Command<AgentState>>,
+    {
+        let wrapper = Arc::new(wrapper);
+        let wrap: Wrapper = Arc::new(move |inner: BoxedNode| -> BoxedNode {
+            let wrapper = wrapper.clone();
+            Arc::new(move |s, ctx| {
+                let fut = wrapper(
+                    s,
+                    ctx,
+                    Next {
+                        node: inner.clone(),
+                    },
+                );
+                Box::pin(async move { fut.await.map(Into::into) })
+            })
+        });
+        self.wrapped.push((name.to_owned(), wrap));
+        self
+    }
+
+    /// Puts a node of your own on one of the agent's routes: where the route out of
+    /// `from` (`agent`, `tools`, `compact` or `epoch`) would go to `to`, it goes to
+    /// `via` instead. Give `via` with [`AgentBuilder::node`] and lead it on with
+    /// [`AgentBuilder::customize`] (usually an edge to `to`). A route `from` does not
+    /// have fails the build with [`BuildError::NoSuchRoute`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentState, AgentStateUpdate, AGENT, TOOLS};
+    /// use keel_model::{ScriptedModel, Turn};
+    ///
+    /// // A critic between the model's reply and the tools.
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::new(Vec::<Turn>::new())))
+    ///     .node("critic", |_state: Arc<AgentState>, _ctx| async { Ok(AgentStateUpdate::default()) })
+    ///     .reroute(AGENT, TOOLS, "critic")
+    ///     .customize(|g| g.add_edge("critic", TOOLS))
+    ///     .build()?;
+    /// # Ok::<(), keel_agent::BuildError>(())
+    /// ```
+    pub fn reroute(mut self, from: &str, to: &str, via: &str) -> Self {
+        self.reroutes.push(Reroute {
+            from: from.to_owned(),
+            to: to.to_owned(),
+            via: via.to_owned(),
+        });
+        self
+    }
+
+    /// Changes the graph before it is compiled: add nodes and edges of your own. The
+    /// agent's routes are its own: a route added out of `agent`, `tools`, `compact` or
+    /// `epoch` would run its target beside the agent's (the model called twice a step,
+    /// or tool calls left without results), so it fails the build with
+    /// [`BuildError::RouteAdded`]; put a node on a route with [`AgentBuilder::reroute`].
     pub fn customize(
         mut self,
         f: impl FnOnce(StateGraph<AgentState>) -> StateGraph<AgentState> + Send + 'static,
@@ -1706,32 +1874,91 @@ impl AgentBuilder {
         let nodes = AgentNodes {
             parts: Arc::new(parts),
         };
+        let mut all: Vec<(String, BoxedNode)> = Vec::new();
         let mut replaced = self.replaced;
-        let mut graph = StateGraph::<AgentState>::new();
         for (name, standard) in [
             (AGENT, boxed(nodes.agent())),
             (TOOLS, boxed(nodes.tools())),
             (COMPACT, boxed(nodes.compact())),
             (EPOCH, boxed(nodes.epoch())),
         ] {
-            let node = replaced.remove(name).unwrap_or(standard);
-            graph = graph.add_node(name, move |s, ctx| node(s, ctx));
+            all.push((name.to_owned(), replaced.remove(name).unwrap_or(standard)));
         }
         let added: Vec<String> = replaced.keys().cloned().collect();
-        for (name, node) in replaced {
+        all.extend(replaced);
+        for (name, wrap) in &self.wrapped {
+            let Some((_, node)) = all.iter_mut().find(|(n, _)| n == name) else {
+                return Err(BuildError::UnknownNode { name: name.clone() });
+            };
+            *node = wrap(node.clone());
+        }
+        let mut graph = StateGraph::<AgentState>::new();
+        for (name, node) in all {
             graph = graph.add_node(name, move |s, ctx| node(s, ctx));
         }
-        graph = graph
-            .add_edge(START, AGENT)
-            .add_conditional_edges(AGENT, nodes.route_after_agent(), Some(&[TOOLS, AGENT, END]))
-            .add_conditional_edges(TOOLS, nodes.route_after_tools(), Some(&[COMPACT, AGENT]))
-            .add_conditional_edges(COMPACT, nodes.route_after_compact(), Some(&[EPOCH, AGENT]))
-            .add_edge(EPOCH, AGENT);
+        let reroutes = self.reroutes;
+        let route = |from: &str, targets: &[&str]| -> Result<Vec<(String, String)>, BuildError> {
+            let mut map: Vec<(String, String)> = targets
+                .iter()
+                .map(|t| ((*t).to_owned(), (*t).to_owned()))
+                .collect();
+            for r in reroutes.iter().filter(|r| r.from == from) {
+                let Some(slot) = map.iter_mut().find(|(to, _)| *to == r.to) else {
+                    return Err(BuildError::NoSuchRoute {
+                        from: r.from.clone(),
+                        to: r.to.clone(),
+                        routes: targets.join(", "),
+                    });
+                };
+                slot.1.clone_from(&r.via);
+            }
+            Ok(map)
+        };
+        if let Some(r) = reroutes
+            .iter()
+            .find(|r| ![AGENT, TOOLS, COMPACT, EPOCH].contains(&r.from.as_str()))
+        {
+            return Err(BuildError::NoSuchRoute {
+                from: r.from.clone(),
+                to: r.to.clone(),
+                routes: String::new(),
+            });
+        }
+        graph = graph.add_edge(START, AGENT);
+        graph = routed(
+            graph,
+            AGENT,
+            nodes.route_after_agent(),
+            route(AGENT, &[TOOLS, AGENT, END])?,
+        );
+        graph = routed(
+            graph,
+            TOOLS,
+            nodes.route_after_tools(),
+            route(TOOLS, &[COMPACT, AGENT])?,
+        );
+        graph = routed(
+            graph,
+            COMPACT,
+            nodes.route_after_compact(),
+            route(COMPACT, &[EPOCH, AGENT])?,
+        );
+        if let [(_, to)] = route(EPOCH, &[AGENT])?.as_slice() {
+            graph = graph.add_edge(EPOCH, to.as_str());
+        }
         if let Some(cp) = &self.checkpointer {
             graph = graph.with_checkpointer(cp.clone());
         }
+        let own_routes = [AGENT, TOOLS, COMPACT, EPOCH].map(|n| graph.routes_from(n));
         for f in self.customize {
             graph = f(graph);
+        }
+        for (name, before) in [AGENT, TOOLS, COMPACT, EPOCH].iter().zip(own_routes) {
+            if graph.routes_from(name) != before {
+                return Err(BuildError::RouteAdded {
+                    node: (*name).to_owned(),
+                });
+            }
         }
         let graph = graph.compile().map_err(|e| match e {
             // A node `node` added that leads nowhere: most likely a misspelt name of a
@@ -1750,6 +1977,28 @@ impl AgentBuilder {
             durability: self.durability,
         })
     }
+}
+
+/// Adds `from`'s route: `router`'s choice, sent on as `map` says (each target with
+/// where it now leads, after [`AgentBuilder::reroute`]).
+fn routed(
+    graph: StateGraph<AgentState>,
+    from: &str,
+    router: impl Fn(&AgentState) -> &'static str + Send + Sync + 'static,
+    map: Vec<(String, String)>,
+) -> StateGraph<AgentState> {
+    let targets: Vec<String> = map.iter().map(|(_, to)| to.clone()).collect();
+    let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
+    graph.add_conditional_edges(
+        from,
+        move |s: &AgentState| {
+            let choice = router(s);
+            map.iter()
+                .find(|(to, _)| to == choice)
+                .map_or_else(|| choice.to_owned(), |(_, via)| via.clone())
+        },
+        Some(&targets),
+    )
 }
 
 /// Tokens of the part of every prompt no compaction shrinks: the system prompt, the

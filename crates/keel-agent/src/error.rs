@@ -93,6 +93,41 @@ pub enum BuildError {
         /// The name given.
         name: String,
     },
+    /// [`AgentBuilder::wrap`](crate::AgentBuilder::wrap) names no node: none of the
+    /// agent's (agent, tools, compact, epoch) nor one given with
+    /// [`AgentBuilder::node`](crate::AgentBuilder::node).
+    #[error(
+        "`wrap(\"{name}\", ..)` names no node: the agent's nodes are agent, tools, compact and epoch; a node of your own is given with `node` first"
+    )]
+    UnknownNode {
+        /// The name given.
+        name: String,
+    },
+    /// [`AgentBuilder::reroute`](crate::AgentBuilder::reroute) names a route the
+    /// agent does not have.
+    #[error(
+        "`reroute(\"{from}\", \"{to}\", ..)`: the agent has no route from `{from}` to `{to}`{}",
+        if routes.is_empty() { "; routes leave agent, tools, compact and epoch".to_owned() } else { format!("; `{from}` leads to {routes}") }
+    )]
+    NoSuchRoute {
+        /// The node the route leaves.
+        from: String,
+        /// Where it was said to lead.
+        to: String,
+        /// Where routes from `from` lead (empty when `from` is none of the agent's).
+        routes: String,
+    },
+    /// [`AgentBuilder::customize`](crate::AgentBuilder::customize) added a route out of
+    /// one of the agent's nodes: it would run its target beside the agent's own route
+    /// each time the node finishes (the model called twice a step, or tool calls left
+    /// without results).
+    #[error(
+        "`customize` added a route out of `{node}`, which already routes on its own: both would run after it (the model called twice a step, or tool calls left without results); put a node of your own on the agent's route with `reroute`, or replace `{node}` with `node`"
+    )]
+    RouteAdded {
+        /// The agent's node the route leaves.
+        node: String,
+    },
     /// A compaction setting is out of its range
     /// ([`CompactionConfig::validate`](keel_compaction::CompactionConfig::validate)).
     #[error(transparent)]

@@ -110,7 +110,10 @@ mod nodes;
 mod state;
 pub mod tools;
 
-pub use agent::{Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, DEFAULT_KEEP_CHECKPOINTS};
+pub use agent::{
+    Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, AgentUpdates, DEFAULT_KEEP_CHECKPOINTS,
+    Next,
+};
 pub use error::{AgentError, BuildError, CleanupError};
 pub use event::AgentEvent;
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so

@@ -2732,3 +2732,127 @@ async fn an_approval_of_a_call_edited_after_it_was_asked_is_refused_and_asked_ag
         .unwrap();
     assert!(result.text().contains("41"), "{}", result.text());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_rerouted_onto_the_agent_s_route_runs_once_a_step() {
+    // A critic between the model's reply and the tools: each step runs the model once,
+    // the critic once and the tools once, and every call gets its result.
+    let critic_runs = Arc::new(AtomicUsize::new(0));
+    let runs = critic_runs.clone();
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(counting_model(12, Arc::default()))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(5))
+                .with_keep_recent_tokens(50),
+        )
+        .checkpointer(saver)
+        .node("critic", move |_s: Arc<AgentState>, _ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok(AgentStateUpdate::default()) }
+        })
+        .reroute(keel_agent::AGENT, keel_agent::TOOLS, "critic")
+        .customize(|g| g.add_edge("critic", keel_agent::TOOLS))
+        .build()
+        .unwrap();
+    let run = agent.run("critic", AgentInput::new()).await.unwrap();
+    assert_eq!(run.state.step, 13, "12 tool steps and the answer");
+    assert_eq!(critic_runs.load(Ordering::SeqCst), 12);
+    assert!(run.answer.is_some(), "{:?}", run.state.stop);
+    assert_eq!(run.state.milestones_made, 2, "compaction still runs");
+}
+
+#[test]
+fn a_route_added_out_of_an_agent_node_fails_the_build() {
+    // Before `reroute`, a critic was wired with a second route out of `agent`: the
+    // tools then ran twice a step and replies lost their results. It is refused.
+    for node in ["agent", "tools", "compact", "epoch"] {
+        let built = builder(counting_model(1, Arc::default()))
+            .node("critic", |_s, _ctx| async {
+                Ok(AgentStateUpdate::default())
+            })
+            .customize(move |g| {
+                g.add_edge(node, "critic")
+                    .add_edge("critic", keel_graph::END)
+            })
+            .build();
+        let err = built.err().unwrap();
+        assert!(
+            matches!(&err, BuildError::RouteAdded { node: n } if n == node),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("reroute"), "{err}");
+    }
+}
+
+#[test]
+fn a_reroute_of_a_route_the_agent_lacks_names_its_routes() {
+    let err = builder(counting_model(1, Arc::default()))
+        .node("critic", |_s, _ctx| async {
+            Ok(AgentStateUpdate::default())
+        })
+        .reroute("tools", "epoch", "critic")
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, BuildError::NoSuchRoute { from, to, .. } if from == "tools" && to == "epoch"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("leads to compact, agent"), "{err}");
+    let err = builder(counting_model(1, Arc::default()))
+        .reroute("critic", "tools", "x")
+        .build()
+        .err()
+        .unwrap();
+    assert!(matches!(&err, BuildError::NoSuchRoute { .. }), "{err:?}");
+    let err = builder(counting_model(1, Arc::default()))
+        .wrap("tool", |s, ctx, next| next.run(s, ctx))
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, BuildError::UnknownNode { name } if name == "tool"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wrappers_nest_around_the_node_they_wrap_and_may_skip_it() {
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let (inner, outer) = (order.clone(), order.clone());
+    let agent = builder(counting_model(3, Arc::default()))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .wrap(keel_agent::TOOLS, move |s, ctx, next| {
+            inner.lock().unwrap().push("inner");
+            next.run(s, ctx)
+        })
+        .wrap(keel_agent::TOOLS, move |s, ctx, next| {
+            outer.lock().unwrap().push("outer");
+            next.run(s, ctx)
+        })
+        .build()
+        .unwrap();
+    let run = agent.run("wrapped", AgentInput::new()).await.unwrap();
+    assert!(run.answer.is_some());
+    assert_eq!(
+        *order.lock().unwrap(),
+        ["outer", "inner"].repeat(3),
+        "the last wrapper given is outermost"
+    );
+    // A wrapper that does not call `next` skips the node: its own update stands.
+    let agent = builder(counting_model(3, Arc::default()))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .wrap(keel_agent::AGENT, |_s, _ctx, _next| async {
+            Ok(
+                AgentStateUpdate::default().messages(keel_graph::reducer::AddMessagesUpdate::from(
+                    Message::assistant("from the wrapper"),
+                )),
+            )
+        })
+        .build()
+        .unwrap();
+    let run = agent.run("skipped", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("from the wrapper"));
+    assert_eq!(run.state.step, 0, "the model was never called");
+}

@@ -206,6 +206,39 @@ impl<S: State> StateGraph<S> {
         self
     }
 
+    /// How many routes leave `node` so far: its edges, its routers (each counts once,
+    /// whatever it may return) and the joins it is a source of. A node with two routes
+    /// starts both of their targets each time it finishes, as in LangGraph; a builder
+    /// that hands its graph to code of its own can check with this that no route was
+    /// added where one would run a node twice.
+    ///
+    /// ```
+    /// use keel_graph::{END, START, State, StateGraph};
+    ///
+    /// #[derive(Clone, Default, State)]
+    /// struct Counter {
+    ///     total: i64,
+    /// }
+    ///
+    /// let graph = StateGraph::<Counter>::new()
+    ///     .add_node("add", |_state, _ctx| async { Ok(CounterUpdate::default().total(2)) })
+    ///     .add_edge(START, "add")
+    ///     .add_conditional_edges("add", |_s: &Counter| END, Some(&[END]));
+    /// assert_eq!(graph.routes_from("add"), 1);
+    /// // A second route: both run after `add`.
+    /// let graph = graph.add_edge("add", END);
+    /// assert_eq!(graph.routes_from("add"), 2);
+    /// ```
+    pub fn routes_from(&self, node: &str) -> usize {
+        self.edges.iter().filter(|(from, _)| from == node).count()
+            + self.routers.iter().filter(|(from, _)| from == node).count()
+            + self
+                .joins
+                .iter()
+                .filter(|j| j.sources.iter().any(|s| s == node))
+                .count()
+    }
+
     /// Checks the graph and makes it runnable.
     ///
     /// Rejects: duplicate or reserved node names, edges/joins/routers/breakpoints that
