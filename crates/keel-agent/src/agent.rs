@@ -161,6 +161,12 @@ impl AgentInput {
     }
 
     /// A message to append before the model is called (a user's follow-up).
+    ///
+    /// A message without an id gets one made of where it enters the thread and its
+    /// content: a run that failed after storing its input (a node's error, such as the
+    /// model's server being down) can be run again with the same input, and the
+    /// message replaces the one the failed run stored instead of coming twice.
+    /// [`AgentInput::new`] continues such a thread too.
     #[must_use]
     pub fn message(mut self, message: Message) -> Self {
         self.messages.push(message);
@@ -1020,6 +1026,9 @@ impl Agent {
         input: AgentInput,
         existing: Option<&keel_graph::StateSnapshot<AgentState>>,
     ) -> Result<Command<AgentState>, AgentError> {
+        if let Some(snap) = existing {
+            self.check_approvals_asked(thread_id, snap)?;
+        }
         if let Some((snap, goal)) = existing.and_then(|s| Some((s, s.values.goal.as_ref()?))) {
             // Resumed with a smaller window than it ran with: no prompt could fit.
             self.check_fixed_part(thread_id, goal, snap.values.system.as_ref())?;
@@ -1099,10 +1108,33 @@ impl Agent {
             }
         }
         if !input.messages.is_empty() {
-            update = update.messages(AddMessagesUpdate::append(input.messages));
+            let step = existing.map_or(0, |s| s.values.step);
+            update = update.messages(AddMessagesUpdate::append(input_ids(input.messages, step)));
         }
         Ok(update.stop(None).into())
     }
+}
+
+/// Gives each input message without an id one made of where it enters the thread (the
+/// model calls made so far, its place in the input) and a hash of its role and content.
+/// A run that failed after storing its input (the model's server was down) and is run
+/// again with the same input then replaces the messages its first try stored instead
+/// of adding them twice; the same text sent after the model has answered is a new
+/// message.
+fn input_ids(messages: Vec<Message>, step: u64) -> Vec<Message> {
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if m.id.is_some() {
+                return m;
+            }
+            let content = serde_json::to_vec(&(&m.role, &m.content)).unwrap_or_default();
+            let hash = xxhash_rust::xxh3::xxh3_64(&content);
+            let id = format!("input-{step}-{i}-{hash:016x}");
+            m.with_id(id)
+        })
+        .collect()
 }
 
 /// Whether `content` says nothing: no parts, or only whitespace text.
@@ -1467,7 +1499,10 @@ impl AgentBuilder {
     /// The time one tool call may take (default 120 s). Past it the model is told the
     /// call timed out and the call's task is dropped at its next `.await`. Work a tool
     /// runs on other threads (`spawn_blocking`, a child process) is not stopped by
-    /// that: give such a tool a deadline of its own.
+    /// that: give such a tool a deadline of its own. A tool that blocks its thread
+    /// inside its future (`std::thread::sleep`, blocking I/O) holds a runtime worker
+    /// the timeout needs, so the step waits for it: put such work on
+    /// `tokio::task::spawn_blocking`.
     pub fn tool_timeout(mut self, timeout: Duration) -> Self {
         self.tool_timeout = Some(timeout);
         self
@@ -2031,6 +2066,36 @@ where
         let fut = f(s, ctx);
         Box::pin(async move { fut.await.map(Into::into) })
     })
+}
+
+impl Agent {
+    /// Refuses a thread that waits for the approval of calls to tools this agent runs
+    /// without asking (built without `approve`, or with another list): running it
+    /// would run the calls a human was asked about, whatever they answer.
+    fn check_approvals_asked(
+        &self,
+        thread_id: &str,
+        snap: &keel_graph::StateSnapshot<AgentState>,
+    ) -> Result<(), AgentError> {
+        let mut tools: Vec<String> = snap
+            .interrupts
+            .iter()
+            .filter_map(|i| i.value.get("approve").and_then(Value::as_array))
+            .flatten()
+            .filter_map(|asked| asked.get("name").and_then(Value::as_str))
+            .filter(|name| !self.nodes.parts.approve.contains(*name))
+            .map(str::to_owned)
+            .collect();
+        tools.sort_unstable();
+        tools.dedup();
+        if tools.is_empty() {
+            return Ok(());
+        }
+        Err(AgentError::ApprovalNotAsked {
+            thread_id: thread_id.to_owned(),
+            tools,
+        })
+    }
 }
 
 /// Refuses to resume an approval whose calls changed after it was asked (the stored

@@ -221,6 +221,21 @@ pub enum AgentError {
         /// The call that changed.
         call_id: String,
     },
+    /// The thread waits for a human's approval of calls to tools this agent runs
+    /// without asking: it was built without [`AgentBuilder::approve`](crate::AgentBuilder::approve)
+    /// naming them (another worker's settings, a forgotten flag). Running the thread
+    /// would run the calls whatever the answer, so nothing ran. Build the agent with
+    /// the approve list of the agent that asked.
+    #[error(
+        "thread `{thread_id}` waits for a human's approval of calls to {}, which this agent runs without asking: build it with `.approve([..])` naming them, as the agent that asked was; run as it is, it would run the calls whatever the answer",
+        tools.join(", ")
+    )]
+    ApprovalNotAsked {
+        /// The thread.
+        thread_id: String,
+        /// The tools asked about that this agent does not ask about.
+        tools: Vec<String>,
+    },
     /// [`AgentInput::resume`](crate::AgentInput::resume) on a thread with no pending
     /// question (none was asked, it was answered already, or the thread is new).
     #[error(

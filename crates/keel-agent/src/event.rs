@@ -50,7 +50,9 @@ pub enum AgentEvent {
         name: String,
         /// Whether it produced a result (an error is sent to the model as the result).
         ok: bool,
-        /// The error, when it failed.
+        /// The error, when it failed: its first 1,000 characters (the tool message
+        /// the model reads has it whole). The name keeps its first 64 and the call id
+        /// its first 256, as the model may send any.
         error: Option<String>,
         /// Characters of the result as the tool returned it.
         result_chars: usize,

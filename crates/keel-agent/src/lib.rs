@@ -40,8 +40,10 @@
 //! step's results (a step is stored whole or not at all), and the resumed run runs
 //! its tool calls again, with the same call ids; the model is not asked again. A tool
 //! with effects outside keel (a payment, an email) should make a repeat harmless:
-//! [`ToolContext::call_id`](keel_message::ToolContext::call_id) is the same on the
-//! repeat, a ready idempotency key.
+//! [`ToolContext::idempotency_key`](keel_message::ToolContext::idempotency_key) (the
+//! thread, the step and the call id) is the same on the repeat and names no other
+//! call. The call id alone is unique only within one reply: some servers number each
+//! reply's calls from `call_0` again.
 //!
 //! A run stops with a resumable [`Stop`] at its own budget ([`AgentInput::max_steps`])
 //! or at the thread's step ceiling:

@@ -551,6 +551,7 @@ impl AgentNodes {
                 let denied = denied.get(&c.id);
                 let call_ctx = ToolContext::new(c.id.clone())
                     .with_thread_id(thread.clone())
+                    .with_step(s.step)
                     .with_configurable(LINEAGE_KEY, lineage.clone());
                 async move {
                     if let Some(reason) = denied {
@@ -578,12 +579,18 @@ impl AgentNodes {
             let mut failed = 0;
             for (c, o) in calls.iter().zip(&outcomes) {
                 failed += usize::from(o.error.is_some());
+                // The event log is stored in every checkpoint's delta: a name or an
+                // error of any size (a tool's 10 MB error text) is kept short there;
+                // the tool message holds it whole.
                 events.push(AgentEvent::ToolCall {
                     step: s.step,
-                    call_id: c.id.clone(),
-                    name: c.name.clone(),
+                    call_id: crate::tools::clip(&c.id, 256).into_owned(),
+                    name: crate::tools::clip(&c.name, 64).into_owned(),
                     ok: o.error.is_none(),
-                    error: o.error.clone(),
+                    error: o
+                        .error
+                        .as_deref()
+                        .map(|e| crate::tools::clip(e, MAX_EVENT_ERROR_CHARS).into_owned()),
                     result_chars: o.result_chars,
                     duration_ms: u64::try_from(o.duration.as_millis()).unwrap_or(u64::MAX),
                 });
@@ -1027,6 +1034,10 @@ fn no_goal() -> NodeError {
          (`AgentStateUpdate::default().goal(..)`); the builder's `.goal(..)` is for `Agent` runs",
     )
 }
+
+/// The most of a tool's error an [`AgentEvent::ToolCall`] keeps (its tool message keeps
+/// it whole).
+pub(crate) const MAX_EVENT_ERROR_CHARS: usize = 1_000;
 
 /// Words that approve a call, and words that deny it (compared trimmed, in lower case).
 const YES: [&str; 5] = ["y", "yes", "approve", "approved", "ok"];

@@ -1287,6 +1287,7 @@ async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
     assert_eq!(run.interrupts.len(), 1, "paused for approval");
     // Another graph over the same saver has no `tools` node.
     let other = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
         .checkpointer(saver.clone())
         .customize(|g| g)
         .node("tools", |_s: Arc<AgentState>, _ctx| async move {
@@ -2855,4 +2856,226 @@ async fn wrappers_nest_around_the_node_they_wrap_and_may_skip_it() {
     let run = agent.run("skipped", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("from the wrapper"));
     assert_eq!(run.state.step, 0, "the model was never called");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_awaiting_approval_is_refused_by_an_agent_that_would_not_ask() {
+    // A worker built without the approve list of the agent that asked would run the
+    // calls a human was asked about, whatever they answer.
+    let saver = Arc::new(MemorySaver::new());
+    let asked = builder(counting_model(3, Arc::default()))
+        .approve(["echo"])
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let run = asked.run("waits", AgentInput::new()).await.unwrap();
+    assert_eq!(run.interrupts.len(), 1, "paused for approval");
+    let careless = builder(counting_model(3, Arc::default()))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    for input in [
+        AgentInput::new(),
+        AgentInput::new().resume(false),
+        AgentInput::new().user("go on"),
+    ] {
+        let err = careless.run("waits", input).await.unwrap_err();
+        assert!(
+            matches!(&err, AgentError::ApprovalNotAsked { tools, .. } if tools == &["echo"]),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(".approve("), "{err}");
+    }
+    // Nothing ran: the question still waits, and the agent that asks answers it.
+    let snap = asked
+        .graph()
+        .get_state(&RunConfig::thread("waits"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(snap.interrupts.len(), 1);
+    assert!(!snap.values.messages.iter().any(|m| m.role == Role::Tool));
+    let run = asked
+        .run("waits", AgentInput::new().resume(false))
+        .await
+        .unwrap();
+    assert!(
+        run.state
+            .messages
+            .iter()
+            .any(|m| m.role == Role::Tool && m.text().contains("did not approve"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_run_run_again_with_the_same_message_stores_it_once() {
+    // The server is down for two calls: each failed run stored its input before the
+    // model was called. Running again with the same input must not add it again.
+    let down = Arc::new(AtomicUsize::new(0));
+    let (calls, sent) = (down.clone(), Arc::new(Mutex::new(Vec::new())));
+    let seen = sent.clone();
+    let model = PolicyModel::new("flaky", move |messages, _tools| {
+        seen.lock().unwrap().push(messages.to_vec());
+        match calls.fetch_add(1, Ordering::SeqCst) {
+            0 => Ok(ChatResponse::new(
+                Message::assistant("first answer"),
+                "flaky",
+            )),
+            1 | 2 => Err(ModelError::Connection("reset".to_owned())),
+            _ => Ok(ChatResponse::new(
+                Message::assistant("second answer"),
+                "flaky",
+            )),
+        }
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap();
+    agent.run("retry", AgentInput::new()).await.unwrap();
+    for _ in 0..2 {
+        let err = agent
+            .run("retry", AgentInput::new().user("follow-up question"))
+            .await
+            .unwrap_err();
+        assert!(err.model_error().is_some(), "{err:?}");
+    }
+    let run = agent
+        .run("retry", AgentInput::new().user("follow-up question"))
+        .await
+        .unwrap();
+    assert_eq!(run.answer.as_deref(), Some("second answer"));
+    let count = |ms: &[Message]| {
+        ms.iter()
+            .filter(|m| m.text() == "follow-up question")
+            .count()
+    };
+    assert_eq!(count(&run.state.messages), 1, "{:?}", run.state.messages);
+    assert_eq!(count(sent.lock().unwrap().last().unwrap()), 1);
+    // The same text after the model answered is a new message.
+    let run = agent
+        .run("retry", AgentInput::new().user("follow-up question"))
+        .await
+        .unwrap();
+    assert_eq!(count(&run.state.messages), 2);
+}
+
+/// Records the idempotency key of each call.
+struct Keys(Arc<Mutex<Vec<String>>>);
+
+impl Tool for Keys {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("pay", "Pays.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        self.0.lock().unwrap().push(ctx.idempotency_key());
+        Box::pin(async { Ok("paid".to_owned()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_of_a_server_that_reuses_ids_each_reply_get_keys_of_their_own() {
+    let n = AtomicU64::new(0);
+    let model = PolicyModel::new("reuses-ids", move |_messages, _tools| {
+        let i = n.fetch_add(1, Ordering::SeqCst);
+        let reply = if i < 3 {
+            Message::assistant("").with_tool_calls(vec![ToolCall::new(
+                "call_0",
+                "pay",
+                json!({"i": i}),
+            )])
+        } else {
+            Message::assistant("paid three times")
+        };
+        Ok(ChatResponse::new(reply, "reuses-ids"))
+    });
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Keys(keys.clone())))
+        .build()
+        .unwrap();
+    agent.run("pays", AgentInput::new()).await.unwrap();
+    let keys = keys.lock().unwrap().clone();
+    assert_eq!(keys, ["pays/1/call_0", "pays/2/call_0", "pays/3/call_0"]);
+}
+
+/// Fails with an error of 20,000 characters.
+struct Loud;
+
+impl Tool for Loud {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("loud", "Fails loudly.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        Box::pin(async { Err(ToolError::failed("e".repeat(20_000))) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_event_log_keeps_long_errors_and_names_short_and_messages_repeat_no_long_name() {
+    let n = AtomicU64::new(0);
+    let long_name = "n".repeat(10_000);
+    let name = long_name.clone();
+    let model = PolicyModel::new("odd", move |_messages, _tools| {
+        let reply = match n.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("").with_tool_calls(vec![
+                ToolCall::new("a", "loud", json!({})),
+                ToolCall::new("b", name.clone(), json!({})),
+            ]),
+            _ => Message::assistant("done"),
+        };
+        Ok(ChatResponse::new(reply, "odd"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Loud))
+        .evict(None)
+        .build()
+        .unwrap();
+    let run = agent.run("odd", AgentInput::new()).await.unwrap();
+    let calls: Vec<_> = run
+        .state
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            AgentEvent::ToolCall { name, error, .. } => Some((name.clone(), error.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 2);
+    for (name, error) in &calls {
+        assert!(name.chars().count() <= 65, "{}", name.len());
+        let error = error.as_deref().unwrap();
+        assert!(error.chars().count() <= 1_001, "{}", error.len());
+    }
+    let tool_texts: Vec<String> = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| m.text().into_owned())
+        .collect();
+    assert!(
+        tool_texts[0].contains(&"e".repeat(20_000)),
+        "the model reads it whole: {} chars: {}",
+        tool_texts[0].len(),
+        &tool_texts[0][..300.min(tool_texts[0].len())]
+    );
+    assert!(
+        tool_texts[1].starts_with("Error: there is no tool named"),
+        "{}",
+        &tool_texts[1][..80]
+    );
+    assert!(tool_texts[1].len() < 400, "{}", tool_texts[1].len());
+    assert!(!tool_texts[1].contains(&long_name));
 }

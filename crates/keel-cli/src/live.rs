@@ -609,6 +609,14 @@ async fn failed(
     error: AgentError,
     (spec, settings): (&ModelSpec, &Settings),
 ) -> anyhow::Error {
+    if let AgentError::ApprovalNotAsked { tools, .. } = &error {
+        // Paused for an approval of a write tool, resumed without --approve.
+        let message = format!(
+            "thread `{thread}` waits for your approval of {}: nothing ran; resume it with --approve to be asked: {resume} --approve",
+            tools.join(", ")
+        );
+        return anyhow::Error::new(error).context(message);
+    }
     if let AgentError::PromptTooLarge { tokens, .. } = &error {
         // The thread ran with a larger window than this run gives it.
         let least = model::smallest_window(*tokens, 1);

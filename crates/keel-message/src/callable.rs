@@ -34,6 +34,7 @@ pub type ToolFuture<'a> = Pin<Box<dyn Future<Output = Result<String, ToolError>>
 pub struct ToolContext {
     call_id: String,
     thread_id: Option<String>,
+    step: Option<u64>,
     configurable: serde_json::Map<String, Value>,
 }
 
@@ -43,6 +44,7 @@ impl ToolContext {
         ToolContext {
             call_id: call_id.into(),
             thread_id: None,
+            step: None,
             configurable: serde_json::Map::new(),
         }
     }
@@ -62,6 +64,41 @@ impl ToolContext {
     /// The thread the call runs in, when the runtime has one.
     pub fn thread_id(&self) -> Option<&str> {
         self.thread_id.as_deref()
+    }
+
+    /// Sets the step of the reply that asked for the call (keel-agent: the thread's
+    /// model calls up to that reply).
+    #[must_use]
+    pub fn with_step(mut self, step: u64) -> Self {
+        self.step = Some(step);
+        self
+    }
+
+    /// The step of the reply that asked for the call, when the runtime gives one.
+    pub fn step(&self) -> Option<u64> {
+        self.step
+    }
+
+    /// A key that names this call alone, for a tool whose effects outside the agent (a
+    /// payment, an email) must not repeat when the call is run again: the thread, the
+    /// step and the call id, which stay the same when a resumed run repeats the call.
+    /// The call id alone does not do: ids are unique within one reply, but some
+    /// servers number each reply's calls from `call_0` again.
+    ///
+    /// ```
+    /// let first = keel_message::ToolContext::new("call_0").with_thread_id("t-1").with_step(3);
+    /// let later = keel_message::ToolContext::new("call_0").with_thread_id("t-1").with_step(4);
+    /// assert_eq!(first.idempotency_key(), "t-1/3/call_0");
+    /// assert_ne!(first.idempotency_key(), later.idempotency_key());
+    /// ```
+    pub fn idempotency_key(&self) -> String {
+        let step = self.step.map(|s| s.to_string());
+        [
+            self.thread_id.as_deref().unwrap_or_default(),
+            step.as_deref().unwrap_or_default(),
+            &self.call_id,
+        ]
+        .join("/")
     }
 
     /// Sets one value the runtime hands the call. keel-agent puts the lineage of the

@@ -155,7 +155,7 @@ impl Toolbox {
             let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
             return Err(format!(
                 "there is no tool named `{}`; the tools are: {}",
-                call.name,
+                clip(&call.name, 64),
                 known.join(", ")
             ));
         };
@@ -163,7 +163,7 @@ impl Toolbox {
             ToolArguments::Invalid(raw) => {
                 return Err(format!(
                     "the arguments of this `{}` call are not valid JSON ({}); call it again with a JSON object",
-                    call.name,
+                    clip(&call.name, 64),
                     preview(raw)
                 ));
             }
@@ -208,11 +208,16 @@ impl Drop for AbortOnDrop {
 }
 
 fn preview(raw: &str) -> String {
-    let cut: String = raw.chars().take(80).collect();
-    if cut.len() < raw.len() {
-        format!("`{cut}…`")
-    } else {
-        format!("`{cut}`")
+    format!("`{}`", clip(raw, 80))
+}
+
+/// `text` cut to its first `max_chars` characters, with `…` when it was longer: for
+/// what the model or a caller sent (a tool name, a tool's error) repeated in a message
+/// or an event, which must not grow with it.
+pub(crate) fn clip(text: &str, max_chars: usize) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(max_chars) {
+        None => std::borrow::Cow::Borrowed(text),
+        Some((end, _)) => std::borrow::Cow::Owned(format!("{}…", &text[..end])),
     }
 }
 
