@@ -3079,3 +3079,49 @@ async fn the_event_log_keeps_long_errors_and_names_short_and_messages_repeat_no_
     assert!(tool_texts[1].len() < 400, "{}", tool_texts[1].len());
     assert!(!tool_texts[1].contains(&long_name));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_whose_own_arguments_are_over_the_budget_is_made_to_fit() {
+    // The model gives a tool 1 MB in one argument: the newest step, which compaction
+    // never moves, was over the budget with nothing to compact, at every resume.
+    let n = AtomicU64::new(0);
+    let blob = "y".repeat(1 << 20);
+    let arg = blob.clone();
+    let model = PolicyModel::new("big-args", move |messages, _tools| {
+        let reply = match n.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("").with_tool_calls(vec![ToolCall::new(
+                "c1",
+                "echo",
+                json!({"i": 1, "blob": arg.clone()}),
+            )]),
+            _ => {
+                let sent: usize = messages.iter().map(|m| m.text().len()).sum();
+                assert!(sent < 200_000, "the prompt sent holds {sent} bytes");
+                Message::assistant("done")
+            }
+        };
+        Ok(ChatResponse::new(reply, "big-args"))
+    });
+    let store = Arc::new(keel_offload::MemoryStore::new());
+    let agent = builder(model)
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .offload_store(store.clone())
+        .build()
+        .unwrap();
+    let run = agent.run("big", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("done"));
+    let reply = run
+        .state
+        .messages
+        .iter()
+        .find(|m| !m.tool_calls.is_empty())
+        .unwrap();
+    let pointer = reply.tool_calls[0].arguments.as_json().unwrap()["blob"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(pointer.contains("truncated_arguments/c1/blob"), "{pointer}");
+    use keel_offload::OffloadStore as _;
+    let key = keel_offload::Key::new("big", "truncated_arguments/c1/blob").unwrap();
+    assert_eq!(store.get(&key).unwrap(), blob, "stored whole, readable");
+}

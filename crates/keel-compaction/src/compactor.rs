@@ -870,7 +870,9 @@ impl Compactor {
     /// three tail lines), largest first, until the prompt is within the budget (for a
     /// provider's overflow of a prompt already within it, three quarters of the
     /// prompt); if stubs are still too many, each shrinks to where its result is and
-    /// how to read it. Done alone, that is an [`EventKind::Fit`] event. If the prompt
+    /// how to read it, and then the reply's own long string arguments (a whole file
+    /// given to a tool, of any tool) are stored and left as pointers, as
+    /// [`TruncateArguments`] leaves old ones. Done alone, that is an [`EventKind::Fit`] event. If the prompt
     /// is still over the budget, the milestones are folded into the epoch summary
     /// before they are due (an [`EventKind::Epoch`] event).
     pub async fn compact(
@@ -1023,8 +1025,9 @@ impl Compactor {
     /// without preview lines; a `read_file` or `grep` of a stored result is not stored
     /// again but cut where it stands, with a note to read less at a time. If the
     /// prompt is still over, each stub of the step shrinks to its first line and how
-    /// to read it ([`EvictLargeResults::brief`]). Every call keeps its answer, and each
-    /// result can be read back. Returns how many results changed.
+    /// to read it ([`EvictLargeResults::brief`]); if still, the reply's long arguments
+    /// are stored and left as pointers. Every call keeps its answer, and each result
+    /// and argument can be read back. Returns how many messages changed.
     async fn fit_newest(
         &self,
         state: &mut ContextState,
@@ -1132,7 +1135,67 @@ impl Compactor {
                 }
             }
         }
+        // Still over: the reply's own long arguments (a whole file given to a tool)
+        // are stored and left as pointers, as old ones are. The calls have run.
+        if self.tokens(state, tools).total > target {
+            changed += self.truncate_newest_arguments(state, newest).await?;
+        }
         Ok(changed)
+    }
+
+    /// Stores the long string arguments of every call of the reply at `newest` (of any
+    /// tool, however recent) and leaves pointers, off the runtime. Returns 1 when the
+    /// reply changed.
+    async fn truncate_newest_arguments(
+        &self,
+        state: &mut ContextState,
+        newest: usize,
+    ) -> Result<usize, OffloadError> {
+        let Some(reply) = state
+            .raw
+            .get(newest)
+            .filter(|m| m.role == Role::Assistant && !m.tool_calls.is_empty())
+            .cloned()
+        else {
+            return Ok(0);
+        };
+        let mut policy = self.truncate.clone().unwrap_or_default();
+        policy.trigger_fraction = 0.0;
+        policy.keep_recent = 0;
+        policy.tools = reply.tool_calls.iter().map(|c| c.name.clone()).collect();
+        let this = self.clone();
+        let lineage = state.lineage.clone();
+        let truncate = move || {
+            let view = this.view(&lineage);
+            let env = PolicyEnv::new(&view, &this.thread, &*this.counter);
+            let outcome = policy.apply_with_usage(vec![reply], &env, 1, 1);
+            (outcome, view.lineage())
+        };
+        let (outcome, lineage) = match tokio::runtime::Handle::try_current() {
+            Ok(handle) => handle
+                .spawn_blocking(truncate)
+                .await
+                .map_err(|e| OffloadError::Io {
+                    op: "store the newest reply's arguments",
+                    key: self.thread.to_string(),
+                    source: std::io::Error::other(format!("the blocking task ended: {e}")),
+                })?,
+            Err(_) => truncate(),
+        };
+        if let Some(f) = outcome.failures.into_iter().next() {
+            return Err(f.error);
+        }
+        if outcome.stored.is_empty() {
+            return Ok(0);
+        }
+        state.lineage = lineage;
+        match outcome.messages.into_iter().next() {
+            Some(m) => {
+                self.replace_raw(state, newest, m);
+                Ok(1)
+            }
+            None => Ok(0),
+        }
     }
 
     /// Runs `policy` over the raw messages at `indices` (results of the step whose
