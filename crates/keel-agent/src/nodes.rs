@@ -416,6 +416,7 @@ impl AgentNodes {
                         .chain(now.raw)
                         .cloned()
                         .collect();
+                    let prompt = answer_unanswered_calls(prompt);
                     p.model.chat(&prompt, specs, &p.options).await
                 };
                 match reply {
@@ -1035,6 +1036,55 @@ fn no_goal() -> NodeError {
     )
 }
 
+/// What the prompt says for a tool call the thread holds no result for.
+pub(crate) const NO_RESULT: &str = "No result: this call was not run (the thread went on without running it). Call it again if it is still needed.";
+
+/// Gives every tool call of `prompt` a result: a call with none before the next
+/// message that is not a tool result (a graph of one's own that went on without
+/// running it, a `tools` node replaced by one that does not answer) gets [`NO_RESULT`]
+/// in the prompt, as the providers refuse a prompt with a call left unanswered. The
+/// state is not changed: the same thread gives the same prompt.
+fn answer_unanswered_calls(prompt: Vec<Message>) -> Vec<Message> {
+    fn unanswered(prompt: &[Message]) -> bool {
+        let mut pending: Vec<&str> = Vec::new();
+        for m in prompt {
+            match (m.role, m.tool_call_id.as_deref()) {
+                (Role::Tool, Some(id)) => pending.retain(|p| *p != id),
+                (Role::Tool, None) => {}
+                _ if !pending.is_empty() => return true,
+                _ => {}
+            }
+            if !m.tool_calls.is_empty() {
+                pending = m.tool_calls.iter().map(|c| c.id.as_str()).collect();
+            }
+        }
+        !pending.is_empty()
+    }
+    if !unanswered(&prompt) {
+        return prompt;
+    }
+    let mut out = Vec::with_capacity(prompt.len() + 1);
+    let mut pending: Vec<String> = Vec::new();
+    let flush = |pending: &mut Vec<String>, out: &mut Vec<Message>| {
+        for id in pending.drain(..) {
+            out.push(Message::tool(id, NO_RESULT));
+        }
+    };
+    for m in prompt {
+        match (m.role, m.tool_call_id.as_deref()) {
+            (Role::Tool, Some(id)) => pending.retain(|p| p != id),
+            (Role::Tool, None) => {}
+            _ => flush(&mut pending, &mut out),
+        }
+        if !m.tool_calls.is_empty() {
+            pending = m.tool_calls.iter().map(|c| c.id.clone()).collect();
+        }
+        out.push(m);
+    }
+    flush(&mut pending, &mut out);
+    out
+}
+
 /// The most of a tool's error an [`AgentEvent::ToolCall`] keeps (its tool message keeps
 /// it whole).
 pub(crate) const MAX_EVENT_ERROR_CHARS: usize = 1_000;
@@ -1276,4 +1326,58 @@ async fn minified(mut results: Vec<Message>, on: bool) -> Vec<Message> {
         }
     }
     results
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_message::{Message, Role, ToolCall};
+    use serde_json::json;
+
+    use super::{NO_RESULT, answer_unanswered_calls};
+
+    fn calls(ids: &[&str]) -> Message {
+        Message::assistant("").with_tool_calls(
+            ids.iter()
+                .map(|id| ToolCall::new(*id, "ls", json!({})))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_call_left_without_a_result_mid_prompt_is_answered_before_what_follows() {
+        let prompt = vec![
+            Message::user("go"),
+            calls(&["a", "b"]),
+            Message::tool("b", "b's result"),
+            Message::user("and now?"),
+            calls(&["c"]),
+            Message::tool("c", "c's result"),
+        ];
+        let out = answer_unanswered_calls(prompt.clone());
+        let shape: Vec<(Role, Option<&str>)> = out
+            .iter()
+            .map(|m| (m.role, m.tool_call_id.as_deref()))
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (Role::User, None),
+                (Role::Assistant, None),
+                (Role::Tool, Some("b")),
+                (Role::Tool, Some("a")),
+                (Role::User, None),
+                (Role::Assistant, None),
+                (Role::Tool, Some("c")),
+            ]
+        );
+        assert_eq!(out[3].text(), NO_RESULT);
+        // A prompt with every call answered is given back as it was.
+        let whole: Vec<Message> = prompt
+            .into_iter()
+            .filter(|m| m.role != Role::User)
+            .collect();
+        let mut answered = whole.clone();
+        answered.insert(2, Message::tool("a", "a's result"));
+        assert_eq!(answer_unanswered_calls(answered.clone()), answered);
+    }
 }

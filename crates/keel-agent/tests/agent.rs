@@ -3125,3 +3125,43 @@ async fn a_reply_whose_own_arguments_are_over_the_budget_is_made_to_fit() {
     let key = keel_offload::Key::new("big", "truncated_arguments/c1/blob").unwrap();
     assert_eq!(store.get(&key).unwrap(), blob, "stored whole, readable");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_the_thread_holds_no_result_for_is_answered_in_the_prompt() {
+    // A `tools` node replaced by one that runs nothing: the next prompt would hold a
+    // call without a result, which the providers refuse.
+    let n = AtomicU64::new(0);
+    let prompts = Arc::new(Mutex::new(Vec::new()));
+    let seen = prompts.clone();
+    let model = PolicyModel::new("dangling", move |messages, _tools| {
+        seen.lock().unwrap().push(messages.to_vec());
+        let reply = match n.fetch_add(1, Ordering::SeqCst) {
+            0 => Message::assistant("").with_tool_calls(vec![
+                ToolCall::new("a", "echo", json!({"i": 1})),
+                ToolCall::new("b", "echo", json!({"i": 2})),
+            ]),
+            _ => Message::assistant("done"),
+        };
+        Ok(ChatResponse::new(reply, "dangling"))
+    });
+    let agent = builder(model)
+        .node("tools", |_s, _ctx| async {
+            Ok(AgentStateUpdate::default())
+        })
+        .build()
+        .unwrap();
+    let run = agent.run("dangling", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("done"));
+    let prompts = prompts.lock().unwrap();
+    let second = &prompts[1];
+    let results: Vec<(&str, String)> = second
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| (m.tool_call_id.as_deref().unwrap(), m.text().into_owned()))
+        .collect();
+    assert_eq!(results.len(), 2, "{second:?}");
+    assert_eq!((results[0].0, results[1].0), ("a", "b"));
+    assert!(results[0].1.contains("was not run"), "{}", results[0].1);
+    // The state is as the graph left it: the prompt alone says so.
+    assert!(!run.state.messages.iter().any(|m| m.role == Role::Tool));
+}
