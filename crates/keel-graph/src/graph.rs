@@ -242,7 +242,8 @@ impl<S: State> StateGraph<S> {
     /// Checks the graph and makes it runnable.
     ///
     /// Rejects: duplicate or reserved node names, edges/joins/routers/breakpoints that
-    /// name unknown nodes, a graph with no edge from `START`, nodes that cannot reach
+    /// name unknown nodes, breakpoints without a checkpointer, a graph with no edge
+    /// from `START`, nodes that cannot reach
     /// `END`, and retry policies with a setting out of range
     /// ([`BuildError::InvalidRetryPolicy`]).
     pub fn compile(self) -> Result<CompiledGraph<S>, BuildError> {
@@ -321,6 +322,15 @@ impl<S: State> StateGraph<S> {
             if !index.contains_key(n.as_str()) {
                 return Err(unknown(n, "interrupt_after".to_owned()));
             }
+        }
+        if let Some(n) = self
+            .interrupt_before
+            .iter()
+            .chain(&self.interrupt_after)
+            .next()
+            .filter(|_| self.checkpointer.is_none())
+        {
+            return Err(BuildError::BreakpointNeedsCheckpointer { node: n.clone() });
         }
         if !self.edges.iter().any(|(f, _)| f == START)
             && !self.routers.iter().any(|(f, _)| f == START)
@@ -417,6 +427,15 @@ pub enum BuildError {
     /// Nothing leaves `START`.
     #[error("no edge from START: the graph has no entry point")]
     NoEntry,
+    /// A breakpoint (`interrupt_before`, `interrupt_after`) on a graph without a
+    /// checkpointer: a run paused there could not be resumed, as nothing kept it.
+    #[error(
+        "the breakpoint at `{node}` needs a checkpointer to keep the paused run: call `with_checkpointer` before `compile`"
+    )]
+    BreakpointNeedsCheckpointer {
+        /// A node with a breakpoint.
+        node: String,
+    },
     /// A node's [`RetryPolicy`](crate::RetryPolicy) has a setting out of range: no
     /// attempt at all (`max_attempts` 0), or a `multiplier` that is not a finite number
     /// of at least 1 (NaN, infinite, negative, zero or shrinking).

@@ -1036,22 +1036,25 @@ async fn a_checkpointed_graph_needs_a_thread_id_and_a_breakpoint_a_checkpointer(
     assert!(matches!(err, GraphError::NoThreadId), "{err:?}");
     assert!(err.to_string().contains("RunConfig::thread"), "{err}");
 
-    // A breakpoint with nothing to store the pause in could never be resumed.
-    let g = StateGraph::<S>::new()
-        .add_node("a", logger("a"))
-        .add_edge(START, "a")
-        .add_edge("a", END)
-        .interrupt_before(&["a"])
-        .compile()
-        .unwrap();
-    let err = g
-        .invoke(log("in"), &RunConfig::default())
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, GraphError::CheckpointerRequired { .. }),
-        "{err:?}"
-    );
+    // A breakpoint with nothing to store the pause in could never be resumed: refused
+    // when the graph is compiled, not when a run first reaches it.
+    for after in [false, true] {
+        let g = StateGraph::<S>::new()
+            .add_node("a", logger("a"))
+            .add_edge(START, "a")
+            .add_edge("a", END);
+        let g = if after {
+            g.interrupt_after(&["a"])
+        } else {
+            g.interrupt_before(&["a"])
+        };
+        let err = g.compile().err().unwrap();
+        assert!(
+            matches!(&err, keel_graph::BuildError::BreakpointNeedsCheckpointer { node } if node == "a"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("with_checkpointer"), "{err}");
+    }
 }
 
 #[tokio::test]
