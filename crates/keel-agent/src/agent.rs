@@ -839,8 +839,37 @@ impl Agent {
 
     /// The newest checkpoint of a thread written by `node` (e.g. [`crate::COMPACT`]):
     /// a lookup by checkpoint metadata, which records the nodes that wrote each step.
-    /// With `before`, only checkpoints older than it count, so "the last checkpoint
-    /// before compaction N" is the checkpoint before the one this returns for N.
+    /// With `before`, only checkpoints older than it count, so each call steps one
+    /// compaction further back.
+    ///
+    /// To find compaction N counted from the thread's start, and the checkpoint
+    /// before it (to fork from with [`Agent::run_from`]), read the `compact`
+    /// checkpoints' states: each holds the milestones made so far.
+    ///
+    /// ```no_run
+    /// # async fn f(agent: keel_agent::Agent) -> Result<(), Box<dyn std::error::Error>> {
+    /// use futures::TryStreamExt;
+    /// use keel_agent::{AgentInput, COMPACT};
+    /// use keel_checkpoint::ListOptions;
+    ///
+    /// let n = 3;
+    /// // Newest first; a `compact` step whose compaction failed keeps the count of the
+    /// // one before it, so the oldest with count n is the one that made milestone n.
+    /// let third = agent
+    ///     .history("t", ListOptions::default().written_by(COMPACT))
+    ///     .try_filter(|snap| std::future::ready(snap.values.milestones_made == n))
+    ///     .try_collect::<Vec<_>>()
+    ///     .await?
+    ///     .pop();
+    /// if let Some(before) = third.and_then(|snap| snap.parent_id) {
+    ///     agent.run_from("t", &before, AgentInput::new()).await?;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Pruning ([`AgentBuilder::keep_checkpoints`], 5 by default) leaves only the
+    /// newest checkpoints: keep more, or `None`, to go back further.
     pub async fn last_checkpoint_by(
         &self,
         thread_id: &str,
