@@ -26,6 +26,11 @@
 //!   window, or an overflow. `epoch` folds milestones into an epoch summary. Each
 //!   compaction step prunes old checkpoints to the last few while it summarizes.
 //!
+//! Any node can be replaced ([`AgentBuilder::node`]) or wrapped
+//! ([`AgentBuilder::wrap`]), a node of your own put on one of the routes
+//! ([`AgentBuilder::reroute`]), and the nodes and routers reused in a graph of your
+//! own ([`AgentNodes`], [`AgentUpdates`] for its stream).
+//!
 //! Every step is checkpointed as deltas ([`AgentState`] is designed for it), so a
 //! thread resumes after a crash from its last checkpoint. Another worker can resume
 //! it when it shares the checkpointer and the offload store (the default store is in
