@@ -61,7 +61,9 @@ impl std::fmt::Display for EventKind {
 /// [`crate::ContextState::events`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CompactionEvent {
-    /// The step at which it ran.
+    /// The steps pushed when it ran ([`crate::ContextState::step`]): a compaction
+    /// after step N's push says N, and so does one inside [`crate::Compactor::call`]
+    /// for the call that makes step N + 1, which is not pushed yet.
     pub step: u64,
     /// Why it ran.
     pub trigger: Trigger,
