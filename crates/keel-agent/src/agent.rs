@@ -103,6 +103,7 @@ impl std::fmt::Debug for Next {
 /// ```
 #[derive(Clone)]
 pub struct Agent {
+    running: crate::running::Running,
     graph: CompiledGraph<AgentState>,
     nodes: AgentNodes,
     goal: Option<GoalAnchor>,
@@ -418,16 +419,26 @@ impl Agent {
     ///
     /// # One run of a thread at a time
     ///
-    /// A second run of a thread while one is going fails when it first writes a
-    /// checkpoint, with the checkpointer's stale-writer error
-    /// ([`CheckpointError::is_conflict`](keel_checkpoint::CheckpointError::is_conflict)
-    /// is true for it). Nothing of that run is stored, its input's messages included:
-    /// run it again with the same input once the first has finished. Keep runs of one
-    /// thread apart in your own code (a lock per thread id), or submit them to
-    /// keel-fleet's queue, whose workers run each thread's runs in turn.
+    /// A second run of a thread while one is going in this agent (or a clone of it:
+    /// clones share what runs) fails at once with [`AgentError::ThreadBusy`], before
+    /// it reads anything: both would start from the same checkpoint, and the second
+    /// would run the first one's tool calls again. A run whose caller has stopped
+    /// waiting for it (its future or stream dropped) is waited for instead, as it
+    /// stops at its next await.
+    ///
+    /// Runs in other processes, or in agents built apart over the same saver, are
+    /// kept apart by the saver: the second to write a checkpoint fails with its
+    /// stale-writer error ([`AgentError::is_conflict`] is true for it), and nothing of
+    /// that run is stored, though tool calls it made before have run. Give each
+    /// thread's runs to one worker (keel-fleet's queue runs them in turn), or keep
+    /// them apart in your own code (a lock per thread id).
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let (agent, thread) = (self.clone(), thread_id.to_owned());
+        let guard = self.running.begin(thread_id).await?;
+        let stop = crate::running::StopOnDrop::default();
+        stop.watch(&guard);
         on_own_task(async move {
+            let _guard = guard;
             let metadata = input.metadata.clone();
             let (command, budget, _) = agent.command(&thread, None, input).await?;
             let run = agent
@@ -510,7 +521,11 @@ impl Agent {
             });
         }
         let (agent, thread, checkpoint) = (self.clone(), thread_id.to_owned(), checkpoint.clone());
+        let guard = self.running.begin(thread_id).await?;
+        let stop = crate::running::StopOnDrop::default();
+        stop.watch(&guard);
         on_own_task(async move {
+            let _guard = guard;
             let metadata = input.metadata.clone();
             let (command, budget, _) = agent.command(&thread, Some(&checkpoint), input).await?;
             let config = agent.config(&thread, &metadata, budget).at(checkpoint);
@@ -582,7 +597,21 @@ impl Agent {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<AgentUpdate, AgentError>>(64);
         // The run is driven by its own task; dropping the receiver ends it (the graph's
         // stream is dropped with it, which cancels the run).
+        let stop = crate::running::StopOnDrop::default();
+        let watch = stop.clone();
         runtime.spawn(async move {
+            let _guard = match agent.running.begin(&thread).await {
+                Ok(guard) => {
+                    watch.watch(&guard);
+                    drop(watch);
+                    guard
+                }
+                Err(e) => {
+                    drop(watch);
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
             let metadata = input.metadata.clone();
             let (command, budget, mut ending) = match agent.command(&thread, None, input).await {
                 Ok(c) => c,
@@ -626,8 +655,10 @@ impl Agent {
                 agent.settle(&thread).await;
             }
         });
-        futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|item| (item, rx))
+        // The stream holds `stop`: dropped before the run ends, it marks the run as
+        // stopping, so the thread's next run waits for it rather than being refused.
+        futures::stream::unfold((rx, stop), |(mut rx, stop)| async move {
+            rx.recv().await.map(|item| (item, (rx, stop)))
         })
         .boxed()
     }
@@ -2033,6 +2064,7 @@ impl AgentBuilder {
             e => BuildError::Graph(e),
         })?;
         Ok(Agent {
+            running: Default::default(),
             graph,
             nodes,
             goal: self.goal,

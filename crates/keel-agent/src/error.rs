@@ -236,6 +236,18 @@ pub enum AgentError {
         /// The tools asked about that this agent does not ask about.
         tools: Vec<String>,
     },
+    /// A run of the thread is going in this agent (or a clone of it): a second run at
+    /// once would load the same checkpoint and run the first one's tool calls again
+    /// before its write was refused. Nothing was read or run. Run the thread again
+    /// once the first run has ended; a run whose caller stopped waiting (a dropped
+    /// future or stream) is waited for instead, as it stops at its next await.
+    #[error(
+        "thread `{thread_id}` has a run going in this agent: a second run at once would run the first one's tool calls again; run it once the first has ended (keel-fleet's queue runs each thread's runs in turn)"
+    )]
+    ThreadBusy {
+        /// The thread.
+        thread_id: String,
+    },
     /// [`AgentInput::resume`](crate::AgentInput::resume) on a thread with no pending
     /// question (none was asked, it was answered already, or the thread is new).
     #[error(
@@ -383,6 +395,34 @@ impl AgentError {
             next = e.source();
         }
         None
+    }
+
+    /// Whether another run of the thread got there first: a run going in this agent
+    /// ([`AgentError::ThreadBusy`]), or one elsewhere that wrote a checkpoint first
+    /// (the saver's stale-writer error,
+    /// [`CheckpointError::is_conflict`](keel_checkpoint::CheckpointError::is_conflict),
+    /// found through the error's sources). Such a run stored nothing: run the thread
+    /// again once the other has ended.
+    ///
+    /// ```
+    /// let busy = keel_agent::AgentError::ThreadBusy { thread_id: "t".into() };
+    /// assert!(busy.is_conflict());
+    /// ```
+    pub fn is_conflict(&self) -> bool {
+        if matches!(self, AgentError::ThreadBusy { .. }) {
+            return true;
+        }
+        if let AgentError::Graph(GraphError::Checkpoint(c)) = self {
+            return c.is_conflict();
+        }
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = next {
+            if let Some(c) = e.downcast_ref::<keel_checkpoint::CheckpointError>() {
+                return c.is_conflict();
+            }
+            next = e.source();
+        }
+        false
     }
 }
 

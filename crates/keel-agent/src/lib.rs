@@ -114,6 +114,7 @@ mod agent;
 mod error;
 mod event;
 mod nodes;
+mod running;
 mod state;
 pub mod tools;
 

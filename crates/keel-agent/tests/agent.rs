@@ -3165,3 +3165,109 @@ async fn a_call_the_thread_holds_no_result_for_is_answered_in_the_prompt() {
     // The state is as the graph left it: the prompt alone says so.
     assert!(!run.state.messages.iter().any(|m| m.role == Role::Tool));
 }
+
+/// A tool that takes 300 ms and counts the calls that finished.
+struct Slow(Arc<AtomicUsize>);
+
+impl Tool for Slow {
+    fn spec(&self) -> ToolSpec {
+        ToolSpec::new("slow", "Takes a while.", json!({"type": "object"}))
+    }
+
+    fn call(&self, _arguments: Value, _ctx: ToolContext) -> ToolFuture<'_> {
+        let done = self.0.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok("slow done".to_owned())
+        })
+    }
+}
+
+/// A model that calls `slow` `steps` times, then answers.
+fn slow_model(steps: u64) -> PolicyModel {
+    PolicyModel::new("slow", move |messages, _tools| {
+        let done = messages.iter().filter(|m| m.role == Role::Tool).count() as u64;
+        let reply = if done < steps {
+            Message::assistant("").with_tool_calls(vec![ToolCall::new(
+                format!("s{done}"),
+                "slow",
+                json!({}),
+            )])
+        } else {
+            Message::assistant("all done")
+        };
+        Ok(ChatResponse::new(reply, "slow"))
+    })
+}
+
+fn slow_agent(steps: u64, finished: Arc<AtomicUsize>) -> Agent {
+    Agent::builder()
+        .model(Arc::new(slow_model(steps)))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(Slow(finished)))
+        .checkpointer(Arc::new(MemorySaver::new()))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_run_of_a_thread_while_one_goes_is_refused_before_it_runs_anything() {
+    // A double-click: both runs would start from one checkpoint and the second would
+    // run the first one's tool call again.
+    let finished = Arc::new(AtomicUsize::new(0));
+    let agent = slow_agent(2, finished.clone());
+    let first = tokio::spawn({
+        let agent = agent.clone();
+        async move { agent.run("dbl", AgentInput::new()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let err = agent.run("dbl", AgentInput::new()).await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::ThreadBusy { thread_id } if thread_id == "dbl"),
+        "{err:?}"
+    );
+    assert!(err.is_conflict());
+    let err = agent
+        .stream("dbl", AgentInput::new().user("again"))
+        .next()
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, AgentError::ThreadBusy { .. }), "{err:?}");
+    // Another thread runs beside it.
+    let other = slow_agent(0, Arc::default());
+    other.run("other", AgentInput::new()).await.unwrap();
+    let run = first.await.unwrap().unwrap();
+    assert_eq!(run.answer.as_deref(), Some("all done"));
+    assert_eq!(finished.load(Ordering::SeqCst), 2, "each call ran once");
+    // Once it has ended, the thread is free.
+    let run = agent
+        .run("dbl", AgentInput::new().user("and now?"))
+        .await
+        .unwrap();
+    assert_eq!(run.answer.as_deref(), Some("all done"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_whose_caller_went_away_is_waited_for_not_refused() {
+    let finished = Arc::new(AtomicUsize::new(0));
+    let agent = slow_agent(2, finished.clone());
+    // A timeout drops the run mid tool call; running again at once waits for it to
+    // stop, then goes on from its last checkpoint.
+    let timed_out = tokio::time::timeout(
+        Duration::from_millis(100),
+        agent.run("gone", AgentInput::new()),
+    )
+    .await;
+    assert!(timed_out.is_err());
+    let run = agent.run("gone", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("all done"));
+    // A stream dropped after its first item: the same.
+    let mut stream = agent.stream("gone2", AgentInput::new());
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    let run = agent.run("gone2", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("all done"));
+}
