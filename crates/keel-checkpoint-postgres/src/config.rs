@@ -43,9 +43,13 @@ pub const DEFAULT_SCHEMA: &str = "public";
 ///
 /// let config = PostgresConfig::new("postgres://keel@localhost:5432/app")?
 ///     .pool_size(32)
+///     .pool_wait(Duration::from_secs(5))
+///     .delta_links(200_000) // a thousand agent threads at once
 ///     .statement_timeout(Some(Duration::from_secs(5)))
 ///     .schema("agents")?;
 /// assert_eq!(config.get_pool_size(), 32);
+/// assert_eq!(config.get_pool_wait(), Duration::from_secs(5));
+/// assert_eq!(config.get_delta_links(), 200_000);
 /// assert_eq!(config.get_schema(), "agents");
 /// # Ok::<(), keel_checkpoint_postgres::PostgresError>(())
 /// ```
@@ -54,9 +58,17 @@ pub struct PostgresConfig {
     pub(crate) pg: tokio_postgres::Config,
     pub(crate) tls: keel_postgres_tls::Tls,
     pub(crate) pool_size: usize,
+    pub(crate) pool_wait: Duration,
+    pub(crate) delta_links: usize,
     pub(crate) statement_timeout: Option<Duration>,
     pub(crate) schema: String,
 }
+
+/// How long a call waits for a pooled connection by default.
+pub(crate) const DEFAULT_POOL_WAIT: Duration = Duration::from_secs(60);
+
+/// Delta links a saver remembers by default (about 150 bytes each).
+pub(crate) const DEFAULT_DELTA_LINKS: usize = 65_536;
 
 impl PostgresConfig {
     /// Parses a connection string (URL or `key=value` pairs), TLS options included;
@@ -74,6 +86,8 @@ impl PostgresConfig {
             pg,
             tls,
             pool_size: DEFAULT_POOL_SIZE,
+            pool_wait: DEFAULT_POOL_WAIT,
+            delta_links: DEFAULT_DELTA_LINKS,
             statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
             schema: DEFAULT_SCHEMA.to_owned(),
         })
@@ -92,6 +106,40 @@ impl PostgresConfig {
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self
+    }
+
+    /// Sets how long a call waits for a connection when every one of the pool's is
+    /// busy (default 60 s). Past it the call fails with
+    /// [`PostgresError::Pool`](crate::PostgresError::Pool), a checkpointer backend
+    /// error that changed nothing: the run stays at its last checkpoint. Many threads
+    /// running at once wait here; a larger [`pool_size`](Self::pool_size), up to what
+    /// the server takes, waits less.
+    #[must_use]
+    pub fn pool_wait(mut self, wait: Duration) -> Self {
+        self.pool_wait = wait;
+        self
+    }
+
+    /// Sets how many delta links the saver remembers (default 65,536, about 150 bytes
+    /// each), so that a prune walks the chains of the checkpoints it keeps without
+    /// reading them back (one recursive query a prune otherwise, whose cost grows with
+    /// the table's bloat). An agent thread that prunes after each compaction keeps
+    /// about 200; past the room, the threads put to least recently are forgotten
+    /// first. A service running a thousand agent threads at once wants about 200,000.
+    #[must_use]
+    pub fn delta_links(mut self, links: usize) -> Self {
+        self.delta_links = links;
+        self
+    }
+
+    /// How long a call waits for a pooled connection.
+    pub fn get_pool_wait(&self) -> Duration {
+        self.pool_wait
+    }
+
+    /// How many delta links the saver remembers.
+    pub fn get_delta_links(&self) -> usize {
+        self.delta_links
     }
 
     /// Sets the per-statement timeout (`None`: the server's setting).

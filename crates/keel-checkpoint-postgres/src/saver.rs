@@ -59,9 +59,6 @@ struct Inner {
 /// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
 const HEAD_VERSIONS: usize = 4096;
 
-/// Delta links a saver remembers for its prunes (about 150 bytes each).
-const DELTA_LINKS: usize = 65_536;
-
 impl std::fmt::Debug for PostgresSaver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresSaver")
@@ -115,18 +112,22 @@ impl PostgresSaver {
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(Duration::from_secs(60)))
+            .wait_timeout(Some(config.pool_wait))
             .create_timeout(Some(Duration::from_secs(15)))
             .build()
             .map_err(|e| PostgresError::Config {
                 reason: format!("cannot build the connection pool: {e}"),
             })?;
-        Self::from_pool(pool, &config.schema)
+        Self::with_links(pool, &config.schema, config.delta_links)
     }
 
     /// A saver over an existing pool (e.g. one with a connector of your own), with its tables in
     /// `schema`.
     pub fn from_pool(pool: Pool, schema: &str) -> Result<Self, PostgresError> {
+        Self::with_links(pool, schema, crate::config::DEFAULT_DELTA_LINKS)
+    }
+
+    fn with_links(pool: Pool, schema: &str, links: usize) -> Result<Self, PostgresError> {
         check_schema(schema)?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -134,7 +135,7 @@ impl PostgresSaver {
                 schema: schema.to_owned(),
                 sql: Statements::new(schema),
                 heads: Mutex::new(support::HeadVersions::new(HEAD_VERSIONS)),
-                links: Mutex::new(DeltaLinks::new(DELTA_LINKS)),
+                links: Mutex::new(DeltaLinks::new(links)),
             }),
         })
     }

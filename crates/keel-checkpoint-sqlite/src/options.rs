@@ -73,7 +73,11 @@ pub struct SqliteOptions {
     /// for it; should commits keep it from ever catching up, the writer does it itself
     /// at four times this many pages, so the log stays bounded. `0` turns automatic
     /// checkpoints off: the log then grows until [`SqliteSaver::wal_checkpoint`] or the
-    /// last connection closing copies it. Ignored in memory.
+    /// last connection closing copies it. Ignored in memory. A copy cannot pass a
+    /// page a reader still reads, so under reads that never pause (a busy service's
+    /// `get` and `list`) the log can outgrow this bound for a while, and its file
+    /// keeps the size it reached (SQLite reuses it from the start): call
+    /// [`SqliteSaver::wal_checkpoint`] at a quiet moment to copy it all and truncate it.
     pub checkpoint_pages: u32,
     /// Run a write its caller awaits on the caller's thread, inside
     /// [`tokio::task::block_in_place`], when the caller is a worker of tokio's
@@ -89,6 +93,13 @@ pub struct SqliteOptions {
     /// the saver cannot detect: turn it on when no `LocalSet` awaits the saver (as in
     /// an ordinary `#[tokio::main]` program). Ignored in memory.
     pub block_in_place: bool,
+    /// Delta links the saver remembers (default 65,536, about 150 bytes each), so that
+    /// a prune walks the chains of the checkpoints it keeps without reading them back.
+    /// An agent thread that prunes after each compaction keeps about 200; past the
+    /// room, the threads put to least recently are forgotten first, and their next
+    /// prune reads what it needs from the file. A service running a thousand agent
+    /// threads at once wants about 200,000.
+    pub delta_links: usize,
 }
 
 impl Default for SqliteOptions {
@@ -100,6 +111,7 @@ impl Default for SqliteOptions {
             max_size: None,
             checkpoint_pages: 1_000,
             block_in_place: false,
+            delta_links: 65_536,
         }
     }
 }
@@ -140,6 +152,12 @@ impl SqliteOptions {
     /// [`block_in_place`](Self::block_in_place); not inside a tokio `LocalSet`).
     pub fn block_in_place(mut self, on: bool) -> Self {
         self.block_in_place = on;
+        self
+    }
+
+    /// Sets how many delta links the saver remembers ([`SqliteOptions::delta_links`]).
+    pub fn delta_links(mut self, links: usize) -> Self {
+        self.delta_links = links;
         self
     }
 

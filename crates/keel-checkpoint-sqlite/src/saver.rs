@@ -51,9 +51,6 @@ pub struct SqliteSaver {
 /// Namespaces whose head versions a saver remembers ([`support::HeadVersions`]).
 const HEAD_VERSIONS: usize = 4096;
 
-/// Delta links a saver remembers for its prunes (about 150 bytes each).
-const DELTA_LINKS: usize = 65_536;
-
 struct Inner {
     path: Option<PathBuf>,
     /// Reader connections; `None` when the writer does everything (memory, `readers(0)`).
@@ -120,6 +117,7 @@ impl SqliteSaver {
         options: SqliteOptions,
     ) -> Result<Self, SqliteError> {
         let path = path.as_ref().to_owned();
+        let links = options.delta_links;
         let trigger = Trigger::new(options.checkpoint_pages);
         let in_place = options.block_in_place;
         let writer = {
@@ -166,7 +164,7 @@ impl SqliteSaver {
                 _checkpoints: checkpoints,
                 trigger: Some(trigger),
                 writer,
-                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, DELTA_LINKS))),
+                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, links))),
             }),
         })
     }
@@ -180,6 +178,7 @@ impl SqliteSaver {
     /// A private in-memory database with `options` (`readers` is ignored: one
     /// connection does everything).
     pub async fn open_in_memory_with(options: SqliteOptions) -> Result<Self, SqliteError> {
+        let links = options.delta_links;
         let writer = Lane::start("keel-sqlite-memory", 1, move || {
             schema::open_memory(&options)
         })
@@ -191,7 +190,7 @@ impl SqliteSaver {
                 _checkpoints: None,
                 trigger: None,
                 writer,
-                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, DELTA_LINKS))),
+                memo: Arc::new(Mutex::new(store::Memo::new(HEAD_VERSIONS, links))),
             }),
         })
     }

@@ -517,8 +517,10 @@ impl DeltaLink {
 /// base back from storage.
 ///
 /// Per namespace, channel and writer id: the [`DeltaLink`] of each delta this saver
-/// put, at most `capacity` in all; past that every link is forgotten (a prune then
-/// reads what it needs from storage, as without this memory). A prune follows links
+/// put, at most `capacity` in all. Past that, the links of the namespaces put to
+/// least recently are forgotten until a quarter of the room is free (a prune of such
+/// a namespace then reads what it needs from storage, as without this memory), so the
+/// threads that are running keep theirs however many others came before them. A prune follows links
 /// only from the checkpoints it keeps, whose deltas are stored, so links of deltas
 /// that another process deleted are never reached. Drop the links of the deltas a
 /// prune deletes ([`retain`](Self::retain)) and of deleted threads
@@ -565,9 +567,24 @@ impl DeltaLink {
 /// ```
 #[derive(Debug, Clone)]
 pub struct DeltaLinks {
-    threads: HashMap<ThreadKey, HashMap<String, HashMap<String, DeltaLink>>>,
+    threads: HashMap<ThreadKey, ThreadLinks>,
     len: usize,
     capacity: usize,
+    /// Counts puts; each namespace keeps the count of its latest.
+    clock: u64,
+}
+
+/// One namespace's links, and when it was last put to.
+#[derive(Debug, Clone, Default)]
+struct ThreadLinks {
+    used: u64,
+    channels: HashMap<String, HashMap<String, DeltaLink>>,
+}
+
+impl ThreadLinks {
+    fn len(&self) -> usize {
+        self.channels.values().map(HashMap::len).sum()
+    }
 }
 
 impl DeltaLinks {
@@ -577,6 +594,37 @@ impl DeltaLinks {
             threads: HashMap::new(),
             len: 0,
             capacity,
+            clock: 0,
+        }
+    }
+
+    /// Makes room for `more` links: when they would not fit, forgets the namespaces
+    /// put to least recently (never `keep`) until a quarter of the room is free.
+    fn make_room(&mut self, keep: &ThreadKey, more: usize) {
+        if self.len + more <= self.capacity {
+            return;
+        }
+        let target = (self.capacity - self.capacity / 4).saturating_sub(more);
+        let mut by_age: Vec<(u64, ThreadKey)> = self
+            .threads
+            .iter()
+            .filter(|(k, _)| *k != keep)
+            .map(|(k, t)| (t.used, k.clone()))
+            .collect();
+        by_age.sort_unstable_by_key(|(used, _)| *used);
+        for (_, key) in by_age {
+            if self.len <= target {
+                break;
+            }
+            if let Some(gone) = self.threads.remove(&key) {
+                self.len -= gone.len();
+            }
+        }
+        if self.len + more > self.capacity {
+            // Only `keep`'s own links are left, and too many: start it afresh.
+            if let Some(gone) = self.threads.remove(keep) {
+                self.len -= gone.len();
+            }
         }
     }
 
@@ -584,16 +632,15 @@ impl DeltaLinks {
     /// transaction. Links of a put that then rolls back are harmless: no stored delta's
     /// base names a delta that was never stored, so no walk reaches them.
     pub fn remember(&mut self, request: &PutRequest) {
-        if self.len + request.deltas.len() > self.capacity {
-            self.threads.clear();
-            self.len = 0;
-        }
         if request.deltas.len() > self.capacity {
             return;
         }
-        let channels = self.threads.entry(request.thread.clone()).or_default();
+        self.make_room(&request.thread, request.deltas.len());
+        self.clock += 1;
+        let thread = self.threads.entry(request.thread.clone()).or_default();
+        thread.used = self.clock;
         for delta in &request.deltas {
-            let writers = channels.entry(delta.channel.clone()).or_default();
+            let writers = thread.channels.entry(delta.channel.clone()).or_default();
             if writers
                 .insert(
                     delta.version.writer.as_str().to_owned(),
@@ -608,17 +655,15 @@ impl DeltaLinks {
 
     /// Records the link of one stored delta, say one read back from storage.
     pub fn learn(&mut self, thread: &ThreadKey, channel: String, writer: String, link: DeltaLink) {
-        if self.len >= self.capacity {
-            self.threads.clear();
-            self.len = 0;
-        }
         if self.capacity == 0 {
             return;
         }
+        self.make_room(thread, 1);
         let known = self
             .threads
             .entry(thread.clone())
             .or_default()
+            .channels
             .entry(channel)
             .or_default()
             .insert(writer, link);
@@ -629,12 +674,12 @@ impl DeltaLinks {
 
     /// The link of the delta of `channel` written by `writer` in `thread`, if known.
     pub fn get(&self, thread: &ThreadKey, channel: &str, writer: &str) -> Option<&DeltaLink> {
-        self.threads.get(thread)?.get(channel)?.get(writer)
+        self.threads.get(thread)?.channels.get(channel)?.get(writer)
     }
 
     /// Keeps, of `thread`'s links, those for which `keep(channel, writer)` holds.
     pub fn retain(&mut self, thread: &ThreadKey, keep: impl Fn(&str, &str) -> bool) {
-        let Some(channels) = self.threads.get_mut(thread) else {
+        let Some(channels) = self.threads.get_mut(thread).map(|t| &mut t.channels) else {
             return;
         };
         let mut removed = 0;
@@ -929,7 +974,7 @@ mod tests {
     }
 
     #[test]
-    fn over_capacity_everything_is_forgotten() {
+    fn over_capacity_one_namespace_past_it_starts_afresh() {
         let mut links = DeltaLinks::new(3);
         let t = ThreadKey::new("t");
         let first = links_request(&t, None, &["a", "b"]);
@@ -942,6 +987,40 @@ mod tests {
         let mut none = DeltaLinks::new(0);
         none.remember(&second);
         assert_eq!(none.len(), 0);
+    }
+
+    #[test]
+    fn over_capacity_the_namespaces_put_to_least_recently_are_forgotten() {
+        // Room for 8 links; each put remembers 2.
+        let mut links = DeltaLinks::new(8);
+        let keys: Vec<ThreadKey> = ["a", "b", "c", "d"].map(ThreadKey::new).to_vec();
+        let mut last = Vec::new();
+        for k in &keys {
+            let r = links_request(k, None, &["x", "y"]);
+            links.remember(&r);
+            last.push(r);
+        }
+        assert_eq!(links.len(), 8);
+        // `a` is put to again, past the room: `b` and `c`, put to least recently, are
+        // forgotten until a quarter of it is free; a fifth namespace then fits.
+        let again = links_request(&keys[0], Some(&last[0].checkpoint), &["x"]);
+        links.remember(&again);
+        let e = ThreadKey::new("e");
+        links.remember(&links_request(&e, None, &["x", "y"]));
+        let has =
+            |k: &ThreadKey, r: &PutRequest| links.get(k, "x", r.checkpoint.id.as_str()).is_some();
+        assert!(
+            has(&keys[0], &again) && has(&keys[0], &last[0]),
+            "a is kept"
+        );
+        assert!(
+            !has(&keys[1], &last[1]),
+            "b, the least recent, is forgotten"
+        );
+        assert!(!has(&keys[2], &last[2]), "c too, to free a quarter");
+        assert!(has(&keys[3], &last[3]), "d is kept");
+        assert_eq!(links.len(), 3 + 2 + 2);
+        assert!(links.len() <= 8);
     }
 
     #[test]
