@@ -20,7 +20,10 @@ pub enum Durability {
     Sync,
     /// Checkpoints are stored by a background writer while the next step runs, through
     /// a bounded queue (the run waits when the queue is full). `invoke` returns only
-    /// after every write is stored, and also when a step fails. A checkpointer that is not durable
+    /// after every write is stored, and also when a step fails. A run cancelled before
+    /// it returns (its future or stream dropped) is a crash to the queue: writes still
+    /// queued are lost, and the thread resumes from the last one stored, running the
+    /// steps after it again. A checkpointer that is not durable
     /// ([`Checkpointer::is_durable`](keel_checkpoint::Checkpointer::is_durable), as the
     /// in-memory one) stores each at once instead, as with `Sync`: its put costs less
     /// than the hand-off.
