@@ -1275,16 +1275,23 @@ async fn a_call_whose_arguments_are_not_json_is_not_put_to_approval() {
     assert!(result.text().contains("JSON"), "{}", result.text());
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
-    let saver = Arc::new(MemorySaver::new());
+/// An agent counting to 3 that asks before each `echo`, over `saver`, with `thread`
+/// run up to its first question.
+async fn paused_for_approval(saver: &Arc<MemorySaver>, thread: &str) -> Agent {
     let agent = builder(counting_model(3, Arc::default()))
         .approve(["echo"])
         .checkpointer(saver.clone())
         .build()
         .unwrap();
-    let run = agent.run("shape", AgentInput::new()).await.unwrap();
+    let run = agent.run(thread, AgentInput::new()).await.unwrap();
     assert_eq!(run.interrupts.len(), 1, "paused for approval");
+    agent
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_thread_resumed_with_a_different_graph_is_a_typed_error() {
+    let saver = Arc::new(MemorySaver::new());
+    paused_for_approval(&saver, "shape").await;
     // Another graph over the same saver has no `tools` node.
     let other = builder(counting_model(3, Arc::default()))
         .approve(["echo"])
@@ -2863,13 +2870,7 @@ async fn a_thread_awaiting_approval_is_refused_by_an_agent_that_would_not_ask() 
     // A worker built without the approve list of the agent that asked would run the
     // calls a human was asked about, whatever they answer.
     let saver = Arc::new(MemorySaver::new());
-    let asked = builder(counting_model(3, Arc::default()))
-        .approve(["echo"])
-        .checkpointer(saver.clone())
-        .build()
-        .unwrap();
-    let run = asked.run("waits", AgentInput::new()).await.unwrap();
-    assert_eq!(run.interrupts.len(), 1, "paused for approval");
+    let asked = paused_for_approval(&saver, "waits").await;
     let careless = builder(counting_model(3, Arc::default()))
         .checkpointer(saver.clone())
         .build()
@@ -2928,10 +2929,7 @@ async fn a_failed_run_run_again_with_the_same_message_stores_it_once() {
             )),
         }
     });
-    let agent = Agent::builder()
-        .model(Arc::new(model))
-        .profile(profile())
-        .goal(GOAL)
+    let agent = builder(model)
         .checkpointer(Arc::new(MemorySaver::new()))
         .build()
         .unwrap();
@@ -2994,10 +2992,7 @@ async fn calls_of_a_server_that_reuses_ids_each_reply_get_keys_of_their_own() {
         Ok(ChatResponse::new(reply, "reuses-ids"))
     });
     let keys = Arc::new(Mutex::new(Vec::new()));
-    let agent = Agent::builder()
-        .model(Arc::new(model))
-        .profile(profile())
-        .goal(GOAL)
+    let agent = builder(model)
         .tool(Arc::new(Keys(keys.clone())))
         .build()
         .unwrap();
@@ -3034,10 +3029,7 @@ async fn the_event_log_keeps_long_errors_and_names_short_and_messages_repeat_no_
         };
         Ok(ChatResponse::new(reply, "odd"))
     });
-    let agent = Agent::builder()
-        .model(Arc::new(model))
-        .profile(profile())
-        .goal(GOAL)
+    let agent = builder(model)
         .tool(Arc::new(Loud))
         .evict(None)
         .build()
@@ -3202,10 +3194,7 @@ fn slow_model(steps: u64) -> PolicyModel {
 }
 
 fn slow_agent(steps: u64, finished: Arc<AtomicUsize>) -> Agent {
-    Agent::builder()
-        .model(Arc::new(slow_model(steps)))
-        .profile(profile())
-        .goal(GOAL)
+    builder(slow_model(steps))
         .tool(Arc::new(Slow(finished)))
         .checkpointer(Arc::new(MemorySaver::new()))
         .build()

@@ -1171,17 +1171,8 @@ impl Compactor {
             let outcome = policy.apply_with_usage(vec![reply], &env, 1, 1);
             (outcome, view.lineage())
         };
-        let (outcome, lineage) = match tokio::runtime::Handle::try_current() {
-            Ok(handle) => handle
-                .spawn_blocking(truncate)
-                .await
-                .map_err(|e| OffloadError::Io {
-                    op: "store the newest reply's arguments",
-                    key: self.thread.to_string(),
-                    source: std::io::Error::other(format!("the blocking task ended: {e}")),
-                })?,
-            Err(_) => truncate(),
-        };
+        let (outcome, lineage) =
+            off_runtime(&self.thread, "store the newest reply's arguments", truncate).await?;
         if let Some(f) = outcome.failures.into_iter().next() {
             return Err(f.error);
         }
@@ -1219,17 +1210,8 @@ impl Compactor {
             let out = this.evict(&policy, &reply, results, &mut lineage);
             (out, lineage)
         };
-        let (out, lineage) = match tokio::runtime::Handle::try_current() {
-            Ok(handle) => handle
-                .spawn_blocking(evict)
-                .await
-                .map_err(|e| OffloadError::Io {
-                    op: "store the newest step's results",
-                    key: self.thread.to_string(),
-                    source: std::io::Error::other(format!("the blocking task ended: {e}")),
-                })?,
-            Err(_) => evict(),
-        };
+        let (out, lineage) =
+            off_runtime(&self.thread, "store the newest step's results", evict).await?;
         state.lineage = lineage;
         let (mut changed, mut unchanged) = (0, Vec::new());
         for (i, m) in indices.into_iter().zip(out) {
@@ -2136,23 +2118,32 @@ async fn append_off_runtime(
     mut lineage: Lineage,
     messages: Vec<Message>,
 ) -> Result<(Appended, Lineage), OffloadError> {
-    let Ok(handle) = tokio::runtime::Handle::try_current() else {
-        let appended = archive.append_in(&mut lineage, thread, &messages)?;
-        return Ok((appended, lineage));
-    };
     let (archive, owned) = (Arc::clone(archive), thread.clone());
+    off_runtime(thread, "append to the archive", move || {
+        let appended = archive.append_in(&mut lineage, &owned, &messages)?;
+        Ok((appended, lineage))
+    })
+    .await?
+}
+
+/// Runs `work` (the offload store's I/O) on Tokio's blocking pool, so the runtime's
+/// threads keep serving other tasks (a current-thread runtime included); without a
+/// runtime, here. A blocking task that did not finish is an I/O error of `op`.
+async fn off_runtime<T: Send + 'static>(
+    thread: &ThreadId,
+    op: &'static str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, OffloadError> {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return Ok(work());
+    };
     handle
-        .spawn_blocking(move || {
-            let appended = archive.append_in(&mut lineage, &owned, &messages)?;
-            Ok((appended, lineage))
-        })
+        .spawn_blocking(work)
         .await
-        .unwrap_or_else(|e| {
-            Err(OffloadError::Io {
-                op: "append to the archive",
-                key: thread.to_string(),
-                source: std::io::Error::other(format!("the blocking task ended: {e}")),
-            })
+        .map_err(|e| OffloadError::Io {
+            op,
+            key: thread.to_string(),
+            source: std::io::Error::other(format!("the blocking task ended: {e}")),
         })
 }
 
