@@ -67,7 +67,7 @@ pub struct PostgresConfig {
 /// How long a call waits for a pooled connection by default.
 pub(crate) const DEFAULT_POOL_WAIT: Duration = Duration::from_secs(60);
 
-/// Delta links a saver remembers by default (about 150 bytes each).
+/// Delta links a saver remembers by default (a few hundred bytes each).
 pub(crate) const DEFAULT_DELTA_LINKS: usize = 65_536;
 
 impl PostgresConfig {
@@ -120,12 +120,14 @@ impl PostgresConfig {
         self
     }
 
-    /// Sets how many delta links the saver remembers (default 65,536, about 150 bytes
-    /// each), so that a prune walks the chains of the checkpoints it keeps without
-    /// reading them back (one recursive query a prune otherwise, whose cost grows with
-    /// the table's bloat). An agent thread that prunes after each compaction keeps
-    /// about 200; past the room, the threads put to least recently are forgotten
-    /// first. A service running a thousand agent threads at once wants about 200,000.
+    /// Sets how many delta links the saver remembers (default 65,536, a few hundred
+    /// bytes each), so that a prune walks the chains of the checkpoints it keeps
+    /// without reading them back (one recursive query a prune otherwise, whose cost
+    /// grows with the table's bloat). An agent thread that prunes after each
+    /// compaction keeps up to a couple of hundred (33 to 97 right after each prune in
+    /// keel-agent's long-run test); past the room, the threads put to least recently
+    /// are forgotten first. A service running a thousand agent threads at once wants
+    /// about 200,000.
     #[must_use]
     pub fn delta_links(mut self, links: usize) -> Self {
         self.delta_links = links;

@@ -66,7 +66,7 @@
 //!
 //! [`prune`](keel_checkpoint::Checkpointer::prune) keeps a thread's newest checkpoints
 //! and the deltas and snapshots they need. The saver walks the kept delta chains in
-//! what it remembers of its own puts (up to 65,536 links, about 150 bytes each), so a
+//! what it remembers of its own puts (up to 65,536 links by default, a few hundred bytes each), so a
 //! prune of a thread it wrote is two round trips in one transaction; chains it did not
 //! write cost one more, a recursive query that reads their links back. A prune's commit
 //! does not wait for the server's WAL flush (`synchronous_commit` off for that
