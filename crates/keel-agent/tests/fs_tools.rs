@@ -831,6 +831,25 @@ async fn edit_file_caps_the_file_size() {
     assert_eq!(f.read("small.txt"), "ab");
 }
 
+#[tokio::test]
+async fn an_edit_that_would_grow_a_file_past_the_cap_is_refused_before_it_is_made() {
+    // Ten million one-byte matches each replaced by a kilobyte: 10 GB, which the edit
+    // used to allocate (and the process aborted) before refusing it.
+    let f = Fixture::new();
+    f.put("a.txt", "a".repeat(10_000_000));
+    let err = f
+        .err(
+            EDIT_FILE,
+            json!({"path": "a.txt", "old_string": "a", "new_string": "x".repeat(1_000), "replace_all": true}),
+        )
+        .await;
+    assert!(
+        err.starts_with("the edit would make `a.txt` 10,000,000,000 bytes, over the"),
+        "{err}"
+    );
+    assert_eq!(f.read("a.txt").len(), 10_000_000, "nothing was changed");
+}
+
 #[cfg(unix)]
 #[tokio::test]
 async fn edit_file_keeps_the_file_mode() {

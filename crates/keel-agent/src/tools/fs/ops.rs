@@ -425,18 +425,23 @@ pub(super) fn edit_file(tools: &FileTools, args: &Map<String, Value>) -> Result<
             thousands(found as u64)
         )));
     }
+    // The size the edit makes, known before it is made: ten million one-byte matches
+    // each replaced by a kilobyte would otherwise allocate gigabytes to be refused.
+    let replaced = if replace_all { found } else { 1 };
+    let size = (text.len() as u128 + replaced as u128 * new.len() as u128)
+        .saturating_sub(replaced as u128 * old.len() as u128);
+    if size > max as u128 {
+        return Err(ToolError::failed(format!(
+            "the edit would make {what} {}, over the {} edit_file writes; nothing was changed",
+            count(u64::try_from(size).unwrap_or(u64::MAX), "byte", "bytes"),
+            count(max as u64, "byte", "bytes")
+        )));
+    }
     let updated = if replace_all {
         text.replace(old, new)
     } else {
         text.replacen(old, new, 1)
     };
-    if updated.len() > max {
-        return Err(ToolError::failed(format!(
-            "the edit would make {what} {}, over the {} edit_file writes; nothing was changed",
-            count(updated.len() as u64, "byte", "bytes"),
-            count(max as u64, "byte", "bytes")
-        )));
-    }
     let dir = path.parent().unwrap_or(tools.root.dir());
     let mut temp =
         temp_file(dir, Some(meta.permissions())).map_err(|e| io_failed("write", &rel, &e))?;
