@@ -1415,3 +1415,53 @@ async fn a_small_window_caps_the_file_tools_output() {
         "explicit limits must be kept"
     );
 }
+
+#[cfg(unix)]
+#[tokio::test]
+async fn grep_does_not_read_an_ignore_file_that_is_a_link_or_a_fifo() {
+    // A cloned repository can hold `.gitignore -> /dev/zero` (the walker read it line
+    // by line until memory ran out) or a FIFO (the search never returned).
+    use std::os::unix::fs::symlink;
+    let f = Fixture::new();
+    f.put("top.txt", "needle at the top\n");
+    f.put("zero/a.txt", "needle under zero\n");
+    symlink("/dev/zero", f.path().join("zero/.gitignore")).unwrap();
+    f.put("pipe/b.txt", "needle under pipe\n");
+    let made = std::process::Command::new("mkfifo")
+        .arg(f.path().join("pipe/.ignore"))
+        .status();
+    let fifo = made.is_ok_and(|s| s.success());
+    f.put("fine/c.txt", "needle under fine\nskipped.txt\n");
+    f.put("fine/.gitignore", "skipped.txt\n");
+    f.put("fine/skipped.txt", "needle ignored\n");
+    let out = f.ok(GREP, json!({"pattern": "needle"})).await;
+    assert!(out.contains("top.txt:1: needle at the top"), "{out}");
+    assert!(out.contains("fine/c.txt:1:"), "{out}");
+    assert!(
+        !out.contains("skipped.txt:1:"),
+        "a regular .gitignore applies: {out}"
+    );
+    assert!(!out.contains("zero/a.txt"), "{out}");
+    assert!(
+        out.contains(
+            "[a directory not searched: `zero/.gitignore` is a symbolic link, which grep does not read]"
+        ),
+        "{out}"
+    );
+    if fifo {
+        assert!(!out.contains("pipe/b.txt"), "{out}");
+        assert!(
+            out.contains("`pipe/.ignore` is not a regular file"),
+            "{out}"
+        );
+    }
+    // Searched from a directory whose own ignore file is such: none applies, said so.
+    let out = f
+        .ok(GREP, json!({"pattern": "needle", "path": "zero"}))
+        .await;
+    assert!(out.contains("zero/a.txt:1: needle under zero"), "{out}");
+    assert!(
+        out.contains("[no ignore file was applied: `zero/.gitignore` is a symbolic link, which grep does not read]"),
+        "{out}"
+    );
+}

@@ -29,6 +29,11 @@ pub(super) const GREP_LINE_BYTES: usize = 64 * 1024;
 /// Most bytes of compiled regex a pattern may take.
 const REGEX_SIZE_LIMIT: usize = 16 * 1024 * 1024;
 
+/// Most bytes of compiled regex a pattern [`GrepCache`] keeps may take: a larger one
+/// (`\w{300}` compiles to megabytes) is compiled for its call and not kept, so the
+/// cache holds tens of megabytes at most, not gigabytes.
+const CACHED_REGEX_SIZE: usize = 512 * 1024;
+
 /// Compiled patterns [`GrepCache`] keeps at most (it starts over past that).
 const CACHED_PATTERNS: usize = 64;
 
@@ -54,9 +59,19 @@ impl GrepCache {
         if let Some(compiled) = patterns.get(pattern) {
             return Ok(compiled.clone());
         }
+        // Compiled small enough to keep, or else at the full limit, for this call only.
+        let small = RegexBuilder::new(pattern)
+            .size_limit(CACHED_REGEX_SIZE)
+            .build()
+            .is_ok();
+        let limit = if small {
+            CACHED_REGEX_SIZE
+        } else {
+            REGEX_SIZE_LIMIT
+        };
         let build = |multi_line| {
             RegexBuilder::new(pattern)
-                .size_limit(REGEX_SIZE_LIMIT)
+                .size_limit(limit)
                 .multi_line(multi_line)
                 .build()
         };
@@ -71,6 +86,9 @@ impl GrepCache {
             .then(|| build(true).ok())
             .flatten();
         let compiled = Pattern { line, whole };
+        if !small {
+            return Ok(compiled);
+        }
         if patterns.len() >= CACHED_PATTERNS {
             patterns.clear();
         }
@@ -78,11 +96,12 @@ impl GrepCache {
         Ok(compiled)
     }
 
-    /// The parsed .gitignore at `file`, if it is a file.
+    /// The parsed .gitignore at `file`, if it is a regular file of at most
+    /// [`MAX_IGNORE_FILE_BYTES`] (a link, a FIFO or a device is not read).
     fn gitignore(&self, file: PathBuf) -> Option<Arc<Gitignore>> {
-        let meta = std::fs::metadata(&file)
+        let meta = std::fs::symlink_metadata(&file)
             .ok()
-            .filter(std::fs::Metadata::is_file)?;
+            .filter(|m| m.file_type().is_file() && m.len() <= MAX_IGNORE_FILE_BYTES)?;
         let stamp: Stamp = (meta.modified().ok(), meta.len());
         let mut ignores = self.ignores.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((seen, gitignore)) = ignores.get(&file)
@@ -311,6 +330,16 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let target = tools.root.existing(&rel).map_err(ToolError::failed)?;
     let what = rel.describe();
 
+    // Ignore files are read by name, so one that is a link (to /dev/zero, a file
+    // outside the root) or a FIFO would hang the search or exhaust memory: such a file
+    // in the search path turns ignore files off for the call, and a directory below
+    // with one is not searched (each said in a note).
+    let own_ignores = if target.is_dir() {
+        ignore_files_ok(&target)
+    } else {
+        Ok(())
+    };
+    let skipped: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut walk = WalkBuilder::new(&target);
     // .gitignore files are read as the walker's custom ignore files, not with its git
     // options: those make it canonicalize the search path and read the ignore files of
@@ -323,10 +352,14 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
         .git_ignore(false)
         .git_exclude(false)
         .git_global(false)
-        .add_custom_ignore_filename(".gitignore")
         .require_git(false)
         .follow_links(false)
         .sort_by_file_name(|a, b| a.cmp(b));
+    if own_ignores.is_ok() {
+        walk.add_custom_ignore_filename(".gitignore");
+    } else {
+        walk.ignore(false);
+    }
     if let Some(glob) = glob {
         let mut globs = OverrideBuilder::new(&target);
         globs
@@ -339,7 +372,23 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     }
     let above = ancestor_ignores(&tools.grep_cache, &tools.root, &target);
     let skip_offload_dirs = tools.offload.is_some() && target == tools.root.dir();
-    walk.filter_entry(move |entry| keep_entry(entry, &above, skip_offload_dirs));
+    let check_ignores = own_ignores.is_ok();
+    let skips = Arc::clone(&skipped);
+    let root = tools.root.clone();
+    walk.filter_entry(move |entry| {
+        if check_ignores
+            && entry.depth() > 0
+            && entry.file_type().is_some_and(|t| t.is_dir())
+            && let Err(bad) = ignore_files_ok(entry.path())
+        {
+            let mut skips = skips.lock().unwrap_or_else(PoisonError::into_inner);
+            if skips.len() < 3 {
+                skips.push(ignore_file_note(&root, entry.path(), &bad));
+            }
+            return false;
+        }
+        keep_entry(entry, &above, skip_offload_dirs)
+    });
 
     let mut found: Vec<Found> = Vec::new();
     let mut files: u64 = 0;
@@ -452,6 +501,23 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
             count(unreadable, "path", "paths")
         );
     }
+    if let Err(bad) = &own_ignores {
+        let _ = write!(
+            notes,
+            "\n[no ignore file was applied: {}, which grep does not read]",
+            ignore_file_note(&tools.root, &target, bad)
+        );
+    }
+    for note in skipped
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+    {
+        let _ = write!(
+            notes,
+            "\n[a directory not searched: {note}, which grep does not read]"
+        );
+    }
 
     if found.is_empty() {
         let place = if target.is_dir() {
@@ -511,6 +577,43 @@ fn ancestor_ignores(cache: &GrepCache, root: &Root, target: &Path) -> Vec<Arc<Gi
     out
 }
 
+/// The most an ignore file may hold to be read (a real one is a few kilobytes).
+const MAX_IGNORE_FILE_BYTES: u64 = 1 << 20;
+
+/// Whether `dir`'s ignore files (`.gitignore`, `.ignore`), those it has, are regular
+/// files of at most [`MAX_IGNORE_FILE_BYTES`]: not links, FIFOs or devices, which the
+/// walker would read by name whatever they are. The error is the file's name and what
+/// it is instead.
+fn ignore_files_ok(dir: &Path) -> Result<(), (&'static str, String)> {
+    for name in [".gitignore", ".ignore"] {
+        let Ok(meta) = std::fs::symlink_metadata(dir.join(name)) else {
+            continue;
+        };
+        let kind = meta.file_type();
+        let what = if kind.is_symlink() {
+            "a symbolic link".to_owned()
+        } else if !kind.is_file() {
+            "not a regular file".to_owned()
+        } else if meta.len() > MAX_IGNORE_FILE_BYTES {
+            format!("{} bytes", thousands(meta.len()))
+        } else {
+            continue;
+        };
+        return Err((name, what));
+    }
+    Ok(())
+}
+
+/// `dir/name is what` with `dir` shown from the root (nothing for the root).
+fn ignore_file_note(root: &Root, dir: &Path, (name, what): &(&str, String)) -> String {
+    let shown = root.relative_display(dir);
+    if shown.is_empty() {
+        format!("`{name}` is {what}")
+    } else {
+        format!("`{shown}/{name}` is {what}")
+    }
+}
+
 /// Whether the walk goes into / searches `entry`: not `target/` directories, not
 /// top-level offload directories (shadowed), not what the .gitignore files above the
 /// search path exclude. The search path itself (depth 0) is always kept.
@@ -546,6 +649,16 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_pattern_that_compiles_large_is_used_but_not_kept() {
+        // Sixty-four of these kept (each compiled twice) held 2.2 GB.
+        let cache = GrepCache::default();
+        cache.regex(r"\w{300}|x1").unwrap();
+        assert!(cache.patterns.lock().unwrap().is_empty());
+        cache.regex("fn main").unwrap();
+        assert_eq!(cache.patterns.lock().unwrap().len(), 1);
+    }
 
     /// (line number, text) of the lines `pattern` matches in `text`, found line by
     /// line, and found in one pass when [`scan_buffer`] takes the text (`None` if not).
