@@ -90,10 +90,24 @@ pub enum FileToolsError {
 /// regular expression, `write_file` only creates files, `edit_file` replaces an exact
 /// string. Every path is relative to the root; absolute paths, `..` that climbs above
 /// the root, symbolic links that lead out of it and NUL bytes are refused with a
-/// message the model can act on. Everything is bounded: lines are streamed (a 10 GB
-/// log costs a 64 KiB buffer), outputs are capped by [`ToolLimits`], writes and edits
-/// by [`FileLimits`], and `grep` stops after a number of files and bytes. Writes are
-/// atomic (a temporary file in the same directory, then a rename).
+/// message the model can act on. Memory is bounded: lines are streamed (a 10 GB log
+/// costs a 64 KiB buffer), outputs are capped by [`ToolLimits`], writes and edits by
+/// [`FileLimits`] (an edit's size is checked before it is made), and `grep` stops
+/// after a number of files and bytes and does not read an ignore file that is a link
+/// or a special file. Time is bounded only by those: a pattern that is slow to match
+/// (`[\p{L}\p{N}]{200}Z` runs at about 2 s a MiB) can take minutes on `grep`'s byte
+/// budget, and the agent's tool timeout does not stop work on the blocking pool, so
+/// lower [`FileLimits::max_grep_bytes`] where that matters. Writes are atomic (a
+/// temporary file in the same directory, then a rename).
+///
+/// The root is a boundary against the model's arguments, not against another process
+/// that can write in it at the same time. A path is checked (canonicalized, every link
+/// resolved) and then opened by name, so such a process swapping a directory or a file
+/// for a link between the two can make a call read or write outside the root. A hard
+/// link in the root to a file outside is read like any file in it (`edit_file`
+/// replaces the link with a file, and leaves its target as it was). Root the tools in
+/// a directory that nothing else writes in while the agent runs, such as a copy of
+/// the tree, when the model's reach must stop at it.
 ///
 /// The arguments each tool takes (its [`ToolSpec`]'s JSON schema says the same to the
 /// model; an argument not listed is refused with the list):

@@ -4,7 +4,9 @@
 //! absolute, not too long, and `.`/`..` folded so that it never climbs above the root.
 //! Then on the disk ([`Root::existing`], [`Root::new_file`]): the path is canonicalized
 //! (every symbolic link resolved) and must still lie under the canonical root, so a
-//! link pointing outside is refused however it is reached.
+//! link pointing outside is refused however it is reached, as long as nothing changes
+//! the tree between the check and the open (see the crate's `FileTools` docs: another
+//! process writing in the root can race them).
 
 use std::fmt;
 use std::io;
