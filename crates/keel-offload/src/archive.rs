@@ -275,6 +275,10 @@ impl Archive {
             return Ok(idx);
         }
         let seed = self.seed;
+        // Whole lines that are not records: damage (a torn last line is a crash's, and
+        // expected). Skipped either way, and said in the log, as nothing else would.
+        let mut damaged: u64 = 0;
+        let mut first_damaged = None;
         let end = scan::each_line(store.open(key)?, 1 << 20, |offset, body, complete| {
             if let Some((id, hash)) = read_head(body, seed) {
                 let seq = idx.records.len();
@@ -286,11 +290,25 @@ impl Archive {
                 if let Some(id) = id {
                     idx.by_id.insert(id, seq);
                 }
+            } else if complete && !body.is_empty() {
+                damaged += 1;
+                first_damaged.get_or_insert(offset);
             }
             idx.needs_newline = !complete;
         })
         .map_err(|e| OffloadError::io("read the archive", key, e))?;
         idx.end = end;
+        if let Some(offset) = first_damaged {
+            tracing::warn!(
+                archive = %key,
+                lines = damaged,
+                first_at_byte = offset,
+                "archive lines that are not records were skipped (the file was damaged or edited)"
+            );
+        }
+        if idx.needs_newline {
+            tracing::debug!(archive = %key, "the archive's last line was torn (a write cut short) and is skipped");
+        }
         Ok(idx)
     }
 

@@ -249,6 +249,51 @@ fn a_damaged_record_in_the_middle_is_not_indexed() {
     assert_eq!(all, messages);
 }
 
+/// What a test's code logged, as text.
+#[derive(Clone, Default)]
+struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn lines_that_are_not_records_are_skipped_and_said_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = thread("t1");
+    let messages = history(4);
+    fs_archive(dir.path()).append(&t, &messages[..2]).unwrap();
+    let store = FsStore::new(dir.path()).unwrap().with_fsync(Fsync::Never);
+    let key = Key::new("t1", Archive::DEFAULT_PATH).unwrap();
+    store.append(&key, "garbage, not a record\n").unwrap();
+    fs_archive(dir.path()).append(&t, &messages[2..]).unwrap();
+
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let all = tracing::subscriber::with_default(subscriber, || {
+        fs_archive(dir.path()).range(&t, 0..10).unwrap()
+    });
+    let all: Vec<Message> = all.into_iter().map(|a| a.message).collect();
+    assert_eq!(all, messages, "every record reads back");
+    let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    assert!(log.contains("WARN"), "{log}");
+    assert!(
+        log.contains("archive lines that are not records were skipped"),
+        "{log}"
+    );
+    assert!(log.contains("lines=1"), "{log}");
+}
+
 #[test]
 fn records_written_by_hand_are_read_by_the_full_parser() {
     let store = Arc::new(MemoryStore::new());
