@@ -1465,3 +1465,35 @@ async fn grep_does_not_read_an_ignore_file_that_is_a_link_or_a_fifo() {
         "{out}"
     );
 }
+
+#[test]
+fn a_grep_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
+    // A slow pattern over 4 MiB would hold the blocking pool's thread for many seconds
+    // after the tool's timeout dropped the call. One blocking thread: the next call
+    // gets it only once the grep stops.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let f = Fixture::new();
+        let line = format!("{}\n", "abcdefghij".repeat(100));
+        f.put("big.txt", line.repeat(4 * 1024));
+        f.put("small.txt", "hi\n");
+        let slow = f.call(GREP, json!({"pattern": r"[\p{L}\p{N}]{200}Z"}));
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(200), slow)
+                .await
+                .is_err(),
+            "the grep is slow enough to be cut off"
+        );
+        let next = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            f.call(READ_FILE, json!({"path": "small.txt"})),
+        )
+        .await;
+        let out = next.expect("the blocking thread was freed").unwrap();
+        assert!(out.contains("hi"), "{out}");
+    });
+}

@@ -11,6 +11,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use keel_message::{Tool, ToolCall, ToolContext, ToolError, ToolFuture, ToolSpec};
 use keel_offload::{OffloadStore, RetrievalTools, ThreadId, ToolLimits};
@@ -94,11 +95,12 @@ pub enum FileToolsError {
 /// costs a 64 KiB buffer), outputs are capped by [`ToolLimits`], writes and edits by
 /// [`FileLimits`] (an edit's size is checked before it is made), and `grep` stops
 /// after a number of files and bytes and does not read an ignore file that is a link
-/// or a special file. Time is bounded only by those: a pattern that is slow to match
-/// (`[\p{L}\p{N}]{200}Z` runs at about 2 s a MiB) can take minutes on `grep`'s byte
-/// budget, and the agent's tool timeout does not stop work on the blocking pool, so
-/// lower [`FileLimits::max_grep_bytes`] where that matters. Writes are atomic (a
-/// temporary file in the same directory, then a rename).
+/// or a special file. Time is bounded by those and by the call's own life: a pattern
+/// that is slow to match (`[\p{L}\p{N}]{200}Z` runs at about 2 s a MiB) could take
+/// minutes on `grep`'s byte budget, so a `grep` whose call is dropped (the agent's
+/// tool timeout, a cancelled run) stops at its next line instead of holding a thread
+/// of the blocking pool to the end. Writes are atomic (a temporary file in the same
+/// directory, then a rename).
 ///
 /// The root is a boundary against the model's arguments, not against another process
 /// that can write in it at the same time. A path is checked (canonicalized, every link
@@ -432,15 +434,52 @@ async fn offloaded(
     .await
 }
 
-/// Runs `work` on Tokio's blocking pool (inline when there is no Tokio runtime).
+thread_local! {
+    /// Set, on a blocking-pool thread, while it does a call's work: raised when the
+    /// call's future is dropped (its timeout, a cancelled run).
+    static CANCELLED: std::cell::RefCell<Option<Arc<AtomicBool>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Whether the call whose work this thread does was dropped: long work (`grep`)
+/// stops at its next check instead of holding the blocking pool's thread to the end.
+pub(super) fn cancelled() -> bool {
+    CANCELLED.with(|c| {
+        c.borrow()
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
+    })
+}
+
+/// Runs `work` on Tokio's blocking pool (inline when there is no Tokio runtime). When
+/// this future is dropped before the work ends, [`cancelled`] turns true for it.
 async fn blocking<F>(work: F) -> Result<String, ToolError>
 where
     F: FnOnce() -> Result<String, ToolError> + Send + 'static,
 {
+    /// Raises the flag when the call's future goes (harmless once the work is done).
+    struct CancelOnDrop(Arc<AtomicBool>);
+    impl Drop for CancelOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     match tokio::runtime::Handle::try_current() {
-        Ok(handle) => handle.spawn_blocking(work).await.map_err(|e| {
-            ToolError::failed(format!("the file tool stopped before it finished: {e}"))
-        })?,
+        Ok(handle) => {
+            let flag = Arc::new(AtomicBool::new(false));
+            let _cancel = CancelOnDrop(Arc::clone(&flag));
+            handle
+                .spawn_blocking(move || {
+                    CANCELLED.with(|c| *c.borrow_mut() = Some(flag));
+                    let out = work();
+                    CANCELLED.with(|c| *c.borrow_mut() = None);
+                    out
+                })
+                .await
+                .map_err(|e| {
+                    ToolError::failed(format!("the file tool stopped before it finished: {e}"))
+                })?
+        }
         Err(_) => work(),
     }
 }

@@ -221,6 +221,9 @@ fn scan_lines<R: BufRead>(
         match reader.next_line(line, GREP_LINE_BYTES) {
             Ok(Some(info)) => {
                 number += 1;
+                if super::cancelled() {
+                    break ScanEnd::Done;
+                }
                 if info.nul {
                     // Binary from here on, as ripgrep treats it.
                     break ScanEnd::Binary;
@@ -401,6 +404,10 @@ pub(super) fn grep(tools: &FileTools, args: &Map<String, Value>) -> Result<Strin
     let mut line = Vec::new();
     let mut buffer = Vec::new();
     'walk: for entry in walk.build() {
+        if super::cancelled() {
+            // Nobody waits for the answer any more.
+            break;
+        }
         let Ok(entry) = entry else {
             unreadable += 1;
             continue;
