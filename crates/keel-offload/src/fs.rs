@@ -231,12 +231,32 @@ impl FsStore {
         self.file_path(key, false)?.ok_or_else(|| not_found(key))
     }
 
+    /// Opens `key` to read. A FIFO or a device placed in the store (by another process)
+    /// is refused rather than read: opened without `O_NONBLOCK`, a FIFO with no writer
+    /// would hang the open forever (reads of a regular file do not change with it).
     fn open_read(&self, key: &Key) -> Result<File, OffloadError> {
         let p = self.existing_file(key)?;
-        no_follow()
+        let mut options = no_follow();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+        }
+        let f = options
             .read(true)
             .open(&p)
-            .map_err(|e| open_error(key, "open", e))
+            .map_err(|e| open_error(key, "open", e))?;
+        let meta = f
+            .metadata()
+            .map_err(|e| OffloadError::io("inspect", key, e))?;
+        if !meta.is_file() {
+            return Err(OffloadError::io(
+                "open",
+                key,
+                io::Error::other("not a regular file (a FIFO, a device or a directory)"),
+            ));
+        }
+        Ok(f)
     }
 
     /// The open append handle of `key`, opening (with every check) when needed.

@@ -386,3 +386,32 @@ fn fs_delete_thread_removes_the_threads_directories() {
         assert!(!dir.path().join("t3/notes").exists());
     }
 }
+
+#[cfg(unix)]
+#[test]
+fn a_fifo_placed_in_an_fs_store_is_refused_not_read() {
+    // Opening a FIFO with no writer hung the read forever.
+    let dir = tempfile::tempdir().unwrap();
+    let store = FsStore::new(dir.path()).unwrap();
+    let key = Key::new("t1", "large_tool_results/pipe").unwrap();
+    store
+        .put(&Key::new("t1", "large_tool_results/x").unwrap(), "x")
+        .unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(dir.path().join("t1/large_tool_results/pipe"))
+        .status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: mkfifo is not available here");
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(store.get(&key).map(|_| ()));
+    });
+    let got = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the read returned");
+    let err = got.unwrap_err();
+    assert!(matches!(err, OffloadError::Io { .. }), "{err:?}");
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+}
