@@ -434,9 +434,7 @@ impl Agent {
     /// them apart in your own code (a lock per thread id).
     pub async fn run(&self, thread_id: &str, input: AgentInput) -> Result<AgentRun, AgentError> {
         let (agent, thread) = (self.clone(), thread_id.to_owned());
-        let guard = self.running.begin(thread_id).await?;
-        let stop = crate::running::StopOnDrop::default();
-        stop.watch(&guard);
+        let (guard, _stop) = self.running.begin_watched(thread_id).await?;
         on_own_task(async move {
             let _guard = guard;
             let metadata = input.metadata.clone();
@@ -521,9 +519,7 @@ impl Agent {
             });
         }
         let (agent, thread, checkpoint) = (self.clone(), thread_id.to_owned(), checkpoint.clone());
-        let guard = self.running.begin(thread_id).await?;
-        let stop = crate::running::StopOnDrop::default();
-        stop.watch(&guard);
+        let (guard, _stop) = self.running.begin_watched(thread_id).await?;
         on_own_task(async move {
             let _guard = guard;
             let metadata = input.metadata.clone();
@@ -598,16 +594,14 @@ impl Agent {
         // The run is driven by its own task; dropping the receiver ends it (the graph's
         // stream is dropped with it, which cancels the run).
         let stop = crate::running::StopOnDrop::default();
-        let watch = stop.clone();
+        let watch = stop.watcher();
         runtime.spawn(async move {
             let _guard = match agent.running.begin(&thread).await {
                 Ok(guard) => {
                     watch.watch(&guard);
-                    drop(watch);
                     guard
                 }
                 Err(e) => {
-                    drop(watch);
                     let _ = tx.send(Err(e)).await;
                     return;
                 }
@@ -2085,6 +2079,10 @@ fn routed(
 ) -> StateGraph<AgentState> {
     let targets: Vec<String> = map.iter().map(|(_, to)| to.clone()).collect();
     let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
+    if map.iter().all(|(to, via)| to == via) {
+        // Not rerouted: the router as it is, with no lookup on the step's path.
+        return graph.add_conditional_edges(from, router, Some(&targets));
+    }
     graph.add_conditional_edges(
         from,
         move |s: &AgentState| {
@@ -2138,11 +2136,7 @@ impl Agent {
         thread_id: &str,
         snap: &keel_graph::StateSnapshot<AgentState>,
     ) -> Result<(), AgentError> {
-        let mut tools: Vec<String> = snap
-            .interrupts
-            .iter()
-            .filter_map(|i| i.value.get("approve").and_then(Value::as_array))
-            .flatten()
+        let mut tools: Vec<String> = asked_calls(snap)
             .filter_map(|asked| asked.get("name").and_then(Value::as_str))
             .filter(|name| !self.nodes.parts.approve.contains(*name))
             .map(str::to_owned)
@@ -2159,6 +2153,15 @@ impl Agent {
     }
 }
 
+/// The calls the thread's pending approval questions list (`{"id", "name",
+/// "arguments"}` each).
+fn asked_calls(snap: &keel_graph::StateSnapshot<AgentState>) -> impl Iterator<Item = &Value> {
+    snap.interrupts
+        .iter()
+        .filter_map(|i| i.value.get("approve").and_then(Value::as_array))
+        .flatten()
+}
+
 /// Refuses to resume an approval whose calls changed after it was asked (the stored
 /// reply edited with `update_state`): the answer was given to calls the human saw,
 /// and would run others.
@@ -2172,12 +2175,7 @@ fn check_question_current(
         .filter(|m| m.role == keel_message::Role::Assistant)
         .map(|m| m.tool_calls.as_slice())
         .unwrap_or_default();
-    for asked in snap
-        .interrupts
-        .iter()
-        .filter_map(|i| i.value.get("approve").and_then(Value::as_array))
-        .flatten()
-    {
+    for asked in asked_calls(snap) {
         let id = asked.get("id").and_then(Value::as_str).unwrap_or_default();
         let shown = asked.get("arguments").and_then(Value::as_str);
         let now = calls.iter().find(|c| c.id == id);

@@ -1045,43 +1045,42 @@ pub(crate) const NO_RESULT: &str = "No result: this call was not run (the thread
 /// in the prompt, as the providers refuse a prompt with a call left unanswered. The
 /// state is not changed: the same thread gives the same prompt.
 fn answer_unanswered_calls(prompt: Vec<Message>) -> Vec<Message> {
-    fn unanswered(prompt: &[Message]) -> bool {
-        let mut pending: Vec<&str> = Vec::new();
-        for m in prompt {
-            match (m.role, m.tool_call_id.as_deref()) {
-                (Role::Tool, Some(id)) => pending.retain(|p| *p != id),
-                (Role::Tool, None) => {}
-                _ if !pending.is_empty() => return true,
-                _ => {}
-            }
-            if !m.tool_calls.is_empty() {
-                pending = m.tool_calls.iter().map(|c| c.id.as_str()).collect();
-            }
-        }
-        !pending.is_empty()
-    }
-    if !unanswered(&prompt) {
-        return prompt;
-    }
-    let mut out = Vec::with_capacity(prompt.len() + 1);
-    let mut pending: Vec<String> = Vec::new();
-    let flush = |pending: &mut Vec<String>, out: &mut Vec<Message>| {
-        for id in pending.drain(..) {
-            out.push(Message::tool(id, NO_RESULT));
-        }
-    };
-    for m in prompt {
+    // Where results are missing: before which message, and for which calls.
+    let mut missing: Vec<(usize, Vec<String>)> = Vec::new();
+    let mut pending: Vec<&str> = Vec::new();
+    for (i, m) in prompt.iter().enumerate() {
         match (m.role, m.tool_call_id.as_deref()) {
-            (Role::Tool, Some(id)) => pending.retain(|p| p != id),
+            (Role::Tool, Some(id)) => pending.retain(|p| *p != id),
             (Role::Tool, None) => {}
-            _ => flush(&mut pending, &mut out),
+            _ if !pending.is_empty() => {
+                missing.push((i, pending.drain(..).map(str::to_owned).collect()));
+            }
+            _ => {}
         }
         if !m.tool_calls.is_empty() {
-            pending = m.tool_calls.iter().map(|c| c.id.clone()).collect();
+            pending = m.tool_calls.iter().map(|c| c.id.as_str()).collect();
+        }
+    }
+    if !pending.is_empty() {
+        missing.push((
+            prompt.len(),
+            pending.into_iter().map(str::to_owned).collect(),
+        ));
+    }
+    if missing.is_empty() {
+        return prompt;
+    }
+    let mut out = Vec::with_capacity(prompt.len() + missing.len());
+    let mut missing = missing.into_iter().peekable();
+    for (i, m) in prompt.into_iter().enumerate() {
+        while let Some((_, ids)) = missing.next_if(|(at, _)| *at == i) {
+            out.extend(ids.into_iter().map(|id| Message::tool(id, NO_RESULT)));
         }
         out.push(m);
     }
-    flush(&mut pending, &mut out);
+    for (_, ids) in missing {
+        out.extend(ids.into_iter().map(|id| Message::tool(id, NO_RESULT)));
+    }
     out
 }
 

@@ -34,11 +34,26 @@ pub(crate) struct RunGuard {
 /// Marks a run as stopping when its caller stops waiting (drops the run's future or
 /// stream), so the next run of the thread waits for it to end instead of being
 /// refused. Made before the run has taken its thread (a stream's run takes it on its
-/// own task), it marks the run once [`StopOnDrop::watch`] has given it the guard.
-#[derive(Clone, Default)]
+/// own task), it marks the run once its [`Watcher`] has been given the guard.
+#[derive(Default)]
 pub(crate) struct StopOnDrop(Arc<Mutex<Option<Arc<Slot>>>>);
 
+/// Where a run that takes its thread later tells its [`StopOnDrop`] which run it is.
+pub(crate) struct Watcher(Arc<Mutex<Option<Arc<Slot>>>>);
+
 impl Running {
+    /// [`Running::begin`], with what marks the run as stopping when it is dropped:
+    /// hold it where the caller waits.
+    pub(crate) async fn begin_watched(
+        &self,
+        thread: &str,
+    ) -> Result<(RunGuard, StopOnDrop), AgentError> {
+        let guard = self.begin(thread).await?;
+        let stop = StopOnDrop::default();
+        stop.watcher().watch(&guard);
+        Ok((guard, stop))
+    }
+
     /// Takes `thread` for a run. A run of it that is going makes this fail with
     /// [`AgentError::ThreadBusy`]; one whose caller has stopped waiting (it is being
     /// cancelled) is waited for.
@@ -74,7 +89,14 @@ impl Running {
 }
 
 impl StopOnDrop {
-    /// Marks `guard`'s run as stopping when the last clone of this is dropped.
+    /// The handle a run gives its guard to, once it has one.
+    pub(crate) fn watcher(&self) -> Watcher {
+        Watcher(Arc::clone(&self.0))
+    }
+}
+
+impl Watcher {
+    /// Marks `guard`'s run as stopping when the [`StopOnDrop`] is dropped.
     pub(crate) fn watch(&self, guard: &RunGuard) {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(guard.slot.clone());
     }
@@ -100,11 +122,6 @@ impl Drop for RunGuard {
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        // The run's own task holds a clone until it has its guard: only the caller's,
-        // the last one, marks it.
-        if Arc::strong_count(&self.0) > 1 {
-            return;
-        }
         if let Some(slot) = self.0.lock().unwrap_or_else(PoisonError::into_inner).take() {
             slot.stopping.store(true, Ordering::Release);
         }
@@ -128,7 +145,7 @@ mod tests {
         drop(running.begin("u").await.unwrap());
         // The caller stops waiting: the next run waits for the first to end.
         let stop = super::StopOnDrop::default();
-        stop.watch(&first);
+        stop.watcher().watch(&first);
         drop(stop);
         let waiting = tokio::spawn({
             let running = running.clone();
