@@ -11,7 +11,7 @@ use keel_compaction::{CompactionConfig, Compactor, GoalAnchor};
 use keel_graph::reducer::{AddMessagesUpdate, MessageOp};
 use keel_graph::{
     Command, CompiledGraph, Durability, END, Event, GraphError, Interrupt, NodeContext, NodeError,
-    RunConfig, START, StateGraph, StreamMode,
+    RunConfig, START, StateGraph, StopSignal, StreamMode,
 };
 use keel_message::{Message, Tool};
 use keel_model::{ChatModel, ChatOptions};
@@ -137,6 +137,7 @@ pub struct AgentInput {
     resume: Option<Value>,
     metadata: serde_json::Map<String, Value>,
     max_steps: Option<u64>,
+    stop: Option<StopSignal>,
 }
 
 impl AgentInput {
@@ -278,6 +279,64 @@ impl AgentInput {
         self
     }
 
+    /// Stops the run gracefully when `signal` is raised: the superstep in flight (a
+    /// model call, a step's tool calls, a compaction) finishes and is stored, and the
+    /// run ends before the next one with [`Stop::Requested`], every checkpoint stored
+    /// whatever the durability. Run the thread again to continue from there: nothing
+    /// finished runs twice.
+    ///
+    /// This is the way to stop for a shutdown (a `SIGTERM`, a deploy) or a user's
+    /// "stop after this step". Dropping the run's future or stream stops it at once
+    /// instead, and the step in flight runs again on the next run (tool calls are
+    /// at least once: see [`ToolContext::idempotency_key`](keel_message::ToolContext::idempotency_key)).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput, Stop, StopSignal};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_message::{Message, ToolCall, ToolSpec, tool_fn};
+    /// use keel_model::PolicyModel;
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let stop = StopSignal::new();
+    /// // A tool that asks the run to stop while it works (a shutdown arriving mid-step).
+    /// let signal = stop.clone();
+    /// let work = tool_fn(ToolSpec::new("work", "Works.", json!({"type": "object"})), move |_, _| {
+    ///     signal.raise();
+    ///     async { Ok("worked".to_owned()) }
+    /// });
+    /// let model = PolicyModel::new("m", |messages, _| {
+    ///     let done = messages.iter().any(|m| m.text() == "worked");
+    ///     let reply = if done {
+    ///         Message::assistant("All done.")
+    ///     } else {
+    ///         Message::assistant("").with_tool_calls(vec![ToolCall::new("c1", "work", json!({}))])
+    ///     };
+    ///     Ok(keel_model::ChatResponse::new(reply, "m"))
+    /// });
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(model))
+    ///     .tool(Arc::new(work))
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .goal("Work once.")
+    ///     .build()?;
+    /// let run = agent.run("t", AgentInput::new().stop_signal(stop)).await?;
+    /// assert_eq!(run.stop, Some(Stop::Requested));
+    /// assert!(run.state.messages.iter().any(|m| m.text() == "worked"), "the step finished");
+    /// // The next run goes on from there.
+    /// let run = agent.run("t", AgentInput::new()).await?;
+    /// assert_eq!(run.answer.as_deref(), Some("All done."));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn stop_signal(mut self, signal: StopSignal) -> Self {
+        self.stop = Some(signal);
+        self
+    }
+
     /// Whether a goal is set.
     pub fn has_goal(&self) -> bool {
         self.goal.is_some()
@@ -319,9 +378,10 @@ pub enum AgentUpdate {
         /// Why the run stopped early, if it did: the thread can go on from where it
         /// stopped (run it again, after raising the limit or fixing the cause).
         stop: Option<Stop>,
-        /// Nodes that would run next: set when the run paused at an interrupt, empty
-        /// when it ended, with an answer or with a `stop` alike. Unlike LangGraph's
-        /// `next`, an empty list does not mean the thread is finished: check `stop`.
+        /// Nodes that would run next: set when the run paused at an interrupt or was
+        /// stopped by its [`StopSignal`] ([`Stop::Requested`]), empty when it ended
+        /// otherwise, with an answer or with a `stop` alike. Unlike LangGraph's `next`,
+        /// an empty list does not mean the thread is finished: check `stop`.
         next: Vec<String>,
         /// Pending interrupts.
         interrupts: Vec<Interrupt>,
@@ -349,6 +409,7 @@ impl Agent {
         thread_id: &str,
         metadata: &serde_json::Map<String, Value>,
         budget: Option<RunBudget>,
+        stop: Option<StopSignal>,
     ) -> RunConfig {
         // Four supersteps per model call at most (agent, tools, compact, epoch).
         let calls = budget.map_or(self.nodes.compaction().max_steps, |b| {
@@ -366,6 +427,9 @@ impl Agent {
         }
         for (key, value) in metadata {
             config = config.with_metadata(key.clone(), value.clone());
+        }
+        if let Some(stop) = stop {
+            config = config.with_stop(stop);
         }
         config
     }
@@ -437,11 +501,11 @@ impl Agent {
         let (guard, _stop) = self.running.begin_watched(thread_id).await?;
         on_own_task(async move {
             let _guard = guard;
-            let metadata = input.metadata.clone();
+            let (metadata, stop) = (input.metadata.clone(), input.stop.clone());
             let (command, budget, _) = agent.command(&thread, None, input).await?;
             let run = agent
                 .graph
-                .invoke(command, &agent.config(&thread, &metadata, budget))
+                .invoke(command, &agent.config(&thread, &metadata, budget, stop))
                 .await;
             agent.settle(&thread).await;
             Ok(AgentRun::of(run?))
@@ -522,9 +586,11 @@ impl Agent {
         let (guard, _stop) = self.running.begin_watched(thread_id).await?;
         on_own_task(async move {
             let _guard = guard;
-            let metadata = input.metadata.clone();
+            let (metadata, stop) = (input.metadata.clone(), input.stop.clone());
             let (command, budget, _) = agent.command(&thread, Some(&checkpoint), input).await?;
-            let config = agent.config(&thread, &metadata, budget).at(checkpoint);
+            let config = agent
+                .config(&thread, &metadata, budget, stop)
+                .at(checkpoint);
             let run = agent.graph.invoke(command, &config).await;
             agent.settle(&thread).await;
             Ok(AgentRun::of(run?))
@@ -541,7 +607,11 @@ impl AgentRun {
             } else {
                 None
             },
-            stop: run.state.stop.clone(),
+            stop: run
+                .state
+                .stop
+                .clone()
+                .or_else(|| run.stopped.then_some(Stop::Requested)),
             interrupts: run.interrupts,
             checkpoint_id: run.checkpoint_id,
             supersteps: run.steps,
@@ -606,7 +676,7 @@ impl Agent {
                     return;
                 }
             };
-            let metadata = input.metadata.clone();
+            let (metadata, stop) = (input.metadata.clone(), input.stop.clone());
             let (command, budget, mut ending) = match agent.command(&thread, None, input).await {
                 Ok(c) => c,
                 Err(e) => {
@@ -616,7 +686,7 @@ impl Agent {
             };
             let mut events = Box::pin(agent.graph.stream(
                 command,
-                agent.config(&thread, &metadata, budget),
+                agent.config(&thread, &metadata, budget, stop),
                 StreamMode::updates(),
             ));
             let mut settled = false;
@@ -1310,11 +1380,19 @@ impl AgentUpdates {
                 events.extend(messages);
                 events
             }
-            Event::Done { next, interrupts } => {
+            Event::Done {
+                next,
+                interrupts,
+                stopped,
+                ..
+            } => {
                 let finished = next.is_empty() && self.stop.is_none();
                 vec![AgentUpdate::Done {
                     answer: if finished { self.answer.take() } else { None },
-                    stop: self.stop.take(),
+                    stop: self
+                        .stop
+                        .take()
+                        .or_else(|| stopped.then_some(Stop::Requested)),
                     next,
                     interrupts,
                 }]

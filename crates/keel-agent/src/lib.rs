@@ -126,6 +126,7 @@ pub use error::{AgentError, BuildError, CleanupError};
 pub use event::AgentEvent;
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
+pub use keel_graph::StopSignal;
 pub use keel_message as message;
 pub use nodes::{
     AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS, refused_before_sending,

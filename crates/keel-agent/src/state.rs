@@ -199,6 +199,10 @@ pub enum Stop {
         /// The last one's error.
         error: String,
     },
+    /// The run's [`StopSignal`](keel_graph::StopSignal) was raised
+    /// ([`AgentInput::stop_signal`](crate::AgentInput::stop_signal)): the run ended
+    /// after its step in flight was stored. Never stored in the thread's state.
+    Requested,
 }
 
 /// Compactions that may fail in a row before the run stops with
@@ -222,6 +226,7 @@ impl std::fmt::Display for Stop {
                 f,
                 "this run's budget of {max} model calls was used ({steps} made)"
             ),
+            Self::Requested => f.write_str("the run was asked to stop after its current step"),
             Self::CompactionFailing { failures, error } => write!(
                 f,
                 "{failures} compactions failed in a row, so the context could not shrink; \

@@ -800,6 +800,92 @@ async fn run_metadata_is_stored_with_the_checkpoints_and_read_back() {
     assert_eq!(agent.state("meta-2").await.unwrap().map(|s| s.step), None);
 }
 
+/// A tool that raises a stop signal on its `at`-th call, counting its calls.
+struct StopsAt {
+    at: usize,
+    calls: Arc<AtomicUsize>,
+    stop: keel_agent::StopSignal,
+}
+
+impl Tool for StopsAt {
+    fn spec(&self) -> ToolSpec {
+        Echo.spec()
+    }
+
+    fn call(&self, arguments: Value, ctx: ToolContext) -> ToolFuture<'_> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            self.stop.raise();
+        }
+        Echo.call(arguments, ctx)
+    }
+}
+
+/// A stop signal raised mid-step (a shutdown) ends a streamed run once the step is
+/// stored, with asynchronous durability on SQLite too: `Done` says so, and the next
+/// run goes on without running a tool call or asking the model again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raised_stop_signal_ends_a_streamed_run_after_its_step_and_nothing_runs_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = Arc::new(
+        SqliteSaver::open(dir.path().join("k.sqlite"))
+            .await
+            .unwrap(),
+    );
+    let stop = keel_agent::StopSignal::new();
+    let tool_calls = Arc::new(AtomicUsize::new(0));
+    let model_calls = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&model_calls);
+    let model = PolicyModel::new("counted", move |_messages, _tools| {
+        let n = counted.fetch_add(1, Ordering::SeqCst);
+        let reply = if n < 6 {
+            Message::assistant(format!("Next I will echo {n}.")).with_tool_calls(vec![
+                ToolCall::new(format!("call-{n}"), "echo", json!({"i": n})),
+            ])
+        } else {
+            Message::assistant("The last number was 5.")
+        };
+        Ok(ChatResponse::new(reply, "counted"))
+    });
+    let agent = Agent::builder()
+        .model(Arc::new(model))
+        .profile(profile())
+        .goal(GOAL)
+        .tool(Arc::new(StopsAt {
+            at: 3,
+            calls: Arc::clone(&tool_calls),
+            stop: stop.clone(),
+        }))
+        .checkpointer(cp)
+        .offload_store(Arc::new(
+            keel_offload::FsStore::new(dir.path().join("offload")).unwrap(),
+        ))
+        .durability(keel_graph::Durability::Async)
+        .build()
+        .unwrap();
+    let mut updates = agent.stream("graceful", AgentInput::new().stop_signal(stop));
+    let mut done = None;
+    while let Some(u) = updates.next().await {
+        if let AgentUpdate::Done { stop, next, .. } = u.unwrap() {
+            done = Some((stop, next));
+        }
+    }
+    let (stop, next) = done.expect("a Done");
+    assert_eq!(stop, Some(Stop::Requested));
+    assert!(!next.is_empty(), "the nodes due are named");
+    assert_eq!(tool_calls.load(Ordering::SeqCst), 3);
+    assert_eq!(model_calls.load(Ordering::SeqCst), 3);
+    drop(updates);
+
+    let run = agent.run("graceful", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("The last number was 5."));
+    assert_eq!(tool_calls.load(Ordering::SeqCst), 6, "each call ran once");
+    assert_eq!(
+        model_calls.load(Ordering::SeqCst),
+        7,
+        "each reply was asked for once"
+    );
+}
+
 #[test]
 fn stops_read_as_sentences() {
     assert_eq!(
@@ -814,6 +900,10 @@ fn stops_read_as_sentences() {
         Stop::EmptyReply { steps: 3 }
             .to_string()
             .contains("after 3 model calls")
+    );
+    assert_eq!(
+        Stop::Requested.to_string(),
+        "the run was asked to stop after its current step"
     );
 }
 

@@ -8,7 +8,9 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop};
+use keel::agent::{
+    Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop, StopSignal,
+};
 use keel::checkpoint::MemorySaver;
 use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::message::{Message, Role};
@@ -533,9 +535,10 @@ async fn drive(
     input: AgentInput,
     (spec, settings): (&ModelSpec, &Settings),
 ) -> anyhow::Result<(Option<Signal>, Option<Value>)> {
-    let mut updates = agent.stream(thread, input);
+    // A signal raises it: the run ends once the step in flight is stored.
+    let stop = StopSignal::new();
+    let mut updates = agent.stream(thread, input.stop_signal(stop.clone()));
     let mut stopping = None;
-    let mut answered = false;
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     let mut term = listen_for_term();
@@ -548,6 +551,7 @@ async fn drive(
         let update = match signal {
             Ok(signal) => {
                 stopping = Some(signal);
+                stop.raise();
                 match signal {
                     Signal::CtrlC => errln!(
                         "\nCtrl-C: stopping after the current step (Ctrl-C again to quit at once)"
@@ -573,29 +577,21 @@ async fn drive(
             }
             Err(update) => update,
         };
-        let stopped = stopping.filter(|_| !answered);
         let Some(update) = update else {
-            return Ok((stopped, None));
+            return Ok((None, None));
         };
         let update = match update {
             Ok(u) => u,
             Err(e) => return Err(failed(agent, thread, resume, e, (spec, settings)).await),
         };
         print_update(&update);
-        match update {
-            AgentUpdate::Done { interrupts, .. } => {
-                let question = interrupts.first().map(|i| i.value.clone());
-                return Ok((stopped.filter(|_| question.is_none()), question));
-            }
-            // The final answer: the run ends with it, so it is shown as usual.
-            AgentUpdate::Message(m)
-                if stopping.is_some() && m.role == Role::Assistant && m.tool_calls.is_empty() =>
-            {
-                answered = true;
-            }
-            // A step's messages come after its events: the step is done.
-            AgentUpdate::Message(_) if stopped.is_some() => return Ok((stopped, None)),
-            _ => {}
+        if let AgentUpdate::Done {
+            interrupts, stop, ..
+        } = update
+        {
+            // A run that ended anyway (its answer, a question) is reported as such.
+            let stopped = stopping.filter(|_| stop == Some(Stop::Requested));
+            return Ok((stopped, interrupts.first().map(|i| i.value.clone())));
         }
     }
 }

@@ -3235,9 +3235,13 @@ impl Respond for Slow {
 }
 
 /// `keel run` against `server`, sent `signal` once the server has `after` requests;
-/// its output.
+/// its output, its home and its project directory.
 #[cfg(unix)]
-async fn signalled_run(server: &MockServer, signal: &str, after: usize) -> Output {
+async fn signalled_run(
+    server: &MockServer,
+    signal: &str,
+    after: usize,
+) -> (Output, tempfile::TempDir, tempfile::TempDir) {
     let proj = project();
     let home = tempfile::tempdir().unwrap();
     let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("keel"))
@@ -3266,9 +3270,10 @@ async fn signalled_run(server: &MockServer, signal: &str, after: usize) -> Outpu
         .status()
         .unwrap();
     assert!(kill.success());
-    tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
         .await
-        .unwrap()
+        .unwrap();
+    (out, home, proj)
 }
 
 #[cfg(unix)]
@@ -3281,7 +3286,7 @@ async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_i
         .respond_with(Slow(delay))
         .mount(&server)
         .await;
-    let out = signalled_run(&server, "-TERM", 1).await;
+    let (out, home, proj) = signalled_run(&server, "-TERM", 1).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
     assert!(
@@ -3292,6 +3297,29 @@ async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_i
         "{stdout}\n{stderr}"
     );
     assert!(stdout.contains("-> ls({})"), "the step finished: {stdout}");
+    // The step was stored before the run stopped: resuming runs its tool call and asks
+    // the model once more, not for the reply it already gave.
+    let resumed = keel()
+        .args(["run", "--thread", "signalled"])
+        .arg("--home")
+        .arg(home.path())
+        .arg("--dir")
+        .arg(proj.path())
+        .env("OPENAI_BASE_URL", format!("{}/v1", server.uri()))
+        .env_remove("OPENAI_API_KEY")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&resumed);
+    assert!(resumed.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("answer:\nThe directory holds README.md and src."),
+        "{stdout}\n{stderr}"
+    );
+    assert_eq!(
+        server.received_requests().await.unwrap().len(),
+        2,
+        "one model call before the stop, one after the resume: {stdout}"
+    );
 
     // Ctrl-C while the final answer is being written: the run ends with it.
     let server = MockServer::start().await;
@@ -3299,7 +3327,7 @@ async fn sigterm_stops_a_run_after_its_step_and_ctrl_c_during_the_answer_shows_i
         .respond_with(Slow(delay))
         .mount(&server)
         .await;
-    let out = signalled_run(&server, "-INT", 2).await;
+    let (out, _home, _proj) = signalled_run(&server, "-INT", 2).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(

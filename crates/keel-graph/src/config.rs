@@ -1,5 +1,8 @@
 //! Per-invocation configuration and results.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use keel_checkpoint::{CheckpointId, CheckpointMetadata, ThreadKey};
 use serde_json::{Map, Value};
 
@@ -78,6 +81,8 @@ pub struct RunConfig {
     /// [`metadata`](Self::metadata) it is not stored: give it again on every
     /// invocation that needs it.
     pub configurable: Map<String, Value>,
+    /// Ends the run at the next superstep boundary once raised: see [`StopSignal`].
+    pub stop: Option<StopSignal>,
 }
 
 impl Default for RunConfig {
@@ -90,6 +95,7 @@ impl Default for RunConfig {
             durability: Durability::Sync,
             metadata: Map::new(),
             configurable: Map::new(),
+            stop: None,
         }
     }
 }
@@ -161,6 +167,19 @@ impl RunConfig {
         self
     }
 
+    /// Ends the run at the next superstep boundary once `signal` is raised
+    /// ([`StopSignal`]).
+    #[must_use]
+    pub fn with_stop(mut self, signal: StopSignal) -> Self {
+        self.stop = Some(signal);
+        self
+    }
+
+    /// Whether the run was asked to stop.
+    pub(crate) fn stop_requested(&self) -> bool {
+        self.stop.as_ref().is_some_and(StopSignal::is_raised)
+    }
+
     /// The thread to load and store, refused when its id is not one every saver
     /// stores alike ([`ThreadKey::portability_problem`]).
     pub(crate) fn thread_key(&self) -> Result<Option<ThreadKey>, crate::GraphError> {
@@ -175,6 +194,54 @@ impl RunConfig {
                 reason,
             }),
         }
+    }
+}
+
+/// A request to end a run between supersteps: a graceful stop, for a shutdown or a
+/// user's "stop after this step".
+///
+/// Dropping a run's future or stream also stops it, but mid-step: the step in flight
+/// is lost (its nodes run again on the next run), and with [`Durability::Async`] so
+/// are the checkpoints still queued. A raised signal instead lets the superstep in
+/// flight finish and be stored, then ends the run before the next one starts, with
+/// every checkpoint stored whatever the durability. The run returns as at a
+/// breakpoint: [`Run::stopped`] is true and [`Run::next`] names the nodes due, which
+/// the thread's next run (with [`Command::none`](crate::Command::none) or new input)
+/// starts with. Without a checkpointer nothing is stored, so nothing can continue the
+/// run. A signal raised before the run starts ends it before its first superstep
+/// (after storing its input).
+///
+/// Clones share one flag: keep one, give one to [`RunConfig::with_stop`], raise it
+/// from anywhere (a signal handler's task, another thread). A raised signal stays
+/// raised: give each run a new one.
+///
+/// ```
+/// use keel_graph::{RunConfig, StopSignal};
+///
+/// let stop = StopSignal::new();
+/// let config = RunConfig::thread("t-1").with_stop(stop.clone());
+/// assert!(!stop.is_raised());
+/// stop.raise(); // e.g. on SIGTERM: the run ends after its current superstep
+/// assert!(config.stop.as_ref().is_some_and(StopSignal::is_raised));
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StopSignal(Arc<AtomicBool>);
+
+impl StopSignal {
+    /// A signal not raised yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks every run holding this signal (or a clone) to stop at its next superstep
+    /// boundary.
+    pub fn raise(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether [`raise`](Self::raise) was called.
+    pub fn is_raised(&self) -> bool {
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -205,10 +272,14 @@ pub struct Run<S> {
     pub checkpoint_id: Option<CheckpointId>,
     /// Supersteps run by this invocation.
     pub steps: usize,
+    /// Whether the run ended early because its [`StopSignal`] was raised (`next` names
+    /// the nodes due).
+    pub stopped: bool,
 }
 
 impl<S> Run<S> {
-    /// True if the run stopped before `END` (an interrupt or a breakpoint).
+    /// True if the run stopped before `END` (an interrupt, a breakpoint or a raised
+    /// [`StopSignal`]).
     pub fn is_paused(&self) -> bool {
         !self.next.is_empty()
     }

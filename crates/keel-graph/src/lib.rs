@@ -87,7 +87,9 @@ pub mod state;
 mod stream;
 
 pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, Route, SendTo};
-pub use config::{DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot};
+pub use config::{
+    DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot, StopSignal,
+};
 pub use engine::CompiledGraph;
 pub use error::GraphError;
 pub use graph::{BuildError, StateGraph};

@@ -123,11 +123,15 @@ pub enum Event<S> {
         /// What it sent.
         value: Value,
     },
-    /// The run ended: at `END` (empty `next`), at an interrupt, or at a breakpoint.
+    /// The run ended: at `END` (empty `next`), at an interrupt, at a breakpoint, or
+    /// when its [`StopSignal`](crate::StopSignal) was raised.
+    #[non_exhaustive]
     Done {
         /// Nodes that would run next.
         next: Vec<String>,
         /// Pending interrupts.
         interrupts: Vec<Interrupt>,
+        /// Whether the run ended because its stop signal was raised.
+        stopped: bool,
     },
 }

@@ -2359,3 +2359,122 @@ async fn thread_ids_no_saver_could_store_alike_are_refused_before_anything_runs(
         .await
         .unwrap();
 }
+
+/// A raised `StopSignal` ends the run between supersteps: the superstep in flight
+/// finishes and is stored (with every durability, on a durable saver too), the run
+/// reports `stopped` with the nodes due, and the next run goes on from there without
+/// running the finished nodes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raised_stop_signal_ends_the_run_after_the_step_in_flight_and_the_next_run_goes_on() {
+    for durability in [Durability::Sync, Durability::Async, Durability::Exit] {
+        let sqlite: Arc<dyn Checkpointer> = Arc::new(
+            keel_checkpoint_sqlite::SqliteSaver::open_in_memory()
+                .await
+                .unwrap(),
+        );
+        for cp in [saver(), sqlite] {
+            let stop = keel_graph::StopSignal::new();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let (signal, counted) = (stop.clone(), Arc::clone(&calls));
+            let g = StateGraph::<S>::new()
+                .add_node("a", logger("a"))
+                .add_node("b", move |_s, _c| {
+                    // Raised while `b` works: `b` still finishes and is stored.
+                    signal.raise();
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    futures::future::ready(Ok(log("b")))
+                })
+                .add_node("c", logger("c"))
+                .add_edge(START, "a")
+                .add_edge("a", "b")
+                .add_edge("b", "c")
+                .add_edge("c", END)
+                .with_checkpointer(cp)
+                .compile()
+                .unwrap();
+            let config = RunConfig::thread("stopped").with_durability(durability);
+            let events: Vec<Event<S>> = g
+                .stream(
+                    log("in"),
+                    config.clone().with_stop(stop.clone()),
+                    StreamMode::updates(),
+                )
+                .map(Result::unwrap)
+                .collect()
+                .await;
+            assert!(
+                matches!(events.last(), Some(Event::Done { next, stopped: true, interrupts, .. })
+                    if next == &["c"] && interrupts.is_empty()),
+                "{durability:?}: {events:?}"
+            );
+            let stored = g.get_state(&config).await.unwrap().unwrap();
+            assert_eq!(stored.values.log, ["in", "a", "b"], "{durability:?}");
+            assert_eq!(stored.next, ["c"], "{durability:?}");
+
+            // The signal stays raised: a run given it again stops before any node.
+            let again = g
+                .invoke(Command::none(), &config.clone().with_stop(stop))
+                .await
+                .unwrap();
+            assert!(again.stopped && again.steps == 0, "{durability:?}");
+
+            let run = g.invoke(Command::none(), &config).await.unwrap();
+            assert!(!run.stopped && !run.is_paused(), "{durability:?}");
+            assert_eq!(run.state.log, ["in", "a", "b", "c"], "{durability:?}");
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "{durability:?}: `b` ran once"
+            );
+        }
+    }
+}
+
+/// A step's updates are streamed once the step is stored: a run whose store is
+/// refused (a stale writer) never shows the step it could not store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_the_saver_refused_is_not_streamed() {
+    let cp = saver();
+    let gate = Arc::new(tokio::sync::Barrier::new(2));
+    let make = |gate: Arc<tokio::sync::Barrier>| {
+        StateGraph::<S>::new()
+            .add_node("work", move |_s, _c| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    gate.wait().await;
+                    Ok(log("w"))
+                }
+            })
+            .add_edge(START, "work")
+            .add_edge("work", END)
+            .with_checkpointer(Arc::clone(&cp))
+            .compile()
+            .unwrap()
+    };
+    let config = RunConfig::thread("race-stream");
+    make(Arc::new(tokio::sync::Barrier::new(1)))
+        .invoke(log("in"), &config)
+        .await
+        .unwrap();
+    let history = full_history(&make(Arc::new(tokio::sync::Barrier::new(1))), &config).await;
+    let input_cp = history.last().unwrap().checkpoint_id.clone();
+    let (g1, g2) = (make(Arc::clone(&gate)), make(Arc::clone(&gate)));
+    let collect = |g: keel_graph::CompiledGraph<S>| {
+        let config = config.clone().at(input_cp.clone());
+        async move {
+            g.stream(Command::none(), config, StreamMode::updates())
+                .collect::<Vec<_>>()
+                .await
+        }
+    };
+    let (e1, e2) = tokio::join!(collect(g1), collect(g2));
+    for events in [e1, e2] {
+        let refused = events
+            .iter()
+            .any(|e| matches!(e, Err(GraphError::Checkpoint(c)) if c.is_conflict()));
+        let shown = events
+            .iter()
+            .any(|e| matches!(e, Ok(Event::Updates { node, .. }) if node == "work"));
+        assert_ne!(refused, shown, "{events:?}");
+    }
+}

@@ -33,6 +33,7 @@ impl<S: State> CompiledGraph<S> {
                         .send(Ok(Event::Done {
                             next: run.next,
                             interrupts: run.interrupts,
+                            stopped: run.stopped,
                         }))
                         .await;
                 }

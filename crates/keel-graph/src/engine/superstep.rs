@@ -43,7 +43,7 @@ impl<S: State> CompiledGraph<S> {
         let mut run = RunState::load(self, config, events).await?;
         let mut writer = Writer::new(g.checkpointer.clone(), config);
         match self.drive(input, config, &mut run, &mut writer).await {
-            Ok((interrupts, steps)) => Ok(run.finish(interrupts, steps)),
+            Ok(end) => Ok(run.finish(end)),
             Err(e) => {
                 // The steps finished before the failure stay stored, whatever the
                 // durability: background writes are waited for (a retry then finds
@@ -60,15 +60,15 @@ impl<S: State> CompiledGraph<S> {
         }
     }
 
-    /// Applies `input` and runs supersteps until the graph ends, pauses or fails;
-    /// returns the pending interrupts and the supersteps run.
+    /// Applies `input` and runs supersteps until the graph ends, pauses, is stopped
+    /// or fails; returns how it ended.
     async fn drive(
         &self,
         input: Command<S>,
         config: &RunConfig,
         run: &mut RunState<S>,
         writer: &mut Writer,
-    ) -> Result<(Vec<Interrupt>, usize), GraphError> {
+    ) -> Result<Ended, GraphError> {
         let g = &*self.inner;
         let mut skip_breakpoint = false;
 
@@ -154,16 +154,19 @@ impl<S: State> CompiledGraph<S> {
             if writer.stores() {
                 run.writers.insert(START.to_owned());
             }
-            // As LangGraph's values mode: the state with the input applied comes first.
-            if let Some(sink) = run.events.as_ref().filter(|s| s.mode.values) {
-                sink.send(Event::Values {
+            // As LangGraph's values mode: the state with the input applied comes first
+            // (once stored, as every step's events).
+            let values = run
+                .events
+                .as_ref()
+                .filter(|s| s.mode.values)
+                .map(|_| Event::Values {
                     step: run.step,
                     state: (*run.state).clone(),
-                })
-                .await?;
-            }
+                });
             run.persist(writer, CheckpointSource::Input, per_channel)
                 .await?;
+            run.send_all(values.into_iter().collect()).await?;
         } else {
             run.check_stored_writes()?;
             skip_breakpoint = true;
@@ -172,6 +175,11 @@ impl<S: State> CompiledGraph<S> {
         let first_step = run.step;
         let mut steps = 0usize;
         while !run.tasks.is_empty() {
+            // Between supersteps, everything before stored: the next run starts here.
+            if config.stop_requested() {
+                writer.flush(run).await?;
+                return Ok(Ended::stopped(steps));
+            }
             let tasks = tasks_with_ids(g, &run.tasks, &run.checkpoint.id)?;
             if !skip_breakpoint && tasks.iter().any(|t| g.node(t.node).interrupt_before) {
                 if run.thread.is_none() {
@@ -180,7 +188,7 @@ impl<S: State> CompiledGraph<S> {
                     });
                 }
                 writer.flush(run).await?;
-                return Ok((Vec::new(), steps));
+                return Ok(Ended::paused(Vec::new(), steps));
             }
             skip_breakpoint = false;
             if run.step - first_step >= i64::try_from(config.recursion_limit).unwrap_or(i64::MAX) {
@@ -208,7 +216,7 @@ impl<S: State> CompiledGraph<S> {
                     return Err(GraphError::CheckpointerRequired { what: "interrupt" });
                 }
                 writer.flush(run).await?;
-                return Ok((interrupts, steps));
+                return Ok(Ended::paused(interrupts, steps));
             }
             run.step += 1;
             steps += 1;
@@ -227,11 +235,41 @@ impl<S: State> CompiledGraph<S> {
                     });
                 }
                 writer.flush(run).await?;
-                return Ok((Vec::new(), steps));
+                return Ok(Ended::paused(Vec::new(), steps));
             }
         }
         writer.flush(run).await?;
-        Ok((Vec::new(), steps))
+        Ok(Ended::paused(Vec::new(), steps))
+    }
+}
+
+/// How [`CompiledGraph::drive`] ended, when it did not fail.
+pub(super) struct Ended {
+    /// Pending interrupts.
+    interrupts: Vec<Interrupt>,
+    /// Supersteps run.
+    steps: usize,
+    /// Ended by a raised stop signal.
+    stopped: bool,
+}
+
+impl Ended {
+    /// At `END`, an interrupt or a breakpoint.
+    fn paused(interrupts: Vec<Interrupt>, steps: usize) -> Self {
+        Ended {
+            interrupts,
+            steps,
+            stopped: false,
+        }
+    }
+
+    /// By a raised stop signal.
+    fn stopped(steps: usize) -> Self {
+        Ended {
+            interrupts: Vec::new(),
+            steps,
+            stopped: true,
+        }
     }
 }
 
@@ -562,6 +600,7 @@ impl<S: State> RunState<S> {
         self.tasks = self.specs(next, sends);
         self.pending.clear();
 
+        let mut events = Vec::new();
         if let Some(sink) = &self.events {
             if sink.mode.updates {
                 for (t, enc) in tasks.iter().zip(&encoded) {
@@ -571,20 +610,18 @@ impl<S: State> RunState<S> {
                             Ok((channel_name::<S>(*c, "State::encode_update")?, v.clone()))
                         })
                         .collect::<Result<_, StateError>>()?;
-                    sink.send(Event::Updates {
+                    events.push(Event::Updates {
                         step: self.step,
                         node: g.name(t.node).to_string(),
                         update,
-                    })
-                    .await?;
+                    });
                 }
             }
             if sink.mode.values {
-                sink.send(Event::Values {
+                events.push(Event::Values {
                     step: self.step,
                     state: (*self.state).clone(),
-                })
-                .await?;
+                });
             }
         }
         if writer.stores() {
@@ -593,19 +630,34 @@ impl<S: State> RunState<S> {
         }
         let per_channel = group_by_channel(&written, encoded);
         self.persist(writer, CheckpointSource::Loop, per_channel)
-            .await
+            .await?;
+        // Only once the step is stored (queued, with async durability): a reader that
+        // stops at a step's updates, or a run whose store is refused, never shows a
+        // step the thread does not have.
+        self.send_all(events).await
+    }
+
+    /// Sends `events` to the run's stream, in order.
+    pub(super) async fn send_all(&self, events: Vec<Event<S>>) -> Result<(), GraphError> {
+        if let Some(sink) = &self.events {
+            for e in events {
+                sink.send(e).await?;
+            }
+        }
+        Ok(())
     }
 }
 
 impl<S: State> RunState<S> {
-    pub(super) fn finish(self, interrupts: Vec<Interrupt>, steps: usize) -> Run<S> {
+    pub(super) fn finish(self, end: Ended) -> Run<S> {
         let state = Arc::try_unwrap(self.state).unwrap_or_else(|a| (*a).clone());
         Run {
             state,
-            interrupts,
+            interrupts: end.interrupts,
             next: self.tasks.iter().map(|t| t.node.clone()).collect(),
             checkpoint_id: self.stored,
-            steps,
+            steps: end.steps,
+            stopped: end.stopped,
         }
     }
 }
