@@ -370,7 +370,8 @@ pub enum AgentUpdate {
     Event(AgentEvent),
     /// A message entered the raw buffer.
     Message(Message),
-    /// The run ended, paused at an interrupt, or stopped. Always the last item.
+    /// The run ended, paused at an interrupt, or stopped: the last item of a run
+    /// that did not fail (a failed run's last item is its `Err`).
     #[non_exhaustive]
     Done {
         /// The model's final answer, if the run ended with one.

@@ -397,6 +397,30 @@ impl AgentError {
         None
     }
 
+    /// Whether running the thread again later, unchanged, may succeed: a conflict
+    /// ([`is_conflict`](Self::is_conflict): once the other run has ended), or a model
+    /// call that failed for a passing reason
+    /// ([`ModelError::is_transient`](keel_model::ModelError::is_transient): a rate
+    /// limit, a server error, a lost connection, a timeout, a reply cut short). A
+    /// failed run leaves the thread at its last checkpoint, so a retry goes on from
+    /// there; other errors need a change first (a setting, the input, a tool, the
+    /// server's model) and are the ones to alert on.
+    ///
+    /// ```
+    /// use keel_agent::AgentError;
+    ///
+    /// let busy = AgentError::ThreadBusy { thread_id: "t".into() };
+    /// assert!(busy.is_transient());
+    /// let no_goal = AgentError::NoGoal { thread_id: "t".into() };
+    /// assert!(!no_goal.is_transient());
+    /// ```
+    pub fn is_transient(&self) -> bool {
+        self.is_conflict()
+            || self
+                .model_error()
+                .is_some_and(keel_model::ModelError::is_transient)
+    }
+
     /// Whether another run of the thread got there first: a run going in this agent
     /// ([`AgentError::ThreadBusy`]), or one elsewhere that wrote a checkpoint first
     /// (the saver's stale-writer error,

@@ -351,16 +351,31 @@ impl AgentNodes {
     }
 
     async fn run_agent(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
+        /// A model call that failed (after the client's retries): a warning, and the
+        /// error on the node's span, so a trace counts and times failed calls too.
+        fn model_call_failed(e: &dyn std::error::Error, prompt_tokens: u64, started: Instant) {
+            let duration_ms = ms(started);
+            tracing::warn!(error = %e, prompt_tokens, duration_ms, "model call failed");
+            let span = tracing::Span::current();
+            span.record("error", tracing::field::display(e));
+            span.record("duration_ms", duration_ms);
+        }
         let thread = thread_of(&ctx);
         let span = tracing::info_span!(
             "keel.agent",
             node = AGENT,
             thread = %thread,
             step = s.step + 1,
+            model = tracing::field::Empty,
             prompt_tokens = tracing::field::Empty,
+            provider_prompt_tokens = tracing::field::Empty,
             completion_tokens = tracing::field::Empty,
             cached_tokens = tracing::field::Empty,
             tool_calls = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+            overflow_retries = tracing::field::Empty,
+            cut_off = tracing::field::Empty,
+            error = tracing::field::Empty,
         );
         async move {
             if s.stop.is_some() {
@@ -436,14 +451,19 @@ impl AgentNodes {
                                 .is_ok();
                         }
                         if let (Err(ce), false) = (compaction, folded) {
-                            return Err(NodeError::new(crate::error::OverflowUnresolved {
+                            let e = crate::error::OverflowUnresolved {
                                 model: e,
                                 compaction: ce,
-                            }));
+                            };
+                            model_call_failed(&e, prompt_tokens, started);
+                            return Err(NodeError::new(e));
                         }
                         compacted = Some(c);
                     }
-                    Err(e) => return Err(NodeError::new(e)),
+                    Err(e) => {
+                        model_call_failed(&e, prompt_tokens, started);
+                        return Err(NodeError::new(e));
+                    }
                     Ok(r) => break (r, prompt_tokens, started),
                 }
             };
@@ -464,10 +484,25 @@ impl AgentNodes {
             let usage = response.usage;
             let step = s.step + 1;
             unique_call_ids(&mut reply.tool_calls, step);
+            let model = if response.model.is_empty() {
+                p.model.model_name().to_owned()
+            } else {
+                response.model
+            };
+            let (duration_ms, cut_off) = (
+                ms(started),
+                response.finish_reason == Some(keel_model::FinishReason::Length),
+            );
+            // The same numbers as the event, so a trace alone can be summed.
             let span = tracing::Span::current();
+            span.record("model", model.as_str());
             span.record("prompt_tokens", prompt_tokens);
             span.record("tool_calls", reply.tool_calls.len());
+            span.record("duration_ms", duration_ms);
+            span.record("overflow_retries", retries);
+            span.record("cut_off", cut_off);
             if let Some(u) = usage {
+                span.record("provider_prompt_tokens", u.prompt_tokens);
                 span.record("completion_tokens", u.completion_tokens);
                 if let Some(c) = u.cached_tokens {
                     span.record("cached_tokens", c);
@@ -475,19 +510,15 @@ impl AgentNodes {
             }
             events.push(AgentEvent::ModelCall {
                 step,
-                model: if response.model.is_empty() {
-                    p.model.model_name().to_owned()
-                } else {
-                    response.model
-                },
+                model,
                 prompt_tokens,
                 provider_prompt_tokens: usage.map(|u| u.prompt_tokens),
                 completion_tokens: usage.map(|u| u.completion_tokens),
                 cached_tokens: usage.and_then(|u| u.cached_tokens),
                 tool_calls: reply.tool_calls.len(),
-                duration_ms: ms(started),
+                duration_ms,
                 overflow_retries: retries,
-                cut_off: response.finish_reason == Some(keel_model::FinishReason::Length),
+                cut_off,
             });
             let mut new = vec![];
             let empty = reply.tool_calls.is_empty() && reply.text().trim().is_empty();
@@ -583,6 +614,14 @@ impl AgentNodes {
                 // The event log is stored in every checkpoint's delta: a name or an
                 // error of any size (a tool's 10 MB error text) is kept short there;
                 // the tool message holds it whole.
+                let duration_ms = u64::try_from(o.duration.as_millis()).unwrap_or(u64::MAX);
+                tracing::debug!(
+                    tool = %crate::tools::clip(&c.name, 64),
+                    ok = o.error.is_none(),
+                    result_chars = o.result_chars,
+                    duration_ms,
+                    "tool call"
+                );
                 events.push(AgentEvent::ToolCall {
                     step: s.step,
                     call_id: crate::tools::clip(&c.id, 256).into_owned(),
@@ -593,7 +632,7 @@ impl AgentNodes {
                         .as_deref()
                         .map(|e| crate::tools::clip(e, MAX_EVENT_ERROR_CHARS).into_owned()),
                     result_chars: o.result_chars,
-                    duration_ms: u64::try_from(o.duration.as_millis()).unwrap_or(u64::MAX),
+                    duration_ms,
                 });
             }
             let results: Vec<Message> = outcomes.into_iter().map(|o| o.message).collect();

@@ -3350,3 +3350,86 @@ async fn a_run_whose_caller_went_away_is_waited_for_not_refused() {
     let run = agent.run("gone2", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("all done"));
 }
+
+/// What a tracing subscriber writes, shared with the test.
+#[derive(Clone, Default)]
+struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The `agent` span carries the model call's numbers as its event does (the
+/// provider's counts and the model among them), and a failed call is a warning with
+/// the error on the span: a trace alone counts and times every call.
+#[test]
+fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .finish();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let failed = tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let calls = AtomicUsize::new(0);
+            let model = PolicyModel::new("usage", move |_m, _t| {
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    Ok(
+                        ChatResponse::new(Message::assistant("Done."), "usage-model")
+                            .with_usage(keel_model::Usage::new(321, 12).with_cached_tokens(300)),
+                    )
+                } else {
+                    Err(ModelError::Connection("the server went away".into()))
+                }
+            });
+            let agent = builder(model)
+                .checkpointer(Arc::new(MemorySaver::new()))
+                .build()
+                .unwrap();
+            agent.run("spans", AgentInput::new()).await.unwrap();
+            agent
+                .run("spans", AgentInput::new().user("Again."))
+                .await
+                .unwrap_err()
+        })
+    });
+    assert!(failed.model_error().is_some(), "{failed}");
+    let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let closed: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("keel.agent{") && l.contains("close"))
+        .collect();
+    assert_eq!(closed.len(), 2, "{log}");
+    for field in [
+        "model=\"usage-model\"",
+        "provider_prompt_tokens=321",
+        "completion_tokens=12",
+        "cached_tokens=300",
+        "overflow_retries=0",
+        "cut_off=false",
+    ] {
+        assert!(closed[0].contains(field), "{field} in {}", closed[0]);
+    }
+    assert!(
+        closed[1].contains("error=") && closed[1].contains("the server went away"),
+        "{}",
+        closed[1]
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("model call failed")),
+        "{log}"
+    );
+}

@@ -332,7 +332,10 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
         let live = args
             .live
             .connect(&spec, args.live.window(settings, None)?, settings)?;
-        let described = format!("{spec} at {}", spec.base_url(settings));
+        let described = format!(
+            "{spec} at {}",
+            keel::model::redact_url(&spec.base_url(settings))
+        );
         (
             live.client,
             live.profile,

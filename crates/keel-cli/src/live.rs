@@ -349,7 +349,10 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         timeout: Some(live_args.timeout.unwrap_or(model::DEFAULT_TIMEOUT_SECS)),
         summarizer: Some(summarizer.clone()),
     };
-    outln!("model: {spec} at {}", spec.base_url(settings));
+    outln!(
+        "model: {spec} at {}",
+        keel::model::redact_url(&spec.base_url(settings))
+    );
     outln!(
         "thread: {thread} ({}); files: {}",
         storage.described,

@@ -413,6 +413,8 @@ pub fn what_to_fix_at(
     url: &str,
 ) -> Option<String> {
     let model_error = model_error(error)?;
+    // Said to the user: no password or key from the URL.
+    let url = &keel::model::redact_url(url);
     let name = spec.name();
     let ollama = matches!(spec, ModelSpec::Ollama(_));
     Some(match model_error {

@@ -18,6 +18,25 @@ pub enum Trigger {
     StepCeiling,
 }
 
+impl Trigger {
+    /// `steps`, `tokens`, `overflow`, `force` or `step_ceiling` (the serialized name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Steps => "steps",
+            Self::Tokens => "tokens",
+            Self::Overflow => "overflow",
+            Self::Force => "force",
+            Self::StepCeiling => "step_ceiling",
+        }
+    }
+}
+
+impl std::fmt::Display for Trigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What a compaction did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -102,8 +121,8 @@ impl CompactionEvent {
         match &self.error {
             None => tracing::info!(
                 step = self.step,
-                trigger = ?self.trigger,
-                kind = ?self.kind,
+                trigger = %self.trigger,
+                kind = %self.kind,
                 tokens_before = self.tokens_before,
                 tokens_after = self.tokens_after,
                 archived = self.messages_archived,
@@ -111,12 +130,15 @@ impl CompactionEvent {
                 model = %self.summarizer_model,
                 fallback = self.fallback,
                 duration_ms = self.duration_ms,
+                summary_input_tokens = self.summary_input_tokens,
+                summary_cached_tokens = self.summary_cached_tokens,
+                summary_output_tokens = self.summary_output_tokens,
                 "compaction"
             ),
             Some(error) => tracing::warn!(
                 step = self.step,
-                trigger = ?self.trigger,
-                kind = ?self.kind,
+                trigger = %self.trigger,
+                kind = %self.kind,
                 tokens = self.tokens_before,
                 duration_ms = self.duration_ms,
                 %error,

@@ -140,6 +140,29 @@ impl ModelError {
         }
     }
 
+    /// True when the same request may succeed later, unchanged: what
+    /// [`is_retryable`](Self::is_retryable) covers (and the clients retry by
+    /// themselves), plus a [`Timeout`](ModelError::Timeout) and a reply cut short
+    /// ([`StreamInterrupted`](ModelError::StreamInterrupted)), which the clients do not
+    /// retry since the call may have cost its full price. Everything else (a refusal,
+    /// a malformed reply, a bad setting, an overflow) needs a change first.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use keel_model::ModelError;
+    ///
+    /// assert!(ModelError::Timeout(Duration::from_secs(60)).is_transient());
+    /// assert!(!ModelError::Timeout(Duration::from_secs(60)).is_retryable());
+    /// assert!(!ModelError::Malformed("not JSON".into()).is_transient());
+    /// ```
+    pub fn is_transient(&self) -> bool {
+        self.is_retryable()
+            || matches!(
+                self,
+                ModelError::Timeout(_) | ModelError::StreamInterrupted(_)
+            )
+    }
+
     /// The wait the provider asked for, for [`ModelError::RateLimited`].
     pub fn retry_after(&self) -> Option<Duration> {
         match self {

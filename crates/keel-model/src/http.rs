@@ -381,7 +381,7 @@ impl Http {
             ) else {
                 return Err(err);
             };
-            tracing::warn!(url, retry = retry + 1, wait_ms = wait.as_millis() as u64, error = %err, "retrying model call");
+            tracing::warn!(url = %redact_url(url), retry = retry + 1, wait_ms = wait.as_millis() as u64, error = %err, "retrying model call");
             tokio::time::sleep(wait).await;
             retry += 1;
         }
@@ -507,13 +507,19 @@ async fn read_prefix(mut response: reqwest::Response, limit: usize) -> Result<Ve
     Ok(body)
 }
 
-/// The error of a request that got no (complete) response.
+/// The error of a request that got no (complete) response. The URL reqwest puts in
+/// its message is left out (its query may hold a key); the error says the server's
+/// address, redacted, instead.
 pub(crate) fn transport_error(e: reqwest::Error) -> ModelError {
     if e.is_timeout() && !e.is_connect() {
-        ModelError::Timeout(Duration::ZERO)
-    } else {
-        ModelError::Connection(error_chain(&e))
+        return ModelError::Timeout(Duration::ZERO);
     }
+    let at = e.url().map(|u| redact_url(u.as_str()));
+    let chain = error_chain(&e.without_url());
+    ModelError::Connection(match at {
+        Some(at) => format!("{chain} (to {at})"),
+        None => chain,
+    })
 }
 
 /// An error and its sources, joined with ": ".
@@ -965,20 +971,120 @@ pub(crate) fn encode_body(body: &serde_json::Value) -> Result<Vec<u8>, ModelErro
 pub(crate) fn endpoint(base: &str, path: &str) -> Result<String, ModelError> {
     let url = reqwest::Url::parse(base.trim()).map_err(|e| {
         ModelError::Config(format!(
-            "base URL `{base}` is not a URL ({e}); give one like http://localhost:11434"
+            "base URL `{}` is not a URL ({e}); give one like http://localhost:11434",
+            redact_url(base)
         ))
     })?;
     if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
         return Err(ModelError::Config(format!(
-            "base URL `{base}` is not an http or https URL with a host; give one like http://localhost:11434"
+            "base URL `{}` is not an http or https URL with a host; give one like http://localhost:11434",
+            redact_url(base)
         )));
     }
-    Ok(format!("{}/{path}", base.trim().trim_end_matches('/')))
+    // The path goes after the base's path, before its query (`?api-version=..`).
+    let mut url = url;
+    url.set_fragment(None);
+    if let Ok(mut segments) = url.path_segments_mut() {
+        segments.pop_if_empty().extend(path.split('/'));
+    }
+    Ok(url.to_string())
+}
+
+/// `url` as it may be shown (logs, errors, a CLI's output): without a user name or
+/// password, and with each query parameter's value replaced by `***` (an `api-key=`
+/// there is a secret). Text that is not a URL is shown as it is, unless it holds an
+/// `@` or a `?`. keel's model clients log and report their server's address this way.
+///
+/// ```
+/// use keel_model::redact_url;
+///
+/// assert_eq!(
+///     redact_url("https://ada:s3cret@llm.example/v1?api-version=2024-10&api-key=k"),
+///     "https://llm.example/v1?api-version=***&api-key=***"
+/// );
+/// assert_eq!(redact_url("http://127.0.0.1:8080/v1"), "http://127.0.0.1:8080/v1");
+/// ```
+pub fn redact_url(url: &str) -> String {
+    let parsed = reqwest::Url::parse(url.trim())
+        .ok()
+        .filter(|u| u.host_str().is_some_and(|h| !h.is_empty()));
+    let Some(mut parsed) = parsed else {
+        // Not a URL with a host: shown as typed, unless it looks like it holds a
+        // password or a key.
+        return if url.contains(['@', '?']) {
+            "(not shown: it may hold a password)".to_owned()
+        } else {
+            url.chars().take(200).collect()
+        };
+    };
+    let _ = parsed.set_username("");
+    let _ = parsed.set_password(None);
+    if parsed.query().is_some() {
+        let keys: Vec<String> = parsed.query_pairs().map(|(k, _)| k.into_owned()).collect();
+        let mut query = parsed.query_pairs_mut();
+        query.clear();
+        for key in keys {
+            query.append_pair(&key, "***");
+        }
+    }
+    parsed.set_fragment(None);
+    parsed.to_string()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_endpoint_goes_after_the_base_path_and_before_its_query() {
+        let cases = [
+            ("http://h:11434", "api/chat", "http://h:11434/api/chat"),
+            (
+                "http://h/v1",
+                "chat/completions",
+                "http://h/v1/chat/completions",
+            ),
+            (
+                "http://h/v1/",
+                "chat/completions",
+                "http://h/v1/chat/completions",
+            ),
+            (
+                "https://x.example/openai/deployments/d?api-version=2024-10-21",
+                "chat/completions",
+                "https://x.example/openai/deployments/d/chat/completions?api-version=2024-10-21",
+            ),
+        ];
+        for (base, path, want) in cases {
+            assert_eq!(endpoint(base, path).ok().as_deref(), Some(want), "{base}");
+        }
+    }
+
+    #[test]
+    fn a_url_is_shown_without_its_password_or_query_values() {
+        let shown = redact_url("http://svc:pw-SECRET@127.0.0.1:18080/v1?api-key=QSECRET");
+        assert_eq!(shown, "http://127.0.0.1:18080/v1?api-key=***");
+        for bad in ["svc:pw-SECRET@host", "host?key=QSECRET"] {
+            assert!(!redact_url(bad).contains("SECRET"), "{bad}");
+        }
+        assert_eq!(redact_url("not a url"), "not a url");
+        let Err(ModelError::Config(e)) = endpoint("ftp://u:pw-SECRET@h/?k=QSECRET", "x") else {
+            unreachable!("refused")
+        };
+        assert!(!e.contains("SECRET"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_error_names_the_server_without_its_secrets() {
+        // Nothing listens on port 9 (discard) here; the connection is refused.
+        let url = "http://svc:pw-SECRET@127.0.0.1:9/v1/chat/completions?api-key=QSECRET";
+        let Err(e) = reqwest::Client::new().post(url).send().await else {
+            unreachable!("nothing listens on port 9")
+        };
+        let text = transport_error(e).to_string();
+        assert!(!text.contains("SECRET"), "{text}");
+        assert!(text.contains("127.0.0.1:9"), "{text}");
+    }
 
     #[test]
     fn retry_after_parses_seconds_and_http_dates() {

@@ -114,7 +114,7 @@ mod types;
 pub use async_trait::async_trait;
 pub use error::ModelError;
 #[cfg(any(feature = "openai", feature = "ollama"))]
-pub use http::{HttpConfig, RateLimit};
+pub use http::{HttpConfig, RateLimit, redact_url};
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_message as message;
