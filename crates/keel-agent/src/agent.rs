@@ -827,6 +827,89 @@ impl Agent {
         Ok(removed)
     }
 
+    /// Lets a thread go on without the offloaded files its offload store lost, when a
+    /// run is refused with [`AgentError::ArchiveUnavailable`]: the store holds less
+    /// than the thread's newest checkpoint has seen (it ran with an in-memory store,
+    /// as keel once allowed beside a durable checkpointer, or its files were deleted
+    /// or restored from an older backup). Writes one checkpoint whose view of the
+    /// store is the store as it is now, keeping everything else (messages, summaries,
+    /// the nodes due), and returns its id; `None`, writing nothing, when the store
+    /// holds all the thread has seen or the thread has no checkpoint.
+    ///
+    /// What was lost stays lost: archived messages and stored tool results the
+    /// context points at read as missing, and the milestones and epoch summaries
+    /// still hold what they said of them. A warning in the log names what the store
+    /// lacked. Refused with [`AgentError::ThreadBusy`] while the thread runs here.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentError, AgentInput};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_compaction::CompactionConfig;
+    /// use keel_message::ToolCall;
+    /// use keel_model::{ScriptedModel, Turn};
+    /// use keel_offload::MemoryStore;
+    /// use serde_json::json;
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// let saver = Arc::new(MemorySaver::new());
+    /// let agent = |turns: Vec<Turn>| {
+    ///     Agent::builder()
+    ///         .model(Arc::new(ScriptedModel::new(turns)))
+    ///         .goal("List the directory.")
+    ///         .compaction(CompactionConfig::default().with_every_steps(Some(3)))
+    ///         .checkpointer(saver.clone())
+    ///         .offload_store(Arc::new(MemoryStore::new()))
+    ///         .build()
+    /// };
+    /// let mut turns: Vec<Turn> = (0..6)
+    ///     .map(|i| Turn::tool_calls("", vec![ToolCall::new(format!("c{i}"), "ls", json!({}))]))
+    ///     .collect();
+    /// turns.push(Turn::text("Listed."));
+    /// agent(turns)?.run("t", AgentInput::new()).await?; // compactions archive old steps
+    ///
+    /// // The same thread in a new process whose store lost the archive.
+    /// let second = agent(vec![Turn::text("Still listed.")])?;
+    /// let refused = second.run("t", AgentInput::new().user("And now?")).await;
+    /// assert!(matches!(refused, Err(AgentError::ArchiveUnavailable { .. })));
+    /// assert!(second.accept_offload_loss("t").await?.is_some());
+    /// let run = second.run("t", AgentInput::new().user("And now?")).await?;
+    /// assert_eq!(run.answer.as_deref(), Some("Still listed."));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn accept_offload_loss(
+        &self,
+        thread_id: &str,
+    ) -> Result<Option<CheckpointId>, AgentError> {
+        if self.checkpointer.is_none() {
+            return Err(AgentError::NoCheckpointer {
+                thread_id: thread_id.to_owned(),
+            });
+        }
+        let thread = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
+        let _guard = self.running.begin(thread_id).await?;
+        let config = RunConfig::thread(thread_id);
+        let Some(snap) = self.graph.get_state(&config).await? else {
+            return Ok(None);
+        };
+        let lost = match self.check_archive(thread, &snap.values.lineage).await {
+            Ok(()) => return Ok(None),
+            Err(AgentError::ArchiveUnavailable { source, .. }) => source,
+            Err(other) => return Err(other),
+        };
+        tracing::warn!(
+            thread = thread_id,
+            lost = %lost,
+            "the thread goes on without the offloaded files its store lost"
+        );
+        // The unscoped view sees whatever the store holds, and scopes itself at the
+        // thread's next write, as a checkpoint from before lineages does.
+        let update = AgentStateUpdate::default().lineage(Lineage::unscoped());
+        Ok(Some(self.graph.update_state(&config, update, None).await?))
+    }
+
     /// Deletes a thread: its checkpoints (every namespace) and every offloaded file of
     /// it, on every branch (the store's `delete_thread`: one transaction on the
     /// databases). Deleting a thread that does not exist does nothing.

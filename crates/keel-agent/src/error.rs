@@ -296,8 +296,12 @@ pub enum AgentError {
     /// into it, so the run did not start (its compactions could not read the archive).
     /// Usually the thread is resumed with another store than the one it wrote to, such
     /// as the in-memory default in a new process: give every run of the thread the same
-    /// durable store (`AgentBuilder::offload_store`). Nothing was written.
-    #[error("thread `{thread_id}` cannot continue: {source}")]
+    /// durable store (`AgentBuilder::offload_store`). Nothing was written. When the
+    /// files are gone for good, [`Agent::accept_offload_loss`](crate::Agent::accept_offload_loss)
+    /// lets the thread go on without them.
+    #[error(
+        "thread `{thread_id}` cannot continue: {source} (if those files are gone for good, `Agent::accept_offload_loss` lets the thread go on without them)"
+    )]
     ArchiveUnavailable {
         /// The thread.
         thread_id: String,
