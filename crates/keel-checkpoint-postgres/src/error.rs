@@ -52,7 +52,7 @@ pub enum PostgresError {
     /// The schema holds migrations newer than this build knows: an older binary must not
     /// write to a newer schema.
     #[error(
-        "schema {schema:?} is at migration {found}, newer than this keel-checkpoint-postgres knows ({known}); upgrade it"
+        "schema {schema:?} is at migration {found}, newer than this keel-checkpoint-postgres knows ({known}): a newer keel upgraded it, and this one leaves it alone; run a keel that knows migration {found}"
     )]
     SchemaTooNew {
         /// The schema.

@@ -149,6 +149,16 @@ impl PostgresSaver {
         schema::migrate(client, &self.inner.schema).await
     }
 
+    /// The newest migration applied to the schema, read only (nothing is created or
+    /// upgraded): `None` when the schema has no keel tables, and
+    /// [`PostgresError::SchemaTooNew`] when a newer keel migrated it, so a reader (an
+    /// admin listing under a read-only role) never misreads rows written in a format
+    /// it does not know.
+    pub async fn schema_version(&self) -> Result<Option<i32>, PostgresError> {
+        let client = self.inner.pool.get().await?;
+        schema::applied_version(&**client, &self.inner.schema).await
+    }
+
     /// The connection pool.
     pub fn pool(&self) -> &Pool {
         &self.inner.pool

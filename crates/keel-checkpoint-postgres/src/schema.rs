@@ -291,6 +291,41 @@ fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
     hash
 }
 
+/// The newest migration recorded in `schema` (`None` without keel's tables), or
+/// [`PostgresError::SchemaTooNew`] past what this build knows. Reads only.
+pub(crate) async fn applied_version<C: GenericClient>(
+    client: &C,
+    schema: &str,
+) -> Result<Option<i32>, PostgresError> {
+    check_schema(schema)?;
+    let table = client
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = 'keel_migrations'",
+            &[&schema],
+        )
+        .await?;
+    if table.is_none() {
+        return Ok(None);
+    }
+    let s = quote_ident(schema);
+    let found: Option<i32> = client
+        .query_one(
+            &format!("SELECT max(version) FROM {s}.keel_migrations"),
+            &[],
+        )
+        .await?
+        .get(0);
+    let known = MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0);
+    match found {
+        Some(found) if found > known => Err(PostgresError::SchemaTooNew {
+            schema: schema.to_owned(),
+            found,
+            known,
+        }),
+        found => Ok(found),
+    }
+}
+
 /// Applies every migration `schema` lacks, in order, and records each in
 /// `<schema>.keel_migrations`; returns the versions applied (empty when up to date).
 ///

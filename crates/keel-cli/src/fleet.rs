@@ -151,12 +151,17 @@ fn queue(url: &str) -> anyhow::Result<Queue> {
 pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<ExitCode> {
     let url = database_url(args.database_url.as_deref(), settings, "submit")?;
     let queue = queue(&url)?;
-    queue.setup().await.with_context(|| {
-        format!(
-            "cannot reach Postgres at {} or create the run queue's tables there",
-            store::redact(&url)
+    let applied = queue.setup().await.map_err(|e| {
+        store::setup_failed(
+            e,
+            &url,
+            format!(
+                "cannot reach Postgres at {} or create the run queue's tables there",
+                store::redact(&url)
+            ),
         )
     })?;
+    store::note_upgrade(&applied, "run queue tables", &store::redact(&url));
     if args.goal.is_some() && thread_started(&queue, &url, &args.thread).await {
         bail!(
             "thread `{}` already has a goal (a goal is written once); continue it with --message \"...\" instead of --goal, or submit to a new thread",
@@ -303,9 +308,8 @@ pub async fn worker(args: WorkerArgs, settings: &Settings) -> anyhow::Result<Exi
                 .context("cannot create the run queue's tables")?;
         }
         Err(e) => {
-            return Err(e).with_context(|| {
-                format!("the run queue at {} cannot be used", store::redact(&url))
-            });
+            let otherwise = format!("the run queue at {} cannot be used", store::redact(&url));
+            return Err(store::setup_failed(e, &url, otherwise));
         }
     }
     let home = settings.home(None);

@@ -28,10 +28,42 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// `keel --version`: the version and the versions of the stored formats this build
+/// reads and writes, which tell two binaries of one version apart for an upgrade.
+static LONG_VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(long_version);
+
+fn long_version() -> String {
+    format!(
+        "{}\nstored formats: checkpoints (SQLite {}, PostgreSQL migration {}), offload store (SQLite {}, PostgreSQL {}), run queue {}",
+        env!("CARGO_PKG_VERSION"),
+        keel::sqlite::SCHEMA_VERSION,
+        keel::postgres::MIGRATIONS
+            .iter()
+            .map(|m| m.version)
+            .max()
+            .unwrap_or(0),
+        keel::offload::SQLITE_SCHEMA_VERSION,
+        keel::offload::POSTGRES_SCHEMA_VERSION,
+        keel_fleet::SCHEMA_VERSION,
+    )
+}
+
+/// One line for errors about stored formats: this build's version and the formats it
+/// knows.
+pub fn version_line() -> String {
+    format!("this is keel {}", LONG_VERSION.replace('\n', "; "))
+}
+
 /// keel keeps long-running LLM agents on course: a durable graph runtime plus the
 /// context management that stops agents drifting after hundreds of steps.
 #[derive(Debug, Parser)]
-#[command(name = "keel", version, propagate_version = true, after_help = EXAMPLES)]
+#[command(
+    name = "keel",
+    version,
+    long_version = LONG_VERSION.as_str(),
+    propagate_version = true,
+    after_help = EXAMPLES
+)]
 struct Cli {
     /// Settings file (default: `keel.toml` in the working directory, if present).
     #[arg(long, global = true, value_name = "FILE")]

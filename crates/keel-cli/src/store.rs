@@ -99,14 +99,28 @@ async fn open_with(
         }
         let saver = PostgresSaver::connect(&config).context("cannot set up the Postgres pool")?;
         if setup {
-            saver.setup().await.with_context(|| {
-                format!(
-                    "cannot reach Postgres at {}{} or create keel's tables there",
-                    redact(url),
-                    in_schema()
+            let applied = saver.setup().await.map_err(|e| {
+                setup_failed(
+                    e,
+                    url,
+                    format!(
+                        "cannot reach Postgres at {}{} or create keel's tables there",
+                        redact(url),
+                        in_schema()
+                    ),
                 )
             })?;
+            note_upgrade(&applied, "checkpoint tables", &redact(url));
         } else {
+            // Read only: a schema a newer keel upgraded is refused, not misread.
+            saver.schema_version().await.with_context(|| {
+                format!(
+                    "cannot read keel's tables at {}{} ({})",
+                    redact(url),
+                    in_schema(),
+                    crate::version_line()
+                )
+            })?;
             let probe = saver.get(&ThreadKey::new("keel-cli-probe"), None).await;
             if let Err(e) = probe {
                 let missing = match &e {
@@ -165,6 +179,47 @@ async fn open_with(
         saver: Arc::new(saver),
         described: format!("SQLite file {}", path.display()),
     })
+}
+
+/// The error of a failed setup of keel's tables at `url`: headed as one of a schema a
+/// newer keel upgraded when it is one (the server was reached, and nothing is wrong
+/// with it), else by `otherwise`.
+pub fn setup_failed(e: impl Into<anyhow::Error>, url: &str, otherwise: String) -> anyhow::Error {
+    let e: anyhow::Error = e.into();
+    let too_new = e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<keel::postgres::PostgresError>(),
+            Some(keel::postgres::PostgresError::SchemaTooNew { .. })
+        ) || matches!(
+            c.downcast_ref::<keel_fleet::FleetError>(),
+            Some(keel_fleet::FleetError::SchemaTooNew { .. })
+        ) || matches!(
+            c.downcast_ref::<keel::offload::OffloadError>(),
+            Some(keel::offload::OffloadError::SchemaTooNew { .. })
+        )
+    });
+    if too_new {
+        e.context(format!(
+            "keel's tables at {}{} were upgraded by a newer keel than this one ({})",
+            redact(url),
+            in_schema(),
+            crate::version_line()
+        ))
+    } else {
+        e.context(otherwise)
+    }
+}
+
+/// Says on stderr that keel's tables were upgraded (`applied` holds migrations, and
+/// not the first: a new schema is created, not upgraded), since binaries older than
+/// this one refuse them from now on.
+pub fn note_upgrade(applied: &[i32], what: &str, at: &str) {
+    if let (Some(&to), false) = (applied.iter().max(), applied.contains(&1)) {
+        crate::errln!(
+            "note: upgraded keel's {what} at {at}{} to version {to}; older keel binaries refuse them from now on",
+            in_schema()
+        );
+    }
 }
 
 /// The offload store under `home` (created when missing).

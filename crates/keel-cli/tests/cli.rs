@@ -1427,6 +1427,75 @@ fn looking_at_threads_creates_no_tables_and_names_the_schema_it_looked_in() {
     );
 }
 
+/// A schema a newer keel upgraded is refused by what reads it (under its own headline,
+/// not "cannot reach Postgres") as by what would write it, each naming the stored
+/// formats this build knows; `--version` lists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_a_newer_keel_upgraded_is_refused_by_readers_and_writers_alike() {
+    let Some(url) = database_url() else { return };
+    let schema = format!("keel_cli_newer_{}", std::process::id());
+    let admin = |args: &[&str]| {
+        keel()
+            .args(["threads"])
+            .args(args)
+            .args(["--database-url", &url])
+            .env("KEEL_SCHEMA", &schema)
+            .output()
+            .unwrap()
+    };
+    // Creating the tables is not an upgrade: nothing said.
+    let created = admin(&["gc", "--older-than", "7d"]);
+    assert!(created.status.success(), "{:?}", text(&created));
+    assert!(
+        !text(&created).1.contains("upgraded"),
+        "{:?}",
+        text(&created)
+    );
+
+    let config = keel::postgres::PostgresConfig::new(&url)
+        .unwrap()
+        .schema(&schema)
+        .unwrap();
+    let saver = keel::postgres::PostgresSaver::connect(&config).unwrap();
+    let client = saver.pool().get().await.unwrap();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {schema}.keel_migrations (version, name) VALUES (99, 'from the future')"
+        ))
+        .await
+        .unwrap();
+
+    let listed = admin(&["list"]);
+    let (_, stderr) = text(&listed);
+    assert_eq!(listed.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("is at migration 99, newer than this keel-checkpoint-postgres knows")
+            && stderr.contains("stored formats: checkpoints"),
+        "{stderr}"
+    );
+    let deleted = admin(&["gc", "--older-than", "7d"]);
+    let (_, stderr) = text(&deleted);
+    assert_eq!(deleted.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("were upgraded by a newer keel than this one")
+            && !stderr.contains("cannot reach Postgres"),
+        "{stderr}"
+    );
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+
+    let version = keel().arg("--version").output().unwrap();
+    assert!(
+        text(&version)
+            .0
+            .contains("stored formats: checkpoints (SQLite "),
+        "{:?}",
+        text(&version)
+    );
+}
+
 #[test]
 fn a_home_that_is_a_file_says_home_is_a_directory() {
     let dir = tempfile::tempdir().unwrap();

@@ -49,7 +49,7 @@ pub enum FleetError {
     /// The schema is at a newer version than this build knows: an older worker must not
     /// run against it.
     #[error(
-        "schema {schema:?} holds run queue version {found}, newer than this keel-fleet knows ({supported}): upgrade the worker"
+        "schema {schema:?} holds run queue version {found}, newer than this keel-fleet knows ({supported}): a newer keel upgraded it, and this one leaves it alone; run a keel that knows version {found}"
     )]
     SchemaTooNew {
         /// The schema.

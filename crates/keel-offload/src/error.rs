@@ -102,7 +102,7 @@ pub enum OffloadError {
     /// wrote it. Nothing was changed; upgrade this program (or point it at another
     /// schema or file).
     #[error(
-        "{store}: the offload schema is version {found}, newer than version {supported} this build knows; upgrade keel"
+        "{store}: the offload schema is version {found}, newer than version {supported} this build knows: a newer keel upgraded it, and this one leaves it alone; run a keel that knows version {found}"
     )]
     SchemaTooNew {
         /// The database file or schema.
