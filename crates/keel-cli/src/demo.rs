@@ -634,7 +634,13 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
             correct,
             source: if from_archive { "archive" } else { "context" }.to_owned(),
             tool_calls: tally.tool_calls - calls_before,
-            left_context_at_step: tally.compactions.first().map(|c| c.step),
+            // This process saw the thread's first compaction only on a thread that
+            // had none before; an earlier process's is not known here.
+            left_context_at_step: if earlier.as_ref().is_some_and(|e| e.milestones_made > 0) {
+                None
+            } else {
+                tally.compactions.first().map(|c| c.step)
+            },
         },
         turns: tally.turns,
         compactions: tally.compactions,
@@ -682,9 +688,10 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-/// Fails when the thread's last run stopped because its compactions kept failing: the
-/// demo would otherwise report a run without compaction as if it were one.
-async fn stop_if_compaction_failed(
+/// Fails when the thread's last run stopped because its compactions kept failing (the
+/// demo would otherwise report a run without compaction as if it were one) or at its
+/// step ceiling (it would report the question unanswered as keel's bug).
+async fn stop_if_stopped_early(
     agent: &Agent,
     thread: &str,
     watch: &Watch<'_>,
@@ -693,6 +700,14 @@ async fn stop_if_compaction_failed(
         .state(thread)
         .await?
         .context("the thread has no state after the run")?;
+    if let Some(Stop::StepCeiling { steps, max }) = &state.stop {
+        // A thread resumed past its ceiling (an earlier demo ran on, or stopped there):
+        // nothing is asked, and the answer check would blame keel.
+        watch.bar.finish_and_clear();
+        anyhow::bail!(
+            "thread `{thread}` reached its step ceiling of {max} model calls ({steps} made), so the demo could not go on: the ceiling is --steps plus 10, so run it again with --steps {steps} or more, or on a new thread (without --thread)"
+        );
+    }
     let Some(stop @ Stop::CompactionFailing { .. }) = &state.stop else {
         return Ok(());
     };
@@ -820,7 +835,7 @@ async fn drive(
         };
         tally.observe(&update, counter, bar, quiet);
     }
-    stop_if_compaction_failed(agent, thread, watch).await?;
+    stop_if_stopped_early(agent, thread, watch).await?;
     Ok(false)
 }
 

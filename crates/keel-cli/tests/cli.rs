@@ -93,6 +93,33 @@ fn demo(args: &[&str], dir: &Path, home: &Path) -> Output {
         .unwrap()
 }
 
+/// A demo thread run again with a ceiling below what it has made says so and how to
+/// go on (exit 1), instead of calling the unanswered question a bug of keel (exit 3).
+#[test]
+fn a_demo_thread_past_its_step_ceiling_says_how_to_go_on() {
+    let proj = project();
+    let home = tempfile::tempdir().unwrap();
+    let first = demo(
+        &["--steps", "14", "--thread", "ceiling", "-q"],
+        proj.path(),
+        home.path(),
+    );
+    assert!(first.status.success(), "{:?}", text(&first));
+    let again = demo(
+        &["--steps", "5", "--thread", "ceiling", "-q"],
+        proj.path(),
+        home.path(),
+    );
+    let (stdout, stderr) = text(&again);
+    assert_eq!(again.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("reached its step ceiling of 15 model calls")
+            && stderr.contains("--steps 17 or more")
+            && !stderr.contains("bug in keel"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn ctrl_c_stops_the_demo_with_exit_130_and_the_same_command_resumes_it() {
     let proj = project();
