@@ -56,7 +56,9 @@ pub struct DemoArgs {
     /// live model stops when it is done, at most this many calls.
     #[arg(long, default_value_t = 160, value_parser = survey_steps)]
     steps: usize,
-    /// A milestone every N model calls.
+    /// A milestone every N model calls, whatever it costs (the demo shows the
+    /// hierarchy; `keel run` and the library default compact on steps only when it pays
+    /// for the prompt cache it resets).
     #[arg(long, default_value_t = 10, value_parser = crate::ui::at_least_one::<usize>)]
     every: usize,
     /// An epoch summary every M milestones.

@@ -50,7 +50,10 @@ pub struct ReplayArgs {
     /// use (keel.toml's `model` is `keel run`'s, and is not read here).
     #[arg(long, default_value = "gpt-4o")]
     model: String,
-    /// A milestone every N steps (the seed behaviour; default: keel's triggers).
+    /// A milestone every N steps, whatever it costs (default: keel's triggers, which
+    /// compact on steps only when it pays for the prompt cache it resets). Each
+    /// milestone resets the cache for everything after it, so on a roomy window this can
+    /// cost more than the full history (swe-agent at 128,000 with --every 10: 4% dearer).
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     every: Option<usize>,
     /// An epoch summary every M milestones.
@@ -682,7 +685,7 @@ fn nothing_compacted_note(
         smaller.map(|w| format!("a smaller --window (e.g. {})", thousands(w as u64))),
         // Only the hierarchical strategy makes a milestone every N steps.
         (every != Some(1) && totals.iter().any(|(n, _)| *n == StrategyName::Hierarchical))
-            .then(|| "a smaller --every (a milestone every N steps)".to_owned()),
+            .then(|| "a smaller --every (a milestone every N steps, whatever it costs)".to_owned()),
     ]
     .into_iter()
     .flatten()

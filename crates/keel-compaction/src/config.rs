@@ -220,8 +220,13 @@ pub struct CompactionConfig {
     /// Whether the step trigger waits until compacting pays.
     pub step_trigger: StepTrigger,
     /// The price of a prompt token the provider serves from its cache, relative to an
-    /// uncached one (0.1 for OpenAI's and Anthropic's cache reads). The step trigger's
-    /// cost model uses it.
+    /// uncached one: 0.1 by default, as Anthropic's cache reads and OpenAI's GPT-5
+    /// models; OpenAI bills 0.25 for GPT-4.1 and 0.5 for GPT-4o. The step trigger's
+    /// cost model uses it: set it to what your provider bills. A price set higher than
+    /// the bill makes compaction look cheaper than it is (with 0.5 set and 0.1 billed,
+    /// keel was up to 10% dearer than no compaction on the recorded runs), and one set
+    /// lower only compacts less often. Cache writes billed above a plain prompt token
+    /// (Anthropic's 1.25) are not modelled.
     pub cached_input_price: f64,
     /// The price of an output token relative to an uncached prompt token (4 for
     /// GPT-4o, 5 for Claude): what a summary written by a model costs, in the step
