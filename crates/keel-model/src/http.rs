@@ -1017,6 +1017,10 @@ pub fn redact_url(url: &str) -> String {
             url.chars().take(200).collect()
         };
     };
+    if parsed.username().is_empty() && parsed.password().is_none() && parsed.query().is_none() {
+        // Nothing to hide: shown as given.
+        return url.trim().to_owned();
+    }
     let _ = parsed.set_username("");
     let _ = parsed.set_password(None);
     if parsed.query().is_some() {
@@ -1068,6 +1072,7 @@ mod tests {
             assert!(!redact_url(bad).contains("SECRET"), "{bad}");
         }
         assert_eq!(redact_url("not a url"), "not a url");
+        assert_eq!(redact_url("http://127.0.0.1:9"), "http://127.0.0.1:9", "as given");
         let Err(ModelError::Config(e)) = endpoint("ftp://u:pw-SECRET@h/?k=QSECRET", "x") else {
             unreachable!("refused")
         };
