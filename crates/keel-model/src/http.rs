@@ -1072,7 +1072,11 @@ mod tests {
             assert!(!redact_url(bad).contains("SECRET"), "{bad}");
         }
         assert_eq!(redact_url("not a url"), "not a url");
-        assert_eq!(redact_url("http://127.0.0.1:9"), "http://127.0.0.1:9", "as given");
+        assert_eq!(
+            redact_url("http://127.0.0.1:9"),
+            "http://127.0.0.1:9",
+            "as given"
+        );
         let Err(ModelError::Config(e)) = endpoint("ftp://u:pw-SECRET@h/?k=QSECRET", "x") else {
             unreachable!("refused")
         };
