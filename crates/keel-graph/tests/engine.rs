@@ -1505,27 +1505,34 @@ async fn a_schema_change_is_a_typed_error_naming_the_channel() {
     }
 }
 
+/// START → `work` → END on `cp`, where `work` waits at `gate` before it writes: two
+/// of them on one thread race to store the same step.
+fn gated_worker(
+    cp: &Arc<dyn Checkpointer>,
+    gate: Arc<tokio::sync::Barrier>,
+) -> keel_graph::CompiledGraph<S> {
+    StateGraph::<S>::new()
+        .add_node("work", move |_s, _c| {
+            let gate = Arc::clone(&gate);
+            async move {
+                gate.wait().await;
+                Ok(log("w"))
+            }
+        })
+        .add_edge(START, "work")
+        .add_edge("work", END)
+        .with_checkpointer(Arc::clone(cp))
+        .compile()
+        .unwrap()
+}
+
 #[tokio::test]
 async fn stale_writer_is_refused() {
     // Two graphs (workers) run the same thread from the same checkpoint: the second
     // one to store a step is refused.
     let cp = saver();
     let gate = Arc::new(tokio::sync::Barrier::new(2));
-    let make = |gate: Arc<tokio::sync::Barrier>| {
-        StateGraph::<S>::new()
-            .add_node("work", move |_s, _c| {
-                let gate = Arc::clone(&gate);
-                async move {
-                    gate.wait().await;
-                    Ok(log("w"))
-                }
-            })
-            .add_edge(START, "work")
-            .add_edge("work", END)
-            .with_checkpointer(Arc::clone(&cp))
-            .compile()
-            .unwrap()
-    };
+    let make = |gate: Arc<tokio::sync::Barrier>| gated_worker(&cp, gate);
     let seed = make(Arc::new(tokio::sync::Barrier::new(1)));
     let config = RunConfig::thread("race");
     seed.invoke(log("in"), &config.clone().with_durability(Durability::Sync))
@@ -2436,21 +2443,7 @@ async fn a_raised_stop_signal_ends_the_run_after_the_step_in_flight_and_the_next
 async fn a_step_the_saver_refused_is_not_streamed() {
     let cp = saver();
     let gate = Arc::new(tokio::sync::Barrier::new(2));
-    let make = |gate: Arc<tokio::sync::Barrier>| {
-        StateGraph::<S>::new()
-            .add_node("work", move |_s, _c| {
-                let gate = Arc::clone(&gate);
-                async move {
-                    gate.wait().await;
-                    Ok(log("w"))
-                }
-            })
-            .add_edge(START, "work")
-            .add_edge("work", END)
-            .with_checkpointer(Arc::clone(&cp))
-            .compile()
-            .unwrap()
-    };
+    let make = |gate: Arc<tokio::sync::Barrier>| gated_worker(&cp, gate);
     let config = RunConfig::thread("race-stream");
     make(Arc::new(tokio::sync::Barrier::new(1)))
         .invoke(log("in"), &config)
