@@ -857,7 +857,7 @@ async fn a_raised_stop_signal_ends_a_streamed_run_after_its_step_and_nothing_run
         }))
         .checkpointer(cp)
         .offload_store(Arc::new(
-            keel_offload::FsStore::new(dir.path().join("offload")).unwrap(),
+            keel_offload::SqliteStore::open(dir.path().join("k.sqlite")).unwrap(),
         ))
         .durability(keel_graph::Durability::Async)
         .build()
