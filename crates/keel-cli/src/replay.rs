@@ -31,7 +31,8 @@ Examples:
 
 The goal of each run is its task statement: --goal, or else the first user message that
 is not a demonstration (SWE-agent's `is_demo`); the report names it. Tokens are counted with the model's tokenizer where keel has it (OpenAI's models; --model, default gpt-4o: the model the recorded runs were sent to, not keel.toml's `model`, which is for `keel run`), and estimated for others, with a note saying so.
-Cache-weighted cost prices prompt tokens a provider cache would serve at 0.1.")]
+Cache-weighted cost prices prompt tokens a provider cache would serve at 0.1 of an uncached one, or at --cached-price: what your provider bills (GPT-4o 0.5, GPT-4.1 0.25, GPT-5 and Anthropic 0.1). keel's step trigger compacts only when that pays, so the price changes what keel does as well as what it costs.
+A prompt over the budget (the window less the reply's reserve: the model's maximum output, at most a quarter of the window) leaves the reply less room than it reserved; a provider sent that maximum output refuses it.")]
 pub struct ReplayArgs {
     /// Files or directories of recorded runs.
     #[arg(required = true, value_name = "FILE|DIR")]
@@ -56,6 +57,11 @@ pub struct ReplayArgs {
     /// cost more than the full history (swe-agent at 128,000 with --every 10: 4% dearer).
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     every: Option<usize>,
+    /// The price of a prompt token a provider serves from its cache, relative to an
+    /// uncached one (0 to 1; default 0.1): what the costs are weighed with, and what
+    /// keel's cost model assumes when it decides whether compacting pays.
+    #[arg(long, value_name = "PRICE", value_parser = parse_price)]
+    cached_price: Option<f64>,
     /// An epoch summary every M milestones.
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     epoch: Option<usize>,
@@ -273,8 +279,15 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if let Some(epoch) = args.epoch {
             config.compaction = config.compaction.with_epoch_every(epoch.max(1));
         }
+        if let Some(price) = args.cached_price {
+            config.compaction = config.compaction.with_cached_input_price(price);
+        }
         config
     };
+    let budget = config_at(window, StrategyName::Hierarchical).input_budget();
+    let cached_price = config_at(window, StrategyName::Hierarchical)
+        .compaction
+        .cached_input_price;
     for &name in &args.strategy {
         let config = config_at(window, name);
         let mut reports = Vec::with_capacity(runs.len());
@@ -310,7 +323,7 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         .map(|(name, reports)| {
             (
                 *name,
-                Report::from_runs("all", name.name(), window, reports),
+                Report::from_config("all", &config_at(window, *name), reports),
             )
         })
         .collect();
@@ -369,6 +382,8 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         let out = json!({
             "model": args.model,
             "window": window,
+            "budget": budget,
+            "cached_price": cached_price,
             "files": loaded.iter().map(|l| json!({
                 "path": l.path.display().to_string(), "format": l.format.name(),
                 "detected": l.detected, "runs": l.runs.len(), "folded_lines": l.folded,
@@ -380,7 +395,7 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
                 "strategy": name.name(),
                 "total": report_json(r),
                 "runs": results.iter().find(|(n, _)| n == name).map(|(_, reports)| reports.iter().zip(&runs).map(|(rr, t)| {
-                    let one = Report::from_runs(&rr.dataset, name.name(), window, std::slice::from_ref(rr));
+                    let one = Report::from_config(&rr.dataset, &config_at(window, *name), std::slice::from_ref(rr));
                     json!({"id": rr.id, "dataset": rr.dataset, "goal": goal_of(t), "report": report_json(&one)})
                 }).collect::<Vec<_>>()).unwrap_or_default(),
             })).collect::<Vec<_>>(),
@@ -408,10 +423,9 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
             for (name, reports) in &results {
                 let mut rows = vec![header("run")];
                 for rr in reports {
-                    let one = Report::from_runs(
+                    let one = Report::from_config(
                         &rr.dataset,
-                        name.name(),
-                        window,
+                        &config_at(window, *name),
                         std::slice::from_ref(rr),
                     );
                     rows.push(row(&format!("{} ({})", rr.id, name.name()), &one));
@@ -425,14 +439,24 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         }
         crate::outln!("{}", table(&rows));
         crate::outln!(
-            "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at 0.1; recall = needed ids and values still in the prompt when the agent used them (+archive: readable back)."
+            "saved = 1 - keel/full; cache-weighted prices cached prompt tokens at {cached_price}; over budget = prompts over {} tokens (the window less {} reserved for the reply); recall = needed ids and values still in the prompt when the agent used them (+archive: readable back).",
+            thousands(budget as u64),
+            thousands(window.saturating_sub(budget) as u64)
         );
         let threshold_at = |w: usize| config_at(w, StrategyName::Hierarchical).token_threshold();
         if let Some(note) = nothing_compacted_note(&totals, window, args.every, &threshold_at) {
             crate::outln!("{note}");
         }
-        if let Some(note) = over_window_note(&totals, window) {
+        if let Some(note) = over_budget_note(&totals, window) {
             crate::outln!("{note}");
+        }
+        for (name, r) in totals.iter().filter(|(_, r)| r.over_budget > 0) {
+            crate::outln!(
+                "note: {} of {}'s prompts were over the budget: at this window what every prompt keeps (the system prompt, the goal, and the newest step with its large results stubbed) can take more than {} tokens; give a larger --window",
+                thousands(r.over_budget as u64),
+                name.name(),
+                thousands(r.budget as u64)
+            );
         }
         if let Some(c) = &chart {
             crate::outln!(
@@ -543,7 +567,7 @@ fn header(first: &str) -> Vec<String> {
         "saved",
         "cache-weighted saved",
         "cacheable",
-        "over window (full/keel)",
+        "over budget (full/keel)",
         "recall",
         "+archive",
         "goal intact",
@@ -563,7 +587,7 @@ fn row(name: &str, r: &Report) -> Vec<String> {
         share(r, r.token_reduction()),
         share(r, r.cost_reduction()),
         cacheable(r),
-        format!("{}/{}", r.full_over_window, r.over_window),
+        format!("{}/{}", r.full_over_budget, r.over_budget),
         if r.needed_facts == 0 {
             "-".to_owned()
         } else {
@@ -650,18 +674,31 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
 /// 1,000, smaller than this one) whose token trigger, `threshold_at(window)`, fires
 /// by three quarters of the largest full prompt, so it fires in more than the last
 /// turns; an `--every` smaller than the one given.
-/// A note when the full history had turns over the window: a model would have
-/// refused those prompts, so "saved" against it counts tokens no run could have sent.
-fn over_window_note(totals: &[(StrategyName, Report)], window: usize) -> Option<String> {
-    let (turns, over) = totals.first().map(|(_, r)| (r.turns, r.full_over_window))?;
+/// A note when the full history had turns over the budget: a model would have
+/// refused those prompts (or, over the budget but within the window, been left less
+/// room for the reply than it reserved), so "saved" against it counts tokens no run
+/// could have sent.
+fn over_budget_note(totals: &[(StrategyName, Report)], window: usize) -> Option<String> {
+    let r = &totals.first()?.1;
+    let (over, beyond) = (r.full_over_budget, r.full_over_window);
     (over > 0).then(|| {
         format!(
-            "note: {} of the full history's {} were over the {}-token window (the over-window column): a model would have refused those prompts, so \"tokens full\" and \"saved\" count what no run could have sent there",
+            "note: {} of the full history's {} were over the {}-token budget (the over-budget column; {} over the {}-token window itself): a model sent the reply's reserve would have refused those prompts, so \"tokens full\" and \"saved\" count what no run could have sent there",
             count(over as u64, "prompt"),
-            count(turns as u64, "turn"),
+            count(r.turns as u64, "turn"),
+            thousands(r.budget as u64),
+            thousands(beyond as u64),
             thousands(window as u64)
         )
     })
+}
+
+/// `--cached-price`: a price relative to an uncached prompt token, from 0 to 1.
+fn parse_price(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err("give the price of a cached prompt token relative to an uncached one, from 0 to 1 (e.g. --cached-price 0.5 for GPT-4o)".to_owned()),
+    }
 }
 
 fn nothing_compacted_note(
@@ -716,6 +753,7 @@ fn report_json(r: &Report) -> serde_json::Value {
         "cacheable_share": if r.followup_turns == 0 { serde_json::Value::Null } else { json!(r.cacheable_share()) },
         "peak_full": r.full_peak, "peak": r.peak,
         "turns_over_window_full": r.full_over_window, "turns_over_window": r.over_window,
+        "turns_over_budget_full": r.full_over_budget, "turns_over_budget": r.over_budget,
         "goal_intact_share": share_json(r, r.goal_share()),
         "compactions": r.compactions, "failed_compactions": r.failed_compactions,
         "needed_facts": r.needed_facts, "facts_in_prompt": r.facts_in_prompt, "facts_in_archive": r.facts_in_archive,

@@ -3982,8 +3982,16 @@ fn replay_notes_full_history_prompts_no_model_would_have_taken() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("of the full history's 5 turns were over the 8,000-token window")
+        stdout.contains("of the full history's 5 turns were over the 6,000-token budget")
+            && stdout.contains("over the 8,000-token window itself")
             && stdout.contains("count what no run could have sent there"),
+        "{stdout}"
+    );
+    // The budget is the window less the reply's reserve, as the legend says.
+    assert!(
+        stdout.contains(
+            "over budget = prompts over 6,000 tokens (the window less 2,000 reserved for the reply)"
+        ),
         "{stdout}"
     );
     // A run that fits says nothing of the kind.
@@ -3991,6 +3999,50 @@ fn replay_notes_full_history_prompts_no_model_would_have_taken() {
     std::fs::write(&small, OPENAI_RUN).unwrap();
     let out = keel().arg("replay").arg(&small).output().unwrap();
     assert!(!text(&out).0.contains("over the"), "{:?}", text(&out));
+}
+
+#[test]
+fn replay_prices_cached_tokens_as_told() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("run.json");
+    std::fs::write(&file, OPENAI_RUN).unwrap();
+    let cost = |price: Option<&str>| {
+        let mut cmd = keel();
+        cmd.args(["replay", "--json"]).arg(&file);
+        if let Some(p) = price {
+            cmd.args(["--cached-price", p]);
+        }
+        let out = cmd.output().unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let total = &v["strategies"][0]["total"];
+        (
+            v["cached_price"].as_f64().unwrap(),
+            total["cost_full"].as_f64().unwrap(),
+            total["tokens_full"].as_f64().unwrap(),
+        )
+    };
+    let (p, default_cost, tokens) = cost(None);
+    assert_eq!(p, 0.1);
+    let (p, dear, _) = cost(Some("1"));
+    assert_eq!(p, 1.0);
+    // At 1 a cached token costs what any other does.
+    assert_eq!(dear, tokens);
+    assert!(default_cost < dear, "{default_cost} {dear}");
+    let (_, half, _) = cost(Some("0.5"));
+    assert!(
+        default_cost < half && half < dear,
+        "{default_cost} {half} {dear}"
+    );
+    // A price out of range is a usage error that says what to give.
+    let out = keel()
+        .args(["replay", "--cached-price", "2"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).1.contains("from 0 to 1"), "{:?}", text(&out));
 }
 
 /// A state of a graph of the user's own, not the agent's.

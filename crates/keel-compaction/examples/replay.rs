@@ -131,7 +131,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     };
                 }
                 let (_, runs) = replay_all(set, &config, Arc::clone(&counter)).await?;
-                let report = Report::from_runs(label, strategy.name(), window, &runs);
+                let report = Report::from_config(label, &config, &runs);
                 println!("{report}  [{:.2}s]", started.elapsed().as_secs_f64());
                 if show_missed {
                     for run in &runs {

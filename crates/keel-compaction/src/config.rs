@@ -12,8 +12,17 @@ pub enum Strategy {
     /// text is archived. The boundary moves in multiples of `block` turns, and only
     /// under pressure, so the prompt prefix stays cacheable between moves (a move in
     /// the middle of the prompt makes a provider re-read everything after it). If
-    /// masking cannot bring the prompt under the budget, even keeping only the last
-    /// turn, a milestone summary is the safety net.
+    /// masking cannot bring the prompt under the budget, a milestone summary is the
+    /// safety net.
+    ///
+    /// Between the token threshold and the budget, masking waits until it pays for
+    /// the cache it resets ([`crate::Compactor::mask_estimate`], with the horizon of
+    /// [`StepTrigger::WhenItPays`]); at the budget it masks whatever it costs. On a
+    /// run whose history fits the window, masking each time the threshold is crossed
+    /// cost up to 23% more than no compaction on the recorded runs. Set
+    /// [`StepTrigger::Always`] to mask at the threshold regardless: on the recorded
+    /// runs at a 4,000-token window, runs that outgrow the window saved more that way
+    /// (17% against 15%, cache-weighted), at the price of runs that fit costing more.
     Masking {
         /// Turns whose tool results stay in full.
         keep_turns: usize,
@@ -22,6 +31,8 @@ pub enum Strategy {
     },
     /// Masking first, and a milestone summary only when masking does not bring the
     /// prompt back under the token threshold: rare summaries. Never on the step count.
+    /// Below the budget it waits until masking pays, as [`Strategy::Masking`] does, and
+    /// its milestone waits with it (with nothing to mask yet, it waits for the budget).
     Hybrid {
         /// Turns whose tool results stay in full.
         keep_turns: usize,
@@ -139,7 +150,8 @@ impl SummaryBudgets {
     }
 }
 
-/// When the step trigger ([`CompactionConfig::every_steps`]) fires.
+/// When the step trigger ([`CompactionConfig::every_steps`]) fires, and whether the
+/// masking strategies mask below the budget only when it pays.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum StepTrigger {
@@ -217,7 +229,8 @@ pub struct CompactionConfig {
     /// resets ([`StepTrigger::WhenItPays`]); [`CompactionConfig::with_every_steps`]
     /// asks for every N steps unconditionally ([`StepTrigger::Always`]).
     pub every_steps: Option<usize>,
-    /// Whether the step trigger waits until compacting pays.
+    /// Whether the step trigger waits until compacting pays; for the masking
+    /// strategies, whether masking below the budget does.
     pub step_trigger: StepTrigger,
     /// The price of a prompt token the provider serves from its cache, relative to an
     /// uncached one: 0.1 by default, as Anthropic's cache reads and OpenAI's GPT-5
@@ -529,6 +542,25 @@ impl CompactionConfig {
     pub fn with_cost_aware_steps(mut self, steps: usize, payback_steps: u32) -> Self {
         self.every_steps = Some(steps);
         self.step_trigger = StepTrigger::WhenItPays { payback_steps };
+        self
+    }
+
+    /// Sets whether the step trigger, and the masking strategies below the budget, wait
+    /// until compacting pays ([`StepTrigger::WhenItPays`]) or not
+    /// ([`StepTrigger::Always`]), leaving [`every_steps`](Self::every_steps) as it is.
+    ///
+    /// ```
+    /// use keel_compaction::{CompactionConfig, StepTrigger, Strategy};
+    ///
+    /// // Masking each time the token threshold is crossed, whatever it costs:
+    /// let config = CompactionConfig::default()
+    ///     .with_strategy(Strategy::masking())
+    ///     .with_step_trigger(StepTrigger::Always);
+    /// assert_eq!(config.every_steps, Some(4));
+    /// ```
+    #[must_use]
+    pub fn with_step_trigger(mut self, trigger: StepTrigger) -> Self {
+        self.step_trigger = trigger;
         self
     }
 

@@ -392,6 +392,8 @@ async fn masking_replaces_old_results_with_pointers_to_the_archive() {
                 keep_turns: 2,
                 block: 2,
             })
+            // At the threshold whatever it costs, so masking comes early.
+            .with_step_trigger(keel_compaction::StepTrigger::Always)
             .with_window_fraction(0.3),
         4_000,
         false,

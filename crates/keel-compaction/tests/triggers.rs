@@ -154,6 +154,86 @@ async fn masking_leaves_results_shorter_than_their_placeholder() {
     assert_eq!(short, 6);
 }
 
+/// `strategy` on a 4,000-token window whose token threshold is low (30% of the
+/// budget), so there is a long stretch under the budget.
+fn masking_rig(strategy: Strategy, trigger: StepTrigger) -> Compactor {
+    let config = CompactionConfig::default()
+        .with_strategy(strategy)
+        .with_window_fraction(0.3)
+        .with_step_trigger(trigger);
+    compactor(config, 4_000).0
+}
+
+#[tokio::test]
+async fn masking_waits_below_the_budget_until_it_pays() {
+    // The hybrid: no masking of all but the last turn before a summary.
+    let strategy = Strategy::Hybrid {
+        keep_turns: 6,
+        block: 1,
+    };
+    let c = masking_rig(strategy, StepTrigger::default());
+    let eager = masking_rig(strategy, StepTrigger::Always);
+    let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    // Steps of even size, the last 6 kept: masking the few older results would
+    // re-send the 6 after them uncached, for a saving of a few cached tokens a call.
+    let mut waited = 0;
+    for i in 0.. {
+        let (reply, results) = step(i, 12);
+        c.push_step(&mut state, reply, results);
+        let total = c.tokens(&mut state, &[]).total;
+        if total >= c.budget() {
+            // At the budget it masks whatever it costs.
+            assert!(!c.mask_estimate(&state).pays());
+            assert_eq!(c.check(&mut state, &[]), Some(Trigger::Tokens));
+            let events = c.after_step(&mut state, &[]).await.unwrap();
+            assert!(!events.is_empty());
+            assert!(events.iter().all(|e| e.trigger == Trigger::Tokens));
+            assert!(c.tokens(&mut state, &[]).total < c.budget());
+            break;
+        }
+        if total >= c.threshold() {
+            let estimate = c.mask_estimate(&state);
+            assert!(!estimate.pays(), "{estimate:?}");
+            assert_eq!(c.check(&mut state, &[]), None, "step {i}");
+            // Masking at the threshold regardless is still there for those who want it.
+            assert_eq!(eager.check(&mut state, &[]), Some(Trigger::Tokens));
+            // Waiting with something to mask (before the boundary reached a result,
+            // the hybrid waited too, where it used to summarize).
+            waited += usize::from(estimate.leaving > 0);
+        }
+        assert!(c.after_step(&mut state, &[]).await.unwrap().is_empty());
+    }
+    assert!(waited >= 3, "{waited}");
+}
+
+#[tokio::test]
+async fn masking_below_the_budget_goes_ahead_when_it_pays() {
+    let strategy = Strategy::Masking {
+        keep_turns: 1,
+        block: 1,
+    };
+    let c = masking_rig(strategy, StepTrigger::default());
+    let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    // One large result, then small steps: masking it frees far more than the little
+    // after it costs to re-send.
+    let (reply, results) = step(0, 40);
+    c.push_step(&mut state, reply, results);
+    for i in 1..3 {
+        let (reply, results) = step(i, 1);
+        c.push_step(&mut state, reply, results);
+    }
+    let total = c.tokens(&mut state, &[]).total;
+    assert!(total >= c.threshold() && total < c.budget(), "{total}");
+    let estimate = c.mask_estimate(&state);
+    assert!(estimate.pays(), "{estimate:?}");
+    assert!(estimate.leaving > 5 * estimate.tail, "{estimate:?}");
+    assert_eq!(c.check(&mut state, &[]), Some(Trigger::Tokens));
+    let events = c.after_step(&mut state, &[]).await.unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0].kind, keel_compaction::EventKind::Mask);
+    assert!(state.raw[1].metadata.contains_key(MASKED_METADATA_KEY));
+}
+
 #[tokio::test]
 async fn the_prompt_ceiling_compacts_below_a_huge_window() {
     let config = CompactionConfig::default()

@@ -17,7 +17,9 @@ use crate::event::CompactionEvent;
 use crate::goal::GoalAnchor;
 use crate::state::{ContextState, OBSERVATION_METADATA_KEY};
 
-/// Price of a prompt token served from the provider's cache, relative to an uncached one.
+/// Price of a prompt token served from the provider's cache, relative to an uncached
+/// one, in [`Report::from_runs`] (a replay's own [`Report::from_config`] prices them at
+/// its [`CompactionConfig::cached_input_price`], 0.1 by default too).
 pub const CACHED_TOKEN_PRICE: f64 = 0.1;
 
 /// Price of an output token relative to an uncached prompt token (GPT-4o's ratio), for
@@ -98,6 +100,20 @@ impl ReplayConfig {
     pub fn token_threshold(&self) -> usize {
         self.compaction
             .token_threshold(self.profile().input_budget())
+    }
+
+    /// The prompt budget: the window less the tokens reserved for the reply. A prompt
+    /// over it leaves the reply less than its reserve (a provider given that maximum
+    /// output refuses it).
+    ///
+    /// ```
+    /// use keel_compaction::replay::ReplayConfig;
+    /// use keel_compaction::Strategy;
+    ///
+    /// assert_eq!(ReplayConfig::new(10_000, Strategy::Hierarchical).input_budget(), 9_000);
+    /// ```
+    pub fn input_budget(&self) -> usize {
+        self.profile().input_budget()
     }
 
     fn profile(&self) -> ModelProfile {
@@ -462,6 +478,12 @@ pub struct Report {
     pub strategy: String,
     /// Window.
     pub window: usize,
+    /// The prompt budget: the window less the reply's reserve ([`Report::from_runs`]:
+    /// the window).
+    pub budget: usize,
+    /// The price of a cached prompt token the costs were weighed with, relative to an
+    /// uncached one.
+    pub cached_price: f64,
     /// Runs replayed.
     pub runs: usize,
     /// Model calls.
@@ -470,7 +492,8 @@ pub struct Report {
     pub full_tokens: usize,
     /// Input tokens with the strategy.
     pub tokens: usize,
-    /// Cache-weighted cost of the full history (shared-prefix tokens at 0.1).
+    /// Cache-weighted cost of the full history (shared-prefix tokens at
+    /// [`cached_price`](Self::cached_price)).
     pub full_cost: f64,
     /// Cache-weighted cost with the strategy, the summarizer's calls included
     /// ([`Report::summary_cost`]).
@@ -487,6 +510,10 @@ pub struct Report {
     pub full_over_window: usize,
     /// Turns whose prompt exceeds the window with the strategy.
     pub over_window: usize,
+    /// Turns whose full-history prompt exceeds the budget.
+    pub full_over_budget: usize,
+    /// Turns whose prompt exceeds the budget with the strategy.
+    pub over_budget: usize,
     /// Prompts with the goal byte-identical.
     pub goal_intact: usize,
     /// Successful compactions.
@@ -520,12 +547,56 @@ pub struct Report {
 }
 
 impl Report {
-    /// Summarizes run reports.
+    /// Summarizes run reports made at `window`: the budget is the window, and cached
+    /// tokens are priced at [`CACHED_TOKEN_PRICE`]. For a replay's own runs,
+    /// [`Report::from_config`] knows its budget and price.
     pub fn from_runs(dataset: &str, strategy: &str, window: usize, runs: &[RunReport]) -> Self {
+        Self::tally(
+            dataset,
+            strategy,
+            (window, window),
+            CACHED_TOKEN_PRICE,
+            runs,
+        )
+    }
+
+    /// Summarizes the run reports of a replay with `config`: prompts over its
+    /// [`input_budget`](ReplayConfig::input_budget) are counted, and cached tokens are
+    /// priced at its compaction's [`CompactionConfig::cached_input_price`] (the price
+    /// its step trigger's cost model assumed).
+    ///
+    /// ```
+    /// use keel_compaction::replay::{ReplayConfig, Report};
+    /// use keel_compaction::{CompactionConfig, Strategy};
+    ///
+    /// let mut config = ReplayConfig::new(8_000, Strategy::Hierarchical);
+    /// config.compaction = config.compaction.with_cached_input_price(0.5);
+    /// let report = Report::from_config("none", &config, &[]);
+    /// assert_eq!((report.budget, report.cached_price), (7_200, 0.5));
+    /// ```
+    pub fn from_config(dataset: &str, config: &ReplayConfig, runs: &[RunReport]) -> Self {
+        Self::tally(
+            dataset,
+            config.compaction.strategy.name(),
+            (config.window, config.input_budget()),
+            config.compaction.cached_input_price.clamp(0.0, 1.0),
+            runs,
+        )
+    }
+
+    fn tally(
+        dataset: &str,
+        strategy: &str,
+        (window, budget): (usize, usize),
+        cached_price: f64,
+        runs: &[RunReport],
+    ) -> Self {
         let mut r = Report {
             dataset: dataset.to_owned(),
             strategy: strategy.to_owned(),
             window,
+            budget,
+            cached_price,
             runs: runs.len(),
             turns: 0,
             full_tokens: 0,
@@ -538,6 +609,8 @@ impl Report {
             peak: 0,
             full_over_window: 0,
             over_window: 0,
+            full_over_budget: 0,
+            over_budget: 0,
             goal_intact: 0,
             compactions: 0,
             failed_compactions: 0,
@@ -557,8 +630,8 @@ impl Report {
                 r.turns += 1;
                 r.full_tokens += t.full_tokens;
                 r.tokens += t.tokens;
-                r.full_cost += weighted(t.full_tokens, t.full_shared_prefix);
-                r.cost += weighted(t.tokens, t.shared_prefix);
+                r.full_cost += weighted(t.full_tokens, t.full_shared_prefix, cached_price);
+                r.cost += weighted(t.tokens, t.shared_prefix, cached_price);
                 if k > 0 {
                     r.followup_turns += 1;
                     r.cacheable_turns += usize::from(t.extends_previous);
@@ -567,6 +640,8 @@ impl Report {
                 r.peak = r.peak.max(t.tokens);
                 r.full_over_window += usize::from(t.full_tokens > window);
                 r.over_window += usize::from(t.tokens > window);
+                r.full_over_budget += usize::from(t.full_tokens > budget);
+                r.over_budget += usize::from(t.tokens > budget);
                 r.goal_intact += usize::from(t.goal_intact);
                 r.recall_turns += usize::from(t.checked);
                 r.needed_facts += t.needed;
@@ -594,12 +669,12 @@ impl Report {
     }
 
     /// The cache-weighted cost of the summarizer's calls (included in `cost`): prompt
-    /// tokens at 1, cached ones at [`CACHED_TOKEN_PRICE`], output at
+    /// tokens at 1, cached ones at [`cached_price`](Self::cached_price), output at
     /// [`OUTPUT_TOKEN_PRICE`].
     pub fn summary_cost(&self) -> f64 {
         let cached = self.summary_cached_tokens.min(self.summary_input_tokens);
         (self.summary_input_tokens - cached) as f64
-            + CACHED_TOKEN_PRICE * cached as f64
+            + self.cached_price * cached as f64
             + OUTPUT_TOKEN_PRICE * self.summary_output_tokens as f64
     }
 
@@ -659,7 +734,8 @@ impl Report {
         )
     }
 
-    /// The column headings of [`Report`]'s `Display` rows.
+    /// The column headings of [`Report`]'s `Display` rows (`over`: prompts over the
+    /// budget).
     pub const HEADER: &'static str = "dataset    window strategy      runs turns  tokens(full→keel)      saved  cache-weighted(full→keel)  saved  cacheable  peak(full→keel) over(full→keel) goal  needles       recall(+archive) facts";
 }
 
@@ -682,8 +758,8 @@ impl fmt::Display for Report {
             100.0 * self.cacheable_share(),
             self.full_peak,
             self.peak,
-            self.full_over_window,
-            self.over_window,
+            self.full_over_budget,
+            self.over_budget,
             100.0 * self.goal_share(),
             format!("{}/{} left", self.needles_found, self.needles_left),
             100.0 * self.recall(),
@@ -693,9 +769,9 @@ impl fmt::Display for Report {
     }
 }
 
-fn weighted(tokens: usize, shared: usize) -> f64 {
+fn weighted(tokens: usize, shared: usize, cached_price: f64) -> f64 {
     let shared = shared.min(tokens);
-    CACHED_TOKEN_PRICE * shared as f64 + (tokens - shared) as f64
+    cached_price * shared as f64 + (tokens - shared) as f64
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -713,12 +789,7 @@ pub async fn replay_all(
         runs.push(replay_trajectory(t, config, Arc::clone(&counter)).await?);
     }
     let dataset = trajectories.first().map_or("", |t| t.dataset.as_str());
-    let report = Report::from_runs(
-        dataset,
-        config.compaction.strategy.name(),
-        config.window,
-        &runs,
-    );
+    let report = Report::from_config(dataset, config, &runs);
     Ok((report, runs))
 }
 
@@ -726,6 +797,57 @@ pub async fn replay_all(
 mod tests {
     use super::*;
     use keel_token::ApproxCounter;
+
+    fn turn(full_tokens: usize, tokens: usize, shared_prefix: usize) -> TurnRecord {
+        TurnRecord {
+            full_tokens,
+            tokens,
+            shared_prefix,
+            full_shared_prefix: shared_prefix,
+            extends_previous: shared_prefix > 0,
+            goal_intact: true,
+            checked: false,
+            needed: 0,
+            needed_in_prompt: 0,
+            needed_in_archive: 0,
+        }
+    }
+
+    /// A replay's report counts prompts over its budget (the window less the reply's
+    /// reserve), not only over the window, and prices cached tokens as configured.
+    #[test]
+    fn a_replays_report_counts_the_budget_and_its_price() {
+        let run = RunReport {
+            dataset: "d".into(),
+            id: "r".into(),
+            turns: vec![
+                turn(850, 850, 0),
+                turn(950, 920, 850),
+                turn(1_050, 990, 900),
+            ],
+            events: Vec::new(),
+            needles: Vec::new(),
+            facts: Vec::new(),
+            prompts: Vec::new(),
+        };
+        let mut config = ReplayConfig::new(1_000, Strategy::Hierarchical);
+        assert_eq!(config.input_budget(), 900);
+        let r = Report::from_config("d", &config, std::slice::from_ref(&run));
+        assert_eq!((r.full_over_window, r.over_window), (1, 0));
+        assert_eq!((r.full_over_budget, r.over_budget), (2, 2));
+        // 850 + (100 + 0.1 * 850) + (150 + 0.1 * 900) for the full history.
+        assert!((r.full_cost - 1_275.0).abs() < 1e-9, "{}", r.full_cost);
+        config.compaction = config.compaction.with_cached_input_price(1.0);
+        let r = Report::from_config("d", &config, std::slice::from_ref(&run));
+        assert!((r.full_cost - 2_850.0).abs() < 1e-9, "{}", r.full_cost);
+        assert!((r.cost - 2_760.0).abs() < 1e-9, "{}", r.cost);
+        // Without a config: the window is the budget, and the price 0.1.
+        let r = Report::from_runs("d", "s", 1_000, &[run]);
+        assert_eq!(
+            (r.full_over_budget, r.budget, r.cached_price),
+            (1, 1_000, 0.1)
+        );
+    }
 
     /// A recorded run longer than the live agent's step ceiling (500 model calls)
     /// replays to its end instead of failing at the ceiling.
