@@ -50,6 +50,10 @@ pub enum AgentEvent {
         name: String,
         /// Whether it produced a result (an error is sent to the model as the result).
         ok: bool,
+        /// Why it produced none, when it failed: a timeout or a panic, say, told apart
+        /// from the tool's own error without reading the text.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failure: Option<ToolFailure>,
         /// The error, when it failed: its first 1,000 characters (the tool message
         /// the model reads has it whole). The name keeps its first 64 and the call id
         /// its first 256, as the model may send any.
@@ -100,4 +104,70 @@ pub enum AgentEvent {
         /// The window assumed.
         window: u64,
     },
+}
+
+/// Why a tool call produced no result ([`AgentEvent::ToolCall`]'s `failure`). Whatever
+/// it is, the model reads the error as the call's result and the run goes on.
+///
+/// ```
+/// use keel_agent::ToolFailure;
+///
+/// assert_eq!(ToolFailure::TimedOut.as_str(), "timed_out");
+/// assert_eq!(serde_json::to_string(&ToolFailure::TimedOut)?, "\"timed_out\"");
+/// assert!(ToolFailure::Panicked.is_fault() && !ToolFailure::BadArguments.is_fault());
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ToolFailure {
+    /// The model called a tool that is not registered.
+    UnknownTool,
+    /// The arguments were not valid JSON, or the tool refused them
+    /// ([`ToolError::BadArguments`](keel_message::ToolError::BadArguments)).
+    BadArguments,
+    /// The tool returned an error of its own.
+    Failed,
+    /// The call did not finish within the tool timeout
+    /// ([`AgentBuilder::tool_timeout`](crate::AgentBuilder::tool_timeout)); its
+    /// result is discarded.
+    TimedOut,
+    /// The tool panicked.
+    Panicked,
+    /// The call's task was cancelled before it finished.
+    Cancelled,
+    /// The user did not approve the call, so it was not run.
+    NotApproved,
+}
+
+impl ToolFailure {
+    /// The name used in events and logs: `unknown_tool`, `bad_arguments`, `failed`,
+    /// `timed_out`, `panicked`, `cancelled` or `not_approved`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ToolFailure::UnknownTool => "unknown_tool",
+            ToolFailure::BadArguments => "bad_arguments",
+            ToolFailure::Failed => "failed",
+            ToolFailure::TimedOut => "timed_out",
+            ToolFailure::Panicked => "panicked",
+            ToolFailure::Cancelled => "cancelled",
+            ToolFailure::NotApproved => "not_approved",
+        }
+    }
+
+    /// Whether the failure is the tool's or its host's fault rather than the model's
+    /// or the user's: a timeout, a panic or a cancelled task, worth an alert where an
+    /// unknown tool or bad arguments are the model's to correct.
+    pub fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            ToolFailure::TimedOut | ToolFailure::Panicked | ToolFailure::Cancelled
+        )
+    }
+}
+
+impl std::fmt::Display for ToolFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }

@@ -598,6 +598,7 @@ impl AgentNodes {
                         crate::tools::ToolOutcome {
                             message: m,
                             error: Some("not approved".to_owned()),
+                            failure: Some(crate::ToolFailure::NotApproved),
                             result_chars: 0,
                             duration: std::time::Duration::ZERO,
                         }
@@ -615,18 +616,32 @@ impl AgentNodes {
                 // error of any size (a tool's 10 MB error text) is kept short there;
                 // the tool message holds it whole.
                 let duration_ms = u64::try_from(o.duration.as_millis()).unwrap_or(u64::MAX);
-                tracing::debug!(
-                    tool = %crate::tools::clip(&c.name, 64),
-                    ok = o.error.is_none(),
-                    result_chars = o.result_chars,
-                    duration_ms,
-                    "tool call"
-                );
+                let failure = o.failure.map(|f| f.as_str());
+                if o.failure.is_some_and(|f| f.is_fault()) {
+                    // A timeout or a panic is the tool's (or its host's) fault, not the
+                    // model's: worth a warning where a bad call is not.
+                    tracing::warn!(
+                        tool = %crate::tools::clip(&c.name, 64),
+                        failure,
+                        duration_ms,
+                        "tool call failed"
+                    );
+                } else {
+                    tracing::debug!(
+                        tool = %crate::tools::clip(&c.name, 64),
+                        ok = o.error.is_none(),
+                        failure,
+                        result_chars = o.result_chars,
+                        duration_ms,
+                        "tool call"
+                    );
+                }
                 events.push(AgentEvent::ToolCall {
                     step: s.step,
                     call_id: crate::tools::clip(&c.id, 256).into_owned(),
                     name: crate::tools::clip(&c.name, 64).into_owned(),
                     ok: o.error.is_none(),
+                    failure: o.failure,
                     error: o
                         .error
                         .as_deref()

@@ -400,6 +400,23 @@ async fn bad_tool_calls_become_tool_messages_and_the_run_goes_on() {
         .filter(|e| matches!(e, AgentEvent::ToolCall { ok: false, .. }))
         .count();
     assert_eq!(failed, 6);
+    // Each failure says what kind it is, without reading its text.
+    let failure = |id: &str| {
+        run.state.events.iter().find_map(|e| match e {
+            AgentEvent::ToolCall {
+                call_id, failure, ..
+            } if call_id == id => Some(*failure),
+            _ => None,
+        })
+    };
+    use keel_agent::ToolFailure;
+    assert_eq!(failure("p"), Some(Some(ToolFailure::Panicked)));
+    assert_eq!(failure("h"), Some(Some(ToolFailure::TimedOut)));
+    assert_eq!(failure("u"), Some(Some(ToolFailure::UnknownTool)));
+    assert_eq!(failure("j"), Some(Some(ToolFailure::BadArguments)));
+    assert_eq!(failure("a"), Some(Some(ToolFailure::BadArguments)));
+    assert_eq!(failure("f"), Some(Some(ToolFailure::Failed)));
+    assert_eq!(failure("g"), Some(None));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -2996,6 +3013,14 @@ async fn a_thread_awaiting_approval_is_refused_by_an_agent_that_would_not_ask() 
             .iter()
             .any(|m| m.role == Role::Tool && m.text().contains("did not approve"))
     );
+    assert!(run.state.events.iter().any(|e| matches!(
+        e,
+        AgentEvent::ToolCall {
+            failure: Some(keel_agent::ToolFailure::NotApproved),
+            ok: false,
+            ..
+        }
+    )));
 }
 
 #[tokio::test(flavor = "multi_thread")]

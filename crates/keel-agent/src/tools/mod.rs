@@ -11,6 +11,8 @@ use keel_message::{
 use keel_offload::{OffloadStore, RetrievalTools, ThreadId, ToolLimits};
 use serde_json::Value;
 
+use crate::event::ToolFailure;
+
 #[cfg(feature = "fs")]
 mod fs;
 #[cfg(feature = "fs")]
@@ -42,11 +44,14 @@ impl std::fmt::Debug for Toolbox {
 
 /// How one tool call went.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ToolOutcome {
     /// The tool message answering the call (an error is written into it for the model).
     pub message: Message,
     /// The error, when the call produced no result.
     pub error: Option<String>,
+    /// Why the call produced no result, when it did not.
+    pub failure: Option<ToolFailure>,
     /// Characters of the result as the tool returned it.
     pub result_chars: usize,
     /// Wall time.
@@ -130,14 +135,14 @@ impl Toolbox {
     pub async fn run_in(&self, call: &ToolCall, ctx: ToolContext) -> ToolOutcome {
         let started = Instant::now();
         let result = self.execute(call, ctx).await;
-        let (text, error, chars) = match result {
+        let (text, error, failure, chars) = match result {
             Ok(text) => {
                 let n = text.len();
-                (text, None, n)
+                (text, None, None, n)
             }
-            Err(e) => {
+            Err((failure, e)) => {
                 let text = format!("Error: {e}");
-                (text, Some(e), 0)
+                (text, Some(e), Some(failure), 0)
             }
         };
         let mut message = Message::tool(call.id.clone(), text);
@@ -145,26 +150,37 @@ impl Toolbox {
         ToolOutcome {
             message,
             error,
+            failure,
             result_chars: chars,
             duration: started.elapsed(),
         }
     }
 
-    async fn execute(&self, call: &ToolCall, ctx: ToolContext) -> Result<String, String> {
+    async fn execute(
+        &self,
+        call: &ToolCall,
+        ctx: ToolContext,
+    ) -> Result<String, (ToolFailure, String)> {
         let Some(tool) = self.tools.get(&call.name).cloned() else {
             let known: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
-            return Err(format!(
-                "there is no tool named `{}`; the tools are: {}",
-                clip(&call.name, 64),
-                known.join(", ")
+            return Err((
+                ToolFailure::UnknownTool,
+                format!(
+                    "there is no tool named `{}`; the tools are: {}",
+                    clip(&call.name, 64),
+                    known.join(", ")
+                ),
             ));
         };
         let arguments = match &call.arguments {
             ToolArguments::Invalid(raw) => {
-                return Err(format!(
-                    "the arguments of this `{}` call are not valid JSON ({}); call it again with a JSON object",
-                    clip(&call.name, 64),
-                    preview(raw)
+                return Err((
+                    ToolFailure::BadArguments,
+                    format!(
+                        "the arguments of this `{}` call are not valid JSON ({}); call it again with a JSON object",
+                        clip(&call.name, 64),
+                        preview(raw)
+                    ),
                 ));
             }
             a => a.as_json().cloned().unwrap_or(Value::Null),
@@ -178,21 +194,31 @@ impl Toolbox {
         // run's own task, rather than running on with nobody to take its result.
         let _abort = AbortOnDrop(task.abort_handle());
         match tokio::time::timeout(timeout, task).await {
-            Err(_) => Err(format!(
-                "`{}` did not finish within {} s; its result is discarded, and whatever it changed before then stays changed",
-                call.name,
-                timeout.as_secs_f64()
+            Err(_) => Err((
+                ToolFailure::TimedOut,
+                format!(
+                    "`{}` did not finish within {} s; its result is discarded, and whatever it changed before then stays changed",
+                    call.name,
+                    timeout.as_secs_f64()
+                ),
             )),
-            Ok(Err(join)) if join.is_panic() => Err(format!(
-                "`{}` crashed (it panicked: {}); the call had no effect you can rely on",
-                call.name,
-                panic_message(join.into_panic())
+            Ok(Err(join)) if join.is_panic() => Err((
+                ToolFailure::Panicked,
+                format!(
+                    "`{}` crashed (it panicked: {}); the call had no effect you can rely on",
+                    call.name,
+                    panic_message(join.into_panic())
+                ),
             )),
-            Ok(Err(_)) => Err(format!("`{}` was cancelled", call.name)),
-            Ok(Ok(Err(e))) => Err(match e {
-                ToolError::BadArguments(p) => format!("bad arguments for `{}`: {p}", call.name),
-                other => other.to_string(),
-            }),
+            Ok(Err(_)) => Err((
+                ToolFailure::Cancelled,
+                format!("`{}` was cancelled", call.name),
+            )),
+            Ok(Ok(Err(ToolError::BadArguments(p)))) => Err((
+                ToolFailure::BadArguments,
+                format!("bad arguments for `{}`: {p}", call.name),
+            )),
+            Ok(Ok(Err(other))) => Err((ToolFailure::Failed, other.to_string())),
             Ok(Ok(Ok(text))) => Ok(text),
         }
     }
