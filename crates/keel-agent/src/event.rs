@@ -27,8 +27,14 @@ pub enum AgentEvent {
         cached_tokens: Option<u64>,
         /// Tool calls in the reply.
         tool_calls: usize,
-        /// Wall time of the call, in milliseconds.
+        /// Wall time of the call, in milliseconds, retries and their waits included.
         duration_ms: u64,
+        /// Failed attempts the model client retried before it answered (a rate
+        /// limit, a server error, a dropped connection), as its reply reports them
+        /// ([`ChatResponse::retries`](keel_model::ChatResponse::retries)): 0 when the
+        /// first attempt answered.
+        #[serde(default)]
+        retries: u32,
         /// Context overflows the provider reported before this call succeeded (each
         /// one compacted the context once).
         overflow_retries: u32,

@@ -373,6 +373,7 @@ impl AgentNodes {
             cached_tokens = tracing::field::Empty,
             tool_calls = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
+            retries = tracing::field::Empty,
             overflow_retries = tracing::field::Empty,
             cut_off = tracing::field::Empty,
             error = tracing::field::Empty,
@@ -499,6 +500,7 @@ impl AgentNodes {
             span.record("prompt_tokens", prompt_tokens);
             span.record("tool_calls", reply.tool_calls.len());
             span.record("duration_ms", duration_ms);
+            span.record("retries", response.retries);
             span.record("overflow_retries", retries);
             span.record("cut_off", cut_off);
             if let Some(u) = usage {
@@ -517,6 +519,7 @@ impl AgentNodes {
                 cached_tokens: usage.and_then(|u| u.cached_tokens),
                 tool_calls: reply.tool_calls.len(),
                 duration_ms,
+                retries: response.retries,
                 overflow_retries: retries,
                 cut_off,
             });

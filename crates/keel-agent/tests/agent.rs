@@ -3413,7 +3413,8 @@ fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
                 if calls.fetch_add(1, Ordering::SeqCst) == 0 {
                     Ok(
                         ChatResponse::new(Message::assistant("Done."), "usage-model")
-                            .with_usage(keel_model::Usage::new(321, 12).with_cached_tokens(300)),
+                            .with_usage(keel_model::Usage::new(321, 12).with_cached_tokens(300))
+                            .with_retries(2),
                     )
                 } else {
                     Err(ModelError::Connection("the server went away".into()))
@@ -3423,7 +3424,14 @@ fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
                 .checkpointer(Arc::new(MemorySaver::new()))
                 .build()
                 .unwrap();
-            agent.run("spans", AgentInput::new()).await.unwrap();
+            let run = agent.run("spans", AgentInput::new()).await.unwrap();
+            // The event says the reply came after two retried attempts.
+            assert!(
+                run.state
+                    .events
+                    .iter()
+                    .any(|e| matches!(e, AgentEvent::ModelCall { retries: 2, .. }))
+            );
             agent
                 .run("spans", AgentInput::new().user("Again."))
                 .await
@@ -3442,6 +3450,7 @@ fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
         "provider_prompt_tokens=321",
         "completion_tokens=12",
         "cached_tokens=300",
+        " retries=2",
         "overflow_retries=0",
         "cut_off=false",
     ] {

@@ -685,6 +685,7 @@ fn model_call_line(event: &AgentEvent) -> Option<String> {
         duration_ms,
         cut_off,
         overflow_retries,
+        retries,
         ..
     } = event
     else {
@@ -698,14 +699,19 @@ fn model_call_line(event: &AgentEvent) -> Option<String> {
     let cached = cached_tokens
         .map(|c| format!(", {} cached", thousands(c)))
         .unwrap_or_default();
-    let retried = if *overflow_retries > 0 {
-        format!(
+    let mut retried = String::new();
+    if *retries > 0 {
+        retried += &format!(
+            ", after {} retried (rate limit or server error; the time includes the waits)",
+            crate::ui::count(u64::from(*retries), "attempt")
+        );
+    }
+    if *overflow_retries > 0 {
+        retried += &format!(
             ", after {} the server refused as over its context",
             crate::ui::count(u64::from(*overflow_retries), "prompt")
-        )
-    } else {
-        String::new()
-    };
+        );
+    }
     let out_tokens = completion_tokens
         .map(|c| format!(" -> {} out", thousands(c)))
         .unwrap_or_default();
@@ -851,6 +857,12 @@ mod tests {
             "step   7  model: 1,234 prompt tokens (server: 1,300), 1,024 cached -> 56 out, 80 ms, \
              after 2 prompts the server refused as over its context \
              (stopped at --max-tokens: the reply may be cut off; raise it and send a message to go on)"
+        );
+        // Retried attempts (events written before they were counted have none).
+        let retried = model_call_line(&model_call(json!({"retries": 3}))).unwrap();
+        assert!(
+            retried.ends_with(", after 3 attempts retried (rate limit or server error; the time includes the waits)"),
+            "{retried}"
         );
         let one = model_call_line(&model_call(json!({"overflow_retries": 1}))).unwrap();
         assert!(

@@ -354,8 +354,9 @@ impl Http {
             .map_err(|_| ModelError::Config("the client's concurrency limiter was closed".into()))
     }
 
-    /// Runs `attempt` until it succeeds, fails for good, or retries run out.
-    async fn retrying<T, F, Fut>(&self, url: &str, mut attempt: F) -> Result<T, ModelError>
+    /// Runs `attempt` until it succeeds, fails for good, or retries run out; with the
+    /// value, the failed attempts retried before it.
+    async fn retrying<T, F, Fut>(&self, url: &str, mut attempt: F) -> Result<(T, u32), ModelError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, ModelError>>,
@@ -367,7 +368,7 @@ impl Http {
                 bucket.acquire().await;
             }
             let err = match attempt().await {
-                Ok(v) => return Ok(v),
+                Ok(v) => return Ok((v, retry)),
                 Err(e) => e,
             };
             if !err.is_retryable() || !policy.allows_retry(retry + 1) {
@@ -422,6 +423,16 @@ impl Http {
         body: Option<&[u8]>,
         timeout: Option<Duration>,
     ) -> Result<Vec<u8>, ModelError> {
+        self.call_counted(url, body, timeout).await.map(|(b, _)| b)
+    }
+
+    /// [`HttpClient::call`], with the failed attempts retried before the reply.
+    pub(crate) async fn call_counted(
+        &self,
+        url: &str,
+        body: Option<&[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<u8>, u32), ModelError> {
         let _slot = self.slot().await?;
         let deadline = timeout.unwrap_or(self.config.request_timeout);
         self.retrying(url, || async {
@@ -454,13 +465,14 @@ impl Http {
                 .await
                 .map_err(|_| ModelError::Timeout(headers_timeout))?
         });
-        let response = match end {
+        let (response, retries) = match end {
             Some(end) => tokio::time::timeout_at(end, attempts)
                 .await
                 .map_err(|_| ModelError::Timeout(limits.total))??,
             None => attempts.await?,
         };
-        Ok(drive(response.bytes_stream(), slot, decoder, limits, end))
+        let events = drive(response.bytes_stream(), slot, decoder, limits, end);
+        Ok(crate::retry::add_retries(events, retries))
     }
 }
 

@@ -292,9 +292,9 @@ impl ChatModel for OllamaModel {
         options: &ChatOptions,
     ) -> Result<ChatResponse, ModelError> {
         let body = self.encode(messages, tools, options, false)?;
-        let reply = self
+        let (reply, retries) = self
             .http
-            .call(&self.chat_url, Some(&body), options.timeout)
+            .call_counted(&self.chat_url, Some(&body), options.timeout)
             .await?;
         let v = http::parse_body(&reply)?;
         let mut acc = Accumulator::new(options.model.as_deref().unwrap_or(&self.config.model));
@@ -310,7 +310,7 @@ impl ChatModel for OllamaModel {
                 "non-streamed reply is not marked done".into(),
             ));
         }
-        Ok(acc.finish())
+        Ok(acc.finish().with_retries(retries))
     }
 
     async fn chat_stream(
@@ -514,6 +514,7 @@ impl Accumulator {
             usage: self.usage,
             finish_reason: self.finish.take(),
             model: std::mem::take(&mut self.model),
+            retries: 0,
         }
     }
 }

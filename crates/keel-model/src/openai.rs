@@ -292,11 +292,12 @@ impl ChatModel for OpenAiModel {
         options: &ChatOptions,
     ) -> Result<ChatResponse, ModelError> {
         let body = self.encode(messages, tools, options, false)?;
-        let reply = self
+        let (reply, retries) = self
             .http
-            .call(&self.chat_url, Some(&body), options.timeout)
+            .call_counted(&self.chat_url, Some(&body), options.timeout)
             .await?;
         parse_response(&http::parse_body(&reply)?, &self.config.model)
+            .map(|r| r.with_retries(retries))
     }
 
     async fn chat_stream(
@@ -416,6 +417,7 @@ fn parse_response(v: &Value, default_model: &str) -> Result<ChatResponse, ModelE
             .and_then(Value::as_str)
             .unwrap_or(default_model)
             .to_owned(),
+        retries: 0,
     })
 }
 
@@ -520,6 +522,7 @@ impl SseDecoder {
             usage: self.usage,
             finish_reason: self.finish.take(),
             model: std::mem::take(&mut self.model),
+            retries: 0,
         })
     }
 

@@ -145,6 +145,7 @@ impl ChatModel for ReplayModel {
             usage: None,
             finish_reason: Some(finish),
             model: options.model.clone().unwrap_or_else(|| self.name.clone()),
+            retries: 0,
         })
     }
 }

@@ -5,7 +5,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use keel_message::{Message, RetryPolicy, ToolSpec};
 
-use crate::{ChatModel, ChatOptions, ChatResponse, ChatStream, ModelError};
+use futures::StreamExt;
+
+use crate::{ChatEvent, ChatModel, ChatOptions, ChatResponse, ChatStream, ModelError};
 
 /// Retries any [`ChatModel`]'s failed calls with keel's one [`RetryPolicy`], the same
 /// policy type graph nodes, the HTTP providers and the compactor use.
@@ -42,6 +44,8 @@ use crate::{ChatModel, ChatOptions, ChatResponse, ChatStream, ModelError};
 /// let model = Retrying::new(flaky, policy);
 /// let reply = model.chat(&[Message::user("hi")], &[], &ChatOptions::new()).await?;
 /// assert_eq!(reply.text(), "hello");
+/// // The reply counts the attempt retried before it.
+/// assert_eq!(reply.retries, 1);
 /// # Ok(())
 /// # }
 /// ```
@@ -98,8 +102,9 @@ impl<M> Retrying<M> {
         )
     }
 
-    /// Runs `attempt` until it succeeds or its error is final.
-    async fn retrying<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<T, ModelError>
+    /// Runs `attempt` until it succeeds or its error is final; with the value, the
+    /// failed attempts retried before it.
+    async fn retrying<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<(T, u32), ModelError>
     where
         M: ChatModel,
         F: FnMut() -> Fut,
@@ -108,7 +113,7 @@ impl<M> Retrying<M> {
         let mut failed = 0u32;
         loop {
             let err = match attempt().await {
-                Ok(v) => return Ok(v),
+                Ok(v) => return Ok((v, failed)),
                 Err(e) => e,
             };
             failed += 1;
@@ -119,6 +124,21 @@ impl<M> Retrying<M> {
             tokio::time::sleep(wait).await;
         }
     }
+}
+
+/// `events` whose finished reply ([`ChatEvent::Done`]) counts `failed` more retried
+/// attempts: those made before the stream opened.
+pub(crate) fn add_retries(events: ChatStream, failed: u32) -> ChatStream {
+    if failed == 0 {
+        return events;
+    }
+    Box::pin(events.map(move |item| match item {
+        Ok(ChatEvent::Done(r)) => {
+            let retries = r.retries.saturating_add(failed);
+            Ok(ChatEvent::Done(r.with_retries(retries)))
+        }
+        other => other,
+    }))
 }
 
 /// The wait before retry number `retry` (0-based): the provider's `retry_after` when it
@@ -152,8 +172,11 @@ impl<M: ChatModel> ChatModel for Retrying<M> {
         tools: &[ToolSpec],
         options: &ChatOptions,
     ) -> Result<ChatResponse, ModelError> {
-        self.retrying("model call", || self.inner.chat(messages, tools, options))
-            .await
+        let (reply, failed) = self
+            .retrying("model call", || self.inner.chat(messages, tools, options))
+            .await?;
+        let retries = reply.retries.saturating_add(failed);
+        Ok(reply.with_retries(retries))
     }
 
     async fn chat_stream(
@@ -162,10 +185,12 @@ impl<M: ChatModel> ChatModel for Retrying<M> {
         tools: &[ToolSpec],
         options: &ChatOptions,
     ) -> Result<ChatStream, ModelError> {
-        self.retrying("opening a model stream", || {
-            self.inner.chat_stream(messages, tools, options)
-        })
-        .await
+        let (events, failed) = self
+            .retrying("opening a model stream", || {
+                self.inner.chat_stream(messages, tools, options)
+            })
+            .await?;
+        Ok(add_retries(events, failed))
     }
 }
 

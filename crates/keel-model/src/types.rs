@@ -265,6 +265,10 @@ pub struct ChatResponse {
     pub finish_reason: Option<FinishReason>,
     /// The model that answered, as the provider named it.
     pub model: String,
+    /// Failed attempts retried before this reply (a rate limit, a server error, a
+    /// dropped connection): 0 when the first attempt answered. Their waits are part
+    /// of the call's wall time.
+    pub retries: u32,
 }
 
 impl ChatResponse {
@@ -275,7 +279,15 @@ impl ChatResponse {
             usage: None,
             finish_reason: None,
             model: model.into(),
+            retries: 0,
         }
+    }
+
+    /// With the failed attempts retried before it.
+    #[must_use]
+    pub fn with_retries(mut self, retries: u32) -> Self {
+        self.retries = retries;
+        self
     }
 
     /// With the provider's token usage.

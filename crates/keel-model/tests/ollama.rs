@@ -283,6 +283,7 @@ async fn rate_limit_is_retried_after_the_wait() {
         .unwrap();
     assert_eq!(reply.usage, Some(Usage::new(169, 18)));
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
+    assert_eq!(reply.retries, 1);
 }
 
 #[tokio::test]

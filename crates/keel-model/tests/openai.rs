@@ -296,6 +296,43 @@ async fn rate_limit_with_retry_after_is_waited_out_then_succeeds() {
         .unwrap();
     assert_eq!(reply.usage, Some(Usage::new(82, 17).with_cached_tokens(64)));
     assert_eq!(server.received_requests().await.unwrap().len(), 2);
+    // The reply says it came after one retried attempt.
+    assert_eq!(reply.retries, 1);
+}
+
+#[tokio::test]
+async fn a_stream_opened_after_a_retry_says_so_in_its_reply() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(429)
+                .insert_header("retry-after", "0")
+                .set_body_json(json!({"error": {"message": "Rate limit reached", "code": "rate_limit_exceeded"}})),
+        )
+        .up_to_n_times(1)
+        .with_priority(1)
+        .mount(&server)
+        .await;
+    let body = sse(&[chunk_with(json!({"content": "Hi."}), json!("stop"))]);
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_raw(body, "text/event-stream"))
+        .with_priority(2)
+        .mount(&server)
+        .await;
+    let mut stream = model_at(&server.uri())
+        .chat_stream(&history(), &[], &ChatOptions::new())
+        .await
+        .unwrap();
+    let mut done = None;
+    while let Some(e) = stream.next().await {
+        if let ChatEvent::Done(reply) = e.unwrap() {
+            done = Some(reply);
+        }
+    }
+    let reply = done.unwrap();
+    assert_eq!(reply.text(), "Hi.");
+    assert_eq!(reply.retries, 1);
+    assert_eq!(server.received_requests().await.unwrap().len(), 2);
 }
 
 #[tokio::test]
