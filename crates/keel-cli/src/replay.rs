@@ -52,7 +52,10 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "gpt-4o")]
     model: String,
     /// A milestone every N steps, whatever it costs (default: keel's triggers, which
-    /// compact on steps only when it pays for the prompt cache it resets). Each
+    /// compact on steps only when an estimate says it pays for the prompt cache it
+    /// resets; made before a run's end is known, it pays over many runs, and a run
+    /// that ends soon after a milestone can cost a few percent more: a note names
+    /// such runs). Each
     /// milestone resets the cache for everything after it, so on a roomy window this can
     /// cost more than the full history (swe-agent at 128,000 with --every 10: 4% dearer).
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
@@ -60,7 +63,7 @@ pub struct ReplayArgs {
     /// The price of a prompt token a provider serves from its cache, relative to an
     /// uncached one (0 to 1; default 0.1): what the costs are weighed with, and what
     /// keel's cost model assumes when it decides whether compacting pays.
-    #[arg(long, value_name = "PRICE", value_parser = parse_price)]
+    #[arg(long, value_name = "PRICE", value_parser = parse_price, allow_negative_numbers = true)]
     cached_price: Option<f64>,
     /// An epoch summary every M milestones.
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
@@ -450,6 +453,18 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if let Some(note) = over_budget_note(&totals, window) {
             crate::outln!("{note}");
         }
+        for (name, reports) in &results {
+            let config = config_at(window, *name);
+            let one = |rr: &RunReport| {
+                Report::from_config(&rr.dataset, &config, std::slice::from_ref(rr))
+            };
+            if let Some(note) = dearer_note(
+                name.name(),
+                reports.iter().map(|rr| (rr.id.as_str(), one(rr))),
+            ) {
+                crate::outln!("{note}");
+            }
+        }
         for (name, r) in totals.iter().filter(|(_, r)| r.over_budget > 0) {
             crate::outln!(
                 "note: {} of {}'s prompts were over the budget: at this window what every prompt keeps (the system prompt, the goal, and the newest step with its large results stubbed) can take more than {} tokens; give a larger --window",
@@ -683,14 +698,39 @@ fn over_budget_note(totals: &[(StrategyName, Report)], window: usize) -> Option<
     let (over, beyond) = (r.full_over_budget, r.full_over_window);
     (over > 0).then(|| {
         format!(
-            "note: {} of the full history's {} were over the {}-token budget (the over-budget column; {} over the {}-token window itself): a model sent the reply's reserve would have refused those prompts, so \"tokens full\" and \"saved\" count what no run could have sent there",
+            "note: {} of the full history's {} {} over the {}-token budget (the over-budget column; {} over the {}-token window itself): a model sent the reply's reserve would have refused those prompts, so \"tokens full\" and \"saved\" count what no run could have sent there",
             count(over as u64, "prompt"),
             count(r.turns as u64, "turn"),
+            if over == 1 { "was" } else { "were" },
             thousands(r.budget as u64),
             thousands(beyond as u64),
             thousands(window as u64)
         )
     })
+}
+
+/// A note when runs whose full history fit the budget cost more with `strategy` than
+/// without compaction: the cost model decides before a run's end is known, so it pays
+/// over many runs, not in each.
+fn dearer_note<'a>(
+    strategy: &str,
+    runs: impl Iterator<Item = (&'a str, Report)>,
+) -> Option<String> {
+    let mut dearer = 0usize;
+    let mut worst: Option<(&str, f64)> = None;
+    for (id, r) in runs.filter(|(_, r)| r.full_over_budget == 0 && r.cost > r.full_cost) {
+        dearer += 1;
+        let more = r.cost / r.full_cost - 1.0;
+        if worst.is_none_or(|(_, w)| more > w) {
+            worst = Some((id, more));
+        }
+    }
+    let (id, more) = worst?;
+    Some(format!(
+        "note: {} that fit the budget cost more with {strategy} than with the full history (the most: {id}, {} more): keel compacts when its estimate says the reset prompt cache is paid back within a few calls, made before it knows how soon the run ends, so it pays over many runs, not in each",
+        count(dearer as u64, "run"),
+        percent(more)
+    ))
 }
 
 /// `--cached-price`: a price relative to an uncached prompt token, from 0 to 1.
@@ -710,10 +750,22 @@ fn nothing_compacted_note(
     let compacted = totals
         .iter()
         .any(|(_, r)| r.compactions + r.failed_compactions > 0);
-    let peak = totals.iter().map(|(_, r)| r.full_peak).max()?;
+    // keel's own prompts, not the full history's: a huge tool result is offloaded as
+    // it arrives, so the history can dwarf the window while keel's prompts stay small.
+    let peak = totals.iter().map(|(_, r)| r.peak).max()?;
+    let full_peak = totals.iter().map(|(_, r)| r.full_peak).max()?;
     if compacted || totals.iter().all(|(_, r)| r.turns == 0) {
         return None;
     }
+    let largest = if full_peak > peak {
+        format!(
+            "keel's largest prompt ({} tokens; {} with the full history)",
+            thousands(peak as u64),
+            thousands(full_peak as u64)
+        )
+    } else {
+        format!("keel's largest prompt ({} tokens)", thousands(peak as u64))
+    };
     let smaller = (MIN_REPLAY_WINDOW / 1_000..window.div_ceil(1_000))
         .rev()
         .map(|k| k * 1_000)
@@ -732,14 +784,12 @@ fn nothing_compacted_note(
     let on_arrival = "any saving shown comes from what keel does to each tool result as it arrives (a large one offloaded, JSON made compact)";
     if hints.is_empty() {
         return Some(format!(
-            "note: nothing was compacted, and no smaller --window or --every would change that: the runs are too short (the largest full prompt is {} tokens) for compaction to make a prompt smaller; {on_arrival}",
-            thousands(peak as u64),
+            "note: nothing was compacted, and no smaller --window or --every would change that: the runs are too short ({largest}) for compaction to make a prompt smaller; {on_arrival}",
         ));
     }
     let hint = hints.join(" or ");
     Some(format!(
-        "note: nothing was compacted: the largest full prompt ({} tokens) stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction; {on_arrival}",
-        thousands(peak as u64),
+        "note: nothing was compacted: {largest} stayed under what keel's triggers wait for at a {}-token window; replay with {hint} to see compaction; {on_arrival}",
         thousands(window as u64),
     ))
 }
@@ -796,6 +846,7 @@ mod tests {
         let mut r = Report::from_runs("x", name.name(), 8_000, &[]);
         r.turns = 2;
         r.full_peak = peak;
+        r.peak = peak;
         (name, r)
     }
 
@@ -847,6 +898,30 @@ mod tests {
             "{window}"
         );
         assert!(window.contains("as it arrives"), "{window}");
+    }
+
+    #[test]
+    fn the_dearer_note_names_fitting_runs_that_cost_more_and_the_worst() {
+        let run = |cost: f64, full_cost: f64, over: usize| {
+            let mut r = Report::from_runs("x", "hierarchical", 8_000, &[]);
+            (r.cost, r.full_cost, r.full_over_budget) = (cost, full_cost, over);
+            r
+        };
+        let runs = [
+            ("cheaper", run(90.0, 100.0, 0)),
+            ("a bit", run(101.0, 100.0, 0)),
+            ("most", run(105.0, 100.0, 0)),
+            // Its full history was over the budget: no run could have sent it.
+            ("unfit", run(150.0, 100.0, 2)),
+        ];
+        let note = dearer_note("hierarchical", runs.into_iter()).unwrap();
+        assert!(
+            note.starts_with("note: 2 runs that fit the budget cost more with hierarchical"),
+            "{note}"
+        );
+        assert!(note.contains("(the most: most, 5.0% more)"), "{note}");
+        let none = [("cheaper", run(90.0, 100.0, 0))];
+        assert_eq!(dearer_note("masking", none.into_iter()), None);
     }
 
     #[test]
