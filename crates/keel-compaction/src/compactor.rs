@@ -72,6 +72,26 @@ pub struct StepEstimate {
 }
 
 impl StepEstimate {
+    /// The cost model for `R = leaving` tokens replaced by `S = summary` with `T =
+    /// tail` after them, a cached token at `p`, and `extra` paid once (a summarizer's
+    /// call): the next call sends `S + T` uncached instead of reading `R + T` from the
+    /// cache, and every later one reads `R - S` fewer cached tokens.
+    fn priced(
+        (leaving, tail, summary): (usize, usize, usize),
+        p: f64,
+        extra: f64,
+        payback_steps: u32,
+    ) -> Self {
+        StepEstimate {
+            leaving,
+            tail,
+            summary,
+            reset_cost: (summary + tail) as f64 - p * (leaving + tail) as f64 + extra,
+            saving_per_call: p * leaving.saturating_sub(summary) as f64,
+            payback_steps,
+        }
+    }
+
     /// What compacting saves over `payback_steps` calls (negative: it costs more).
     pub fn net_saving(&self) -> f64 {
         f64::from(self.payback_steps.saturating_sub(1)) * self.saving_per_call - self.reset_cost
@@ -753,14 +773,7 @@ impl Compactor {
             .map_or(0, |&first| state.ledger.raw.iter().skip(first).sum());
         let tail = after.saturating_sub(leaving);
         let p = self.config.cached_input_price.clamp(0.0, 1.0);
-        StepEstimate {
-            leaving,
-            tail,
-            summary,
-            reset_cost: (summary + tail) as f64 - p * (leaving + tail) as f64,
-            saving_per_call: p * leaving.saturating_sub(summary) as f64,
-            payback_steps,
-        }
+        StepEstimate::priced((leaving, tail, summary), p, 0.0, payback_steps)
     }
 
     /// What a milestone for the token trigger would free now: the raw tokens leaving
@@ -864,15 +877,7 @@ impl Compactor {
                     + p * cached as f64
                     + self.config.output_price * output as f64
             });
-        let reset_cost = (summary + tail) as f64 - p * (leaving + tail) as f64 + call;
-        StepEstimate {
-            leaving,
-            tail,
-            summary,
-            reset_cost,
-            saving_per_call: p * leaving.saturating_sub(summary) as f64,
-            payback_steps,
-        }
+        StepEstimate::priced((leaving, tail, summary), p, call, payback_steps)
     }
 
     /// Checks and compacts until no trigger fires (at most a few rounds). Call it after
