@@ -647,7 +647,7 @@ impl Compactor {
         // prompt still fits the budget (`CompactionConfig::min_token_gain`).
         if self.over_threshold(state.parts(), || total)
             && !self.token_milestone_waits(state, tools, total)
-            && !self.masking_waits(state, total)
+            && !self.masking_waits(state, tools, total)
         {
             return Some(Trigger::Tokens);
         }
@@ -712,14 +712,14 @@ impl Compactor {
     /// within the step trigger's horizon ([`Compactor::mask_estimate`]). Only the
     /// masking strategies wait, and only with [`StepTrigger::WhenItPays`]; at the
     /// budget they mask whatever it costs.
-    fn masking_waits(&self, state: &ContextState, total: usize) -> bool {
+    fn masking_waits(&self, state: &mut ContextState, tools: &[ToolSpec], total: usize) -> bool {
         if self.config.strategy.mask_params().is_none()
             || total >= self.prompt_budget()
             || !matches!(self.config.step_trigger, StepTrigger::WhenItPays { .. })
         {
             return false;
         }
-        let estimate = self.mask_estimate(state);
+        let estimate = self.mask_estimate(state, tools);
         if estimate.pays() {
             return false;
         }
@@ -747,7 +747,43 @@ impl Compactor {
     /// history fits the window, masking each time the token threshold is crossed
     /// re-sends most of the prompt uncached, and cost up to 23% more than no
     /// compaction on the recorded SWE-agent runs at an 8,000-token window.
-    pub fn mask_estimate(&self, state: &ContextState) -> StepEstimate {
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_compaction::{CompactionConfig, Compactor, ContextState, GoalAnchor, Strategy};
+    /// use keel_compaction::message::{Message, ToolCall};
+    /// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_compaction::summarize::ExtractiveSummarizer;
+    /// use keel_compaction::token::{ApproxCounter, Encoding, ModelProfile};
+    ///
+    /// let masking = Strategy::Masking { keep_turns: 1, block: 1 };
+    /// let compactor = Compactor::new(
+    ///     Arc::new(ExtractiveSummarizer::new()),
+    ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+    ///     ThreadId::new("t1")?,
+    ///     Arc::new(ApproxCounter::new()),
+    ///     ModelProfile::new("small", 8_192, 1_024, Encoding::Approximate),
+    /// )
+    /// .with_config(CompactionConfig::default().with_strategy(masking));
+    /// let mut state = ContextState::new(GoalAnchor::new("Read the logs."));
+    /// // A large result, then a short one: masking the first frees far more than the
+    /// // little after it costs to send again.
+    /// for (i, lines) in [(0, 100), (1, 2)] {
+    ///     let call = ToolCall::new(format!("c{i}"), "sh", serde_json::json!({"cmd": "cat log"}));
+    ///     let log = format!("line {i} of the build log, nothing to see\n").repeat(lines);
+    ///     compactor.push_step(
+    ///         &mut state,
+    ///         Message::assistant("Reading.").with_tool_calls(vec![call]),
+    ///         vec![Message::tool(format!("c{i}"), log)],
+    ///     );
+    /// }
+    /// let estimate = compactor.mask_estimate(&mut state, &[]);
+    /// assert!(estimate.leaving > 500 && estimate.pays(), "{estimate:?}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn mask_estimate(&self, state: &mut ContextState, tools: &[ToolSpec]) -> StepEstimate {
+        // The ledger counts every raw message.
+        self.tokens(state, tools);
         let payback_steps = match self.config.step_trigger {
             StepTrigger::WhenItPays { payback_steps } => payback_steps,
             StepTrigger::Always => 1,

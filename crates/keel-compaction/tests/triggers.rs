@@ -183,7 +183,7 @@ async fn masking_waits_below_the_budget_until_it_pays() {
         let total = c.tokens(&mut state, &[]).total;
         if total >= c.budget() {
             // At the budget it masks whatever it costs.
-            assert!(!c.mask_estimate(&state).pays());
+            assert!(!c.mask_estimate(&mut state, &[]).pays());
             assert_eq!(c.check(&mut state, &[]), Some(Trigger::Tokens));
             let events = c.after_step(&mut state, &[]).await.unwrap();
             assert!(!events.is_empty());
@@ -192,7 +192,7 @@ async fn masking_waits_below_the_budget_until_it_pays() {
             break;
         }
         if total >= c.threshold() {
-            let estimate = c.mask_estimate(&state);
+            let estimate = c.mask_estimate(&mut state, &[]);
             assert!(!estimate.pays(), "{estimate:?}");
             assert_eq!(c.check(&mut state, &[]), None, "step {i}");
             // Masking at the threshold regardless is still there for those who want it.
@@ -224,7 +224,7 @@ async fn masking_below_the_budget_goes_ahead_when_it_pays() {
     }
     let total = c.tokens(&mut state, &[]).total;
     assert!(total >= c.threshold() && total < c.budget(), "{total}");
-    let estimate = c.mask_estimate(&state);
+    let estimate = c.mask_estimate(&mut state, &[]);
     assert!(estimate.pays(), "{estimate:?}");
     assert!(estimate.leaving > 5 * estimate.tail, "{estimate:?}");
     assert_eq!(c.check(&mut state, &[]), Some(Trigger::Tokens));
