@@ -103,9 +103,12 @@ impl Runs {
 }
 
 /// Files named on the command line: files as they are, directories walked for
-/// `.json`, `.jsonl` and `.traj` files (sorted, recursively).
-pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+/// `.json`, `.jsonl` and `.traj` files (sorted, recursively). With them, what the walk
+/// could not read (a broken link, a directory it may not list), each with why, to be
+/// reported as skipped; a link loop is left out in silence.
+pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<(Vec<PathBuf>, Vec<(PathBuf, String)>)> {
     let mut files = Vec::new();
+    let mut unreadable = Vec::new();
     for input in inputs {
         let meta = std::fs::metadata(input)
             .with_context(|| format!("cannot read {}: check the path", input.display()))?;
@@ -115,7 +118,24 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
                 .hidden(true)
                 .follow_links(true)
                 .build()
-                .filter_map(Result::ok)
+                .filter_map(|entry| match entry {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        if let Some(path) = walk_error_path(&e) {
+                            // A link whose target is gone says so.
+                            let dangling = std::fs::symlink_metadata(&path)
+                                .is_ok_and(|m| m.file_type().is_symlink())
+                                && !path.exists();
+                            let why = if dangling {
+                                "it is a link to nothing".to_owned()
+                            } else {
+                                format!("cannot read it: {}", walk_error_cause(&e))
+                            };
+                            unreadable.push((path, why));
+                        }
+                        None
+                    }
+                })
                 .filter(|e| e.file_type().is_some_and(|t| t.is_file()))
                 .map(ignore::DirEntry::into_path)
                 .filter(|p| {
@@ -124,7 +144,7 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
                 })
                 .collect();
             found.sort();
-            if found.is_empty() {
+            if found.is_empty() && unreadable.is_empty() {
                 bail!(
                     "{} holds no .json, .jsonl or .traj files to replay",
                     input.display()
@@ -135,7 +155,31 @@ pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
             files.push(input.clone());
         }
     }
-    Ok(files)
+    Ok((files, unreadable))
+}
+
+/// The path a walk error is about; `None` for a link loop (left out in silence).
+fn walk_error_path(e: &ignore::Error) -> Option<PathBuf> {
+    match e {
+        ignore::Error::WithPath { path, .. } => Some(path.clone()),
+        ignore::Error::WithDepth { err, .. } | ignore::Error::WithLineNumber { err, .. } => {
+            walk_error_path(err)
+        }
+        ignore::Error::Loop { .. } => None,
+        ignore::Error::Partial(errs) => errs.iter().find_map(walk_error_path),
+        _ => None,
+    }
+}
+
+/// A walk error's cause, without the path it is about (said before it).
+fn walk_error_cause(e: &ignore::Error) -> String {
+    match e {
+        ignore::Error::WithPath { err, .. }
+        | ignore::Error::WithDepth { err, .. }
+        | ignore::Error::WithLineNumber { err, .. } => walk_error_cause(err),
+        ignore::Error::Io(io) => io.to_string(),
+        other => other.to_string(),
+    }
 }
 
 /// `files` with each file once, in the order first named: a file named twice, or named
@@ -769,7 +813,8 @@ mod tests {
         write(d.path(), "b.json", "[]");
         write(d.path(), "a.traj", "{}");
         write(d.path(), "notes.txt", "x");
-        let files = expand(&[d.path().to_owned()]).unwrap();
+        let (files, unreadable) = expand(&[d.path().to_owned()]).unwrap();
+        assert!(unreadable.is_empty());
         let names: Vec<_> = files
             .iter()
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
@@ -780,9 +825,23 @@ mod tests {
 
         // The directory and one of its files: that file once.
         let named = d.path().join("a.traj");
-        let both = expand(&[d.path().to_owned(), named.clone(), named.clone()]).unwrap();
+        let both = expand(&[d.path().to_owned(), named.clone(), named.clone()])
+            .unwrap()
+            .0;
         let (kept, repeats) = without_repeats(both);
         assert_eq!(kept, files);
         assert_eq!(repeats, [named.clone(), named]);
+
+        // A broken link is said, not left out in silence.
+        #[cfg(unix)]
+        {
+            let gone = d.path().join("gone.json");
+            std::os::unix::fs::symlink(d.path().join("nowhere.json"), &gone).unwrap();
+            let (files, unreadable) = expand(&[d.path().to_owned()]).unwrap();
+            assert_eq!(files.len(), 2);
+            assert_eq!(unreadable.len(), 1, "{unreadable:?}");
+            assert_eq!(unreadable[0].0, gone);
+            assert_eq!(unreadable[0].1, "it is a link to nothing");
+        }
     }
 }

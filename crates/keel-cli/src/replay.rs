@@ -146,7 +146,8 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
     if let Some(path) = &args.chart {
         chart::prepare(path)?;
     }
-    let (files, repeats) = formats::without_repeats(formats::expand(&args.inputs)?);
+    let (files, unreadable) = formats::expand(&args.inputs)?;
+    let (files, repeats) = formats::without_repeats(files);
     for path in &repeats {
         crate::errln!(
             "note: {} was named more than once (or also lies in a directory named): it is replayed once",
@@ -188,7 +189,8 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
 
     // Load every file; a bad one is reported and skipped.
     let mut loaded: Vec<Loaded> = Vec::new();
-    let mut skipped: Vec<(PathBuf, String)> = Vec::new();
+    // What a directory's walk could not read is skipped as a bad file is.
+    let mut skipped: Vec<(PathBuf, String)> = unreadable;
     let bar = progress(files.len() as u64, args.json, "reading");
     for path in &files {
         match formats::load(path, args.format, args.max_file_mb << 20) {
@@ -431,7 +433,10 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
                         &config_at(window, *name),
                         std::slice::from_ref(rr),
                     );
-                    rows.push(row(&format!("{} ({})", rr.id, name.name()), &one));
+                    rows.push(row(
+                        &format!("{} ({})", short_id(&rr.id), name.name()),
+                        &one,
+                    ));
                 }
                 crate::outln!("{}", table(&rows));
             }
@@ -733,6 +738,21 @@ fn dearer_note<'a>(
     ))
 }
 
+/// A run id short enough for a table row: its first and last characters around `…`
+/// when it is long (SWE-agent's run ids run to 200 characters; `--json` has them
+/// whole).
+fn short_id(id: &str) -> std::borrow::Cow<'_, str> {
+    const HEAD: usize = 28;
+    const TAIL: usize = 27;
+    let chars = id.chars().count();
+    if chars <= HEAD + TAIL + 1 {
+        return id.into();
+    }
+    let head: String = id.chars().take(HEAD).collect();
+    let tail: String = id.chars().skip(chars - TAIL).collect();
+    format!("{head}…{tail}").into()
+}
+
 /// `--cached-price`: a price relative to an uncached prompt token, from 0 to 1.
 fn parse_price(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
@@ -922,6 +942,21 @@ mod tests {
         assert!(note.contains("(the most: most, 5.0% more)"), "{note}");
         let none = [("cheaper", run(90.0, 100.0, 0))];
         assert_eq!(dearer_note("masking", none.into_iter()), None);
+    }
+
+    #[test]
+    fn long_run_ids_are_shortened_in_the_middle_for_the_table() {
+        assert_eq!(short_id("task8-trial3-158"), "task8-trial3-158");
+        let long = "test__gpt4__swe-agent__test-repo__default_from_url__t-0.00__p-0.95__c-3.00__install-1__swe-agent__test-repo-i1";
+        let short = short_id(long);
+        assert_eq!(short.chars().count(), 56);
+        assert!(
+            short.starts_with("test__gpt4__swe-agent__test-")
+                && short.ends_with("1__swe-agent__test-repo-i1"),
+            "{short}"
+        );
+        // Characters, not bytes: a long id of accented letters is cut where a char ends.
+        assert_eq!(short_id(&"é".repeat(100)).chars().count(), 56);
     }
 
     #[test]
