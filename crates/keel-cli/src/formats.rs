@@ -102,11 +102,14 @@ impl Runs {
     }
 }
 
+/// A path a directory's walk could not read, and why.
+pub type Unreadable = (PathBuf, String);
+
 /// Files named on the command line: files as they are, directories walked for
 /// `.json`, `.jsonl` and `.traj` files (sorted, recursively). With them, what the walk
 /// could not read (a broken link, a directory it may not list), each with why, to be
 /// reported as skipped; a link loop is left out in silence.
-pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<(Vec<PathBuf>, Vec<(PathBuf, String)>)> {
+pub fn expand(inputs: &[PathBuf]) -> anyhow::Result<(Vec<PathBuf>, Vec<Unreadable>)> {
     let mut files = Vec::new();
     let mut unreadable = Vec::new();
     for input in inputs {
