@@ -58,7 +58,7 @@ pub enum AgentEvent {
         ok: bool,
         /// Why it produced none, when it failed: a timeout or a panic, say, told apart
         /// from the tool's own error without reading the text.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(default)]
         failure: Option<ToolFailure>,
         /// The error, when it failed: its first 1,000 characters (the tool message
         /// the model reads has it whole). The name keeps its first 64 and the call id
@@ -110,6 +110,19 @@ pub enum AgentEvent {
         /// The window assumed.
         window: u64,
     },
+    /// An event of a kind this build does not know, read from a log or a state that a
+    /// newer keel wrote: it reads as this, so the rest still reads. keel never makes
+    /// it.
+    ///
+    /// ```
+    /// use keel_agent::AgentEvent;
+    ///
+    /// let e: AgentEvent = serde_json::from_str(r#"{"event": "from_the_future", "n": 1}"#)?;
+    /// assert_eq!(e, AgentEvent::Unknown);
+    /// # Ok::<(), serde_json::Error>(())
+    /// ```
+    #[serde(other)]
+    Unknown,
 }
 
 /// Why a tool call produced no result ([`AgentEvent::ToolCall`]'s `failure`). Whatever
@@ -121,6 +134,8 @@ pub enum AgentEvent {
 /// assert_eq!(ToolFailure::TimedOut.as_str(), "timed_out");
 /// assert_eq!(serde_json::to_string(&ToolFailure::TimedOut)?, "\"timed_out\"");
 /// assert!(ToolFailure::Panicked.is_fault() && !ToolFailure::BadArguments.is_fault());
+/// // A kind a newer keel wrote still reads.
+/// assert_eq!(serde_json::from_str::<ToolFailure>("\"out_of_coffee\"")?, ToolFailure::Unknown);
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -144,11 +159,14 @@ pub enum ToolFailure {
     Cancelled,
     /// The user did not approve the call, so it was not run.
     NotApproved,
+    /// A failure this build does not know, read from an event a newer keel wrote.
+    #[serde(other)]
+    Unknown,
 }
 
 impl ToolFailure {
     /// The name used in events and logs: `unknown_tool`, `bad_arguments`, `failed`,
-    /// `timed_out`, `panicked`, `cancelled` or `not_approved`.
+    /// `timed_out`, `panicked`, `cancelled`, `not_approved` (or `unknown`).
     pub fn as_str(&self) -> &'static str {
         match self {
             ToolFailure::UnknownTool => "unknown_tool",
@@ -158,6 +176,7 @@ impl ToolFailure {
             ToolFailure::Panicked => "panicked",
             ToolFailure::Cancelled => "cancelled",
             ToolFailure::NotApproved => "not_approved",
+            ToolFailure::Unknown => "unknown",
         }
     }
 

@@ -361,7 +361,9 @@ impl AgentNodes {
             span.record("duration_ms", duration_ms);
         }
         let thread = thread_of(&ctx);
-        let span = tracing::info_span!(
+        // At WARN level, so a subscriber that shows only warnings still has it, and
+        // every warning of the node says which thread and step it is about.
+        let span = tracing::warn_span!(
             "keel.agent",
             node = AGENT,
             thread = %thread,
@@ -559,7 +561,9 @@ impl AgentNodes {
 
     async fn run_tools(&self, s: Arc<AgentState>, ctx: NodeContext) -> NodeResult {
         let thread = thread_of(&ctx);
-        let span = tracing::info_span!(
+        // At WARN level, so a subscriber that shows only warnings still has it, and
+        // every warning of the node says which thread and step it is about.
+        let span = tracing::warn_span!(
             "keel.agent",
             node = TOOLS,
             thread = %thread,
@@ -625,8 +629,10 @@ impl AgentNodes {
                     // model's: worth a warning where a bad call is not.
                     tracing::warn!(
                         tool = %crate::tools::clip(&c.name, 64),
+                        call_id = %crate::tools::clip(&c.id, 256),
                         failure,
                         duration_ms,
+                        error = o.error.as_deref().map(|e| crate::tools::clip(e, 200)).as_deref(),
                         "tool call failed"
                     );
                 } else {
@@ -806,7 +812,9 @@ impl AgentNodes {
         ctx: NodeContext,
     ) -> NodeResult {
         let thread = thread_of(&ctx);
-        let span = tracing::info_span!(
+        // At WARN level, so a subscriber that shows only warnings still has it, and
+        // every warning of the node says which thread and step it is about.
+        let span = tracing::warn_span!(
             "keel.agent",
             node,
             thread = %thread,

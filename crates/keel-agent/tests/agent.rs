@@ -3390,6 +3390,62 @@ impl std::io::Write for Logged {
     }
 }
 
+/// A subscriber that shows only warnings still says which thread, step and call a
+/// tool's fault is about, and what it was.
+#[test]
+fn a_tool_s_fault_is_a_warning_that_names_its_thread_and_call() {
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    // One thread: the subscriber is this thread's.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let calls = AtomicU64::new(0);
+            let model = PolicyModel::new("faulty", move |_m, _t| {
+                let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+                    0 => Message::assistant("Trying.").with_tool_calls(vec![
+                        ToolCall::new("boom", "panics", json!({})),
+                        ToolCall::new("nope", "no_such_tool", json!({})),
+                    ]),
+                    _ => Message::assistant("Done."),
+                };
+                Ok(ChatResponse::new(reply, "faulty"))
+            });
+            let agent = builder(model)
+                .tools([Arc::new(Panics) as Arc<dyn Tool>])
+                .checkpointer(Arc::new(MemorySaver::new()))
+                .build()
+                .unwrap();
+            agent.run("warned", AgentInput::new()).await.unwrap();
+        });
+    });
+    let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("tool call failed"))
+        .unwrap_or_else(|| panic!("{log}"));
+    for field in [
+        "WARN",
+        "thread=warned",
+        "step=1",
+        "call_id=boom",
+        "failure=\"panicked\"",
+        "the disk is on fire",
+    ] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    // The model's own mistake (an unknown tool) is not a warning.
+    assert!(!log.contains("call_id=nope"), "{log}");
+}
+
 /// The `agent` span carries the model call's numbers as its event does (the
 /// provider's counts and the model among them), and a failed call is a warning with
 /// the error on the span: a trace alone counts and times every call.

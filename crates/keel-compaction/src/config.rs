@@ -11,9 +11,11 @@ pub enum Strategy {
     /// `keep_turns` turns are replaced by a one-line placeholder naming where the full
     /// text is archived. The boundary moves in multiples of `block` turns, and only
     /// under pressure, so the prompt prefix stays cacheable between moves (a move in
-    /// the middle of the prompt makes a provider re-read everything after it). If
-    /// masking cannot bring the prompt under the budget, a milestone summary is the
-    /// safety net.
+    /// the middle of the prompt makes a provider re-read everything after it). When
+    /// the boundary has not moved but the prompt must shrink, the results of all but
+    /// the last turn are masked; so near the budget, a turn whose results are large
+    /// can be masked a step after it arrives. If masking cannot bring the prompt under
+    /// the budget, a milestone summary is the safety net.
     ///
     /// Between the token threshold and the budget, masking waits until it pays for
     /// the cache it resets ([`crate::Compactor::mask_estimate`], with the horizon of
@@ -545,9 +547,11 @@ impl CompactionConfig {
         self
     }
 
-    /// Sets whether the step trigger, and the masking strategies below the budget, wait
-    /// until compacting pays ([`StepTrigger::WhenItPays`]) or not
-    /// ([`StepTrigger::Always`]), leaving [`every_steps`](Self::every_steps) as it is.
+    /// Sets whether the step trigger, and the masking strategies between the token
+    /// threshold and the budget, wait until compacting pays
+    /// ([`StepTrigger::WhenItPays`]) or not ([`StepTrigger::Always`]), leaving
+    /// [`every_steps`](Self::every_steps) as it is. Masking never acts below the
+    /// token threshold ([`window_fraction`](Self::window_fraction)) either way.
     ///
     /// ```
     /// use keel_compaction::{CompactionConfig, StepTrigger, Strategy};
@@ -556,7 +560,7 @@ impl CompactionConfig {
     /// let config = CompactionConfig::default()
     ///     .with_strategy(Strategy::masking())
     ///     .with_step_trigger(StepTrigger::Always);
-    /// assert_eq!(config.every_steps, Some(4));
+    /// assert_eq!(config.step_trigger, StepTrigger::Always);
     /// ```
     #[must_use]
     pub fn with_step_trigger(mut self, trigger: StepTrigger) -> Self {
