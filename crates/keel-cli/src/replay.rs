@@ -458,6 +458,18 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if let Some(note) = over_budget_note(&totals, window) {
             crate::outln!("{note}");
         }
+        // One strategy compacted nothing where another did: its saving is not compaction's.
+        if totals.iter().any(|(_, r)| r.compactions > 0) {
+            for (name, _) in totals
+                .iter()
+                .filter(|(_, r)| r.compactions + r.failed_compactions == 0 && r.turns > 0)
+            {
+                crate::outln!(
+                    "note: {} compacted nothing here (its trigger waited: the prompts stayed under its threshold, or compacting would not have paid); its saving comes from what keel does to each tool result as it arrives (a large one offloaded, JSON made compact)",
+                    name.name()
+                );
+            }
+        }
         for (name, reports) in &results {
             let config = config_at(window, *name);
             let one = |rr: &RunReport| {
@@ -732,8 +744,9 @@ fn dearer_note<'a>(
     }
     let (id, more) = worst?;
     Some(format!(
-        "note: {} that fit the budget cost more with {strategy} than with the full history (the most: {id}, {} more): keel compacts when its estimate says the reset prompt cache is paid back within a few calls, made before it knows how soon the run ends, so it pays over many runs, not in each",
+        "note: {} that fit the budget cost more with {strategy} than with the full history (the most: {}, {} more): keel compacts when its estimate says the reset prompt cache is paid back within a few calls, made before it knows how soon the run ends, so it pays over many runs, not in each",
         count(dearer as u64, "run"),
+        short_id(id),
         percent(more)
     ))
 }
