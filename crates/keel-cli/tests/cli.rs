@@ -3714,12 +3714,9 @@ fn replay_notes_dearer_runs_and_a_strategy_that_compacted_nothing() {
         let quiet = stdout.contains(&format!("note: {name} compacted nothing here"));
         assert_eq!(quiet, compacted == 0, "{name}: {stdout}");
     }
-    // On these runs at this window one run costs more (the cost model cannot know how
-    // soon a run ends); if tuning ever removes it, the note's absence is checked above.
-    assert!(
-        any || !stdout.contains("that fit the budget cost more"),
-        "{stdout}"
-    );
+    // On these runs at this window a run does cost more (the cost model cannot know
+    // how soon a run ends), so the note's wording is checked, not only its absence.
+    assert!(any, "{stdout}");
 }
 
 #[test]
