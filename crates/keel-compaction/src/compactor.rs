@@ -52,7 +52,8 @@ pub struct LayerTokens {
 }
 
 /// What compacting now would cost and save, by the step trigger's cost model
-/// ([`StepTrigger::WhenItPays`]); see [`Compactor::step_estimate`].
+/// ([`StepTrigger::WhenItPays`]); see [`Compactor::step_estimate`] for a milestone
+/// and [`Compactor::mask_estimate`] for masking (where `summary` is the placeholders).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepEstimate {
     /// Raw tokens that would leave the prompt (`R`).
