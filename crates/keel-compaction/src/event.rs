@@ -8,7 +8,12 @@ use serde::{Deserialize, Serialize};
 pub enum Trigger {
     /// `every_steps` steps since the last compaction.
     Steps,
-    /// The prompt reached `window_fraction` of the input budget.
+    /// The prompt reached `window_fraction` of the input budget. An event whose
+    /// `tokens_before` is at or over [`Compactor::prompt_budget`](crate::Compactor::prompt_budget)
+    /// was due whatever it cost; below it, the strategy judged it worth it (a
+    /// milestone freeing at least `min_token_gain` of the room; masking that pays for
+    /// the cache it resets, [`Compactor::mask_estimate`](crate::Compactor::mask_estimate),
+    /// or any masking with [`StepTrigger::Always`](crate::StepTrigger::Always)).
     Tokens,
     /// The provider answered that the context is too long.
     Overflow,
