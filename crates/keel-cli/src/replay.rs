@@ -61,8 +61,10 @@ pub struct ReplayArgs {
     #[arg(long, value_parser = crate::ui::at_least_one::<usize>)]
     every: Option<usize>,
     /// The price of a prompt token a provider serves from its cache, relative to an
-    /// uncached one (0 to 1; default 0.1): what the costs are weighed with, and what
-    /// keel's cost model assumes when it decides whether compacting pays.
+    /// uncached one (0 to 1; default 0.1, whatever --model says): what the costs are
+    /// weighed with, and what keel's cost model assumes when it decides whether
+    /// compacting pays. The cheaper cache reads are, the cheaper the full history, so
+    /// 0.1 is the hard case for compaction; give your provider's price (gpt-4o's is 0.5).
     #[arg(long, value_name = "PRICE", value_parser = parse_price, allow_negative_numbers = true)]
     cached_price: Option<f64>,
     /// An epoch summary every M milestones.
