@@ -3390,44 +3390,55 @@ impl std::io::Write for Logged {
     }
 }
 
-/// A subscriber that shows only warnings still says which thread, step and call a
-/// tool's fault is about, and what it was.
-#[test]
-fn a_tool_s_fault_is_a_warning_that_names_its_thread_and_call() {
+/// Runs `run` on a current-thread runtime (so the subscriber, this thread's, sees
+/// every task) under a `fmt` subscriber at `level` that writes span `events`, and
+/// returns its output and what the subscriber wrote.
+fn logged<T>(
+    level: tracing::Level,
+    events: tracing_subscriber::fmt::format::FmtSpan,
+    run: impl std::future::Future<Output = T>,
+) -> (T, String) {
     let logged = Logged::default();
     let writer = logged.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
         .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
+        .with_max_level(level)
+        .with_span_events(events)
         .finish();
-    // One thread: the subscriber is this thread's.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    tracing::subscriber::with_default(subscriber, || {
-        runtime.block_on(async {
-            let calls = AtomicU64::new(0);
-            let model = PolicyModel::new("faulty", move |_m, _t| {
-                let reply = match calls.fetch_add(1, Ordering::SeqCst) {
-                    0 => Message::assistant("Trying.").with_tool_calls(vec![
-                        ToolCall::new("boom", "panics", json!({})),
-                        ToolCall::new("nope", "no_such_tool", json!({})),
-                    ]),
-                    _ => Message::assistant("Done."),
-                };
-                Ok(ChatResponse::new(reply, "faulty"))
-            });
-            let agent = builder(model)
-                .tools([Arc::new(Panics) as Arc<dyn Tool>])
-                .checkpointer(Arc::new(MemorySaver::new()))
-                .build()
-                .unwrap();
-            agent.run("warned", AgentInput::new()).await.unwrap();
-        });
-    });
+    let out = tracing::subscriber::with_default(subscriber, || runtime.block_on(run));
     let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    (out, log)
+}
+
+/// A subscriber that shows only warnings still says which thread, step and call a
+/// tool's fault is about, and what it was.
+#[test]
+fn a_tool_s_fault_is_a_warning_that_names_its_thread_and_call() {
+    let none = tracing_subscriber::fmt::format::FmtSpan::NONE;
+    let ((), log) = logged(tracing::Level::WARN, none, async {
+        let calls = AtomicU64::new(0);
+        let model = PolicyModel::new("faulty", move |_m, _t| {
+            let reply = match calls.fetch_add(1, Ordering::SeqCst) {
+                0 => Message::assistant("Trying.").with_tool_calls(vec![
+                    ToolCall::new("boom", "panics", json!({})),
+                    ToolCall::new("nope", "no_such_tool", json!({})),
+                ]),
+                _ => Message::assistant("Done."),
+            };
+            Ok(ChatResponse::new(reply, "faulty"))
+        });
+        let agent = builder(model)
+            .tools([Arc::new(Panics) as Arc<dyn Tool>])
+            .checkpointer(Arc::new(MemorySaver::new()))
+            .build()
+            .unwrap();
+        agent.run("warned", AgentInput::new()).await.unwrap();
+    });
     let line = log
         .lines()
         .find(|l| l.contains("tool call failed"))
@@ -3451,51 +3462,38 @@ fn a_tool_s_fault_is_a_warning_that_names_its_thread_and_call() {
 /// the error on the span: a trace alone counts and times every call.
 #[test]
 fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
-    let logged = Logged::default();
-    let writer = logged.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
-        .finish();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let failed = tracing::subscriber::with_default(subscriber, || {
-        runtime.block_on(async {
-            let calls = AtomicUsize::new(0);
-            let model = PolicyModel::new("usage", move |_m, _t| {
-                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                    Ok(
-                        ChatResponse::new(Message::assistant("Done."), "usage-model")
-                            .with_usage(keel_model::Usage::new(321, 12).with_cached_tokens(300))
-                            .with_retries(2),
-                    )
-                } else {
-                    Err(ModelError::Connection("the server went away".into()))
-                }
-            });
-            let agent = builder(model)
-                .checkpointer(Arc::new(MemorySaver::new()))
-                .build()
-                .unwrap();
-            let run = agent.run("spans", AgentInput::new()).await.unwrap();
-            // The event says the reply came after two retried attempts.
-            assert!(
-                run.state
-                    .events
-                    .iter()
-                    .any(|e| matches!(e, AgentEvent::ModelCall { retries: 2, .. }))
-            );
-            agent
-                .run("spans", AgentInput::new().user("Again."))
-                .await
-                .unwrap_err()
-        })
+    let close = tracing_subscriber::fmt::format::FmtSpan::CLOSE;
+    let (failed, log) = logged(tracing::Level::TRACE, close, async {
+        let calls = AtomicUsize::new(0);
+        let model = PolicyModel::new("usage", move |_m, _t| {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                Ok(
+                    ChatResponse::new(Message::assistant("Done."), "usage-model")
+                        .with_usage(keel_model::Usage::new(321, 12).with_cached_tokens(300))
+                        .with_retries(2),
+                )
+            } else {
+                Err(ModelError::Connection("the server went away".into()))
+            }
+        });
+        let agent = builder(model)
+            .checkpointer(Arc::new(MemorySaver::new()))
+            .build()
+            .unwrap();
+        let run = agent.run("spans", AgentInput::new()).await.unwrap();
+        // The event says the reply came after two retried attempts.
+        assert!(
+            run.state
+                .events
+                .iter()
+                .any(|e| matches!(e, AgentEvent::ModelCall { retries: 2, .. }))
+        );
+        agent
+            .run("spans", AgentInput::new().user("Again."))
+            .await
+            .unwrap_err()
     });
     assert!(failed.model_error().is_some(), "{failed}");
-    let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
     let closed: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("keel.agent{") && l.contains("close"))
