@@ -702,12 +702,6 @@ fn share_json(r: &Report, value: f64) -> serde_json::Value {
     }
 }
 
-/// A note for a replay in which no strategy compacted anything (the runs stayed under
-/// the triggers at this window), so a 0% saving is not read as keel failing.
-/// It suggests only what would change something: the largest window (a multiple of
-/// 1,000, smaller than this one) whose token trigger, `threshold_at(window)`, fires
-/// by three quarters of the largest full prompt, so it fires in more than the last
-/// turns; an `--every` smaller than the one given.
 /// A note when the full history had turns over the budget: a model would have
 /// refused those prompts (or, over the budget but within the window, been left less
 /// room for the reply than it reserved), so "saved" against it counts tokens no run
@@ -776,6 +770,12 @@ fn parse_price(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A note for a replay in which no strategy compacted anything (the runs stayed under
+/// the triggers at this window), so a 0% saving is not read as keel failing.
+/// It suggests only what would change something: the largest window (a multiple of
+/// 1,000, smaller than this one) whose token trigger, `threshold_at(window)`, fires
+/// by three quarters of keel's largest prompt, so it fires in more than the last
+/// turns; an `--every` smaller than the one given.
 fn nothing_compacted_note(
     totals: &[(StrategyName, Report)],
     window: usize,
