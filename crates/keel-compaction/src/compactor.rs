@@ -800,14 +800,14 @@ impl Compactor {
                 .map(|(_, t)| t)
                 .unwrap_or_default();
         }
-        let leaving: usize = targets.iter().map(|&i| self.raw_tokens(state, i)).sum();
-        let summary: usize = targets
+        let leaving: usize = targets
             .iter()
-            .map(|&i| self.placeholder_tokens(state, i))
+            .map(|&(i, _)| self.raw_tokens(state, i))
             .sum();
+        let summary: usize = targets.iter().map(|&(_, placeholder)| placeholder).sum();
         let after: usize = targets
             .first()
-            .map_or(0, |&first| state.ledger.raw.iter().skip(first).sum());
+            .map_or(0, |&(first, _)| state.ledger.raw.iter().skip(first).sum());
         let tail = after.saturating_sub(leaving);
         let p = self.config.cached_input_price.clamp(0.0, 1.0);
         StepEstimate::priced((leaving, tail, summary), p, 0.0, payback_steps)
@@ -1409,12 +1409,13 @@ impl Compactor {
 
     /// The raw messages masking would replace (tool results of turns up to the
     /// boundary, or with `keep_override` all but the last `keep_override` turns, whose
-    /// placeholder is smaller), and the boundary. `None` when the boundary has not moved.
+    /// placeholder is smaller), each with its placeholder's tokens, and the boundary.
+    /// `None` when the boundary has not moved.
     fn mask_targets(
         &self,
         state: &ContextState,
         keep_override: Option<usize>,
-    ) -> Option<(u64, Vec<usize>)> {
+    ) -> Option<(u64, Vec<(usize, usize)>)> {
         let (keep, block) = self.config.strategy.mask_params().unwrap_or((1, 1));
         let boundary = match keep_override {
             Some(k) => state.step.saturating_sub(k as u64),
@@ -1444,7 +1445,11 @@ impl Compactor {
         }
         // A result is masked only when its placeholder is smaller (the seq is not
         // known before the append: counted with a long one).
-        targets.retain(|&i| self.placeholder_tokens(state, i) < self.raw_tokens(state, i));
+        let targets = targets
+            .into_iter()
+            .map(|i| (i, self.placeholder_tokens(state, i)))
+            .filter(|&(i, placeholder)| placeholder < self.raw_tokens(state, i))
+            .collect();
         Some((boundary, targets))
     }
 
@@ -1455,9 +1460,15 @@ impl Compactor {
 
     /// The tokens of raw message `i` masked (with the longest archive seq).
     fn placeholder_tokens(&self, state: &ContextState, i: usize) -> usize {
-        let mut stub = state.raw[i].clone();
-        stub.content =
-            mask_placeholder(self.raw_tokens(state, i), stub.id.as_deref(), u64::MAX).into();
+        // Built beside the message, not from a clone of it: a result can be large.
+        let m = &state.raw[i];
+        let placeholder = mask_placeholder(self.raw_tokens(state, i), m.id.as_deref(), u64::MAX);
+        let mut stub = Message::new(m.role, placeholder);
+        stub.id.clone_from(&m.id);
+        stub.tool_call_id.clone_from(&m.tool_call_id);
+        stub.name.clone_from(&m.name);
+        stub.tool_calls.clone_from(&m.tool_calls);
+        stub.metadata.clone_from(&m.metadata);
         self.counter.count_message(&stub)
     }
 
@@ -1475,9 +1486,9 @@ impl Compactor {
             state.masked_turns = state.masked_turns.max(boundary);
             return Ok(Done::masked(0));
         }
-        let originals: Vec<Message> = targets.iter().map(|&i| state.raw[i].clone()).collect();
+        let originals: Vec<Message> = targets.iter().map(|&(i, _)| state.raw[i].clone()).collect();
         let appended = self.archive_in(state, originals).await?;
-        for (k, &i) in targets.iter().enumerate() {
+        for (k, &(i, _)) in targets.iter().enumerate() {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
             let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
             let m = &mut state.raw[i];
