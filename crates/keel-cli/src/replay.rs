@@ -291,10 +291,11 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         }
         config
     };
-    let budget = config_at(window, StrategyName::Hierarchical).input_budget();
-    let cached_price = config_at(window, StrategyName::Hierarchical)
-        .compaction
-        .cached_input_price;
+    // The same for every strategy.
+    let (budget, cached_price) = {
+        let any = config_at(window, StrategyName::Hierarchical);
+        (any.input_budget(), any.compaction.cached_input_price)
+    };
     for &name in &args.strategy {
         let config = config_at(window, name);
         let mut reports = Vec::with_capacity(runs.len());
@@ -401,10 +402,12 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
             "strategies": totals.iter().map(|(name, r)| json!({
                 "strategy": name.name(),
                 "total": report_json(r),
-                "runs": results.iter().find(|(n, _)| n == name).map(|(_, reports)| reports.iter().zip(&runs).map(|(rr, t)| {
-                    let one = Report::from_config(&rr.dataset, &config_at(window, *name), std::slice::from_ref(rr));
+                "runs": results.iter().find(|(n, _)| n == name).map(|(_, reports)| {
+                    let config = config_at(window, *name);
+                    reports.iter().zip(&runs).map(|(rr, t)| {
+                    let one = Report::from_config(&rr.dataset, &config, std::slice::from_ref(rr));
                     json!({"id": rr.id, "dataset": rr.dataset, "goal": goal_of(t), "report": report_json(&one)})
-                }).collect::<Vec<_>>()).unwrap_or_default(),
+                }).collect::<Vec<_>>()}).unwrap_or_default(),
             })).collect::<Vec<_>>(),
             "chart": chart,
             "seconds": started.elapsed().as_secs_f64(),
@@ -429,12 +432,9 @@ pub async fn run(mut args: ReplayArgs, settings: &Settings) -> anyhow::Result<Ex
         if args.runs {
             for (name, reports) in &results {
                 let mut rows = vec![header("run")];
+                let config = config_at(window, *name);
                 for rr in reports {
-                    let one = Report::from_config(
-                        &rr.dataset,
-                        &config_at(window, *name),
-                        std::slice::from_ref(rr),
-                    );
+                    let one = Report::from_config(&rr.dataset, &config, std::slice::from_ref(rr));
                     rows.push(row(
                         &format!("{} ({})", short_id(&rr.id), name.name()),
                         &one,
