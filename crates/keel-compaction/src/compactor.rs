@@ -1462,7 +1462,11 @@ impl Compactor {
     fn placeholder_tokens(&self, state: &ContextState, i: usize) -> usize {
         // Built beside the message, not from a clone of it: a result can be large.
         let m = &state.raw[i];
-        let placeholder = mask_placeholder(self.raw_tokens(state, i), m.id.as_deref(), u64::MAX);
+        let placeholder = mask_placeholder(
+            self.raw_tokens(state, i),
+            m.tool_call_id.as_deref(),
+            u64::MAX,
+        );
         let mut stub = Message::new(m.role, placeholder);
         stub.id.clone_from(&m.id);
         stub.tool_call_id.clone_from(&m.tool_call_id);
@@ -1492,7 +1496,7 @@ impl Compactor {
             let seq = appended.seqs.get(k).copied().unwrap_or_default();
             let tokens = state.ledger.raw.get(i).copied().unwrap_or_default();
             let m = &mut state.raw[i];
-            m.content = mask_placeholder(tokens, m.id.as_deref(), seq).into();
+            m.content = mask_placeholder(tokens, m.tool_call_id.as_deref(), seq).into();
             m.metadata
                 .insert(MASKED_METADATA_KEY.to_owned(), seq.into());
             if let Some(slot) = state.ledger.raw.get_mut(i) {
@@ -2199,10 +2203,13 @@ fn cut_reread(m: &Message, tokens: usize, keep_tokens: usize) -> Option<Message>
 /// The metadata key on a read of a stored result that was cut to fit the context.
 const CUT_METADATA_KEY: &str = "keel.cut_to_fit";
 
-/// The text a masked tool result is replaced by.
-fn mask_placeholder(tokens: usize, id: Option<&str>, seq: u64) -> String {
-    match id {
-        Some(id) => format!("[masked: {tokens}-token result, archived as {id} (seq {seq})]"),
+/// The text a masked tool result is replaced by. It names the tool call (the model's
+/// own id, which the archived record carries, so a grep of the archive finds it) and
+/// the archive position, never the message's id: that is random when a reducer gave
+/// it, and a random text would make identical runs count different tokens.
+fn mask_placeholder(tokens: usize, call: Option<&str>, seq: u64) -> String {
+    match call {
+        Some(call) => format!("[masked: {tokens}-token result of call {call}, archive seq {seq}]"),
         None => format!("[masked: {tokens}-token result, archive seq {seq}]"),
     }
 }

@@ -384,6 +384,48 @@ async fn the_step_ceiling_stops_the_run() {
     ));
 }
 
+/// Two identical runs whose messages got different ids (as a reducer gives random
+/// ones) mask to the same texts at the same steps: nothing random reaches the prompt.
+#[tokio::test]
+async fn masking_is_the_same_whatever_the_message_ids() {
+    let mut runs = Vec::new();
+    for run in 0..2 {
+        let rig = rig(
+            CompactionConfig::default()
+                .with_strategy(Strategy::Masking {
+                    keep_turns: 2,
+                    block: 2,
+                })
+                .with_step_trigger(keel_compaction::StepTrigger::Always)
+                .with_window_fraction(0.3),
+            4_000,
+            false,
+        );
+        let mut state = ContextState::new(goal());
+        for i in 0..16 {
+            let (reply, results) = step(i, 1, 400, false);
+            // Ids of different lengths and digits in each run.
+            let suffix = "7".repeat(1 + run * 13 + i % 5);
+            let reply = reply.with_id(format!("a{i}-{suffix}"));
+            let results = results
+                .into_iter()
+                .map(|r| r.with_id(format!("r{i}-{suffix}")))
+                .collect();
+            rig.compactor.push_step(&mut state, reply, results);
+            rig.compactor.after_step(&mut state, &[]).await.unwrap();
+        }
+        let texts: Vec<String> = state.raw.iter().map(|m| m.text().into_owned()).collect();
+        let events: Vec<(usize, usize)> = state
+            .events
+            .iter()
+            .map(|e| (e.tokens_before, e.tokens_after))
+            .collect();
+        assert!(texts.iter().any(|t| t.starts_with("[masked: ")));
+        runs.push((texts, events));
+    }
+    assert_eq!(runs[0], runs[1]);
+}
+
 #[tokio::test]
 async fn masking_replaces_old_results_with_pointers_to_the_archive() {
     let rig = rig(
@@ -414,10 +456,25 @@ async fn masking_replaces_old_results_with_pointers_to_the_archive() {
         .collect();
     assert!(!masked.is_empty());
     for m in masked {
+        // The placeholder names the model's call id and the archive position, not the
+        // message's own id (random when a reducer gave it).
+        let call = m.tool_call_id.clone().unwrap();
+        let seq = m.metadata[keel_compaction::MASKED_METADATA_KEY]
+            .as_u64()
+            .unwrap();
+        assert!(
+            m.text()
+                .contains(&format!("call {call}, archive seq {seq}]"))
+        );
         let id = m.id.clone().unwrap();
-        assert!(m.text().contains(&id));
+        assert!(!m.text().contains(&id));
         let original = rig.archive.get(&rig.thread, &id).unwrap().unwrap();
         assert!(original.message.text().len() > 200);
+        assert_eq!(original.seq, seq);
+        assert_eq!(
+            original.message.tool_call_id.as_deref(),
+            Some(call.as_str())
+        );
     }
     // The last turns keep their results in full.
     let last = state.raw.last().unwrap();
