@@ -229,7 +229,8 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// `milestone: prompt 4,506 -> 3,021 tokens, 10 messages archived` (an epoch, which
-/// archives no messages, leaves the count out).
+/// archives no messages, leaves the count out; a token-triggered one at the budget
+/// says so).
 pub fn compaction(e: &keel::compaction::CompactionEvent) -> String {
     let mut line = format!(
         "{}: prompt {} -> {} tokens",
@@ -243,6 +244,10 @@ pub fn compaction(e: &keel::compaction::CompactionEvent) -> String {
             ", {} archived",
             count(e.messages_archived as u64, "message")
         );
+    }
+    if e.trigger == keel::compaction::Trigger::Tokens && e.at_budget() {
+        // Due whatever it cost, not chosen because it paid.
+        line.push_str(" (at the budget)");
     }
     if e.fallback {
         // The summarizer failed at it; the fallback (extractive) wrote the summary.

@@ -1072,6 +1072,7 @@ impl Compactor {
             summary_input_tokens: usage.0,
             summary_cached_tokens: usage.1,
             summary_output_tokens: usage.2,
+            budget: self.prompt_budget(),
         };
         match &result {
             // Nothing happened: no event (a result that was not smaller is logged).
@@ -1751,6 +1752,7 @@ impl Compactor {
             summary_input_tokens: usage.0,
             summary_cached_tokens: usage.1,
             summary_output_tokens: usage.2,
+            budget: self.prompt_budget(),
         };
         if let Err(e @ CompactionError::NotSmaller { .. }) = &result {
             tracing::info!(step = state.step, error = %e, "epoch not applied");

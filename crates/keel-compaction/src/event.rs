@@ -8,9 +8,8 @@ use serde::{Deserialize, Serialize};
 pub enum Trigger {
     /// `every_steps` steps since the last compaction.
     Steps,
-    /// The prompt reached `window_fraction` of the input budget. An event whose
-    /// `tokens_before` is at or over [`Compactor::prompt_budget`](crate::Compactor::prompt_budget)
-    /// was due whatever it cost; below it, the strategy judged it worth it (a
+    /// The prompt reached `window_fraction` of the input budget. An event at the
+    /// budget ([`CompactionEvent::at_budget`]) was due whatever it cost; below it, the strategy judged it worth it (a
     /// milestone freeing at least `min_token_gain` of the room; masking that pays for
     /// the cache it resets, [`Compactor::mask_estimate`](crate::Compactor::mask_estimate),
     /// or any masking with [`StepTrigger::Always`](crate::StepTrigger::Always)).
@@ -84,6 +83,7 @@ impl std::fmt::Display for EventKind {
 /// One compaction, successful or not. Emitted through `tracing` and kept in
 /// [`crate::ContextState::events`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct CompactionEvent {
     /// The steps pushed when it ran ([`crate::ContextState::step`]): a compaction
     /// after step N's push says N, and so does one inside [`crate::Compactor::call`]
@@ -119,9 +119,33 @@ pub struct CompactionEvent {
     /// Tokens the summarizer's model wrote.
     #[serde(default)]
     pub summary_output_tokens: u64,
+    /// The prompt budget when it ran ([`Compactor::prompt_budget`](crate::Compactor::prompt_budget));
+    /// 0 in events stored before keel recorded it. See [`CompactionEvent::at_budget`].
+    #[serde(default)]
+    pub budget: usize,
 }
 
 impl CompactionEvent {
+    /// Whether the prompt was at or over the budget when this ran, so it was due
+    /// whatever it cost; false when the strategy chose it below the budget (a
+    /// milestone worth its summary, masking that pays for the cache it resets) and for
+    /// events stored before keel recorded the budget.
+    ///
+    /// ```
+    /// # use keel_compaction::CompactionEvent;
+    /// let event: CompactionEvent = serde_json::from_str(
+    ///     r#"{"step": 12, "trigger": "tokens", "kind": "mask", "tokens_before": 7100,
+    ///         "tokens_after": 3900, "messages_archived": 4, "prompt_version": "",
+    ///         "summarizer_model": "", "fallback": false, "duration_ms": 0,
+    ///         "error": null, "budget": 7000}"#,
+    /// )?;
+    /// assert!(event.at_budget());
+    /// # Ok::<(), serde_json::Error>(())
+    /// ```
+    pub fn at_budget(&self) -> bool {
+        self.budget > 0 && self.tokens_before >= self.budget
+    }
+
     pub(crate) fn emit(&self) {
         match &self.error {
             None => tracing::info!(
@@ -138,6 +162,7 @@ impl CompactionEvent {
                 summary_input_tokens = self.summary_input_tokens,
                 summary_cached_tokens = self.summary_cached_tokens,
                 summary_output_tokens = self.summary_output_tokens,
+                budget = self.budget,
                 "compaction"
             ),
             Some(error) => tracing::warn!(

@@ -188,6 +188,8 @@ async fn masking_waits_below_the_budget_until_it_pays() {
             let events = c.after_step(&mut state, &[]).await.unwrap();
             assert!(!events.is_empty());
             assert!(events.iter().all(|e| e.trigger == Trigger::Tokens));
+            // The events say it was due, not chosen.
+            assert!(events.iter().all(|e| e.at_budget()), "{events:?}");
             assert!(c.tokens(&mut state, &[]).total < c.budget());
             break;
         }
@@ -231,6 +233,9 @@ async fn masking_below_the_budget_goes_ahead_when_it_pays() {
     let events = c.after_step(&mut state, &[]).await.unwrap();
     assert_eq!(events.len(), 1);
     assert_eq!(events[0].kind, keel_compaction::EventKind::Mask);
+    // Chosen because it paid, below the budget.
+    assert_eq!(events[0].budget, c.prompt_budget());
+    assert!(!events[0].at_budget());
     assert!(state.raw[1].metadata.contains_key(MASKED_METADATA_KEY));
 }
 

@@ -160,6 +160,7 @@ pub fn external_summary_event(
         summary_input_tokens: input as u64,
         summary_cached_tokens: 0,
         summary_output_tokens: output as u64,
+        budget: 0,
     }
 }
 
