@@ -25,7 +25,8 @@ use serde_json::Value;
 use crate::error::{AgentError, BuildError, CleanupError};
 use crate::event::AgentEvent;
 use crate::nodes::{
-    AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOOLS, collect_after_prune,
+    AGENT, AgentNodes, COMPACT, EPOCH, NO_THREAD, Parts, TOKENS_PER_TOOL_CALL, TOOLS,
+    collect_after_prune,
 };
 use crate::state::{AgentState, AgentStateUpdate, Stop};
 use crate::tools::{Toolbox, retrieval_tools};
@@ -1506,6 +1507,7 @@ pub struct AgentBuilder {
     checkpointer: Option<Arc<dyn Checkpointer>>,
     keep_checkpoints: Option<usize>,
     tool_timeout: Option<Duration>,
+    max_tool_calls: Option<usize>,
     evict: Option<Option<EvictLargeResults>>,
     limits: ToolLimits,
     approve: BTreeSet<String>,
@@ -1543,6 +1545,7 @@ impl Default for AgentBuilder {
             checkpointer: None,
             keep_checkpoints: Some(DEFAULT_KEEP_CHECKPOINTS),
             tool_timeout: None,
+            max_tool_calls: None,
             evict: None,
             limits: ToolLimits::default(),
             approve: BTreeSet::new(),
@@ -1721,6 +1724,25 @@ impl AgentBuilder {
     /// `tokio::task::spawn_blocking`.
     pub fn tool_timeout(mut self, timeout: Duration) -> Self {
         self.tool_timeout = Some(timeout);
+        self
+    }
+
+    /// The most tool calls one reply may ask for (default: the prompt budget over
+    /// [`TOKENS_PER_TOOL_CALL`], at least 1: 56 at a 4,096-token window, 1,984 at
+    /// 128,000). A reply that asks for more is not run and not stored, since its calls
+    /// and their results could leave a step no prompt can hold, and a thread whose
+    /// newest step cannot fit can never go on. Its text is kept, and the model is told
+    /// once to call fewer tools at a time; a second such reply in a row stops the run
+    /// with [`Stop::TooManyToolCalls`](crate::Stop::TooManyToolCalls), which running the
+    /// thread again resumes. Small local models looping on one call were seen to answer
+    /// with a hundred or more.
+    ///
+    /// ```
+    /// # use keel_agent::Agent;
+    /// let builder = Agent::builder().max_tool_calls(8);
+    /// ```
+    pub fn max_tool_calls(mut self, max: usize) -> Self {
+        self.max_tool_calls = Some(max.max(1));
         self
     }
 
@@ -2119,6 +2141,9 @@ impl AgentBuilder {
             keep_checkpoints: self.keep_checkpoints,
             checkpointer: self.checkpointer.clone(),
             approve: self.approve,
+            max_tool_calls: self
+                .max_tool_calls
+                .unwrap_or((budget / TOKENS_PER_TOOL_CALL).max(1)),
             compactor,
             prunes: Default::default(),
         };

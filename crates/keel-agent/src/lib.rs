@@ -129,7 +129,8 @@ pub use event::{AgentEvent, ToolFailure};
 pub use keel_graph::StopSignal;
 pub use keel_message as message;
 pub use nodes::{
-    AGENT, AgentNodes, COMPACT, EPOCH, NUDGE_METADATA_KEY, TOOLS, refused_before_sending,
+    AGENT, AgentNodes, CALLS_REFUSED_METADATA_KEY, COMPACT, EPOCH, NUDGE_METADATA_KEY,
+    TOKENS_PER_TOOL_CALL, TOOLS, refused_before_sending,
 };
 pub use state::{
     AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Milestones,

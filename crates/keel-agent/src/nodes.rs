@@ -38,6 +38,16 @@ pub const EPOCH: &str = "epoch";
 /// The metadata key of the reminder the agent adds after an empty model reply.
 pub const NUDGE_METADATA_KEY: &str = "keel.nudge";
 
+/// The metadata key on a reply whose tool calls were refused (more than
+/// [`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls)): how many it
+/// asked for. The reply is kept without them when it has text.
+pub const CALLS_REFUSED_METADATA_KEY: &str = "keel.calls_refused";
+
+/// The prompt tokens a tool call is assumed to take at the least, its result included,
+/// for the default of [`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls):
+/// a call with short arguments and a one-line result takes about 40.
+pub const TOKENS_PER_TOOL_CALL: usize = 64;
+
 /// The thread used for the offload namespace when a graph runs without a thread.
 pub(crate) const NO_THREAD: &str = "no-thread";
 
@@ -55,6 +65,8 @@ pub(crate) struct Parts {
     pub(crate) keep_checkpoints: Option<usize>,
     pub(crate) checkpointer: Option<Arc<dyn Checkpointer>>,
     pub(crate) approve: BTreeSet<String>,
+    /// The most tool calls one reply may ask for ([`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls)).
+    pub(crate) max_tool_calls: usize,
     /// The compactor every node's is made from (for the thread of the call).
     pub(crate) compactor: Compactor,
     /// The checkpoint prunes compaction steps started in the background.
@@ -526,12 +538,38 @@ impl AgentNodes {
                 cut_off,
             });
             let mut new = vec![];
-            let empty = reply.tool_calls.is_empty() && reply.text().trim().is_empty();
             let nudged = s
                 .last_message()
                 .is_some_and(|m| m.metadata.contains_key(NUDGE_METADATA_KEY));
-            new.push(reply);
             let mut stop = None;
+            let calls = reply.tool_calls.len();
+            let max = p.max_tool_calls;
+            let empty = calls == 0 && reply.text().trim().is_empty();
+            if calls > max {
+                // Not run, not stored: its calls and their results could leave a step no
+                // prompt holds. Its text stays; the model is told once to call fewer.
+                tracing::warn!(calls, max, "a reply asked for too many tool calls; none was run");
+                reply.tool_calls.clear();
+                reply
+                    .metadata
+                    .insert(CALLS_REFUSED_METADATA_KEY.to_owned(), calls.into());
+                if !reply.text().trim().is_empty() {
+                    new.push(reply);
+                }
+                if nudged {
+                    stop = Some(Stop::TooManyToolCalls { steps: step, calls, max });
+                } else {
+                    let mut nudge = Message::user(format!(
+                        "Your last reply asked for {calls} tool calls at once, and none was run: \
+                         this context holds the calls and results of at most {max}. Call at most \
+                         {max} tools in one reply; call the rest in later replies."
+                    ));
+                    nudge.metadata.insert(NUDGE_METADATA_KEY.to_owned(), Value::Bool(true));
+                    new.push(nudge);
+                }
+            } else {
+                new.push(reply);
+            }
             if empty {
                 if nudged {
                     stop = Some(Stop::EmptyReply { steps: step });

@@ -183,6 +183,18 @@ pub enum Stop {
         /// Model calls made.
         steps: u64,
     },
+    /// The model asked for more tool calls in one reply than
+    /// [`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls) allows twice
+    /// in a row (told the first time). None was run. Running the thread again asks
+    /// the model again.
+    TooManyToolCalls {
+        /// Model calls made.
+        steps: u64,
+        /// Tool calls the last reply asked for.
+        calls: usize,
+        /// The most one reply may ask for.
+        max: usize,
+    },
     /// The run used its budget of model calls ([`AgentInput::max_steps`](crate::AgentInput::max_steps)).
     RunBudget {
         /// Model calls this run made.
@@ -221,6 +233,11 @@ impl std::fmt::Display for Stop {
             Self::EmptyReply { steps } => write!(
                 f,
                 "the model replied with nothing twice in a row (after {steps} model calls)"
+            ),
+            Self::TooManyToolCalls { steps, calls, max } => write!(
+                f,
+                "the model asked for {calls} tool calls in one reply twice in a row, over the \
+                 {max} a reply may ask for; none was run (after {steps} model calls)"
             ),
             Self::RunBudget { steps, max } => write!(
                 f,

@@ -3521,3 +3521,109 @@ fn the_agent_span_carries_the_call_s_numbers_and_a_failed_call_is_logged() {
         "{log}"
     );
 }
+
+/// A model that answers its first `bursts` calls with a reply of `calls` echo calls
+/// (with a line of text), then "Done."; it counts its calls.
+fn bursty_model(bursts: u64, calls: u64, seen: Arc<AtomicU64>) -> PolicyModel {
+    PolicyModel::new("small", move |_m, _t| {
+        let k = seen.fetch_add(1, Ordering::SeqCst);
+        let reply = if k < bursts {
+            Message::assistant(format!("Checking all {calls} at once.")).with_tool_calls(
+                (0..calls)
+                    .map(|i| ToolCall::new(format!("c{k}-{i}"), "echo", json!({"i": i})))
+                    .collect(),
+            )
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "small"))
+    })
+}
+
+fn four_k_agent(model: PolicyModel, saver: Arc<MemorySaver>) -> Agent {
+    Agent::builder()
+        .model(Arc::new(model))
+        .profile(ModelProfile::new("small", 4_096, 512, Encoding::O200kBase))
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .checkpointer(saver)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_with_more_tool_calls_than_the_context_holds_is_refused_and_the_thread_goes_on() {
+    // 120 calls and their one-line results take about 4,800 tokens: over a 4,096-token
+    // window's budget with nothing older to compact. Run, they left a thread whose every
+    // later call failed with a context overflow.
+    let seen = Arc::new(AtomicU64::new(0));
+    let saver = Arc::new(MemorySaver::new());
+    let agent = four_k_agent(bursty_model(1, 120, seen.clone()), saver.clone());
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done."));
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    // None was run; the reply's text is kept without its calls, and the model was told.
+    let m = &run.state.messages;
+    assert!(m.iter().all(|m| m.role != Role::Tool));
+    let kept = m
+        .iter()
+        .find(|m| {
+            m.metadata
+                .contains_key(keel_agent::CALLS_REFUSED_METADATA_KEY)
+        })
+        .unwrap();
+    assert_eq!(kept.text(), "Checking all 120 at once.");
+    assert!(kept.tool_calls.is_empty());
+    assert_eq!(kept.metadata[keel_agent::CALLS_REFUSED_METADATA_KEY], 120);
+    let nudge = m
+        .iter()
+        .find(|m| m.metadata.contains_key(keel_agent::NUDGE_METADATA_KEY))
+        .unwrap();
+    // 3,584 tokens of budget at 64 a call.
+    assert!(nudge.text().contains("120 tool calls") && nudge.text().contains("at most 56"));
+
+    // A burst the context holds runs as before.
+    let seen = Arc::new(AtomicU64::new(0));
+    let agent = four_k_agent(bursty_model(1, 40, seen), Arc::new(MemorySaver::new()));
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    let results = run
+        .state
+        .messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .count();
+    assert_eq!(results, 40);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn too_many_tool_calls_twice_in_a_row_stop_the_run_resumably() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let saver = Arc::new(MemorySaver::new());
+    let agent = four_k_agent(bursty_model(2, 300, seen.clone()), saver.clone());
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    let stop = Some(Stop::TooManyToolCalls {
+        steps: 2,
+        calls: 300,
+        max: 56,
+    });
+    assert_eq!(run.stop, stop);
+    assert!(run.stop.unwrap().to_string().contains("300 tool calls"));
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    // Running the thread again asks the model again, and this time it answers.
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    assert_eq!(run.answer.as_deref(), Some("Done."));
+    assert_eq!(run.stop, None);
+
+    // The limit is the builder's to set.
+    let seen = Arc::new(AtomicU64::new(0));
+    let agent = Agent::builder()
+        .model(Arc::new(bursty_model(1, 3, seen)))
+        .goal(GOAL)
+        .tool(Arc::new(Echo))
+        .max_tool_calls(2)
+        .build()
+        .unwrap();
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    assert!(run.state.messages.iter().all(|m| m.role != Role::Tool));
+    assert_eq!(run.answer.as_deref(), Some("Done."));
+}
