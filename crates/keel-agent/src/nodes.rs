@@ -923,8 +923,11 @@ impl AgentNodes {
     /// Waits for the checkpoint prune the thread's last compaction step started in the
     /// background, then removes the offloaded files only the pruned checkpoints saw.
     /// [`crate::Agent`]'s runs call it as they end, so a finished run's thread holds
-    /// its newest [`keep_checkpoints`](crate::AgentBuilder::keep_checkpoints)
-    /// checkpoints. A graph of your own that reuses the compaction nodes can call it
+    /// the newest [`keep_checkpoints`](crate::AgentBuilder::keep_checkpoints)
+    /// checkpoints its last compaction step found stored, and those written since. The
+    /// prune does not wait for writes still queued in the run's background writer: the
+    /// checkpoints of the few steps before that compaction step whose writes reached
+    /// the saver after it stay as well, until the thread's next compaction step. A graph of your own that reuses the compaction nodes can call it
     /// after a run; otherwise the thread's next compaction step does it. Returns what
     /// was removed from the offload store.
     ///

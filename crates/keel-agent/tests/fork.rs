@@ -374,8 +374,16 @@ async fn fork_prune_delete_sweep(
     );
     // Only B's checkpoints after its first compaction are left.
     let b_checkpoints = checkpoints(cp.as_ref(), "forked").await;
+    // With `Sync`, 5 (3 kept and 2 written after the last prune). With `Async` a
+    // background prune can reach the saver before the writes of the steps since the
+    // previous compaction step (3 agent steps, at most 3 checkpoints each) do; those
+    // stay until the next compaction step: 5 to 12 were seen. A full run stores 30.
+    let most = match durability {
+        Durability::Async => 5 + 9,
+        _ => 5,
+    };
     assert!(
-        b_checkpoints.len() < 12,
+        b_checkpoints.len() <= most,
         "{} checkpoints",
         b_checkpoints.len()
     );
