@@ -1721,15 +1721,17 @@ impl AgentBuilder {
     /// that: give such a tool a deadline of its own. A tool that blocks its thread
     /// inside its future (`std::thread::sleep`, blocking I/O) holds a runtime worker
     /// the timeout needs, so the step waits for it: put such work on
-    /// `tokio::task::spawn_blocking`.
+    /// `tokio::task::spawn_blocking`. Zero is refused at build
+    /// ([`BuildError::BadSetting`]).
     pub fn tool_timeout(mut self, timeout: Duration) -> Self {
         self.tool_timeout = Some(timeout);
         self
     }
 
-    /// The most tool calls one reply may ask for (default: the prompt budget over
-    /// [`TOKENS_PER_TOOL_CALL`], at least 1: 56 at a 4,096-token window, 1,984 at
-    /// 128,000). A reply that asks for more is not run and not stored, since its calls
+    /// The most tool calls one reply may ask for (default: the prompt budget, the
+    /// window less the reply's reserve, over [`TOKENS_PER_TOOL_CALL`], at least 1: 48
+    /// for a 4,096-token window with 1,024 kept for the reply, 1,984 for 128,000;
+    /// 0 is refused at build, [`BuildError::BadSetting`]). A reply that asks for more is not run and not stored, since its calls
     /// and their results could leave a step no prompt can hold, and a thread whose
     /// newest step cannot fit can never go on. Its text is kept, and the model is told
     /// once to call fewer tools at a time; a second such reply in a row stops the run
@@ -1742,7 +1744,7 @@ impl AgentBuilder {
     /// let builder = Agent::builder().max_tool_calls(8);
     /// ```
     pub fn max_tool_calls(mut self, max: usize) -> Self {
-        self.max_tool_calls = Some(max.max(1));
+        self.max_tool_calls = Some(max);
         self
     }
 
@@ -2069,6 +2071,18 @@ impl AgentBuilder {
         }
         if self.keep_checkpoints == Some(0) {
             return Err(BuildError::KeepNoCheckpoints);
+        }
+        if self.max_tool_calls == Some(0) {
+            return Err(BuildError::BadSetting {
+                setting: "max_tool_calls",
+                reason: "0 would refuse every reply that calls a tool; give at least 1".into(),
+            });
+        }
+        if self.tool_timeout == Some(Duration::ZERO) {
+            return Err(BuildError::BadSetting {
+                setting: "tool_timeout",
+                reason: "a zero timeout would time out every tool call that has to wait; give a positive duration".into(),
+            });
         }
         if !self.approve.is_empty() && self.checkpointer.is_none() {
             return Err(BuildError::ApprovalNeedsCheckpointer);

@@ -128,6 +128,15 @@ pub enum BuildError {
         /// The agent's node the route leaves.
         node: String,
     },
+    /// A builder setting is out of its range (`max_tool_calls(0)`, a zero
+    /// `tool_timeout`).
+    #[error("`{setting}`: {reason}")]
+    BadSetting {
+        /// The builder method.
+        setting: &'static str,
+        /// What is wrong, and what to give.
+        reason: String,
+    },
     /// A compaction setting is out of its range
     /// ([`CompactionConfig::validate`](keel_compaction::CompactionConfig::validate)).
     #[error(transparent)]

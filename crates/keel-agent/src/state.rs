@@ -93,12 +93,17 @@ impl AgentState {
         self.messages.last()
     }
 
-    /// The final answer: the text of the last assistant message without tool calls.
+    /// The final answer: the text of the last assistant message without tool calls
+    /// (not one whose calls were refused, [`CALLS_REFUSED_METADATA_KEY`](crate::CALLS_REFUSED_METADATA_KEY)).
     pub fn answer(&self) -> Option<String> {
         self.messages
             .iter()
             .rev()
-            .find(|m| m.role == keel_message::Role::Assistant && m.tool_calls.is_empty())
+            .find(|m| {
+                m.role == keel_message::Role::Assistant
+                    && m.tool_calls.is_empty()
+                    && !m.metadata.contains_key(crate::CALLS_REFUSED_METADATA_KEY)
+            })
             .map(|m| m.text().into_owned())
     }
 

@@ -3608,6 +3608,13 @@ async fn too_many_tool_calls_twice_in_a_row_stop_the_run_resumably() {
     });
     assert_eq!(run.stop, stop);
     assert!(run.stop.unwrap().to_string().contains("300 tool calls"));
+    // The refused reply's text is kept, and is no answer.
+    assert_eq!(run.answer, None);
+    assert_eq!(run.state.answer(), None);
+    assert_eq!(
+        run.state.last_message().unwrap().text(),
+        "Checking all 300 at once."
+    );
     assert_eq!(seen.load(Ordering::SeqCst), 2);
     // Running the thread again asks the model again, and this time it answers.
     let run = agent.run("t", AgentInput::new()).await.unwrap();
@@ -3626,4 +3633,24 @@ async fn too_many_tool_calls_twice_in_a_row_stop_the_run_resumably() {
     let run = agent.run("t", AgentInput::new()).await.unwrap();
     assert!(run.state.messages.iter().all(|m| m.role != Role::Tool));
     assert_eq!(run.answer.as_deref(), Some("Done."));
+    // None is no limit a reply could meet, and a zero timeout none a call could.
+    let refused = |b: keel_agent::AgentBuilder| {
+        b.model(Arc::new(counting_model(1, Arc::default())))
+            .goal(GOAL)
+            .build()
+            .unwrap_err()
+    };
+    let err = refused(Agent::builder().max_tool_calls(0));
+    assert!(
+        matches!(
+            err,
+            BuildError::BadSetting {
+                setting: "max_tool_calls",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = refused(Agent::builder().tool_timeout(Duration::ZERO));
+    assert!(err.to_string().starts_with("`tool_timeout`: "), "{err}");
 }

@@ -1497,3 +1497,36 @@ fn a_grep_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
         assert!(out.contains("hi"), "{out}");
     });
 }
+
+#[test]
+fn a_read_at_a_huge_offset_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
+    // Skipping to an offset past the end of a file of 48 million empty lines reads it
+    // all; after the call's timeout nobody waits for that.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let f = Fixture::new();
+        f.put("lines.txt", "\n".repeat(48 << 20));
+        f.put("small.txt", "hi\n");
+        let slow = f.call(
+            READ_FILE,
+            json!({"path": "lines.txt", "offset": 1u64 << 40}),
+        );
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(100), slow)
+                .await
+                .is_err(),
+            "the read is slow enough to be cut off"
+        );
+        let next = tokio::time::timeout(
+            std::time::Duration::from_millis(1_500),
+            f.call(READ_FILE, json!({"path": "small.txt"})),
+        )
+        .await;
+        let out = next.expect("the blocking thread was freed").unwrap();
+        assert!(out.contains("hi"), "{out}");
+    });
+}
