@@ -1606,7 +1606,7 @@ impl AgentBuilder {
     }
 
     /// Adds the file tools (`ls`, `read_file`, `grep`, `write_file`, `edit_file`) rooted
-    /// in `tools`' directory. They also read the offload store (`large_tool_results/`,
+    /// in `tools`' directory (one set: a second call replaces the first). They also read the offload store (`large_tool_results/`,
     /// `archive/`), so they replace the default retrieval tools. Their results are capped
     /// by their limits (30,000 characters by default) and are never offloaded (the
     /// offload policy exempts reads, so reading an offloaded file back cannot loop).
@@ -2140,6 +2140,17 @@ impl AgentBuilder {
                 tokens,
                 budget,
                 "the system prompt, goal and tool specs take over half the prompt budget; give a larger window, fewer tools or a shorter system prompt, or compaction will run at almost every step"
+            );
+        }
+        let keep = compaction.keep_recent(budget);
+        if keep > budget / 2 {
+            // Each milestone keeps that much raw history: a prompt near the budget
+            // frees little, and compaction runs again at almost every step.
+            tracing::warn!(
+                model = %profile.name,
+                keep_recent_tokens = keep,
+                budget,
+                "keep_recent_tokens is over half the prompt budget: each milestone would free little; give a smaller keep_recent_tokens or a larger window"
             );
         }
         let parts = Parts {

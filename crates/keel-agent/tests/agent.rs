@@ -3654,3 +3654,38 @@ async fn too_many_tool_calls_twice_in_a_row_stop_the_run_resumably() {
     let err = refused(Agent::builder().tool_timeout(Duration::ZERO));
     assert!(err.to_string().starts_with("`tool_timeout`: "), "{err}");
 }
+
+#[test]
+fn a_recent_tail_over_half_the_budget_is_a_warning_at_build() {
+    let build = |keep: usize| {
+        logged(
+            tracing::Level::WARN,
+            tracing_subscriber::fmt::format::FmtSpan::NONE,
+            async move {
+                Agent::builder()
+                    .model(Arc::new(counting_model(1, Arc::default())))
+                    .profile(ModelProfile::new(
+                        "small",
+                        4_096,
+                        1_024,
+                        Encoding::O200kBase,
+                    ))
+                    .goal(GOAL)
+                    .compaction(CompactionConfig::default().with_keep_recent_tokens(keep))
+                    .build()
+                    .map(|_| ())
+            },
+        )
+    };
+    let (built, log) = build(100_000);
+    built.unwrap();
+    assert!(
+        log.contains("keep_recent_tokens is over half the prompt budget")
+            && log.contains("keep_recent_tokens=100000")
+            && log.contains("budget=3072"),
+        "{log}"
+    );
+    let (built, log) = build(1_000);
+    built.unwrap();
+    assert!(!log.contains("keep_recent_tokens"), "{log}");
+}
