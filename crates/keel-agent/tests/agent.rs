@@ -1171,9 +1171,14 @@ async fn on_a_small_window_a_stub_costs_at_most_two_thirds_of_the_eviction_thres
 /// An agent on an 8,192-token window (1,024 kept for the reply) with the echo tool
 /// and an in-memory saver.
 fn small_echo_agent(model: PolicyModel, encoding: Encoding) -> Agent {
+    echo_agent(model, ModelProfile::new("small", 8_192, 1_024, encoding))
+}
+
+/// `model` with the echo tool and an in-memory saver, for `profile`.
+fn echo_agent(model: PolicyModel, profile: ModelProfile) -> Agent {
     Agent::builder()
         .model(Arc::new(model))
-        .profile(ModelProfile::new("small", 8_192, 1_024, encoding))
+        .profile(profile)
         .goal(GOAL)
         .tool(Arc::new(Echo))
         .checkpointer(Arc::new(MemorySaver::new()))
@@ -3540,15 +3545,11 @@ fn bursty_model(bursts: u64, calls: u64, seen: Arc<AtomicU64>) -> PolicyModel {
     })
 }
 
-fn four_k_agent(model: PolicyModel, saver: Arc<MemorySaver>) -> Agent {
-    Agent::builder()
-        .model(Arc::new(model))
-        .profile(ModelProfile::new("small", 4_096, 512, Encoding::O200kBase))
-        .goal(GOAL)
-        .tool(Arc::new(Echo))
-        .checkpointer(saver)
-        .build()
-        .unwrap()
+fn four_k_agent(model: PolicyModel) -> Agent {
+    echo_agent(
+        model,
+        ModelProfile::new("small", 4_096, 512, Encoding::O200kBase),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -3557,8 +3558,7 @@ async fn a_reply_with_more_tool_calls_than_the_context_holds_is_refused_and_the_
     // window's budget with nothing older to compact. Run, they left a thread whose every
     // later call failed with a context overflow.
     let seen = Arc::new(AtomicU64::new(0));
-    let saver = Arc::new(MemorySaver::new());
-    let agent = four_k_agent(bursty_model(1, 120, seen.clone()), saver.clone());
+    let agent = four_k_agent(bursty_model(1, 120, seen.clone()));
     let run = agent.run("t", AgentInput::new()).await.unwrap();
     assert_eq!(run.answer.as_deref(), Some("Done."));
     assert_eq!(seen.load(Ordering::SeqCst), 2);
@@ -3584,7 +3584,7 @@ async fn a_reply_with_more_tool_calls_than_the_context_holds_is_refused_and_the_
 
     // A burst the context holds runs as before.
     let seen = Arc::new(AtomicU64::new(0));
-    let agent = four_k_agent(bursty_model(1, 40, seen), Arc::new(MemorySaver::new()));
+    let agent = four_k_agent(bursty_model(1, 40, seen));
     let run = agent.run("t", AgentInput::new()).await.unwrap();
     let results = run
         .state
@@ -3598,8 +3598,7 @@ async fn a_reply_with_more_tool_calls_than_the_context_holds_is_refused_and_the_
 #[tokio::test(flavor = "multi_thread")]
 async fn too_many_tool_calls_twice_in_a_row_stop_the_run_resumably() {
     let seen = Arc::new(AtomicU64::new(0));
-    let saver = Arc::new(MemorySaver::new());
-    let agent = four_k_agent(bursty_model(2, 300, seen.clone()), saver.clone());
+    let agent = four_k_agent(bursty_model(2, 300, seen.clone()));
     let run = agent.run("t", AgentInput::new()).await.unwrap();
     let stop = Some(Stop::TooManyToolCalls {
         steps: 2,

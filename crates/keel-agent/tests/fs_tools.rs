@@ -1466,11 +1466,15 @@ async fn grep_does_not_read_an_ignore_file_that_is_a_link_or_a_fifo() {
     );
 }
 
-#[test]
-fn a_grep_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
-    // A slow pattern over 4 MiB would hold the blocking pool's thread for many seconds
-    // after the tool's timeout dropped the call. One blocking thread: the next call
-    // gets it only once the grep stops.
+/// On a runtime with one blocking thread: `slow` (a call on `f` after `setup`) is cut
+/// off by a `cut` timeout, and the next call must get the thread back within `then`
+/// (the dropped call's work stopped).
+fn a_dropped_call_frees_the_blocking_thread(
+    setup: impl FnOnce(&Fixture),
+    slow: (&'static str, Value),
+    cut: std::time::Duration,
+    then: std::time::Duration,
+) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
@@ -1478,55 +1482,47 @@ fn a_grep_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
         .unwrap();
     runtime.block_on(async {
         let f = Fixture::new();
-        let line = format!("{}\n", "abcdefghij".repeat(100));
-        f.put("big.txt", line.repeat(4 * 1024));
+        setup(&f);
         f.put("small.txt", "hi\n");
-        let slow = f.call(GREP, json!({"pattern": r"[\p{L}\p{N}]{200}Z"}));
         assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(200), slow)
+            tokio::time::timeout(cut, f.call(slow.0, slow.1))
                 .await
                 .is_err(),
-            "the grep is slow enough to be cut off"
+            "the call is slow enough to be cut off"
         );
-        let next = tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            f.call(READ_FILE, json!({"path": "small.txt"})),
-        )
-        .await;
+        let next =
+            tokio::time::timeout(then, f.call(READ_FILE, json!({"path": "small.txt"}))).await;
         let out = next.expect("the blocking thread was freed").unwrap();
         assert!(out.contains("hi"), "{out}");
     });
 }
 
 #[test]
+fn a_grep_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
+    // A slow pattern over 4 MiB would hold the blocking pool's thread for many seconds
+    // after the tool's timeout dropped the call.
+    a_dropped_call_frees_the_blocking_thread(
+        |f| {
+            let line = format!("{}\n", "abcdefghij".repeat(100));
+            f.put("big.txt", line.repeat(4 * 1024));
+        },
+        (GREP, json!({"pattern": r"[\p{L}\p{N}]{200}Z"})),
+        std::time::Duration::from_millis(200),
+        std::time::Duration::from_secs(5),
+    );
+}
+
+#[test]
 fn a_read_at_a_huge_offset_whose_call_was_dropped_stops_and_frees_its_blocking_thread() {
     // Skipping to an offset past the end of a file of 48 million empty lines reads it
     // all; after the call's timeout nobody waits for that.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(1)
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let f = Fixture::new();
-        f.put("lines.txt", "\n".repeat(48 << 20));
-        f.put("small.txt", "hi\n");
-        let slow = f.call(
+    a_dropped_call_frees_the_blocking_thread(
+        |f| f.put("lines.txt", "\n".repeat(48 << 20)),
+        (
             READ_FILE,
             json!({"path": "lines.txt", "offset": 1u64 << 40}),
-        );
-        assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(100), slow)
-                .await
-                .is_err(),
-            "the read is slow enough to be cut off"
-        );
-        let next = tokio::time::timeout(
-            std::time::Duration::from_millis(1_500),
-            f.call(READ_FILE, json!({"path": "small.txt"})),
-        )
-        .await;
-        let out = next.expect("the blocking thread was freed").unwrap();
-        assert!(out.contains("hi"), "{out}");
-    });
+        ),
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_millis(1_500),
+    );
 }

@@ -384,23 +384,30 @@ async fn the_step_ceiling_stops_the_run() {
     ));
 }
 
+/// Masking 2 turns at a time behind the last 2, at the threshold (30% of a
+/// 4,000-token window) whatever it costs, so masking comes early.
+fn masking_rig() -> Rig {
+    rig(
+        CompactionConfig::default()
+            .with_strategy(Strategy::Masking {
+                keep_turns: 2,
+                block: 2,
+            })
+            // At the threshold whatever it costs, so masking comes early.
+            .with_step_trigger(keel_compaction::StepTrigger::Always)
+            .with_window_fraction(0.3),
+        4_000,
+        false,
+    )
+}
+
 /// Two identical runs whose messages got different ids (as a reducer gives random
 /// ones) mask to the same texts at the same steps: nothing random reaches the prompt.
 #[tokio::test]
 async fn masking_is_the_same_whatever_the_message_ids() {
     let mut runs = Vec::new();
     for run in 0..2 {
-        let rig = rig(
-            CompactionConfig::default()
-                .with_strategy(Strategy::Masking {
-                    keep_turns: 2,
-                    block: 2,
-                })
-                .with_step_trigger(keel_compaction::StepTrigger::Always)
-                .with_window_fraction(0.3),
-            4_000,
-            false,
-        );
+        let rig = masking_rig();
         let mut state = ContextState::new(goal());
         for i in 0..16 {
             let (reply, results) = step(i, 1, 400, false);
@@ -428,18 +435,7 @@ async fn masking_is_the_same_whatever_the_message_ids() {
 
 #[tokio::test]
 async fn masking_replaces_old_results_with_pointers_to_the_archive() {
-    let rig = rig(
-        CompactionConfig::default()
-            .with_strategy(Strategy::Masking {
-                keep_turns: 2,
-                block: 2,
-            })
-            // At the threshold whatever it costs, so masking comes early.
-            .with_step_trigger(keel_compaction::StepTrigger::Always)
-            .with_window_fraction(0.3),
-        4_000,
-        false,
-    );
+    let rig = masking_rig();
     let mut state = ContextState::new(goal());
     for i in 0..16 {
         let (reply, results) = step(i, 1, 400, false);
