@@ -2034,8 +2034,12 @@ impl AgentBuilder {
         #[allow(unused_mut)]
         let mut tools = self.tools;
         #[cfg(feature = "fs")]
-        if let Some(file) = self.file {
+        if let Some(mut file) = self.file {
             let file_limits = fit(*file.limits());
+            if file.brief_specs().is_none() {
+                let brief = profile.input_budget() < crate::tools::BRIEF_SPECS_BELOW;
+                file = file.with_brief_specs(brief);
+            }
             tools.extend(
                 file.with_limits(file_limits)
                     .with_offload(store.clone())

@@ -101,6 +101,19 @@ pub enum AgentEvent {
         /// The run's budget.
         max: u64,
     },
+    /// A reply asked for more tool calls than
+    /// [`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls) allows: none
+    /// was run, and the model was told to call fewer (or, the second time in a row, the
+    /// run stopped with [`Stop::TooManyToolCalls`](crate::Stop::TooManyToolCalls)).
+    #[non_exhaustive]
+    CallsRefused {
+        /// The model call whose reply it was.
+        step: u64,
+        /// Tool calls the reply asked for.
+        calls: usize,
+        /// The most one reply may ask for.
+        max: usize,
+    },
     /// The model name has no profile: the window and output limits of the default
     /// profile are used.
     #[non_exhaustive]

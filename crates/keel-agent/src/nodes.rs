@@ -546,9 +546,11 @@ impl AgentNodes {
             let max = p.max_tool_calls;
             let empty = calls == 0 && reply.text().trim().is_empty();
             if calls > max {
-                // Not run, not stored: its calls and their results could leave a step no
-                // prompt holds. Its text stays; the model is told once to call fewer.
+                // Not run: its calls and their results could leave a step no prompt
+                // holds. Its text stays, without them; the model is told once to call
+                // fewer.
                 tracing::warn!(calls, max, "a reply asked for too many tool calls; none was run");
+                events.push(AgentEvent::CallsRefused { step, calls, max });
                 reply.tool_calls.clear();
                 reply
                     .metadata
@@ -927,8 +929,8 @@ impl AgentNodes {
     /// checkpoints its last compaction step found stored, and those written since. The
     /// prune does not wait for writes still queued in the run's background writer: the
     /// checkpoints of the few steps before that compaction step whose writes reached
-    /// the saver after it stay as well, until the thread's next compaction step. A graph of your own that reuses the compaction nodes can call it
-    /// after a run; otherwise the thread's next compaction step does it. Returns what
+    /// the saver after it stay as well, until the thread's next compaction step. A
+    /// graph of your own that reuses the compaction nodes can call it after a run; otherwise the thread's next compaction step does it. Returns what
     /// was removed from the offload store.
     ///
     /// ```

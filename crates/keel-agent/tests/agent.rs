@@ -3688,3 +3688,29 @@ fn a_recent_tail_over_half_the_budget_is_a_warning_at_build() {
     built.unwrap();
     assert!(!log.contains("keep_recent_tokens"), "{log}");
 }
+
+#[test]
+fn file_tools_describe_themselves_briefly_on_a_small_budget_unless_told() {
+    use keel_agent::tools::FileTools;
+    let fixed = |window: usize, files: FileTools| {
+        Agent::builder()
+            .model(Arc::new(counting_model(1, Arc::default())))
+            .profile(ModelProfile::new("m", window, 1_024, Encoding::O200kBase))
+            .goal(GOAL)
+            .file_tools(files)
+            .build()
+            .unwrap()
+            .fixed_prompt_tokens(None, None)
+    };
+    let files = || {
+        FileTools::new(env!("CARGO_MANIFEST_DIR"))
+            .unwrap()
+            .read_only()
+    };
+    // A 3,072-token budget is under `BRIEF_SPECS_BELOW`, 7,168 is not.
+    let small = fixed(4_096, files());
+    let large = fixed(8_192, files());
+    assert!(small + 250 < large, "{small} against {large}");
+    assert_eq!(fixed(4_096, files().with_brief_specs(false)), large);
+    assert_eq!(fixed(8_192, files().with_brief_specs(true)), small);
+}

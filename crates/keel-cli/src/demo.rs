@@ -10,7 +10,7 @@ use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use keel::agent::tools::FileTools;
-use keel::agent::{Agent, AgentEvent, AgentInput, AgentState, AgentUpdate, BuildError, Stop};
+use keel::agent::{Agent, AgentEvent, AgentInput, AgentState, AgentUpdate, Stop};
 use keel::compaction::CompactionConfig;
 use keel::message::{Message, Role};
 use keel::model::{ChatModel, ChatOptions, HttpConfig};
@@ -353,6 +353,9 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         _ => profile.clone(),
     };
     let planned_window = profile.context_window;
+    let files = FileTools::new(&scenario.dir)
+        .with_context(|| format!("cannot root the file tools at {}", scenario.dir.display()))?
+        .read_only();
     let storage = store::open(&home, None, true).await?;
     let offload = store::offload(&home)?;
     let agent = Agent::builder()
@@ -372,13 +375,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         )?)
         .system(scenario.system())
         .goal(scenario.goal())
-        .file_tools(
-            FileTools::new(&scenario.dir)
-                .with_context(|| {
-                    format!("cannot root the file tools at {}", scenario.dir.display())
-                })?
-                .read_only(),
-        )
+        .file_tools(files.clone())
         .checkpointer(storage.saver.clone())
         .offload_store(offload)
         .evict(Some(EvictLargeResults::new()))
@@ -399,26 +396,23 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
         .build();
     // The system prompt, the goal and the tool specs head every prompt and are never
     // compacted; with the summaries and a step's results they must fit the budget.
-    let fits = |tokens| {
-        model::check_fixed_part_fits(
-            "the demo's system prompt, goal and tool specs are",
-            tokens,
-            3,
-            &planned,
-            "",
-        )
-    };
     // A window too small for them is refused as bad usage (exit code 2), as `keel run`
     // refuses one.
-    if let Err(BuildError::PromptTooLarge { tokens, .. }) = &agent
-        && let Err(e) = fits(*tokens)
-    {
+    if let Err(e) = model::check_fixed_part_fits(
+        "the demo's system prompt, goal and tool specs are",
+        &model::fixed_part(
+            counter.clone(),
+            scenario.system(),
+            &scenario.goal(),
+            &files,
+        ),
+        3,
+        &planned,
+        "",
+    ) {
         return Ok(crate::ui::usage_error(&e));
     }
     let agent = agent.context("cannot build the agent")?;
-    if let Err(e) = fits(agent.fixed_prompt_tokens(None, None)) {
-        return Ok(crate::ui::usage_error(&e));
-    }
 
     let thread = args
         .thread

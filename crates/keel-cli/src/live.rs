@@ -2,19 +2,17 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
 use futures::StreamExt;
-use keel::agent::tools::FileTools;
+use keel::agent::tools::{BRIEF_SPECS_BELOW, FileTools};
 use keel::agent::{
     Agent, AgentError, AgentEvent, AgentInput, AgentUpdate, BuildError, Stop, StopSignal,
 };
-use keel::checkpoint::MemorySaver;
 use keel::compaction::{CompactionConfig, GoalAnchor};
 use keel::message::{Message, Role};
-use keel::offload::{EvictLargeResults, MemoryStore};
+use keel::offload::EvictLargeResults;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -260,34 +258,26 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     };
     if let (None, Some(goal)) = (&saved, &args.goal) {
         // A new thread: its system prompt, goal and tool specs head every prompt and
-        // are never compacted. Refused before anything is written. The tool specs
-        // read the same with any offload store, so memory ones stand in (approvals
-        // need a checkpointer).
-        let probe = builder()
-            .offload_store(Arc::new(MemoryStore::new()))
-            .checkpointer(Arc::new(MemorySaver::new()))
-            .build();
+        // are never compacted. Refused before anything is written.
+        let fixed = model::fixed_part(counter.clone(), LIVE_SYSTEM, goal, &tools);
         let goal = GoalAnchor::new(goal.as_str());
-        let fixed = match probe {
-            Ok(probe) => probe.fixed_prompt_tokens(Some(&goal), None),
-            // The system prompt and the tool specs alone are over the budget; the goal
-            // comes on top.
-            Err(BuildError::PromptTooLarge { tokens, .. }) => {
-                tokens + counter.count_message(goal.message())
-            }
-            Err(e) => return Err(anyhow::Error::new(e).context("cannot build the agent")),
-        };
         let planned = match asked {
             Some(w) if w < model::MIN_WINDOW => model::with_window(&live.profile, spec.name(), w),
             _ => live.profile.clone(),
         };
-        if let Err(e) = model::check_fixed_part_fits(
-            "the goal, system prompt and tool specs take",
-            fixed,
-            2,
-            &planned,
-            "put the long material in a file under --dir and make the goal say where it is, or ",
-        ) {
+        // Advice about the goal only when a short goal would fit.
+        let goal_tokens = counter.count_message(goal.message());
+        let what = format!(
+            "the goal ({}), system prompt and tool specs take",
+            crate::ui::count(goal_tokens as u64, "token")
+        );
+        let here = fixed(planned.input_budget() < BRIEF_SPECS_BELOW);
+        let advice = if here.saturating_sub(goal_tokens) <= planned.input_budget() / 2 {
+            "put the long material in a file under --dir and make the goal say where it is, or "
+        } else {
+            ""
+        };
+        if let Err(e) = model::check_fixed_part_fits(&what, &fixed, 2, &planned, advice) {
             return Ok(crate::ui::usage_error(&e));
         }
     }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
+use keel::agent::tools::{BRIEF_SPECS_BELOW, FileTools};
 use keel::model::{
     ChatModel, ChatOptions, HttpConfig, ModelError, OllamaConfig, OllamaModel, OpenAiConfig,
     OpenAiModel,
@@ -234,20 +235,62 @@ pub fn profile(name: &str, window: Option<usize>) -> anyhow::Result<ModelProfile
     }
 }
 
-/// Refuses a run whose never-compacted part (`what`, `tokens` long: the goal, and in
-/// `keel demo` the system prompt and tool specs too) takes more than `1 / share` of
-/// the prompt budget: every prompt would start that full, leaving too little room for
-/// the summaries and the recent steps. `advice` says what to change besides a larger
-/// window.
+/// The tokens of the part of every prompt no compaction shrinks (`system`, `goal` and
+/// the specs of `files`), by whether the file tools' specs are the short ones (see
+/// [`check_fixed_part_fits`]).
+pub fn fixed_part(
+    counter: Arc<dyn TokenCounter>,
+    system: &str,
+    goal: &str,
+    files: &FileTools,
+) -> impl Fn(bool) -> usize {
+    move |brief| {
+        // A window no fixed part fills: only the count is wanted.
+        let probe = keel::agent::Agent::builder()
+            .model(Arc::new(keel::model::ScriptedModel::new(Vec::new())))
+            .profile(ModelProfile::new(
+                "probe",
+                1 << 30,
+                1_024,
+                keel::token::Encoding::Approximate,
+            ))
+            .counter(counter.clone())
+            .system(system)
+            .goal(goal)
+            .file_tools(files.clone().with_brief_specs(brief))
+            .build();
+        probe.map_or(usize::MAX, |agent| agent.fixed_prompt_tokens(None, None))
+    }
+}
+
+/// The smallest `--window` whose prompt budget holds the fixed part `share` times,
+/// `fixed` counting it with the short file tool specs or the long ones: the agent
+/// gives the short ones under a budget of [`BRIEF_SPECS_BELOW`] tokens.
+pub fn least_window(fixed: &dyn Fn(bool) -> usize, share: usize) -> usize {
+    let brief = smallest_window(fixed(true), share);
+    let base = ModelProfiles::new().lookup("").clone();
+    if with_window(&base, "", brief).input_budget() < BRIEF_SPECS_BELOW {
+        brief
+    } else {
+        smallest_window(fixed(false), share)
+    }
+}
+
+/// Refuses a run whose never-compacted part (`what`; `fixed` counts it, with the short
+/// file tool specs of a small budget or the long ones: the goal, the system prompt
+/// and the tool specs) takes more than `1 / share` of the prompt budget: every prompt
+/// would start that full, leaving too little room for the summaries and the recent
+/// steps. `advice` says what to change besides a larger window.
 pub fn check_fixed_part_fits(
     what: &str,
-    tokens: usize,
+    fixed: &dyn Fn(bool) -> usize,
     share: usize,
     profile: &ModelProfile,
     advice: &str,
 ) -> anyhow::Result<()> {
     let input_budget = profile.input_budget();
-    let needed = smallest_window(tokens, share);
+    let tokens = fixed(input_budget < BRIEF_SPECS_BELOW);
+    let needed = least_window(fixed, share);
     let least = thousands(needed as u64);
     if profile.context_window < MIN_WINDOW && tokens <= input_budget / share.max(1) {
         let window = thousands(profile.context_window as u64);
@@ -639,7 +682,7 @@ mod tests {
         let base = ModelProfiles::new().lookup("gpt-4o").clone();
         let crowded = check_fixed_part_fits(
             "the goal is",
-            2_000,
+            &|_| 2_000,
             2,
             &with_window(&base, "gpt-4o", 2_000),
             "",
@@ -652,6 +695,19 @@ mod tests {
             crowded.ends_with(&format!("give a --window of at least {least}")),
             "{crowded}"
         );
+    }
+
+    #[test]
+    fn the_least_window_counts_the_tool_specs_that_window_would_get() {
+        // Short specs while the window found keeps the budget under the threshold.
+        let small = |brief: bool| if brief { 500 } else { 900 };
+        assert_eq!(least_window(&small, 2), smallest_window(500, 2));
+        // Past it the agent would give the long ones: the window must hold those.
+        let large = |brief: bool| if brief { 2_500 } else { 2_900 };
+        let least = least_window(&large, 2);
+        assert_eq!(least, smallest_window(2_900, 2));
+        let base = ModelProfiles::new().lookup("").clone();
+        assert!(with_window(&base, "", least).input_budget() >= BRIEF_SPECS_BELOW);
     }
 
     #[test]

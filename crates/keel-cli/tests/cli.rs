@@ -1967,8 +1967,17 @@ fn demo_plans_for_the_window_given_and_refuses_one_its_fixed_prompt_would_crowd(
     assert!(report["milestones"].as_u64().unwrap() > 4, "{report:#}");
     assert_eq!(report["question"]["correct"], true, "{report:#}");
 
+    // 2,000 tokens fit the demo's fixed part (the file tools' specs are short under a
+    // 4,000-token budget); 1,500 do not.
     let out = demo(
         &["--steps", "40", "--window", "2000", "-q"],
+        proj.path(),
+        home.path(),
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let out = demo(
+        &["--steps", "40", "--window", "1500", "-q"],
         proj.path(),
         home.path(),
     );
@@ -2055,8 +2064,10 @@ fn a_goal_that_fills_the_window_is_refused_before_the_thread_exists() {
     let (_, stderr) = text(&out);
     // A window too small for the goal is a usage error.
     assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // The goal is what makes it long: the advice says so.
     assert!(
-        stderr.contains("the goal, system prompt and tool specs take")
+        stderr.contains("system prompt and tool specs take")
+            && stderr.contains("put the long material in a file under --dir")
             && stderr.contains("--window"),
         "{stderr}"
     );
@@ -2308,7 +2319,7 @@ fn keel_run_states_one_least_window_for_a_new_thread() {
         stderr[at + "at least ".len()..].trim().to_owned()
     };
     let minimum = least("0");
-    for window in ["1000", "1024", "2000"] {
+    for window in ["1000", "1024", "1200"] {
         assert_eq!(least(window), minimum, "--window {window}");
     }
     assert!(!home.path().join("keel.sqlite").exists());
@@ -2340,7 +2351,7 @@ fn the_demo_states_one_least_window_and_runs_with_it() {
             .unwrap_or_else(|_| panic!("a number to give to --window: {stderr}"))
     };
     let minimum = least("1000");
-    for window in ["1024", "2000", "3000"] {
+    for window in ["1024", "1200", "1500"] {
         assert_eq!(least(window), minimum, "--window {window}");
     }
     assert_eq!(least(&(minimum - 1).to_string()), minimum);
@@ -3177,11 +3188,11 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
     let proj = project();
     let home = tempfile::tempdir().unwrap();
     let url = format!("{}/v1", server.uri());
-    let run = |window: String, thread: &'static str| {
+    let run_with = |window: String, thread: &'static str, goal: String| {
         let (h, d, url) = (home.path().to_owned(), proj.path().to_owned(), url.clone());
         move || {
             keel()
-                .args(["run", "--model", "openai/local", "--goal", "What is here?"])
+                .args(["run", "--model", "openai/local", "--goal", &goal])
                 .args(["--thread", thread, "--window", &window])
                 .arg("--home")
                 .arg(&h)
@@ -3192,13 +3203,17 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
                 .unwrap()
         }
     };
+    let run =
+        |window: String, thread: &'static str| run_with(window, thread, "What is here?".into());
     let out = tokio::task::spawn_blocking(run("1024".into(), "small"))
         .await
         .unwrap();
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    // A short goal: no advice to shorten it.
     assert!(
-        stderr.contains("the goal, system prompt and tool specs take")
+        stderr.contains("the goal (10 tokens), system prompt and tool specs take")
+            && !stderr.contains("put the long material")
             && !stderr.contains("resume"),
         "{stderr}"
     );
@@ -3224,11 +3239,18 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
         "{stdout}"
     );
 
-    // Resumed with a window its fixed part does not fit: refused, saying which does.
+    // A thread with a long goal, resumed with a window its fixed part does not fit
+    // (with the short tool specs of a small window): refused, saying which does.
+    let goal = format!("What is here? {}", "Look at every file. ".repeat(80));
+    let out = tokio::task::spawn_blocking(run_with("8192".into(), "long", goal))
+        .await
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
     let (h, d) = (home.path().to_owned(), proj.path().to_owned());
     let out = tokio::task::spawn_blocking(move || {
         keel()
-            .args(["run", "--thread", "fits", "--window", "1024"])
+            .args(["run", "--thread", "long", "--window", "1024"])
             .arg("--home")
             .arg(&h)
             .arg("--dir")
@@ -3241,11 +3263,11 @@ async fn a_run_whose_fixed_prompt_overfills_the_window_is_refused_before_anythin
     .unwrap();
     let (_, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    // Its system prompt and tool specs alone overfill this window (the agent cannot be
-    // built): the window to give is over their count.
+    // The window to give fits the goal with them.
     assert!(
-        stderr.contains("cannot run with this window: give a --window over")
-            && stderr.contains("keel run --thread fits"),
+        stderr.contains("cannot run with this window: give --window ")
+            && stderr.contains(" or more, e.g. keel run --thread long")
+            && stderr.contains("keel run --thread long"),
         "{stderr}"
     );
 }

@@ -181,6 +181,8 @@ pub struct FileTools {
     file_limits: FileLimits,
     offload: Option<Arc<dyn OffloadStore>>,
     read_only: bool,
+    /// Short tool descriptions (`None`: the agent builder chooses by the budget).
+    brief: Option<bool>,
     /// What `grep` keeps between calls: compiled patterns, parsed .gitignore files.
     grep_cache: Arc<search::GrepCache>,
 }
@@ -193,6 +195,7 @@ impl fmt::Debug for FileTools {
             .field("file_limits", &self.file_limits)
             .field("offload", &self.offload.is_some())
             .field("read_only", &self.read_only)
+            .field("brief", &self.brief)
             .finish()
     }
 }
@@ -219,6 +222,7 @@ impl FileTools {
             file_limits: FileLimits::default(),
             offload: None,
             read_only: false,
+            brief: None,
             grep_cache: Arc::default(),
         })
     }
@@ -229,6 +233,35 @@ impl FileTools {
     pub fn read_only(mut self) -> Self {
         self.read_only = true;
         self
+    }
+
+    /// Short tool descriptions: what each tool does and its arguments, without the
+    /// limits and the details the long ones spell out (about 300 tokens less for the
+    /// three read tools). The agent builder gives them short descriptions on its own
+    /// when the prompt budget is under [`BRIEF_SPECS_BELOW`] tokens, where the long
+    /// ones would take a fifth of every prompt or more; this setting overrides that.
+    ///
+    /// ```
+    /// use keel_agent::tools::FileTools;
+    /// use keel_message::Tool;
+    ///
+    /// let long = FileTools::new(".")?.read_only().with_brief_specs(false);
+    /// let short = FileTools::new(".")?.read_only().with_brief_specs(true);
+    /// let size = |t: &FileTools| -> usize {
+    ///     t.tools().iter().map(|t| t.spec().description.len()).sum()
+    /// };
+    /// assert!(size(&short) * 2 < size(&long));
+    /// # Ok::<(), keel_agent::tools::FileToolsError>(())
+    /// ```
+    #[must_use]
+    pub fn with_brief_specs(mut self, brief: bool) -> Self {
+        self.brief = Some(brief);
+        self
+    }
+
+    /// Whether the descriptions are short; `None` when left to the agent builder.
+    pub fn brief_specs(&self) -> Option<bool> {
+        self.brief
     }
 
     /// Sets the output caps, shared with keel-offload's retrieval tools: characters
@@ -484,8 +517,16 @@ where
     }
 }
 
+/// Below this prompt budget (tokens) the agent builder gives the file tools short
+/// descriptions ([`FileTools::with_brief_specs`]): a 4,096-token window less 1,024 for
+/// the reply is under it, an 8,192-token one is not.
+pub const BRIEF_SPECS_BELOW: usize = 4_000;
+
 /// The spec of one tool, its description stating the limits in force.
 fn spec(kind: Kind, tools: &FileTools) -> ToolSpec {
+    if tools.brief == Some(true) {
+        return brief_spec(kind, tools);
+    }
     let l = &tools.limits;
     let f = &tools.file_limits;
     let offload = tools.offload.is_some();
@@ -619,6 +660,89 @@ fn spec(kind: Kind, tools: &FileTools) -> ToolSpec {
                 "required": ["path", "old_string", "new_string"],
                 "additionalProperties": false
             }),
+        ),
+    }
+}
+
+/// [`spec`] with short descriptions: what the tool does and its arguments.
+fn brief_spec(kind: Kind, tools: &FileTools) -> ToolSpec {
+    let l = &tools.limits;
+    let offload = tools.offload.is_some();
+    let schema = |properties: Value, required: &[&str]| {
+        json!({
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": false
+        })
+    };
+    let path = json!({"type": "string", "description": "Relative to the root."});
+    match kind {
+        Kind::Ls => ToolSpec::new(
+            LS,
+            format!(
+                "List a directory (default: the root); directories end in `/`.{}",
+                if offload {
+                    " archive/ and large_tool_results/ hold what left the context."
+                } else {
+                    ""
+                }
+            ),
+            schema(json!({"path": path}), &[]),
+        ),
+        Kind::ReadFile => ToolSpec::new(
+            READ_FILE,
+            "Read a text file as numbered lines, `limit` lines after `offset`.",
+            schema(
+                json!({
+                    "path": path,
+                    "offset": {"type": "integer", "minimum": 0},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": l.max_read_lines}
+                }),
+                &["path"],
+            ),
+        ),
+        Kind::Grep => ToolSpec::new(
+            GREP,
+            format!(
+                "Search files for a regex; returns `path:line: text`. `glob` filters files \
+                 (e.g. `*.rs`).{}",
+                if offload {
+                    " Path `archive` searches what left the context."
+                } else {
+                    ""
+                }
+            ),
+            schema(
+                json!({
+                    "pattern": {"type": "string"},
+                    "path": path,
+                    "glob": {"type": "string"},
+                    "max_results": {"type": "integer", "minimum": 1, "maximum": l.max_grep_results}
+                }),
+                &["pattern"],
+            ),
+        ),
+        Kind::WriteFile => ToolSpec::new(
+            WRITE_FILE,
+            "Create a new file (never overwrites; use edit_file to change one).",
+            schema(
+                json!({"path": path, "content": {"type": "string"}}),
+                &["path", "content"],
+            ),
+        ),
+        Kind::EditFile => ToolSpec::new(
+            EDIT_FILE,
+            "Replace `old_string`, which must occur once unless `replace_all`, in a file.",
+            schema(
+                json!({
+                    "path": path,
+                    "old_string": {"type": "string"},
+                    "new_string": {"type": "string"},
+                    "replace_all": {"type": "boolean"}
+                }),
+                &["path", "old_string", "new_string"],
+            ),
         ),
     }
 }
