@@ -400,12 +400,7 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     // refuses one.
     if let Err(e) = model::check_fixed_part_fits(
         "the demo's system prompt, goal and tool specs are",
-        &model::fixed_part(
-            counter.clone(),
-            scenario.system(),
-            &scenario.goal(),
-            &files,
-        ),
+        &model::fixed_part(counter.clone(), scenario.system(), &scenario.goal(), &files),
         3,
         &planned,
         "",

@@ -664,6 +664,33 @@ async fn failed(
     anyhow::Error::new(error).context(message)
 }
 
+/// Once per process, when a server counted a prompt with tools at a third of keel's
+/// count or less: servers that do not pass tools to the model (llama-cpp-python
+/// without a chat format that takes them) drop the specs from the prompt, and the
+/// model answers without ever calling a tool.
+fn tools_dropped_note(event: &AgentEvent) -> Option<String> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let AgentEvent::ModelCall {
+        prompt_tokens,
+        provider_prompt_tokens: Some(server),
+        ..
+    } = event
+    else {
+        return None;
+    };
+    if *prompt_tokens < 300 || server.saturating_mul(3) > *prompt_tokens {
+        return None;
+    }
+    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    Some(format!(
+        "note: the server counted {} prompt tokens where keel counted {}: it may have left the tool specs out of the prompt, and then the model cannot call a tool. llama-cpp-python passes tools only with --chat_format chatml-function-calling, llama.cpp's server only with --jinja (see the README's table of servers)",
+        thousands(*server),
+        thousands(*prompt_tokens)
+    ))
+}
+
 /// The step line of a model call (`None` for other events).
 fn model_call_line(event: &AgentEvent) -> Option<String> {
     let AgentEvent::ModelCall {
@@ -721,9 +748,22 @@ fn print_update(update: &AgentUpdate) {
         && let Some(line) = model_call_line(event)
     {
         outln!("{line}");
+        if let Some(note) = tools_dropped_note(event) {
+            errln!("{note}");
+        }
         return;
     }
     match update {
+        AgentUpdate::Event(AgentEvent::CallsRefused { calls, max, .. }) => outln!(
+            "          {} refused: at most {max} a reply, none was run",
+            crate::ui::count(*calls as u64, "tool call")
+        ),
+        // What keel told the model (an empty reply, too many calls).
+        AgentUpdate::Message(m)
+            if m.role == Role::User && m.metadata.contains_key(keel::agent::NUDGE_METADATA_KEY) =>
+        {
+            outln!("          keel to the model: {}", m.text().trim());
+        }
         AgentUpdate::Event(AgentEvent::ToolCall {
             name,
             error,

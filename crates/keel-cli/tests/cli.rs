@@ -938,6 +938,15 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
             stdout.contains("prompt tokens (server: 120)"),
             "{model}: the server's own count is shown beside keel's:\n{stdout}"
         );
+        // 120 against keel's count of the system prompt, goal and tool specs: a server
+        // that left the tools out counts that little. Said once.
+        assert_eq!(
+            stderr
+                .matches("it may have left the tool specs out")
+                .count(),
+            1,
+            "{model}:\n{stderr}"
+        );
         if openai {
             assert!(
                 stdout.contains("64 cached"),
