@@ -34,6 +34,10 @@ use crate::tools::{Toolbox, retrieval_tools};
 /// Checkpoints kept after each compaction by default.
 pub const DEFAULT_KEEP_CHECKPOINTS: usize = 5;
 
+/// Replies in a row that may call one tool with the same arguments before the call is
+/// no longer run ([`AgentBuilder::max_repeated_calls`]).
+pub const DEFAULT_MAX_REPEATED_CALLS: usize = 5;
+
 type BoxedNode = Arc<
     dyn Fn(
             Arc<AgentState>,
@@ -1508,6 +1512,7 @@ pub struct AgentBuilder {
     keep_checkpoints: Option<usize>,
     tool_timeout: Option<Duration>,
     max_tool_calls: Option<usize>,
+    max_repeats: Option<usize>,
     evict: Option<Option<EvictLargeResults>>,
     limits: ToolLimits,
     approve: BTreeSet<String>,
@@ -1546,6 +1551,7 @@ impl Default for AgentBuilder {
             keep_checkpoints: Some(DEFAULT_KEEP_CHECKPOINTS),
             tool_timeout: None,
             max_tool_calls: None,
+            max_repeats: Some(DEFAULT_MAX_REPEATED_CALLS),
             evict: None,
             limits: ToolLimits::default(),
             approve: BTreeSet::new(),
@@ -1745,6 +1751,24 @@ impl AgentBuilder {
     /// ```
     pub fn max_tool_calls(mut self, max: usize) -> Self {
         self.max_tool_calls = Some(max);
+        self
+    }
+
+    /// After how many replies in a row calling one tool with the same arguments the
+    /// call is not run again (default [`DEFAULT_MAX_REPEATED_CALLS`], 5: the sixth is
+    /// answered "not run" with [`ToolFailure::Repeated`](crate::ToolFailure::Repeated);
+    /// `None` runs every call). Small models loop on one call (the same file read 30
+    /// times in a row was seen), and each result fills the context again. The count
+    /// starts over at any other reply and at a message from the user. A tool meant to
+    /// be polled with the same arguments needs `None` or a higher limit; 0 is refused
+    /// at build ([`BuildError::BadSetting`]).
+    ///
+    /// ```
+    /// # use keel_agent::Agent;
+    /// let builder = Agent::builder().max_repeated_calls(Some(3));
+    /// ```
+    pub fn max_repeated_calls(mut self, max: Option<usize>) -> Self {
+        self.max_repeats = max;
         self
     }
 
@@ -2082,6 +2106,12 @@ impl AgentBuilder {
                 reason: "0 would refuse every reply that calls a tool; give at least 1".into(),
             });
         }
+        if self.max_repeats == Some(0) {
+            return Err(BuildError::BadSetting {
+                setting: "max_repeated_calls",
+                reason: "Some(0) would run no call at all; give Some(n) with n of at least 1, or None to run every call".into(),
+            });
+        }
         if self.tool_timeout == Some(Duration::ZERO) {
             return Err(BuildError::BadSetting {
                 setting: "tool_timeout",
@@ -2170,6 +2200,7 @@ impl AgentBuilder {
             keep_checkpoints: self.keep_checkpoints,
             checkpointer: self.checkpointer.clone(),
             approve: self.approve,
+            max_repeats: self.max_repeats,
             max_tool_calls: self
                 .max_tool_calls
                 .unwrap_or((budget / TOKENS_PER_TOOL_CALL).max(1)),

@@ -172,6 +172,10 @@ pub enum ToolFailure {
     Cancelled,
     /// The user did not approve the call, so it was not run.
     NotApproved,
+    /// The same tool with the same arguments was called in each of the last
+    /// [`AgentBuilder::max_repeated_calls`](crate::AgentBuilder::max_repeated_calls)
+    /// replies, so it was not run again.
+    Repeated,
     /// A failure this build does not know, read from an event a newer keel wrote.
     #[serde(other)]
     Unknown,
@@ -179,7 +183,7 @@ pub enum ToolFailure {
 
 impl ToolFailure {
     /// The name used in events and logs: `unknown_tool`, `bad_arguments`, `failed`,
-    /// `timed_out`, `panicked`, `cancelled`, `not_approved` (or `unknown`).
+    /// `timed_out`, `panicked`, `cancelled`, `not_approved`, `repeated` (or `unknown`).
     pub fn as_str(&self) -> &'static str {
         match self {
             ToolFailure::UnknownTool => "unknown_tool",
@@ -189,6 +193,7 @@ impl ToolFailure {
             ToolFailure::Panicked => "panicked",
             ToolFailure::Cancelled => "cancelled",
             ToolFailure::NotApproved => "not_approved",
+            ToolFailure::Repeated => "repeated",
             ToolFailure::Unknown => "unknown",
         }
     }

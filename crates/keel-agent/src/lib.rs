@@ -120,7 +120,7 @@ pub mod tools;
 
 pub use agent::{
     Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, AgentUpdates, DEFAULT_KEEP_CHECKPOINTS,
-    Next,
+    DEFAULT_MAX_REPEATED_CALLS, Next,
 };
 pub use error::{AgentError, BuildError, CleanupError};
 pub use event::{AgentEvent, ToolFailure};

@@ -67,6 +67,8 @@ pub(crate) struct Parts {
     pub(crate) approve: BTreeSet<String>,
     /// The most tool calls one reply may ask for ([`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls)).
     pub(crate) max_tool_calls: usize,
+    /// Replies in a row after which the same call is not run again ([`AgentBuilder::max_repeated_calls`](crate::AgentBuilder::max_repeated_calls)).
+    pub(crate) max_repeats: Option<usize>,
     /// The compactor every node's is made from (for the thread of the call).
     pub(crate) compactor: Compactor,
     /// The checkpoint prunes compaction steps started in the background.
@@ -628,6 +630,10 @@ impl AgentNodes {
             let lineage = s.lineage.to_value();
             let runs = calls.iter().map(|c| {
                 let denied = denied.get(&c.id);
+                let repeats = p
+                    .max_repeats
+                    .map(|max| (repeated_in_a_row(&s, c), max))
+                    .filter(|&(n, max)| n >= max);
                 let call_ctx = ToolContext::new(c.id.clone())
                     .with_thread_id(thread.clone())
                     .with_step(s.step)
@@ -646,6 +652,20 @@ impl AgentNodes {
                             message: m,
                             error: Some("not approved".to_owned()),
                             failure: Some(crate::ToolFailure::NotApproved),
+                            result_chars: 0,
+                            duration: std::time::Duration::ZERO,
+                        }
+                    } else if let Some((n, _)) = repeats {
+                        let text = format!(
+                            "Not run: each of your last {n} replies called `{}` with these same arguments, and its result is in this conversation. Use it, or do something else.",
+                            crate::tools::clip(&c.name, 64)
+                        );
+                        let mut m = Message::tool(c.id.clone(), text);
+                        m.name = Some(c.name.clone());
+                        crate::tools::ToolOutcome {
+                            message: m,
+                            error: Some(format!("repeated {n} times in a row")),
+                            failure: Some(crate::ToolFailure::Repeated),
                             result_chars: 0,
                             duration: std::time::Duration::ZERO,
                         }
@@ -1433,6 +1453,28 @@ async fn minified(mut results: Vec<Message>, on: bool) -> Vec<Message> {
         }
     }
     results
+}
+
+/// How many replies in a row before the newest (back to the last message a person
+/// wrote) called `call`'s tool with the same arguments.
+fn repeated_in_a_row(s: &AgentState, call: &ToolCall) -> usize {
+    let same = |c: &ToolCall| {
+        c.name == call.name
+            && match (c.arguments.as_json(), call.arguments.as_json()) {
+                (Some(a), Some(b)) => a == b,
+                _ => c.arguments.to_json_string() == call.arguments.to_json_string(),
+            }
+    };
+    let mut n = 0;
+    for m in s.messages.iter().rev().skip(1) {
+        match m.role {
+            Role::Assistant if m.tool_calls.iter().any(same) => n += 1,
+            Role::Assistant => break,
+            Role::User if !m.metadata.contains_key(NUDGE_METADATA_KEY) => break,
+            _ => {}
+        }
+    }
+    n
 }
 
 #[cfg(test)]

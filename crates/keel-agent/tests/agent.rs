@@ -3714,3 +3714,88 @@ fn file_tools_describe_themselves_briefly_on_a_small_budget_unless_told() {
     assert_eq!(fixed(4_096, files().with_brief_specs(false)), large);
     assert_eq!(fixed(8_192, files().with_brief_specs(true)), small);
 }
+
+/// A model that calls `echo` with `{"i": 7}` in each of its first `times` replies,
+/// then answers.
+fn looping_model(times: u64) -> PolicyModel {
+    let n = AtomicU64::new(0);
+    PolicyModel::new("small", move |_m, _t| {
+        let k = n.fetch_add(1, Ordering::SeqCst);
+        let reply = if k < times {
+            Message::assistant("").with_tool_calls(vec![ToolCall::new(
+                format!("c{k}"),
+                "echo",
+                json!({"i": 7}),
+            )])
+        } else {
+            Message::assistant("Done.")
+        };
+        Ok(ChatResponse::new(reply, "small"))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_call_in_too_many_replies_in_a_row_is_not_run_again() {
+    let refused = |state: &AgentState| {
+        state
+            .messages
+            .iter()
+            .filter(|m| m.role == Role::Tool && m.text().starts_with("Not run: each of your last"))
+            .count()
+    };
+    // 8 replies in a row: the first 5 run, the next 3 are answered without running.
+    let saver = Arc::new(MemorySaver::new());
+    let agent = builder(looping_model(8))
+        .checkpointer(saver.clone())
+        .build()
+        .unwrap();
+    let mut stream = agent.stream("t", AgentInput::new());
+    let mut failures = Vec::new();
+    while let Some(update) = stream.next().await {
+        if let AgentUpdate::Event(AgentEvent::ToolCall { failure, .. }) = update.unwrap() {
+            failures.push(failure);
+        }
+    }
+    let repeated = Some(keel_agent::ToolFailure::Repeated);
+    assert_eq!(failures[..5], [None; 5]);
+    assert_eq!(failures[5..], [repeated; 3]);
+    let state = agent.state("t").await.unwrap().unwrap();
+    assert_eq!(refused(&state), 3);
+    assert_eq!(state.answer().as_deref(), Some("Done."));
+
+    // A message from the user starts the count over: the call runs again.
+    let results = |state: &AgentState| {
+        state
+            .messages
+            .iter()
+            .filter(|m| m.role == Role::Tool)
+            .count()
+    };
+    let before = results(&state);
+    let agent = builder(looping_model(1))
+        .checkpointer(saver)
+        .build()
+        .unwrap();
+    let run = agent
+        .run("t", AgentInput::new().user("Read it once more."))
+        .await
+        .unwrap();
+    assert_eq!(results(&run.state), before + 1);
+    assert_eq!(refused(&run.state), 3);
+
+    // Off, every call runs.
+    let agent = builder(looping_model(8))
+        .max_repeated_calls(None)
+        .build()
+        .unwrap();
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    assert_eq!(refused(&run.state), 0);
+    let err = builder(looping_model(1))
+        .max_repeated_calls(Some(0))
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string().starts_with("`max_repeated_calls`: "),
+        "{err}"
+    );
+}
