@@ -646,29 +646,13 @@ impl AgentNodes {
                             ),
                             None => "The user did not approve this call; it was not run. Ask them or try another way.".to_owned(),
                         };
-                        let mut m = Message::tool(c.id.clone(), text);
-                        m.name = Some(c.name.clone());
-                        crate::tools::ToolOutcome {
-                            message: m,
-                            error: Some("not approved".to_owned()),
-                            failure: Some(crate::ToolFailure::NotApproved),
-                            result_chars: 0,
-                            duration: std::time::Duration::ZERO,
-                        }
+                        not_run(c, text, "not approved".to_owned(), crate::ToolFailure::NotApproved)
                     } else if let Some((n, _)) = repeats {
                         let text = format!(
                             "Not run: each of your last {n} replies called `{}` with these same arguments, and its result is in this conversation. Use it, or do something else.",
                             crate::tools::clip(&c.name, 64)
                         );
-                        let mut m = Message::tool(c.id.clone(), text);
-                        m.name = Some(c.name.clone());
-                        crate::tools::ToolOutcome {
-                            message: m,
-                            error: Some(format!("repeated {n} times in a row")),
-                            failure: Some(crate::ToolFailure::Repeated),
-                            result_chars: 0,
-                            duration: std::time::Duration::ZERO,
-                        }
+                        not_run(c, text, format!("repeated {n} times in a row"), crate::ToolFailure::Repeated)
                     } else {
                         p.tools.run_in(c, call_ctx).await
                     }
@@ -1453,6 +1437,24 @@ async fn minified(mut results: Vec<Message>, on: bool) -> Vec<Message> {
         }
     }
     results
+}
+
+/// The outcome of a call that was not run: `text` is its tool message.
+fn not_run(
+    c: &ToolCall,
+    text: String,
+    error: String,
+    failure: crate::ToolFailure,
+) -> crate::tools::ToolOutcome {
+    let mut m = Message::tool(c.id.clone(), text);
+    m.name = Some(c.name.clone());
+    crate::tools::ToolOutcome {
+        message: m,
+        error: Some(error),
+        failure: Some(failure),
+        result_chars: 0,
+        duration: std::time::Duration::ZERO,
+    }
 }
 
 /// How many replies in a row before the newest (back to the last message a person
