@@ -360,8 +360,15 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
 
     input = input.metadata(RUN_METADATA, metadata.clone());
     loop {
-        let (stopped, interrupts) =
-            drive(&agent, &thread, &resume, input, (&spec, settings)).await?;
+        let (stopped, interrupts) = drive(
+            &agent,
+            &thread,
+            &resume,
+            input,
+            (&spec, settings),
+            live.options.max_tokens,
+        )
+        .await?;
         if let Some(signal) = stopped {
             outln!("\nstopped after the current step. Resume with: {resume}");
             return Ok(ExitCode::from(signal.exit_code()));
@@ -527,6 +534,7 @@ async fn drive(
     resume: &str,
     input: AgentInput,
     (spec, settings): (&ModelSpec, &Settings),
+    cap: Option<u32>,
 ) -> anyhow::Result<(Option<Signal>, Option<Value>)> {
     // A signal raises it: the run ends once the step in flight is stored.
     let stop = StopSignal::new();
@@ -577,7 +585,7 @@ async fn drive(
             Ok(u) => u,
             Err(e) => return Err(failed(agent, thread, resume, e, (spec, settings)).await),
         };
-        print_update(&update);
+        print_update(&update, cap);
         if let AgentUpdate::Done {
             interrupts, stop, ..
         } = update
@@ -691,6 +699,31 @@ fn tools_dropped_note(event: &AgentEvent) -> Option<String> {
     ))
 }
 
+/// Once per process, when the server wrote more tokens than the reply cap it was
+/// sent: it ignores `max_tokens` (llama-cpp-python's chatml-function-calling format
+/// was seen to), so a smaller `--max-tokens` cannot shorten its calls.
+fn over_cap_note(event: &AgentEvent, cap: Option<u32>) -> Option<String> {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let (
+        AgentEvent::ModelCall {
+            completion_tokens: Some(wrote),
+            ..
+        },
+        Some(cap),
+    ) = (event, cap)
+    else {
+        return None;
+    };
+    if *wrote <= u64::from(cap) || SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    Some(format!(
+        "note: the server wrote {} tokens, over the {} --max-tokens asks for: it ignores the cap, so its replies can take longer than --max-tokens suggests (give a larger --timeout, or a server that keeps to max_tokens)",
+        thousands(*wrote),
+        thousands(u64::from(cap))
+    ))
+}
+
 /// The step line of a model call (`None` for other events).
 fn model_call_line(event: &AgentEvent) -> Option<String> {
     let AgentEvent::ModelCall {
@@ -743,12 +776,15 @@ fn model_call_line(event: &AgentEvent) -> Option<String> {
     ))
 }
 
-fn print_update(update: &AgentUpdate) {
+fn print_update(update: &AgentUpdate, cap: Option<u32>) {
     if let AgentUpdate::Event(event) = update
         && let Some(line) = model_call_line(event)
     {
         outln!("{line}");
-        if let Some(note) = tools_dropped_note(event) {
+        for note in [tools_dropped_note(event), over_cap_note(event, cap)]
+            .into_iter()
+            .flatten()
+        {
             errln!("{note}");
         }
         return;

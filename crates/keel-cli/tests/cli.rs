@@ -947,6 +947,24 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
             1,
             "{model}:\n{stderr}"
         );
+        // It wrote 9 tokens a reply, within the default cap.
+        assert!(!stderr.contains("it ignores the cap"), "{model}:\n{stderr}");
+        if openai {
+            // Over a cap of 8: a server that ignores the cap is told apart.
+            let home = tempfile::tempdir().unwrap();
+            let (h, d) = (home.path().to_owned(), proj.path().to_owned());
+            let env = ("OPENAI_BASE_URL", format!("{}/v1", server.uri()));
+            let out = tokio::task::spawn_blocking(move || {
+                run_live(model, env, &h, &d, &["--max-tokens", "8"])
+            })
+            .await
+            .unwrap();
+            let (_, stderr) = text(&out);
+            assert!(
+                stderr.contains("the server wrote 9 tokens, over the 8 --max-tokens asks for"),
+                "{stderr}"
+            );
+        }
         if openai {
             assert!(
                 stdout.contains("64 cached"),
