@@ -1758,8 +1758,11 @@ impl AgentBuilder {
     /// call is not run again (default [`DEFAULT_MAX_REPEATED_CALLS`], 5: the sixth is
     /// answered "not run" with [`ToolFailure::Repeated`](crate::ToolFailure::Repeated);
     /// `None` runs every call). Small models loop on one call (the same file read 30
-    /// times in a row was seen), and each result fills the context again. The count
-    /// starts over at any other reply and at a message from the user. A tool meant to
+    /// times in a row was seen), and each result fills the context again. Arguments
+    /// compare as JSON values (spacing and key order do not matter). The count reads
+    /// the replies still in the context: it starts over at any other reply, at a
+    /// message from the user, and at a milestone that summarized the replies before
+    /// it. A tool meant to
     /// be polled with the same arguments needs `None` or a higher limit; 0 is refused
     /// at build ([`BuildError::BadSetting`]).
     ///

@@ -316,11 +316,12 @@ pub async fn run(args: DemoArgs, settings: &Settings) -> anyhow::Result<ExitCode
     let started = Instant::now();
     let home = settings.home(args.home.as_deref());
     let out = args.out.clone().unwrap_or_else(|| home.clone());
+    // A directory with nothing to survey is refused before anything is created.
+    let scenario = Scenario::plan(&args.dir, args.steps)?;
     crate::ui::create_dir(
         &out,
         "where the report and chart go (--out, else the home directory)",
     )?;
-    let scenario = Scenario::plan(&args.dir, args.steps)?;
     let live = settings
         .model(args.model.as_deref())
         .filter(|_| args.model.is_some())

@@ -403,6 +403,12 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         };
         outln!("\nthe run stopped early: {why}. Continue with: {resume}");
     }
+    // A script tells a stop before the answer from an answer.
+    let code = if state.stop.is_some() {
+        ExitCode::from(exit::STOPPED)
+    } else {
+        ExitCode::SUCCESS
+    };
     outln!(
         "\nanswer:\n{}",
         state.answer().unwrap_or_else(|| "(none)".into())
@@ -413,7 +419,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         count(state.milestones_made, "milestone"),
         count(state.epochs_made, "epoch")
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 /// What the thread ran with: the settings of its newest checkpoint that has them
@@ -672,13 +678,15 @@ async fn failed(
     anyhow::Error::new(error).context(message)
 }
 
-/// Once per process, when a server counted a prompt with tools at a third of keel's
-/// count or less: servers that do not pass tools to the model (llama-cpp-python
-/// without a chat format that takes them) drop the specs from the prompt, and the
-/// model answers without ever calling a tool.
+/// Once per process, when a server counted a prompt at a third of keel's count or
+/// less: servers that do not pass tools to the model (llama-cpp-python without a chat
+/// format that takes them) drop the specs from the prompt, and the model answers
+/// without ever calling a tool; llama-cpp-python's `chatml-function-calling` drops the
+/// tool results instead (a trial saw its count unchanged whatever a result held).
 fn tools_dropped_note(event: &AgentEvent) -> Option<String> {
     static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let AgentEvent::ModelCall {
+        step,
         prompt_tokens,
         provider_prompt_tokens: Some(server),
         ..
@@ -693,7 +701,7 @@ fn tools_dropped_note(event: &AgentEvent) -> Option<String> {
         return None;
     }
     Some(format!(
-        "note: the server counted {} prompt tokens where keel counted {}: it may have left the tool specs out of the prompt, and then the model cannot call a tool. llama-cpp-python passes tools only with --chat_format chatml-function-calling, llama.cpp's server only with --jinja (see the README's table of servers)",
+        "note: at step {step} the server counted {} prompt tokens where keel counted {}: it may have left part of the prompt out: the tool specs (then the model cannot call a tool) or the tool results (then it never sees what its calls returned). llama-cpp-python passes tools only with --chat_format chatml-function-calling, and that format leaves tool results out; llama.cpp's server with --jinja passes both (see the README's table of servers)",
         thousands(*server),
         thousands(*prompt_tokens)
     ))

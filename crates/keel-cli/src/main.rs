@@ -84,6 +84,7 @@ Run `keel <command> --help` for each command's options.
 
 Exit codes: 0 success; 1 an error (a sentence on stderr says what to do); 2 bad usage;
 3 the demo's final answer was wrong; 4 `keel replay` skipped files it could not read;
+5 `keel run` stopped before the model answered (--max-steps, say; the thread resumes);
 130 stopped by Ctrl-C after a step (the thread resumes); 143 `keel run` stopped by
 SIGTERM after a step (the thread resumes).";
 

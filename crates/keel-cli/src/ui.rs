@@ -122,6 +122,10 @@ pub mod exit {
     pub const WRONG_ANSWER: u8 = 3;
     /// `keel replay` skipped files or runs it could not read (the rest were replayed).
     pub const SKIPPED_FILES: u8 = 4;
+    /// `keel run` stopped before the model answered (its --max-steps, the thread's
+    /// step ceiling, a model that kept replying with nothing or with too many tool
+    /// calls); the thread resumes.
+    pub const STOPPED: u8 = 5;
     /// Stopped by Ctrl-C after a step; the thread resumes.
     pub const INTERRUPTED: u8 = 130;
     /// Stopped by SIGTERM after a step; the thread resumes.
