@@ -4242,3 +4242,14 @@ async fn show_on_a_thread_of_another_graph_says_whose_it_is_and_history_still_li
         .unwrap();
     assert_eq!(fork_entry["parent"], first.to_string().as_str());
 }
+
+#[test]
+fn a_demo_over_a_directory_with_nothing_to_read_creates_nothing() {
+    let empty = tempfile::tempdir().unwrap();
+    let home = empty.path().join(".keel");
+    let out = demo(&["-q"], empty.path(), &home);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("has no readable text file"), "{stderr}");
+    assert!(!home.exists(), "no home is left behind");
+}
