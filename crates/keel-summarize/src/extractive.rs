@@ -172,6 +172,9 @@ const NEXT_MARKERS: &[&str] = &[
 ];
 
 /// Candidate priorities: higher is kept first when the budget is short.
+/// What a failed call's artifact item says instead of the names in its error.
+const FAILED_MARK: &str = " → failed";
+
 mod prio {
     /// Items below this priority wait for the second selection pass.
     pub const FIRST_PASS: u16 = 70;
@@ -593,12 +596,20 @@ impl ExtractiveSummarizer {
                         .unwrap_or_else(|| m.name.clone().unwrap_or_else(|| "output".to_owned())),
                 };
                 let structured = looks_structured(text);
+                // A failed call (its result opens with `Error`, as keel's tool runner
+                // writes one): the names in its message (a file that does not exist)
+                // are no findings, and listed as such they read as files it found.
+                let failed = m.role == Role::Tool && reads_as_failure(text);
                 let exclude: Vec<String> = facts_of(&head);
-                let facts: Vec<String> = facts_of(text)
-                    .into_iter()
-                    .filter(|f| !exclude.contains(f))
-                    .collect();
-                let facts = new_facts(facts, &mut seen_facts);
+                let (head, facts) = if failed {
+                    (format!("{head}{FAILED_MARK}"), Vec::new())
+                } else {
+                    let facts = facts_of(text)
+                        .into_iter()
+                        .filter(|f| !exclude.contains(f))
+                        .collect();
+                    (head, new_facts(facts, &mut seen_facts))
+                };
                 let p = if facts.is_empty() {
                     prio::COMMAND
                 } else if structured {

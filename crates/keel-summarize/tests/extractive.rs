@@ -606,3 +606,46 @@ fn paths_of_failed_calls_are_not_files_read_or_changed() {
         "{artifacts:?}"
     );
 }
+
+#[test]
+fn a_failed_call_is_listed_as_failed_not_with_the_names_in_its_error() {
+    let call = |id: &str, path: &str| {
+        Message::assistant("").with_tool_calls(vec![ToolCall::new(
+            id,
+            "read_file",
+            json!({"path": path}),
+        )])
+    };
+    let session = vec![
+        Message::user("Find where StateGraph is defined."),
+        call("c1", "state_graph.txt"),
+        Message::tool(
+            "c1",
+            "Error: state_graph.txt does not exist; use ls to see what is there.",
+        ),
+        call("c2", "src/graph.rs"),
+        Message::tool(
+            "c2",
+            "     1\tpub struct StateGraph {\n     2\t    nodes: Vec<Node>,\n[end of file: 2 lines]",
+        ),
+        call("c3", "src/grep_me.rs"),
+        // Matches that mention errors are no failure.
+        Message::tool(
+            "c3",
+            "src/lib.rs:12: return Err(Error::NotFound)\nsrc/lib.rs:40: fn failed()",
+        ),
+    ];
+    let s = run(&session, 400);
+    let artifacts = s.section(ARTIFACTS).unwrap();
+    let item = |arg: &str| {
+        artifacts
+            .iter()
+            .find(|l| l.contains(arg))
+            .unwrap_or_else(|| panic!("{arg}: {artifacts:?}"))
+            .clone()
+    };
+    let failed = item("state_graph.txt");
+    assert!(failed.ends_with("→ failed"), "{artifacts:?}");
+    assert!(!item("src/graph.rs").contains("failed"), "{artifacts:?}");
+    assert!(!item("grep_me").ends_with("→ failed"), "{artifacts:?}");
+}
