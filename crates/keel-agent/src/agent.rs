@@ -1760,9 +1760,10 @@ impl AgentBuilder {
     /// `None` runs every call). Small models loop on one call (the same file read 30
     /// times in a row was seen), and each result fills the context again. Arguments
     /// compare as JSON values (spacing and key order do not matter). The count reads
-    /// the replies still in the context: it starts over at any other reply, at a
-    /// message from the user, and at a milestone that summarized the replies before
-    /// it. A tool meant to
+    /// the replies in the context and, before them, the recent tool calls of the
+    /// event log (their [`call_fingerprint`](crate::call_fingerprint)), so a milestone
+    /// does not start it over; any other reply does, and so does a message from the
+    /// user still in the context. A tool meant to
     /// be polled with the same arguments needs `None` or a higher limit; 0 is refused
     /// at build ([`BuildError::BadSetting`]).
     ///

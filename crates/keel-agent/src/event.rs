@@ -68,6 +68,13 @@ pub enum AgentEvent {
         result_chars: usize,
         /// Wall time, in milliseconds.
         duration_ms: u64,
+        /// A hash of the tool's name and its arguments, keys in any order: equal for
+        /// calls that ask the same thing ([`call_fingerprint`](crate::call_fingerprint);
+        /// 0 in events stored before keel recorded it). The agent reads it to tell a
+        /// call repeated across a milestone
+        /// ([`AgentBuilder::max_repeated_calls`](crate::AgentBuilder::max_repeated_calls)).
+        #[serde(default)]
+        fingerprint: u64,
     },
     /// A large tool result was written to the offload store; a stub stays in context.
     #[non_exhaustive]
@@ -212,5 +219,77 @@ impl ToolFailure {
 impl std::fmt::Display for ToolFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// The hash [`AgentEvent::ToolCall`] records of a call: xxh3 of its tool's name and its
+/// arguments as canonical JSON (object keys sorted), so two calls that ask the same
+/// thing have the same one whatever their spacing and key order. Arguments that are
+/// not JSON are hashed as their text.
+///
+/// ```
+/// use keel_agent::call_fingerprint;
+/// use keel_message::ToolCall;
+/// use serde_json::json;
+///
+/// let a = ToolCall::new("c1", "read_file", json!({"path": "a.rs", "limit": 5}));
+/// let b = ToolCall::new("c2", "read_file", json!({"limit": 5, "path": "a.rs"}));
+/// let c = ToolCall::new("c3", "read_file", json!({"path": "b.rs", "limit": 5}));
+/// assert_eq!(call_fingerprint(&a), call_fingerprint(&b));
+/// assert_ne!(call_fingerprint(&a), call_fingerprint(&c));
+/// ```
+pub fn call_fingerprint(call: &keel_message::ToolCall) -> u64 {
+    let mut text = String::with_capacity(64);
+    text.push_str(&call.name);
+    text.push('\0');
+    match call.arguments.as_json() {
+        Some(v) => canonical(v, &mut text),
+        None => text.push_str(&call.arguments.to_json_string()),
+    }
+    xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+}
+
+/// `v` as JSON with object keys sorted, without an explicit recursion (arguments can
+/// nest as deep as a caller built them).
+fn canonical(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    enum Item<'a> {
+        Value(&'a Value),
+        Text(&'static str),
+        Key(&'a str),
+    }
+    let mut stack = vec![Item::Value(v)];
+    while let Some(item) = stack.pop() {
+        match item {
+            Item::Text(t) => out.push_str(t),
+            Item::Key(k) => {
+                out.push_str(&Value::String(k.to_owned()).to_string());
+                out.push(':');
+            }
+            Item::Value(Value::Array(a)) => {
+                out.push('[');
+                stack.push(Item::Text("]"));
+                for (i, x) in a.iter().enumerate().rev() {
+                    stack.push(Item::Value(x));
+                    if i > 0 {
+                        stack.push(Item::Text(","));
+                    }
+                }
+            }
+            Item::Value(Value::Object(m)) => {
+                out.push('{');
+                stack.push(Item::Text("}"));
+                let mut keys: Vec<(&String, &Value)> = m.iter().collect();
+                keys.sort_by(|a, b| a.0.cmp(b.0));
+                for (i, (k, x)) in keys.into_iter().enumerate().rev() {
+                    stack.push(Item::Value(x));
+                    stack.push(Item::Key(k));
+                    if i > 0 {
+                        stack.push(Item::Text(","));
+                    }
+                }
+            }
+            Item::Value(other) => out.push_str(&other.to_string()),
+        }
     }
 }

@@ -123,7 +123,7 @@ pub use agent::{
     DEFAULT_MAX_REPEATED_CALLS, Next,
 };
 pub use error::{AgentError, BuildError, CleanupError};
-pub use event::{AgentEvent, ToolFailure};
+pub use event::{AgentEvent, ToolFailure, call_fingerprint};
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
 pub use keel_graph::StopSignal;

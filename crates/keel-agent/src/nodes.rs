@@ -701,6 +701,7 @@ impl AgentNodes {
                         .map(|e| crate::tools::clip(e, MAX_EVENT_ERROR_CHARS).into_owned()),
                     result_chars: o.result_chars,
                     duration_ms,
+                    fingerprint: crate::call_fingerprint(c),
                 });
             }
             let results: Vec<Message> = outcomes.into_iter().map(|o| o.message).collect();
@@ -1458,7 +1459,9 @@ fn not_run(
 }
 
 /// How many replies in a row before the newest (back to the last message a person
-/// wrote) called `call`'s tool with the same arguments.
+/// wrote) called `call`'s tool with the same arguments: read from the replies in the
+/// context, then, when they all did and a milestone took the ones before them, from
+/// the event log's tool calls of the steps before.
 fn repeated_in_a_row(s: &AgentState, call: &ToolCall) -> usize {
     let same = |c: &ToolCall| {
         c.name == call.name
@@ -1467,16 +1470,39 @@ fn repeated_in_a_row(s: &AgentState, call: &ToolCall) -> usize {
                 _ => c.arguments.to_json_string() == call.arguments.to_json_string(),
             }
     };
-    let mut n = 0;
+    let mut n = 0u64;
     for m in s.messages.iter().rev().skip(1) {
         match m.role {
             Role::Assistant if m.tool_calls.iter().any(same) => n += 1,
-            Role::Assistant => break,
-            Role::User if !m.metadata.contains_key(NUDGE_METADATA_KEY) => break,
+            Role::Assistant => return n as usize,
+            Role::User if !m.metadata.contains_key(NUDGE_METADATA_KEY) => return n as usize,
             _ => {}
         }
     }
-    n
+    // The context holds no earlier reply: the steps before the ones counted are in
+    // the event log, if it goes back that far.
+    let fingerprint = crate::call_fingerprint(call);
+    while let Some(step) = s.step.checked_sub(n + 1).filter(|&t| t > 0) {
+        let calls = s.events.iter().filter_map(|e| match e {
+            AgentEvent::ToolCall {
+                step: t,
+                fingerprint: f,
+                ..
+            } if *t == step => Some(*f),
+            _ => None,
+        });
+        let mut any = false;
+        let mut found = false;
+        for f in calls {
+            any = true;
+            found |= f == fingerprint;
+        }
+        if !(any && found) {
+            break;
+        }
+        n += 1;
+    }
+    n as usize
 }
 
 #[cfg(test)]

@@ -3689,6 +3689,7 @@ fn a_recent_tail_over_half_the_budget_is_a_warning_at_build() {
     assert!(!log.contains("keep_recent_tokens"), "{log}");
 }
 
+#[cfg(feature = "fs")]
 #[test]
 fn file_tools_describe_themselves_briefly_on_a_small_budget_unless_told() {
     use keel_agent::tools::FileTools;
@@ -3782,6 +3783,38 @@ async fn the_same_call_in_too_many_replies_in_a_row_is_not_run_again() {
         .unwrap();
     assert_eq!(results(&run.state), before + 1);
     assert_eq!(refused(&run.state), 3);
+
+    // Milestones every 2 steps take the earlier replies out of the context: the
+    // event log still tells the repeats.
+    let agent = builder(looping_model(8))
+        .compaction(
+            CompactionConfig::default()
+                .with_every_steps(Some(2))
+                .with_keep_recent_tokens(1),
+        )
+        .build()
+        .unwrap();
+    let run = agent.run("t", AgentInput::new()).await.unwrap();
+    assert!(
+        run.state.milestones_made >= 3,
+        "{}",
+        run.state.milestones_made
+    );
+    let not_run = run
+        .state
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                AgentEvent::ToolCall {
+                    failure: Some(keel_agent::ToolFailure::Repeated),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(not_run, 3);
 
     // Off, every call runs.
     let agent = builder(looping_model(8))
