@@ -1612,8 +1612,9 @@ impl AgentBuilder {
     }
 
     /// Adds the file tools (`ls`, `read_file`, `grep`, `write_file`, `edit_file`) rooted
-    /// in `tools`' directory (one set: a second call replaces the first). They also read the offload store (`large_tool_results/`,
-    /// `archive/`), so they replace the default retrieval tools. Their results are capped
+    /// in `tools`' directory (one set: a second call replaces the first). They also
+    /// read the offload store (`large_tool_results/`, `archive/`), so they replace the
+    /// default retrieval tools. Their results are capped
     /// by their limits (30,000 characters by default) and are never offloaded (the
     /// offload policy exempts reads, so reading an offloaded file back cannot loop).
     /// [`FileTools`](crate::tools::FileTools) lists the arguments each one takes.
@@ -1737,13 +1738,14 @@ impl AgentBuilder {
     /// The most tool calls one reply may ask for (default: the prompt budget, the
     /// window less the reply's reserve, over [`TOKENS_PER_TOOL_CALL`], at least 1: 48
     /// for a 4,096-token window with 1,024 kept for the reply, 1,984 for 128,000;
-    /// 0 is refused at build, [`BuildError::BadSetting`]). A reply that asks for more is not run and not stored, since its calls
-    /// and their results could leave a step no prompt can hold, and a thread whose
-    /// newest step cannot fit can never go on. Its text is kept, and the model is told
-    /// once to call fewer tools at a time; a second such reply in a row stops the run
-    /// with [`Stop::TooManyToolCalls`](crate::Stop::TooManyToolCalls), which running the
-    /// thread again resumes. Small local models looping on one call were seen to answer
-    /// with a hundred or more.
+    /// 0 is refused at build, [`BuildError::BadSetting`]). None of the calls of a
+    /// reply that asks for more is run or stored, since they and their results could
+    /// leave a step no prompt can hold, and a thread whose newest step cannot fit can
+    /// never go on (120 one-line calls at a 4,096-token window did that). The reply's
+    /// text is kept, and the model is told once to call fewer tools at a time; a second
+    /// such reply in a row stops the run with
+    /// [`Stop::TooManyToolCalls`](crate::Stop::TooManyToolCalls), which running the
+    /// thread again resumes.
     ///
     /// ```
     /// # use keel_agent::Agent;
@@ -1763,9 +1765,9 @@ impl AgentBuilder {
     /// the replies in the context and, before them, the recent tool calls of the
     /// event log (their [`call_fingerprint`](crate::call_fingerprint)), so a milestone
     /// does not start it over; any other reply does, and so does a message from the
-    /// user still in the context. A tool meant to
-    /// be polled with the same arguments needs `None` or a higher limit; 0 is refused
-    /// at build ([`BuildError::BadSetting`]).
+    /// user still in the context. A tool meant to be polled with the same arguments
+    /// needs `None` or a higher limit; 0 is refused at build
+    /// ([`BuildError::BadSetting`]).
     ///
     /// ```
     /// # use keel_agent::Agent;

@@ -65,9 +65,11 @@ pub(crate) struct Parts {
     pub(crate) keep_checkpoints: Option<usize>,
     pub(crate) checkpointer: Option<Arc<dyn Checkpointer>>,
     pub(crate) approve: BTreeSet<String>,
-    /// The most tool calls one reply may ask for ([`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls)).
+    /// The most tool calls one reply may ask for
+    /// ([`AgentBuilder::max_tool_calls`](crate::AgentBuilder::max_tool_calls)).
     pub(crate) max_tool_calls: usize,
-    /// Replies in a row after which the same call is not run again ([`AgentBuilder::max_repeated_calls`](crate::AgentBuilder::max_repeated_calls)).
+    /// Replies in a row after which the same call is not run again
+    /// ([`AgentBuilder::max_repeated_calls`](crate::AgentBuilder::max_repeated_calls)).
     pub(crate) max_repeats: Option<usize>,
     /// The compactor every node's is made from (for the thread of the call).
     pub(crate) compactor: Compactor,
@@ -935,8 +937,9 @@ impl AgentNodes {
     /// prune does not wait for writes still queued in the run's background writer: the
     /// checkpoints of the few steps before that compaction step whose writes reached
     /// the saver after it stay as well, until the thread's next compaction step. A
-    /// graph of your own that reuses the compaction nodes can call it after a run; otherwise the thread's next compaction step does it. Returns what
-    /// was removed from the offload store.
+    /// graph of your own that reuses the compaction nodes can call it after a run;
+    /// otherwise the thread's next compaction step does it. Returns what was removed
+    /// from the offload store.
     ///
     /// ```
     /// use std::sync::Arc;
