@@ -50,7 +50,8 @@ pub struct ThreadsArgs {
 
 #[derive(Debug, Subcommand)]
 enum ThreadsCommand {
-    /// List threads, in id order.
+    /// List threads, in id order, each with where it stands: answered, stopped (a
+    /// resumable stop, and why) or unfinished (its last run failed or was cut off).
     List {
         /// Threads shown at most.
         #[arg(long, default_value_t = 100, value_parser = crate::ui::at_least_one::<usize>)]
@@ -515,6 +516,29 @@ async fn idle_threads(
         .context("cannot list threads")
 }
 
+/// Where a thread stands: `answered`, `stopped: <why>` (a resumable stop, named as
+/// `Stop` serializes it), or `unfinished` (its last run failed or was cut off before the
+/// model answered; running it again goes on).
+fn where_it_stands(state: &AgentState) -> String {
+    if let Some(stop) = &state.stop {
+        let kind = serde_json::to_value(stop)
+            .ok()
+            .and_then(|v| v["kind"].as_str().map(|k| k.replace('_', " ")))
+            .unwrap_or_else(|| "early".to_owned());
+        return format!("stopped: {kind}");
+    }
+    match state.last_message() {
+        Some(m)
+            if m.role == keel::message::Role::Assistant
+                && m.tool_calls.is_empty()
+                && state.answer().is_some() =>
+        {
+            "answered".to_owned()
+        }
+        _ => "unfinished".to_owned(),
+    }
+}
+
 async fn list(
     saver: &Arc<dyn Checkpointer>,
     queue: Option<&keel_fleet::Queue>,
@@ -532,6 +556,7 @@ async fn list(
         "model calls".into(),
         "milestones".into(),
         "epochs".into(),
+        "state".into(),
         "goal".into(),
     ]];
     if queue.is_some() {
@@ -558,9 +583,10 @@ async fn list(
                 .and_then(|runs| runs.last().map(|r| r.status.name())),
             None => None,
         };
+        let where_ = state.as_ref().map(where_it_stands);
         out.push(
             json!({"thread": t.thread_id, "last_active": iso_utc(t.head.timestamp_millis()), "namespaces": t.namespaces,
-            "model_calls": steps, "milestones": milestones, "epochs": epochs, "goal": full_goal,
+            "model_calls": steps, "milestones": milestones, "epochs": epochs, "state": where_, "goal": full_goal,
             "last_run": last_run}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
@@ -570,6 +596,7 @@ async fn list(
             show(steps),
             show(milestones),
             show(epochs),
+            where_.unwrap_or_else(|| "-".to_owned()),
             goal,
         ];
         if queue.is_some() {
@@ -594,6 +621,7 @@ async fn list(
             shown_id(thread),
             dash(),
             last_run.clone(),
+            dash(),
             dash(),
             dash(),
             dash(),

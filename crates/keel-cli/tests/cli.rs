@@ -267,6 +267,8 @@ fn demo_answers_the_final_question_from_the_archive_and_writes_the_report_and_ch
     let listed: Value = serde_json::from_slice(&list.stdout).unwrap();
     assert_eq!(listed[0]["thread"], thread.as_str());
     assert_eq!(listed[0]["model_calls"], report["model_calls"]);
+    // The demo's agent answered its question.
+    assert_eq!(listed[0]["state"], "answered");
 
     let show = keel()
         .args(["threads", "show", &thread, "--home"])
@@ -1869,8 +1871,16 @@ async fn a_resumed_thread_keeps_its_directory_window_and_model_and_max_steps_cou
     .await
     .unwrap();
     let (stdout, stderr) = text(&first);
-    // Stopped before an answer: exit code 5.
+    // Stopped before an answer: exit code 5, and the thread list says so.
     assert_eq!(first.status.code(), Some(5), "{stdout}\n{stderr}");
+    let list = keel()
+        .args(["threads", "list"])
+        .arg("--home")
+        .arg(home.path())
+        .output()
+        .unwrap();
+    let (table, _) = text(&list);
+    assert!(table.contains("stopped: run budget"), "{table}");
     assert!(
         stdout.contains("this run's budget of 2 model calls was used (2 made)"),
         "{stdout}"
