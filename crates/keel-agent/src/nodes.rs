@@ -1466,13 +1466,9 @@ fn not_run(
 /// context, then, when they all did and a milestone took the ones before them, from
 /// the event log's tool calls of the steps before.
 fn repeated_in_a_row(s: &AgentState, call: &ToolCall) -> usize {
-    let same = |c: &ToolCall| {
-        c.name == call.name
-            && match (c.arguments.as_json(), call.arguments.as_json()) {
-                (Some(a), Some(b)) => a == b,
-                _ => c.arguments.to_json_string() == call.arguments.to_json_string(),
-            }
-    };
+    // One notion of "the same call" for both: the fingerprint the event log records.
+    let fingerprint = crate::call_fingerprint(call);
+    let same = |c: &ToolCall| c.name == call.name && crate::call_fingerprint(c) == fingerprint;
     let mut n = 0u64;
     for m in s.messages.iter().rev().skip(1) {
         match m.role {
@@ -1484,23 +1480,12 @@ fn repeated_in_a_row(s: &AgentState, call: &ToolCall) -> usize {
     }
     // The context holds no earlier reply: the steps before the ones counted are in
     // the event log, if it goes back that far.
-    let fingerprint = crate::call_fingerprint(call);
     while let Some(step) = s.step.checked_sub(n + 1).filter(|&t| t > 0) {
-        let calls = s.events.iter().filter_map(|e| match e {
-            AgentEvent::ToolCall {
-                step: t,
-                fingerprint: f,
-                ..
-            } if *t == step => Some(*f),
-            _ => None,
+        let repeated = s.events.iter().any(|e| {
+            matches!(e, AgentEvent::ToolCall { step: t, fingerprint: f, .. }
+                if *t == step && *f == fingerprint)
         });
-        let mut any = false;
-        let mut found = false;
-        for f in calls {
-            any = true;
-            found |= f == fingerprint;
-        }
-        if !(any && found) {
+        if !repeated {
             break;
         }
         n += 1;
