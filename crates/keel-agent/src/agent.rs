@@ -450,8 +450,37 @@ impl Agent {
         Ok(self.snapshot(thread_id).await?.map(|s| s.metadata.extra))
     }
 
-    /// The thread's newest snapshot; `None` without a checkpointer or checkpoints.
-    async fn snapshot(
+    /// The thread's newest snapshot, as LangGraph's `get_state`: its state, the nodes
+    /// due next, the questions it waits on, the errors its last run stopped on, and the
+    /// checkpoint's id and metadata. `None` without a checkpointer or checkpoints.
+    /// Reads only: nothing is run or written.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::{Agent, AgentInput};
+    /// use keel_checkpoint::MemorySaver;
+    /// use keel_model::{ModelError, PolicyModel};
+    ///
+    /// # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+    /// // A model whose server is down: the run fails, and the thread keeps why.
+    /// let down = PolicyModel::new("gpt-4o", |_, _| {
+    ///     Err(ModelError::Connection("connection refused".into()))
+    /// });
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(down))
+    ///     .goal("Say done.")
+    ///     .checkpointer(Arc::new(MemorySaver::new()))
+    ///     .build()?;
+    /// assert!(agent.run("t", AgentInput::default()).await.is_err());
+    /// let snapshot = agent.snapshot("t").await?.expect("the thread has a checkpoint");
+    /// assert_eq!(snapshot.next, ["agent"]);
+    /// assert_eq!(snapshot.errors[0].node, "agent");
+    /// assert!(snapshot.errors[0].message.contains("connection refused"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn snapshot(
         &self,
         thread_id: &str,
     ) -> Result<Option<keel_graph::StateSnapshot<AgentState>>, AgentError> {

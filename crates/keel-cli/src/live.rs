@@ -447,6 +447,38 @@ async fn saved_settings(
     Ok(exists.then(Saved::default))
 }
 
+/// What `keel run` last ran `thread` with, for `keel threads`: a line for people
+/// (`None` when nothing was saved: a thread of the demo, the fleet or another program)
+/// and the same as JSON (`null` then). Never the API key; the URL without credentials.
+pub async fn ran_with(
+    saver: &dyn keel::checkpoint::Checkpointer,
+    thread: &str,
+) -> anyhow::Result<(Option<String>, serde_json::Value)> {
+    let Some(saved) = saved_settings(saver, thread).await? else {
+        return Ok((None, serde_json::Value::Null));
+    };
+    let Some(model) = &saved.model else {
+        return Ok((None, serde_json::Value::Null));
+    };
+    let mut line = format!("ran with {model}");
+    if let Some(url) = &saved.base_url {
+        line.push_str(&format!(" at {url}"));
+    }
+    if let Some(window) = saved.window {
+        line.push_str(&format!(
+            ", a window of {} tokens",
+            crate::ui::thousands(window as u64)
+        ));
+    }
+    if let Some(summarizer) = &saved.summarizer {
+        line.push_str(&format!(", summaries by {summarizer}"));
+    }
+    if let Some(dir) = &saved.dir {
+        line.push_str(&format!(", tools in {}", dir.display()));
+    }
+    Ok((Some(line), serde_json::to_value(&saved)?))
+}
+
 /// The model `keel run` last ran `thread` with (`provider/name`), if it saved one.
 pub async fn saved_model(
     saver: &dyn keel::checkpoint::Checkpointer,

@@ -10,6 +10,7 @@ use clap::{Args, Subcommand};
 use futures::StreamExt;
 use keel::agent::{Agent, AgentState};
 use keel::checkpoint::{Checkpointer, ListOptions, ThreadKey};
+use keel::graph::StateSnapshot;
 use keel::message::Message;
 use keel::model::{ModelError, PolicyModel};
 use keel::offload::{OffloadStore, ThreadId};
@@ -432,11 +433,12 @@ fn reader(saver: Arc<dyn Checkpointer>) -> anyhow::Result<Agent> {
         .context("cannot set up the thread reader")
 }
 
+/// The thread's newest snapshot: its state, and the errors its last run stopped on.
 async fn state_of(
     saver: &Arc<dyn Checkpointer>,
     thread: &str,
-) -> anyhow::Result<Option<AgentState>> {
-    match reader(saver.clone())?.state(thread).await {
+) -> anyhow::Result<Option<StateSnapshot<AgentState>>> {
+    match reader(saver.clone())?.snapshot(thread).await {
         Ok(state) => Ok(state),
         // A state of another shape: a graph of the user's own wrote the thread.
         Err(keel::agent::AgentError::Graph(keel::graph::GraphError::State(e))) => {
@@ -517,9 +519,14 @@ async fn idle_threads(
 }
 
 /// Where a thread stands: `answered`, `stopped: <why>` (a resumable stop, named as
-/// `Stop` serializes it), or `unfinished` (its last run failed or was cut off before the
-/// model answered; running it again goes on).
-fn where_it_stands(state: &AgentState) -> String {
+/// `Stop` serializes it), `failed in <node>` (its last run stopped on an error, which
+/// [`last_error`] gives), or `unfinished` (its last run was cut off before the model
+/// answered). Running it again goes on from its last checkpoint.
+fn where_it_stands(snapshot: &StateSnapshot<AgentState>) -> String {
+    let state = &snapshot.values;
+    if let Some(failed) = snapshot.errors.first() {
+        return format!("failed in {}", failed.node);
+    }
     if let Some(stop) = &state.stop {
         let kind = serde_json::to_value(stop)
             .ok()
@@ -537,6 +544,17 @@ fn where_it_stands(state: &AgentState) -> String {
         }
         _ => "unfinished".to_owned(),
     }
+}
+
+/// The error the thread's last run stopped on, if it stopped on one: its message (which
+/// names the node) and, for JSON, the node too.
+fn last_error(snapshot: &StateSnapshot<AgentState>) -> Option<(String, serde_json::Value)> {
+    snapshot.errors.first().map(|e| {
+        (
+            e.message.clone(),
+            json!({"node": e.node, "message": e.message}),
+        )
+    })
 }
 
 async fn list(
@@ -564,7 +582,13 @@ async fn list(
     }
     let mut out = Vec::new();
     for t in &threads {
-        let state = state_of(saver, &t.thread_id).await.ok().flatten();
+        let snapshot = state_of(saver, &t.thread_id).await.ok().flatten();
+        let state = snapshot.as_ref().map(|s| &s.values);
+        let error = snapshot.as_ref().and_then(last_error);
+        let model = crate::live::saved_model(&**saver, &t.thread_id)
+            .await
+            .ok()
+            .flatten();
         let when = utc(t.head.timestamp_millis());
         let full_goal = state
             .as_ref()
@@ -583,11 +607,11 @@ async fn list(
                 .and_then(|runs| runs.last().map(|r| r.status.name())),
             None => None,
         };
-        let where_ = state.as_ref().map(where_it_stands);
+        let where_ = snapshot.as_ref().map(where_it_stands);
         out.push(
             json!({"thread": t.thread_id, "last_active": iso_utc(t.head.timestamp_millis()), "namespaces": t.namespaces,
-            "model_calls": steps, "milestones": milestones, "epochs": epochs, "state": where_, "goal": full_goal,
-            "last_run": last_run}),
+            "model_calls": steps, "milestones": milestones, "epochs": epochs, "state": where_, "error": error.map(|(_, json)| json),
+            "model": model, "goal": full_goal, "last_run": last_run}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
         let mut row = vec![
@@ -710,9 +734,12 @@ async fn show(
             .collect(),
         None => Vec::new(),
     };
-    let state = state_of(saver, thread)
+    let snapshot = state_of(saver, thread)
         .await?
         .with_context(|| format!("thread `{thread}` has no state"))?;
+    let error = last_error(&snapshot);
+    let (ran_with, ran_with_json) = crate::live::ran_with(&**saver, thread).await?;
+    let state = &snapshot.values;
     // Counted as the thread's model counts (as gpt-4o's o200k for a thread that saved
     // no model, as the demo's).
     let profiles = ModelProfiles::new();
@@ -741,7 +768,7 @@ async fn show(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "thread": thread, "model_calls": state.step, "milestones_made": state.milestones_made, "epochs_made": state.epochs_made,
-                "stop": state.stop,
+                "stop": state.stop, "error": error.as_ref().map(|(_, json)| json), "ran_with": ran_with_json,
                 "runs": runs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
                 "system": {"tokens": system_tokens, "text": system.map(|m| m.text().into_owned())},
                 "goal": {"tokens": goal_tokens, "text": goal.map(|g| g.text().into_owned())},
@@ -768,6 +795,12 @@ async fn show(
             .map(|s| format!("; stopped: {s}"))
             .unwrap_or_default()
     );
+    if let Some(line) = &ran_with {
+        crate::outln!("  {line}");
+    }
+    if let Some((error, _)) = &error {
+        crate::outln!("  last run: {error}\n  (running it again goes on from its last checkpoint)");
+    }
     for (line, _) in &runs {
         crate::outln!("  {line}");
     }
@@ -918,6 +951,9 @@ async fn history(
         crate::outln!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         crate::out!("{}", table(&rows));
+        crate::outln!(
+            "(a superstep is one round of the graph's nodes: a model call (`agent`) is one, the tool calls it asked for (`tools`) the next; `keel threads show` counts model calls)"
+        );
         if forked {
             crate::outln!(
                 "(a parent is named where it is not the row below: the thread was forked there, by a run from a past checkpoint or an edit of its state)"

@@ -1025,6 +1025,39 @@ async fn run_reports_an_unreachable_server_as_a_sentence() {
         stderr.contains("error:") && stderr.contains("live-1") && !stderr.contains("panicked"),
         "{stderr}"
     );
+    // The thread keeps why its run failed, and what it ran with.
+    let threads = |args: &[&str]| {
+        let out = keel()
+            .arg("threads")
+            .args(args)
+            .arg("--home")
+            .arg(home.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {:?}", text(&out));
+        text(&out).0
+    };
+    let table = threads(&["list"]);
+    assert!(table.contains("failed in agent"), "{table}");
+    let listed: serde_json::Value = serde_json::from_str(&threads(&["list", "--json"])).unwrap();
+    assert_eq!(listed[0]["state"], "failed in agent", "{listed}");
+    assert_eq!(listed[0]["model"], "ollama/local", "{listed}");
+    assert_eq!(listed[0]["error"]["node"], "agent", "{listed}");
+    let error = listed[0]["error"]["message"].as_str().unwrap();
+    assert!(
+        error.starts_with("node `agent` failed: ") && error.contains("127.0.0.1:9"),
+        "{error}"
+    );
+    let shown = threads(&["show", "live-1"]);
+    assert!(
+        shown.contains("ran with ollama/local at http://127.0.0.1:9")
+            && shown.contains(&format!("last run: {error}")),
+        "{shown}"
+    );
+    let shown: serde_json::Value =
+        serde_json::from_str(&threads(&["show", "live-1", "--json"])).unwrap();
+    assert_eq!(shown["error"], listed[0]["error"], "{shown}");
+    assert_eq!(shown["ran_with"]["model"], "ollama/local", "{shown}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

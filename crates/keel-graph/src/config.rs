@@ -245,6 +245,21 @@ impl StopSignal {
     }
 }
 
+/// A task that failed the last time it ran: what a failed run leaves stored with the
+/// checkpoint it ran from. Running the thread again runs the task again; once its step
+/// succeeds, the new checkpoint has no errors.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct TaskError {
+    /// The node whose task failed.
+    pub node: String,
+    /// Its task.
+    pub task_id: String,
+    /// The error, as it displays ([`GraphError`](crate::GraphError)'s message, which
+    /// names the node).
+    pub message: String,
+}
+
 /// A pending interrupt: a node asked for input.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -295,6 +310,9 @@ pub struct StateSnapshot<S> {
     pub next: Vec<String>,
     /// Interrupts pending at this checkpoint.
     pub interrupts: Vec<Interrupt>,
+    /// The tasks of the step due next that failed when it last ran (a failed run's
+    /// error, kept with the checkpoint it ran from), in task order; empty when none did.
+    pub errors: Vec<TaskError>,
     /// The checkpoint.
     pub checkpoint_id: CheckpointId,
     /// Its parent.

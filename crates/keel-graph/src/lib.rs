@@ -89,6 +89,7 @@ mod stream;
 pub use command::{Command, Goto, NodeContext, NodeError, NodeOptions, Route, SendTo};
 pub use config::{
     DEFAULT_RECURSION_LIMIT, Durability, Interrupt, Run, RunConfig, StateSnapshot, StopSignal,
+    TaskError,
 };
 pub use engine::CompiledGraph;
 pub use error::GraphError;

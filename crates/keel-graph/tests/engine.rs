@@ -406,12 +406,20 @@ async fn failing_and_panicking_nodes_are_typed_errors_and_the_thread_keeps_its_c
     let snap = g.get_state(&config).await.unwrap().unwrap();
     assert_eq!(snap.values.log, ["in", "ok"]);
     assert_eq!(snap.next, ["bad"]);
+    // The failure is kept with the checkpoint the step ran from.
+    assert_eq!(snap.errors.len(), 1, "{:?}", snap.errors);
+    assert_eq!(snap.errors[0].node, "bad");
+    assert_eq!(snap.errors[0].message, err.to_string());
 
     let err = g.invoke(log("again").count(1), &config).await.unwrap_err();
     assert!(
         matches!(&err, GraphError::NodePanicked { node, message } if node == "bad" && message == "boom"),
         "{err:?}"
     );
+    // A later failure of the same task replaces the earlier one.
+    let snap = g.get_state(&config).await.unwrap().unwrap();
+    assert_eq!(snap.errors.len(), 1, "{:?}", snap.errors);
+    assert!(snap.errors[0].message.contains("boom"), "{:?}", snap.errors);
 }
 
 #[tokio::test]
@@ -2218,9 +2226,18 @@ async fn a_failed_step_keeps_the_steps_before_it_with_every_durability() {
         let snap = g.get_state(&config).await.unwrap().unwrap();
         assert_eq!(snap.values.log, ["in", "a", "b"], "{durability:?}");
         assert_eq!(snap.next, ["c"], "{durability:?}");
+        let failed: Vec<_> = snap.errors.iter().map(|e| e.node.as_str()).collect();
+        assert_eq!(failed, ["c"], "{durability:?}");
+        assert!(
+            snap.errors[0].message.contains("c is down"),
+            "{durability:?}"
+        );
         fail.store(false, Ordering::SeqCst);
         let run = g.invoke(Command::none(), &config).await.unwrap();
         assert_eq!(run.state.log, ["in", "a", "b", "c"], "{durability:?}");
+        // The step succeeded: the newest checkpoint carries no error.
+        let snap = g.get_state(&config).await.unwrap().unwrap();
+        assert!(snap.errors.is_empty(), "{durability:?}: {:?}", snap.errors);
     }
 }
 

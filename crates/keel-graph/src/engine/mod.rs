@@ -35,7 +35,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::command::{Command, Goto, InvocationInfo, NodeContext, NodeError};
-use crate::config::{Durability, Interrupt, Run, RunConfig, StateSnapshot};
+use crate::config::{Durability, Interrupt, Run, RunConfig, StateSnapshot, TaskError};
 use crate::graph::{BuildError, Join, NodeSpec, RouterSpec};
 use crate::state::{self as st, channel_name};
 use crate::stream::{Event, StreamMode};
@@ -58,7 +58,7 @@ mod superstep;
 pub(crate) use self::index::Inner;
 use self::index::{NodeIx, Target};
 use self::persist::{ChannelBook, Writer, book_mut, group_by_channel, json_size};
-use self::resume::{decode_tasks, pending_interrupts, rebuild, task_names};
+use self::resume::{decode_tasks, pending_interrupts, rebuild, task_errors, task_names};
 pub(crate) use self::streaming::Emitter;
 use self::streaming::EventSink;
 use self::superstep::{Outcome, RunState, Task, TaskSpec, task_path};
@@ -301,12 +301,14 @@ impl<S: State> CompiledGraph<S> {
         } = tuple;
         let (state, _) = rebuild::<S>(channels, &checkpoint)?;
         let tasks = decode_tasks(&checkpoint)?;
+        let names = task_names(&tasks, &checkpoint.id);
         Ok(StateSnapshot {
             values: state,
             next: tasks.iter().map(|t| t.node.clone()).collect(),
             // Shown even when this graph lacks a scheduled node: running it is what
             // fails (`GraphError::UnknownNode`), not looking at it.
-            interrupts: pending_interrupts(&pending_writes, &task_names(&tasks, &checkpoint.id)),
+            interrupts: pending_interrupts(&pending_writes, &names),
+            errors: task_errors(&pending_writes, &names),
             checkpoint_id: checkpoint.id,
             parent_id: checkpoint.parent,
             metadata,

@@ -209,6 +209,32 @@ pub(super) fn pending_interrupts(
     out
 }
 
+/// The tasks whose last stored outcome is an error, in the order of `tasks` (task id,
+/// node), each with its last error: a task that failed and then ran again and wrote is
+/// not listed.
+pub(super) fn task_errors(pending: &[PendingWrite], tasks: &[(String, String)]) -> Vec<TaskError> {
+    tasks
+        .iter()
+        .filter_map(|(id, node)| {
+            let mine: Vec<&PendingWrite> = pending.iter().filter(|w| w.task_id == *id).collect();
+            let last = mine.iter().rposition(|w| w.channel == ERROR)?;
+            let after = mine.get(last..)?;
+            // Stored writes are in order: a write after the error is a later success.
+            if after.iter().skip(1).any(|w| w.channel != ERROR) {
+                return None;
+            }
+            let value = &after.first()?.value;
+            Some(TaskError {
+                node: node.clone(),
+                task_id: id.clone(),
+                message: value
+                    .as_str()
+                    .map_or_else(|| value.to_string(), str::to_owned),
+            })
+        })
+        .collect()
+}
+
 /// The values a task wrote to a special channel (its interrupts, or the answers it was
 /// given), in order.
 pub(super) fn task_values<'a>(

@@ -511,8 +511,10 @@ impl<S: State> RunState<S> {
                             Value::String(e.to_string()),
                         );
                         writer
-                            .put_writes(&thread, &self.checkpoint.id, vec![w])
+                            .put_writes(&thread, &self.checkpoint.id, vec![w.clone()])
                             .await?;
+                        // With `Exit`, stored as the run ends, with its checkpoint.
+                        self.remember(vec![w]);
                     }
                     if first_error.as_ref().is_none_or(|(j, _)| i < *j) {
                         first_error = Some((i, e));
