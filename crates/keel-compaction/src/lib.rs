@@ -42,10 +42,12 @@
 //! [`Compactor::new`] takes a summarizer, an archive, a thread id, a token counter and
 //! a model profile, which come from keel-summarize, keel-offload and keel-token; this
 //! crate re-exports them as [`summarize`], [`offload`] and [`token`] (and keel-model,
-//! for [`Compactor::call`], as [`model`]), so `keel-compaction` is the one dependency
+//! for [`Compactor::call`], as [`model`]), so `keel-compaction` is the one keel crate
 //! to add (with its `fs` feature for `offload::FsStore`, an archive on disk).
 //! [`Compactor::after_step`] is async and runs on tokio (a current-thread runtime is
-//! enough); your loop needs one. It stops a loop at the step ceiling,
+//! enough); your loop needs one. The example below also uses `serde_json` (for a tool
+//! call's arguments) and `tokio`: `cargo add keel-compaction serde_json` and
+//! `cargo add tokio --features rt,macros`. It stops a loop at the step ceiling,
 //! [`CompactionConfig::max_steps`] (500 model calls unless raised, as in the example
 //! below), with [`CompactionError::StepCeiling`]; a compaction that failed returns
 //! its error with the context unchanged, and the next call tries again.

@@ -61,6 +61,17 @@ pub enum GraphError {
         /// The timeout.
         after: Duration,
     },
+    /// [`update_state`](crate::CompiledGraph::update_state) was asked to write as a node
+    /// the graph does not have.
+    #[error(
+        "update_state as `{name}`: the graph has no such node; write as one of {nodes:?}, as START (an input), or as None (an edit that keeps the nodes due)"
+    )]
+    UnknownAsNode {
+        /// The name given.
+        name: String,
+        /// The graph's nodes, in the order added.
+        nodes: Vec<String>,
+    },
     /// A router or `goto` named a node that does not exist.
     #[error("`{from}` routed to unknown node `{to}`")]
     UnknownTarget {

@@ -125,6 +125,10 @@ impl<S: State> StateGraph<S> {
             self.errors.push(BuildError::ReservedName { name });
             return self;
         }
+        if name.trim().is_empty() {
+            self.errors.push(BuildError::BlankName { name });
+            return self;
+        }
         if self.nodes.iter().any(|n| *n.name == *name) {
             self.errors.push(BuildError::DuplicateNode { name });
             return self;
@@ -241,8 +245,9 @@ impl<S: State> StateGraph<S> {
 
     /// Checks the graph and makes it runnable.
     ///
-    /// Rejects: duplicate or reserved node names, edges/joins/routers/breakpoints that
-    /// name unknown nodes, breakpoints without a checkpointer, a graph with no edge
+    /// Rejects: duplicate, reserved or blank node names, edges or routers that leave
+    /// `END` or lead into `START`, edges/joins/routers/breakpoints that name unknown
+    /// nodes, breakpoints without a checkpointer, a graph with no edge
     /// from `START`, nodes that cannot reach
     /// `END`, and retry policies with a setting out of range
     /// ([`BuildError::InvalidRetryPolicy`]).
@@ -264,8 +269,18 @@ impl<S: State> StateGraph<S> {
             nodes: self.nodes.iter().map(|n| n.name.to_string()).collect(),
         };
 
+        let misplaced = |n: &str, used_in: String| BuildError::MisplacedEndpoint {
+            name: n.to_owned(),
+            used_in,
+        };
         for (from, to) in &self.edges {
             let edge = || format!("the edge `{from}` -> `{to}`");
+            if from == END {
+                return Err(misplaced(from, edge()));
+            }
+            if to == START {
+                return Err(misplaced(to, edge()));
+            }
             if !known_source(from) {
                 return Err(unknown(from, edge()));
             }
@@ -288,6 +303,18 @@ impl<S: State> StateGraph<S> {
             }
         }
         for (from, r) in &self.routers {
+            if from == END {
+                return Err(misplaced(
+                    from,
+                    format!("add_conditional_edges from `{from}`"),
+                ));
+            }
+            if let Some(t) = r.targets.iter().flatten().find(|t| *t == START) {
+                return Err(misplaced(
+                    t,
+                    format!("the targets of the router after `{from}`"),
+                ));
+            }
             if !known_source(from) {
                 return Err(unknown(
                     from,
@@ -406,6 +433,23 @@ pub enum BuildError {
     ReservedName {
         /// The name.
         name: String,
+    },
+    /// A node was named with nothing but whitespace (or nothing at all).
+    #[error("a node's name is empty or only whitespace ({name:?})")]
+    BlankName {
+        /// The name.
+        name: String,
+    },
+    /// An edge or router leaves `END` or leads into `START`: a run enters at `START`
+    /// and ends at `END`.
+    #[error(
+        "{used_in}: a run ends at `{END}` and enters at `{START}`, so no edge leaves the one or leads into the other; `{name}` is misplaced"
+    )]
+    MisplacedEndpoint {
+        /// `START` or `END`.
+        name: String,
+        /// Where it is named: ``the edge `a` -> `__start__` ``, ...
+        used_in: String,
     },
     /// An edge, join, router or breakpoint names a node that does not exist.
     #[error("unknown node `{name}` in {used_in}; the graph's nodes are {nodes:?}")]

@@ -85,6 +85,15 @@ impl StreamMode {
 }
 
 /// One event of a streamed run. More kinds may come: match with a `_` arm.
+///
+/// Order: a step's [`Updates`](Event::Updates) (one per task, in task order) and then
+/// its [`Values`](Event::Values) are sent once the step is stored, so a reader never
+/// sees a step the thread does not have. A [`Checkpoint`](Event::Checkpoint) is sent
+/// when a checkpoint is stored (handed to the writer, with `Async`): with `Sync` and
+/// `Async` each step's checkpoint comes just before that step's updates and values;
+/// with `Exit` the run's one checkpoint comes after the last step's, as the run ends.
+/// Match a checkpoint to its step by `step`, not by arrival. [`Done`](Event::Done)
+/// comes last.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Event<S> {

@@ -283,6 +283,44 @@ fn compile_rejects_bad_graphs_with_typed_errors() {
             .add_edge("a", END),
         BuildError::ReservedName { name: END.into() },
     );
+    for blank in ["", "  "] {
+        check(
+            base()
+                .add_node(blank, logger("x"))
+                .add_edge(START, "a")
+                .add_edge("a", END),
+            BuildError::BlankName { name: blank.into() },
+        );
+    }
+    check(
+        base()
+            .add_edge(START, "a")
+            .add_edge("a", END)
+            .add_edge(END, "a"),
+        BuildError::MisplacedEndpoint {
+            name: END.into(),
+            used_in: "the edge `__end__` -> `a`".into(),
+        },
+    );
+    check(
+        base()
+            .add_edge(START, "a")
+            .add_edge("a", END)
+            .add_edge("a", START),
+        BuildError::MisplacedEndpoint {
+            name: START.into(),
+            used_in: "the edge `a` -> `__start__`".into(),
+        },
+    );
+    check(
+        base()
+            .add_edge(START, "a")
+            .add_conditional_edges("a", |_s: &S| END, Some(&[START, END])),
+        BuildError::MisplacedEndpoint {
+            name: START.into(),
+            used_in: "the targets of the router after `a`".into(),
+        },
+    );
     check(
         base()
             .add_edge(START, "a")
@@ -1841,6 +1879,18 @@ async fn checkpoint_metadata_records_the_nodes_that_wrote_each_step() {
         .await
         .unwrap();
     g.update_state(&config, log("note"), None).await.unwrap();
+    // As a node the graph does not have: refused, naming the ones it has.
+    for missing in ["nope", END] {
+        let err = g
+            .update_state(&config, log("lost"), Some(missing))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, GraphError::UnknownAsNode { name, nodes }
+                if name == missing && nodes.iter().any(|n| n == "plan")),
+            "{err:?}"
+        );
+    }
     let history = full_history(&g, &config).await;
     assert_eq!(history[1].metadata.writes, ["b"]);
     assert_eq!(history[1].metadata.source, CheckpointSource::Update);

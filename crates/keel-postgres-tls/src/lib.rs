@@ -237,6 +237,21 @@ impl ConnectionString {
 
     /// [`parse`](Self::parse) with the environment given as a function.
     fn parse_with_env(s: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConnectError> {
+        // A URL of another database reads as nothing useful to tokio-postgres ("unexpected
+        // EOF"): name its scheme instead (only the scheme, never the credentials).
+        if let Some((scheme, _)) = s.trim_start().split_once("://")
+            && scheme != "postgres"
+            && scheme != "postgresql"
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+        {
+            return Err(ConnectError::Parse {
+                reason: format!(
+                    "a `{scheme}://` URL is not a PostgreSQL connection string, which starts with postgres:// or postgresql://, in lower case (or is key=value pairs)"
+                ),
+            });
+        }
         let parsed = parse::split_tls_options(s)?;
         if let Some((option, why)) = parsed.unsupported {
             return Err(ConnectError::Unsupported { option, why });
@@ -455,6 +470,27 @@ mod tests {
         // The environment left out: `PGSSLMODE` would set the mode.
         let default = ConnectionString::parse_with_env("postgres://u@h/db", |_| None).unwrap();
         assert_eq!(default.ssl_mode(), SslMode::Prefer);
+    }
+
+    #[test]
+    fn another_databases_url_is_named_by_its_scheme_alone() {
+        let e = ConnectionString::parse_with_env("mysql://root:secret@h/db", |_| None).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("a `mysql://` URL is not a PostgreSQL"),
+            "{text}"
+        );
+        assert!(!text.contains("secret"), "{text}");
+        // tokio-postgres reads the schemes in lower case only.
+        let e = ConnectionString::parse_with_env("PostgreSQL://u@h/db", |_| None).unwrap_err();
+        assert!(e.to_string().contains("in lower case"), "{e}");
+        for ok in [
+            "postgres://u@h/db",
+            "postgresql://u@h/db",
+            "host=h password=a://b",
+        ] {
+            ConnectionString::parse_with_env(ok, |_| None).unwrap();
+        }
     }
 
     #[test]

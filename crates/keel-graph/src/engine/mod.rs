@@ -89,6 +89,12 @@ impl<S: State> CompiledGraph<S> {
     /// `input` is a state update (a new run on the thread), [`Command::resume`] (answer
     /// a pending interrupt) or [`Command::none`] (continue the thread from its last
     /// checkpoint, e.g. after a crash or a breakpoint).
+    ///
+    /// A new run starts from `START` whatever the thread was waiting for, as in
+    /// LangGraph: a pending interrupt is abandoned, and the nodes that were due run only
+    /// if `START` leads to them. To go on where the thread stopped, answer with `Command::resume`, or edit
+    /// it with [`update_state`](Self::update_state) (as `None`) and continue with
+    /// `Command::none()`.
     pub async fn invoke(
         &self,
         input: impl Into<Command<S>>,
@@ -227,9 +233,14 @@ impl<S: State> CompiledGraph<S> {
             None => None,
             Some(START) => Some(None),
             Some(n) => Some(Some(*self.inner.index.get(n).ok_or_else(|| {
-                GraphError::UnknownTarget {
-                    from: "update_state".into(),
-                    to: n.to_owned(),
+                GraphError::UnknownAsNode {
+                    name: n.to_owned(),
+                    nodes: self
+                        .inner
+                        .nodes
+                        .iter()
+                        .map(|e| e.spec.name.to_string())
+                        .collect(),
                 }
             })?)),
         };
