@@ -107,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .messages(AddMessagesUpdate::append([ask]))
         .into();
     loop {
-        let mut events = Box::pin(graph.stream(input, config.clone(), StreamMode::updates()));
+        let mut events = graph.stream(input, config.clone(), StreamMode::updates());
         let mut paused = false;
         while let Some(event) = events.next().await {
             match event? {
