@@ -19,7 +19,7 @@ use keel_offload::{
     Archive, EvictLargeResults, Lineage, MemoryStore, OffloadStore, ThreadId, ToolLimits,
 };
 use keel_summarize::{ExtractiveSummarizer, Summarizer};
-use keel_token::{MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
+use keel_token::{CalibratedCounter, MemoCounter, ModelProfile, ModelProfiles, TokenCounter};
 use serde_json::Value;
 
 use crate::error::{AgentError, BuildError, CleanupError};
@@ -33,6 +33,15 @@ use crate::tools::{Toolbox, retrieval_tools};
 
 /// Checkpoints kept after each compaction by default.
 pub const DEFAULT_KEEP_CHECKPOINTS: usize = 5;
+
+/// The weight of each model call's report in the calibrated token counts
+/// ([`AgentBuilder::calibrate`]).
+pub const CALIBRATION_SMOOTHING: f64 = 0.3;
+
+/// The range the calibration factor is kept in ([`AgentBuilder::calibrate`]): keel's
+/// counts are never taken for less than half, nor more than four times, what its
+/// estimate says.
+pub const CALIBRATION_BOUNDS: (f64, f64) = (0.5, 4.0);
 
 /// Replies in a row that may call one tool with the same arguments before the call is
 /// no longer run ([`AgentBuilder::max_repeated_calls`]).
@@ -408,6 +417,26 @@ impl Agent {
     /// The nodes and routers, to build a graph of your own.
     pub fn nodes(&self) -> &AgentNodes {
         &self.nodes
+    }
+
+    /// The factor token counts are scaled by, learned from the provider's reports
+    /// ([`AgentBuilder::calibrate`]); `None` when counts are not calibrated.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_agent::Agent;
+    /// use keel_model::ScriptedModel;
+    ///
+    /// // A model keel has no tokenizer for: its counts are estimates, calibrated.
+    /// let agent = Agent::builder()
+    ///     .model(Arc::new(ScriptedModel::from_texts(["Done."]).with_name("my-local-model")))
+    ///     .goal("Say done.")
+    ///     .build()?;
+    /// assert_eq!(agent.count_factor(), Some(1.0)); // no call reported usage yet
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn count_factor(&self) -> Option<f64> {
+        self.nodes.parts.calibration.as_ref().map(|c| c.factor())
     }
 
     fn config(
@@ -1535,6 +1564,7 @@ pub struct AgentBuilder {
     compaction: CompactionConfig,
     profile: Option<ModelProfile>,
     counter: Option<Arc<dyn TokenCounter>>,
+    calibrate: Option<bool>,
     summarizer: Option<Arc<dyn Summarizer>>,
     store: Option<Arc<dyn OffloadStore>>,
     checkpointer: Option<Arc<dyn Checkpointer>>,
@@ -1574,6 +1604,7 @@ impl Default for AgentBuilder {
             compaction: CompactionConfig::default(),
             profile: None,
             counter: None,
+            calibrate: None,
             summarizer: None,
             store: None,
             checkpointer: None,
@@ -1706,6 +1737,30 @@ impl AgentBuilder {
     /// change over time, as a calibrated one, must not be memoized).
     pub fn counter(mut self, counter: Arc<dyn TokenCounter>) -> Self {
         self.counter = Some(counter);
+        self
+    }
+
+    /// Whether token counts learn from the prompt sizes the provider reports. Default:
+    /// on when the counts are estimates (a model keel has no tokenizer for, whose
+    /// profile [`counts_exactly`](ModelProfile::counts_exactly) is false) and no
+    /// [`counter`](Self::counter) was given; off otherwise.
+    ///
+    /// keel's estimate for such a model is meant to be at or above any tokenizer's
+    /// count, so it is often well above the server's (1.3x to 2.3x was measured
+    /// against a llama.cpp server), and compaction would start with much of the window
+    /// unused. Calibrated, the agent learns a factor that follows the ratio of the
+    /// server's `prompt_tokens` to keel's count after each model call
+    /// ([`keel_token::CalibratedCounter`], a moving average of weight
+    /// [`CALIBRATION_SMOOTHING`]), with a tenth kept in hand, kept within
+    /// [`CALIBRATION_BOUNDS`], and plans with the input budget divided by it
+    /// ([`Compactor::with_count_factor`](keel_compaction::Compactor::with_count_factor)):
+    /// the counts themselves (events, summaries, stored states) stay keel's. The factor
+    /// starts at 1 in each process, is shared by the agent's threads (it measures the
+    /// model's tokenizer, not a thread), and only moves on calls whose provider
+    /// reported usage. A prompt the server still finds too long is a context overflow,
+    /// which compacts and retries once, as always. [`Agent::count_factor`] reads it.
+    pub fn calibrate(mut self, on: bool) -> Self {
+        self.calibrate = Some(on);
         self
     }
 
@@ -2061,6 +2116,9 @@ impl AgentBuilder {
                 .max(1);
             options.max_tokens = Some(u32::try_from(reserve).unwrap_or(u32::MAX));
         }
+        let calibrate = self
+            .calibrate
+            .unwrap_or(self.counter.is_none() && !profile.counts_exactly());
         let counter: Arc<dyn TokenCounter> = match self.counter {
             Some(c) => c,
             None => Arc::new(MemoCounter::new(profile.counter().map_err(|e| {
@@ -2070,6 +2128,19 @@ impl AgentBuilder {
                 }
             })?)),
         };
+        let calibration = if calibrate {
+            let calibrated = CalibratedCounter::new(counter.clone())
+                .with_smoothing(CALIBRATION_SMOOTHING)
+                .and_then(|c| c.with_bounds(CALIBRATION_BOUNDS.0, CALIBRATION_BOUNDS.1))
+                .map_err(|e| BuildError::Counter {
+                    model: profile.name.clone(),
+                    reason: e.to_string(),
+                })?;
+            Some(Arc::new(calibrated))
+        } else {
+            None
+        };
+
         if self.store.is_none() && self.checkpointer.as_ref().is_some_and(|c| c.is_durable()) {
             return Err(BuildError::EphemeralOffloadStore);
         }
@@ -2228,6 +2299,7 @@ impl AgentBuilder {
             tools: toolbox,
             store,
             counter,
+            calibration,
             profile,
             profile_fallback,
             compaction,

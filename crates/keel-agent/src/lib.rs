@@ -119,8 +119,8 @@ mod state;
 pub mod tools;
 
 pub use agent::{
-    Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, AgentUpdates, DEFAULT_KEEP_CHECKPOINTS,
-    DEFAULT_MAX_REPEATED_CALLS, Next,
+    Agent, AgentBuilder, AgentInput, AgentRun, AgentUpdate, AgentUpdates, CALIBRATION_BOUNDS,
+    CALIBRATION_SMOOTHING, DEFAULT_KEEP_CHECKPOINTS, DEFAULT_MAX_REPEATED_CALLS, Next,
 };
 pub use error::{AgentError, BuildError, CleanupError};
 pub use event::{AgentEvent, ToolFailure, call_fingerprint};

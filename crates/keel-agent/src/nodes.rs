@@ -16,7 +16,10 @@ use keel_offload::{
     Collected, EvictLargeResults, LINEAGE_KEY, Lineage, LineageStore, OffloadStore, PolicyEnv,
     StoredWhat, ThreadId, collect_garbage,
 };
-use keel_token::{ModelProfile, TokenCounter};
+use keel_token::{CalibratedCounter, ModelProfile, TokenCounter};
+
+/// The agent's counter when it learns from the provider's counts.
+pub(crate) type Calibrated = CalibratedCounter<Arc<dyn TokenCounter>>;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -58,6 +61,10 @@ pub(crate) struct Parts {
     pub(crate) tools: Toolbox,
     pub(crate) store: Arc<dyn OffloadStore>,
     pub(crate) counter: Arc<dyn TokenCounter>,
+    /// The factor of the provider's counts over `counter`'s, when the agent learns
+    /// it ([`AgentBuilder::calibrate`](crate::AgentBuilder::calibrate)). Only its
+    /// factor is read: `counter` counts.
+    pub(crate) calibration: Option<Arc<Calibrated>>,
     pub(crate) profile: ModelProfile,
     pub(crate) profile_fallback: bool,
     pub(crate) compaction: CompactionConfig,
@@ -214,7 +221,11 @@ impl AgentNodes {
     /// The compactor for `thread` (cheap: it shares everything with the agent's).
     pub fn compactor(&self, thread: &str) -> Result<Compactor, NodeError> {
         let thread = ThreadId::new(thread).map_err(NodeError::new)?;
-        Ok(self.parts.compactor.for_thread(thread))
+        let compactor = self.parts.compactor.for_thread(thread);
+        Ok(match &self.parts.calibration {
+            Some(c) => compactor.with_count_factor(c.factor()),
+            None => compactor,
+        })
     }
 
     /// The compaction settings (with `epoch_inline` off: epochs are the `epoch` node's).
@@ -348,7 +359,16 @@ impl AgentNodes {
     /// [`Trigger::Force`]: the `compact` node then fails saying the goal is missing,
     /// where no trigger would leave the raw buffer growing without a word.
     pub fn trigger(&self, state: &AgentState) -> Option<Trigger> {
-        let compactor = &self.parts.compactor;
+        // Planned with the budget the nodes compact to: scaled when counts are
+        // calibrated (a cheap clone of `Arc`s then).
+        let scaled;
+        let compactor = match &self.parts.calibration {
+            Some(c) => {
+                scaled = self.parts.compactor.clone().with_count_factor(c.factor());
+                &scaled
+            }
+            None => &self.parts.compactor,
+        };
         let specs = self.parts.tools.specs();
         let Some(parts) = state.context_parts() else {
             return (!state.messages.is_empty()).then_some(Trigger::Force);
@@ -438,7 +458,7 @@ impl AgentNodes {
                 let now = compacted.as_ref().map_or(parts, ContextState::parts);
                 let prompt_tokens = compactor.tokens_of(now, specs).total as u64;
                 let started = Instant::now();
-                let reply = if let Some(overflow) = over_budget(&p.profile, prompt_tokens) {
+                let reply = if let Some(overflow) = over_budget(&p.profile, compactor.budget(), prompt_tokens) {
                     // Not sent: a provider would refuse it, or (Ollama) silently cut it.
                     Err(overflow)
                 } else {
@@ -527,6 +547,14 @@ impl AgentNodes {
                 if let Some(c) = u.cached_tokens {
                     span.record("cached_tokens", c);
                 }
+            }
+            if let (Some(calibration), Some(u)) = (&p.calibration, usage) {
+                // A tenth kept in hand: the factor aims a little above the server's
+                // count, so a prompt that grows unlike the last one still fits. What
+                // the calibrated counter would have said is keel's count scaled.
+                let reported = usize::try_from(u.prompt_tokens).unwrap_or(usize::MAX);
+                let scaled = (prompt_tokens as f64 * calibration.factor()).round() as usize;
+                calibration.observe(scaled, reported.saturating_add(reported / 10));
             }
             events.push(AgentEvent::ModelCall {
                 step,
@@ -1109,12 +1137,22 @@ pub(crate) async fn collect_after_prune(
 /// overflow; an approximate count can refuse a prompt that would have fit, which costs
 /// a compaction, where sending it could cost a refusal or (Ollama) a prompt cut
 /// silently.
-fn over_budget(profile: &ModelProfile, prompt_tokens: u64) -> Option<ModelError> {
-    let budget = profile.input_budget() as u64;
+/// `budget`: the compactor's ([`Compactor::budget`]), the profile's input budget in
+/// keel's counts (scaled when they are calibrated).
+fn over_budget(profile: &ModelProfile, budget: usize, prompt_tokens: u64) -> Option<ModelError> {
+    let budget = budget as u64;
+    let scaled = if budget == profile.input_budget() as u64 {
+        String::new()
+    } else {
+        format!(
+            ", {} as the provider counts, in keel's calibrated estimate",
+            profile.input_budget()
+        )
+    };
     (prompt_tokens > budget).then(|| ModelError::ContextOverflow {
         message: format!(
             "the prompt counts {prompt_tokens} tokens, over the input budget of {budget} \
-             (the model's {}-token window less {} kept for the reply){NOT_SENT}",
+             (the model's {}-token window less {} kept for the reply{scaled}){NOT_SENT}",
             profile.context_window,
             profile.reserved_output()
         ),

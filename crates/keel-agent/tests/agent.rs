@@ -1720,6 +1720,64 @@ async fn idle_threads_are_swept_with_their_offloaded_files() {
     );
 }
 
+/// A model whose server counts half what keel's estimate says (as a llama.cpp server
+/// did, at 1.3x to 2.3x): calibrated, keel learns it and compacts later, and every
+/// prompt still fits the window by the server's count.
+#[tokio::test(flavor = "multi_thread")]
+async fn estimated_counts_learn_the_servers_and_compact_later() {
+    async fn run(calibrate: bool) -> (AgentState, Option<f64>, u64) {
+        let calls = AtomicU64::new(0);
+        let most = Arc::new(AtomicU64::new(0));
+        let seen = most.clone();
+        let model = PolicyModel::new("my-local-model", move |messages, tools| {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            let served = keel_token::ApproxCounter::new().count_prompt(messages, tools) as u64 / 2;
+            seen.fetch_max(served, Ordering::SeqCst);
+            let reply = if n < 80 {
+                Message::assistant(format!("Next I will echo {n}.")).with_tool_calls(vec![
+                    ToolCall::new(format!("call-{n}"), "echo", json!({"i": n})),
+                ])
+            } else {
+                Message::assistant("The last number was 79.")
+            };
+            Ok(ChatResponse::new(reply, "my-local-model")
+                .with_usage(keel_model::Usage::new(served, 10)))
+        });
+        let agent = builder(model)
+            .profile(ModelProfile::new(
+                "my-local-model",
+                3_000,
+                500,
+                Encoding::Approximate,
+            ))
+            .compaction(CompactionConfig::default().with_every_steps(None))
+            .calibrate(calibrate)
+            .build()
+            .unwrap();
+        let run = agent.run("t", AgentInput::new()).await.unwrap();
+        assert_eq!(run.answer.as_deref(), Some("The last number was 79."));
+        (run.state, agent.count_factor(), most.load(Ordering::SeqCst))
+    }
+    let (plain, none, plain_most) = run(false).await;
+    let (calibrated, factor, most) = run(true).await;
+    assert_eq!(none, None);
+    // The server's count over keel's (a half) with a tenth kept in hand: 0.55.
+    let factor = factor.unwrap();
+    assert!((0.53..0.57).contains(&factor), "{factor}");
+    assert_compactions_succeeded(&plain);
+    assert_compactions_succeeded(&calibrated);
+    assert!(
+        calibrated.milestones_made < plain.milestones_made,
+        "{} milestones calibrated against {}",
+        calibrated.milestones_made,
+        plain.milestones_made
+    );
+    // The prompts were bigger, and still within the window's budget as the server
+    // counts them.
+    assert!(most > plain_most, "{most} against {plain_most}");
+    assert!(most <= 2_500, "{most}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn model_call_events_carry_the_providers_cached_tokens() {
     let model = PolicyModel::new("cached", |_m, _t| {

@@ -245,6 +245,9 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
             .options(live.options.clone())
             .profile(live.profile.clone())
             .counter(counter.clone())
+            // A model keel has no tokenizer for: its estimates follow the server's
+            // counts (AgentBuilder::calibrate).
+            .calibrate(!live.profile.counts_exactly())
             .system(LIVE_SYSTEM)
             .file_tools(tools.clone())
             .evict(Some(EvictLargeResults::new()))
@@ -419,6 +422,11 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
         count(state.milestones_made, "milestone"),
         count(state.epochs_made, "epoch")
     );
+    if let Some(factor) = agent.count_factor().filter(|f| (f - 1.0).abs() >= 0.05) {
+        outln!(
+            "(keel has no tokenizer for {spec}: its token estimates were scaled by {factor:.2} to follow the server's counts)"
+        );
+    }
     Ok(code)
 }
 

@@ -168,6 +168,9 @@ pub struct Compactor {
     /// A summarizer that reuses the agent's cached prefix, used instead of
     /// `summarizer` when set.
     prefix_summarizer: Option<Arc<PrefixSummarizer>>,
+    /// The provider's counts over this compactor's counter's
+    /// ([`Compactor::with_count_factor`]); 1 unless set.
+    count_factor: f64,
 }
 
 impl std::fmt::Debug for Compactor {
@@ -211,6 +214,7 @@ impl Compactor {
             tools_tokens: Arc::default(),
             last_call: Arc::default(),
             prefix_summarizer: None,
+            count_factor: 1.0,
         }
     }
 
@@ -472,7 +476,50 @@ impl Compactor {
 
     /// The model's input budget: its window minus its maximum output.
     pub fn budget(&self) -> usize {
-        self.profile.input_budget()
+        let budget = self.profile.input_budget();
+        if self.count_factor == 1.0 {
+            return budget;
+        }
+        // `as` saturates: a huge budget stays finite.
+        (budget as f64 / self.count_factor).floor() as usize
+    }
+
+    /// Plans with counts that are `factor` times what the provider counts (its
+    /// `prompt_tokens` over this compactor's count of the same prompt, as
+    /// [`keel_token::CalibratedCounter`] learns it): the input budget, in the
+    /// counter's tokens, is the profile's divided by `factor`, and the token trigger,
+    /// the recent tail and the summary budgets follow it. For a counter that runs
+    /// high (an estimate for a model keel has no tokenizer for) it is below 1, and
+    /// more of the window is used. The counts themselves, stored and reported, stay
+    /// the counter's. Not finite or not positive: ignored (1).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use keel_compaction::Compactor;
+    /// use keel_compaction::offload::{Archive, MemoryStore, ThreadId};
+    /// use keel_compaction::summarize::ExtractiveSummarizer;
+    /// use keel_compaction::token::{ApproxCounter, Encoding, ModelProfile};
+    ///
+    /// let compactor = Compactor::new(
+    ///     Arc::new(ExtractiveSummarizer::new()),
+    ///     Arc::new(Archive::new(Arc::new(MemoryStore::new()))),
+    ///     ThreadId::new("t1")?,
+    ///     Arc::new(ApproxCounter::new()),
+    ///     ModelProfile::new("local", 8_192, 2_048, Encoding::Approximate),
+    /// );
+    /// assert_eq!(compactor.budget(), 6_144);
+    /// // The server counts 0.6 of what the estimate says.
+    /// assert_eq!(compactor.with_count_factor(0.6).budget(), 10_240);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn with_count_factor(mut self, factor: f64) -> Self {
+        self.count_factor = if factor.is_finite() && factor > 0.0 {
+            factor
+        } else {
+            1.0
+        };
+        self
     }
 
     /// The budget the prompt is kept within: the model's input budget, or
