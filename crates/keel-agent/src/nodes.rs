@@ -362,12 +362,12 @@ impl AgentNodes {
         // Planned with the budget the nodes compact to: scaled when counts are
         // calibrated (a cheap clone of `Arc`s then).
         let scaled;
-        let compactor = match &self.parts.calibration {
-            Some(c) => {
-                scaled = self.parts.compactor.clone().with_count_factor(c.factor());
-                &scaled
-            }
-            None => &self.parts.compactor,
+        let factor = self.parts.calibration.as_ref().map_or(1.0, |c| c.factor());
+        let compactor = if factor == 1.0 {
+            &self.parts.compactor
+        } else {
+            scaled = self.parts.compactor.clone().with_count_factor(factor);
+            &scaled
         };
         let specs = self.parts.tools.specs();
         let Some(parts) = state.context_parts() else {
