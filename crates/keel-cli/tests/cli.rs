@@ -3978,9 +3978,10 @@ fn threads_history_says_when_older_checkpoints_follow() {
     let (stdout, _) = text(&two);
     assert_eq!(
         stdout.lines().count(),
-        2 + 2 + 1,
-        "header, rule, 2 rows, the hint: {stdout}"
+        2 + 2 + 2,
+        "header, rule, 2 rows, what a superstep is, the hint: {stdout}"
     );
+    assert!(stdout.contains("(a superstep is one round"), "{stdout}");
     assert!(
         stdout.contains("(the newest 2 shown; older ones follow: --limit 4 shows more)"),
         "{stdout}"
