@@ -951,6 +951,14 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
         );
         // It wrote 9 tokens a reply, within the default cap.
         assert!(!stderr.contains("it ignores the cap"), "{model}:\n{stderr}");
+        // keel has no tokenizer for `local`: its estimates followed the server's far
+        // lower counts, down to the lowest factor.
+        assert!(
+            stdout.contains(&format!(
+                "(keel has no tokenizer for {model}: its token estimates were scaled by 0."
+            )),
+            "{model}:\n{stdout}"
+        );
         if openai {
             // Over a cap of 8: a server that ignores the cap is told apart.
             let home = tempfile::tempdir().unwrap();
