@@ -46,7 +46,12 @@ one unless --policy says otherwise: enqueue (run after them) or interrupt (cance
 queued ones, stop the running one at its next step, keeping its steps, and run this one
 next). A thread's goal is written once: --goal starts a thread, --message continues it.
 The URL may also come from DATABASE_URL or keel.toml; the queue's tables are created
-when missing."
+when missing.
+
+Exit codes with --wait, as `keel run`'s: 0 the run ended (with the answer, or waiting
+for an approval), 5 it stopped before the model answered (the worker's --max-steps, the
+step ceiling; a worker with a higher limit continues the thread), 1 it failed or was
+cancelled."
 )]
 pub struct SubmitArgs {
     /// The Postgres URL of the fleet (default: DATABASE_URL, or `database_url` in
@@ -243,7 +248,12 @@ pub async fn submit(args: SubmitArgs, settings: &Settings) -> anyhow::Result<Exi
         match info.status {
             RunStatus::Done { result, .. } => {
                 outln!("done{}", result_outcome(&result, usize::MAX));
-                return Ok(ExitCode::SUCCESS);
+                // As `keel run`: a script tells a stop before the answer from one.
+                return Ok(if result.answer.is_none() && result.stop.is_some() {
+                    ExitCode::from(crate::ui::exit::STOPPED)
+                } else {
+                    ExitCode::SUCCESS
+                });
             }
             RunStatus::Failed { error, .. } => {
                 outln!("failed: {}", cli_error(&error, &args.thread));
@@ -681,7 +691,7 @@ fn outcome(
 
 /// One run as a line of text and as JSON.
 pub(crate) fn describe(info: &keel_fleet::RunInfo) -> (String, serde_json::Value) {
-    let when = |t| crate::threads::utc(millis(t));
+    let when = |t| format!("{} UTC", crate::threads::utc(millis(t)));
     let iso = |t| crate::threads::iso_utc(millis(t));
     let (what, extra) = match &info.status {
         RunStatus::Queued => ("queued".to_owned(), json!({})),

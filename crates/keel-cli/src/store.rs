@@ -113,13 +113,27 @@ async fn open_with(
             note_upgrade(&applied, "checkpoint tables", &redact(url));
         } else {
             // Read only: a schema a newer keel upgraded is refused, not misread.
-            saver.schema_version().await.with_context(|| {
-                format!(
-                    "cannot read keel's tables at {}{} ({})",
-                    redact(url),
-                    in_schema(),
-                    crate::version_line()
-                )
+            saver.schema_version().await.map_err(|e| {
+                let unreachable = matches!(e, keel::postgres::PostgresError::Pool(_));
+                let tls = e.to_string().contains("TLS handshake");
+                anyhow::Error::new(e).context(if tls {
+                    format!(
+                        "cannot connect to Postgres at {} over TLS: see the TLS options of the URL (sslmode, sslrootcert)",
+                        redact(url)
+                    )
+                } else if unreachable {
+                    format!(
+                        "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names keel's database",
+                        redact(url)
+                    )
+                } else {
+                    format!(
+                        "cannot read keel's tables at {}{} ({})",
+                        redact(url),
+                        in_schema(),
+                        crate::version_line()
+                    )
+                })
             })?;
             let probe = saver.get(&ThreadKey::new("keel-cli-probe"), None).await;
             if let Err(e) = probe {

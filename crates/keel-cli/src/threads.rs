@@ -52,7 +52,8 @@ pub struct ThreadsArgs {
 #[derive(Debug, Subcommand)]
 enum ThreadsCommand {
     /// List threads, in id order, each with where it stands: answered, stopped (a
-    /// resumable stop, and why) or unfinished (its last run failed or was cut off).
+    /// resumable stop, and why), failed in <node> (its last run stopped on an error,
+    /// which `show` gives) or unfinished (a run is going, or the last one was cut off).
     List {
         /// Threads shown at most.
         #[arg(long, default_value_t = 100, value_parser = crate::ui::at_least_one::<usize>)]
@@ -123,15 +124,33 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
     } else {
         match store::open_to_read(&home, url.as_deref()).await {
             Ok(storage) => (storage, None),
-            // Nothing stored there yet: a list of no threads, not a failure.
-            Err(e) if matches!(args.command, ThreadsCommand::List { .. }) => {
+            // No checkpoint stored there yet: the fleet's queue may still hold runs
+            // (`keel submit` creates only its own tables), else a list of no threads,
+            // not a failure.
+            Err(e)
+                if matches!(
+                    args.command,
+                    ThreadsCommand::List { .. } | ThreadsCommand::Show { .. }
+                ) =>
+            {
                 let Some(none) = e.downcast_ref::<store::NoTables>() else {
                     return Err(e);
                 };
-                if args.json {
-                    crate::outln!("[]");
-                } else {
-                    crate::outln!("no threads ({none})");
+                let queue = match url.as_deref() {
+                    Some(url) => crate::fleet::queue_if_set_up(url).await,
+                    None => None,
+                };
+                match (args.command, queue) {
+                    (ThreadsCommand::List { limit, after }, Some(q)) => {
+                        list(None, Some(&q), limit, after, args.json).await?;
+                    }
+                    (ThreadsCommand::Show { thread, .. }, Some(q))
+                        if queue_only_show(&q, &thread, args.json).await? => {}
+                    (ThreadsCommand::Show { thread, .. }, _) => {
+                        bail!("no thread `{thread}` ({none})")
+                    }
+                    _ if args.json => crate::outln!("[]"),
+                    _ => crate::outln!("no threads ({none})"),
                 }
                 return Ok(ExitCode::SUCCESS);
             }
@@ -145,10 +164,21 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
     };
     match args.command {
         ThreadsCommand::List { limit, after } => {
-            list(&saver, queue.as_ref(), limit, after, args.json).await?;
+            list(Some(&saver), queue.as_ref(), limit, after, args.json).await?;
         }
         ThreadsCommand::Show { thread, full } => {
-            show(&saver, queue.as_ref(), &thread, full, args.json).await?;
+            let stored = saver
+                .get(&ThreadKey::new(thread.clone()), None)
+                .await
+                .with_context(|| format!("cannot read thread `{thread}`"))?
+                .is_some();
+            let shown = match (&queue, stored) {
+                (Some(q), false) => queue_only_show(q, &thread, args.json).await?,
+                _ => false,
+            };
+            if !shown {
+                show(&saver, queue.as_ref(), &thread, full, args.json).await?;
+            }
         }
         ThreadsCommand::History { thread, limit } => {
             history(&saver, &thread, limit, args.json).await?;
@@ -557,17 +587,58 @@ fn last_error(snapshot: &StateSnapshot<AgentState>) -> Option<(String, serde_jso
     })
 }
 
+/// `keel threads show` of a thread with runs in the fleet's queue and no checkpoint
+/// yet: its runs. False (nothing said) when the queue has no run of it either.
+async fn queue_only_show(
+    queue: &keel_fleet::Queue,
+    thread: &str,
+    json_out: bool,
+) -> anyhow::Result<bool> {
+    let runs: Vec<_> = queue
+        .runs(thread)
+        .await
+        .with_context(|| format!("cannot list the queued runs of thread `{thread}`"))?
+        .iter()
+        .map(crate::fleet::describe)
+        .collect();
+    if runs.is_empty() {
+        return Ok(false);
+    }
+    if json_out {
+        crate::outln!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "thread": thread, "queue_only": true,
+                "runs": runs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+            }))?
+        );
+    } else {
+        crate::outln!(
+            "thread `{thread}`: no checkpoint yet (its runs are in the fleet's queue only)"
+        );
+        for (line, _) in &runs {
+            crate::outln!("  {line}");
+        }
+    }
+    Ok(true)
+}
+
+/// `saver`: `None` where no checkpoint table exists yet (only the queue's runs are
+/// listed then).
 async fn list(
-    saver: &Arc<dyn Checkpointer>,
+    saver: Option<&Arc<dyn Checkpointer>>,
     queue: Option<&keel_fleet::Queue>,
     limit: usize,
     after: Option<String>,
     json_out: bool,
 ) -> anyhow::Result<()> {
-    let threads = saver
-        .list_threads(after.as_deref(), limit)
-        .await
-        .context("cannot list threads")?;
+    let threads = match saver {
+        Some(saver) => saver
+            .list_threads(after.as_deref(), limit)
+            .await
+            .context("cannot list threads")?,
+        None => Vec::new(),
+    };
     let mut rows = vec![vec![
         "thread".to_owned(),
         "last active (UTC)".into(),
@@ -581,7 +652,7 @@ async fn list(
         rows[0].insert(2, "last run".into());
     }
     let mut out = Vec::new();
-    for t in &threads {
+    for (t, saver) in threads.iter().zip(std::iter::repeat(saver).flatten()) {
         let snapshot = state_of(saver, &t.thread_id).await.ok().flatten();
         let state = snapshot.as_ref().map(|s| &s.values);
         let error = snapshot.as_ref().and_then(last_error);
@@ -611,7 +682,7 @@ async fn list(
         out.push(
             json!({"thread": t.thread_id, "last_active": iso_utc(t.head.timestamp_millis()), "namespaces": t.namespaces,
             "model_calls": steps, "milestones": milestones, "epochs": epochs, "state": where_, "error": error.map(|(_, json)| json),
-            "model": model, "goal": full_goal, "last_run": last_run}),
+            "model": model, "goal": full_goal, "last_run": last_run, "queue_only": false}),
         );
         let show = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), thousands);
         let mut row = vec![
@@ -636,9 +707,9 @@ async fn list(
     };
     for (thread, last_run) in &queue_only {
         out.push(
-            json!({"thread": thread, "last_active": null, "namespaces": [],
-            "model_calls": null, "milestones": null, "epochs": null, "goal": null,
-            "last_run": last_run, "queue_only": true}),
+            json!({"thread": thread, "last_active": null, "namespaces": 0,
+            "model_calls": null, "milestones": null, "epochs": null, "state": null, "error": null,
+            "model": null, "goal": null, "last_run": last_run, "queue_only": true}),
         );
         let dash = || "-".to_owned();
         rows.push(vec![

@@ -384,6 +384,30 @@ fn submit_wait_asks_whether_a_worker_runs_when_none_takes_the_run() {
 }
 
 #[test]
+fn submit_wait_exits_5_when_the_run_stops_before_an_answer() {
+    // It exited 0, so a script could not tell a stop from an answer (`keel run` exits 5).
+    let Some(url) = database_url() else { return };
+    let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let thread = format!("fleet-cli-stopped-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.md"), "# Notes\nNothing much.\n").unwrap();
+    let (_worker, _, _) = worker(&url, &["--max-steps", "1"], &dir);
+    let (out, stdout, stderr) = run(&[
+        "submit",
+        "--database-url",
+        &url,
+        "--thread",
+        &thread,
+        "--goal",
+        "What is here?",
+        "--wait",
+    ]);
+    assert_eq!(out.status.code(), Some(5), "{stdout}{stderr}");
+    assert!(stdout.contains("done, stopped early"), "{stdout}");
+    forget(&url, &thread);
+}
+
+#[test]
 fn gc_keeps_an_idle_thread_whose_fleet_run_is_in_flight() {
     // `keel threads gc` used to delete the checkpoints of every thread idle by its
     // checkpoints, also one whose run waited for a worker or was held by one in a long
@@ -492,6 +516,29 @@ fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
     let run_id = run_id.trim();
     let status = ["status", "--database-url", &url, "--thread", &thread];
     assert!(in_schema(&status).contains(run_id));
+    // Queued only, with or without checkpoint tables in the schema yet (`keel submit`
+    // creates only the queue's): listed, and shown with its run.
+    let listed: serde_json::Value = serde_json::from_str(&in_schema(&[
+        "threads",
+        "list",
+        "--json",
+        "--database-url",
+        &url,
+    ]))
+    .unwrap();
+    let row = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["thread"] == thread.as_str())
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert_eq!(row["queue_only"], true, "{row}");
+    assert_eq!(row["namespaces"], 0, "{row}");
+    let shown = in_schema(&["threads", "show", "--database-url", &url, &thread]);
+    assert!(
+        shown.contains("no checkpoint yet") && shown.contains(run_id),
+        "{shown}"
+    );
     // The default schema's queue knows nothing of it.
     let (_, stdout, stderr) = run(&status);
     assert!(
