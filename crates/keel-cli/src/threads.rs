@@ -114,7 +114,9 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
     // tables), and they alone need the offload store.
     let writes = matches!(
         args.command,
-        ThreadsCommand::Prune { .. } | ThreadsCommand::Delete { .. } | ThreadsCommand::Gc { .. }
+        ThreadsCommand::Prune { .. }
+            | ThreadsCommand::Delete { .. }
+            | ThreadsCommand::Gc { dry_run: false, .. }
     );
     let (storage, offload) = if writes {
         (
@@ -130,7 +132,9 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             Err(e)
                 if matches!(
                     args.command,
-                    ThreadsCommand::List { .. } | ThreadsCommand::Show { .. }
+                    ThreadsCommand::List { .. }
+                        | ThreadsCommand::Show { .. }
+                        | ThreadsCommand::Gc { .. }
                 ) =>
             {
                 let Some(none) = e.downcast_ref::<store::NoTables>() else {
@@ -149,6 +153,12 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
                     (ThreadsCommand::Show { thread, .. }, _) => {
                         bail!("no thread `{thread}` ({none})")
                     }
+                    // A dry run: nothing to delete, and nothing created to say so.
+                    (ThreadsCommand::Gc { .. }, _) => report(
+                        args.json,
+                        json!({"dry_run": true, "would_delete": [], "kept_in_flight": []}),
+                        || format!("no threads ({none}): nothing would be deleted"),
+                    ),
                     _ if args.json => crate::outln!("[]"),
                     _ => crate::outln!("no threads ({none})"),
                 }
