@@ -17,9 +17,6 @@ use keel_offload::{
     StoredWhat, ThreadId, collect_garbage,
 };
 use keel_token::{CalibratedCounter, ModelProfile, TokenCounter};
-
-/// The agent's counter when it learns from the provider's counts.
-pub(crate) type Calibrated = CalibratedCounter<Arc<dyn TokenCounter>>;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -28,6 +25,10 @@ use crate::error::CleanupError;
 use crate::event::AgentEvent;
 use crate::state::{AgentState, AgentStateUpdate, MAX_FAILED_COMPACTIONS, MilestoneOp, Stop};
 use crate::tools::Toolbox;
+
+/// The agent's counter when it learns from the provider's counts: only its factor is
+/// read.
+pub(crate) type Calibrated = CalibratedCounter<Arc<dyn TokenCounter>>;
 
 /// The agent node's name.
 pub const AGENT: &str = "agent";
@@ -1145,7 +1146,7 @@ fn over_budget(profile: &ModelProfile, budget: usize, prompt_tokens: u64) -> Opt
         String::new()
     } else {
         format!(
-            ", {} as the provider counts, in keel's calibrated estimate",
+            ": {} as the provider counts, {budget} in keel's estimate calibrated to its counts",
             profile.input_budget()
         )
     };
