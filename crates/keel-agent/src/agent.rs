@@ -382,7 +382,8 @@ pub struct AgentRun {
 pub enum AgentUpdate {
     /// Something happened (a model call, a tool call, an offload, a compaction).
     Event(AgentEvent),
-    /// A message entered the raw buffer.
+    /// A message the run's model or tools added to the raw buffer (the input's own
+    /// messages are not repeated: they are the caller's).
     Message(Message),
     /// The run ended, paused at an interrupt, or stopped: the last item of a run
     /// that did not fail (a failed run's last item is its `Err`).
@@ -481,8 +482,9 @@ impl Agent {
 
     /// The thread's newest snapshot, as LangGraph's `get_state`: its state, the nodes
     /// due next, the questions it waits on, the errors its last run stopped on, and the
-    /// checkpoint's id and metadata. `None` without a checkpointer or checkpoints.
-    /// Reads only: nothing is run or written.
+    /// checkpoint's id and metadata. `None` without a checkpointer or checkpoints; an
+    /// id no run would accept (`"user/123"`) is [`AgentError::BadThreadId`], as for
+    /// [`Agent::run`]. Reads only: nothing is run or written.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -513,6 +515,8 @@ impl Agent {
         &self,
         thread_id: &str,
     ) -> Result<Option<keel_graph::StateSnapshot<AgentState>>, AgentError> {
+        // An id no run accepts is said so, as `run` says it, not read as no thread.
+        ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
         if self.checkpointer.is_none() {
             return Ok(None);
         }
@@ -685,8 +689,9 @@ impl AgentRun {
 }
 
 impl Agent {
-    /// Runs a thread like [`Agent::run`], yielding its events and new messages as they
-    /// happen (within a step, its events come before its messages), and last
+    /// Runs a thread like [`Agent::run`], yielding its events and the messages the model
+    /// and the tools add as they happen (within a step, its events come before its
+    /// messages; the input's messages are not yielded), and last
     /// [`AgentUpdate::Done`] with the answer. Dropping the stream cancels the run: the
     /// thread continues from its last checkpoint on the next run. The stream is
     /// `Unpin`, so `StreamExt::next` works on it directly.
@@ -1002,6 +1007,8 @@ impl Agent {
     /// ```
     pub async fn delete_thread(&self, thread_id: &str) -> Result<(), AgentError> {
         let id = ThreadId::new(thread_id).map_err(|e| bad_thread_id(thread_id, e))?;
+        // Not under a run of this agent: its next write would fail, and its step be lost.
+        let _guard = self.running.begin(thread_id).await?;
         if let Some(cp) = &self.checkpointer {
             cp.delete_thread(thread_id)
                 .await
@@ -1025,10 +1032,13 @@ impl Agent {
     /// returns `limit` ids to sweep everything. Without a checkpointer there is nothing
     /// to sweep; a checkpointer without a sweep is an error saying so.
     ///
-    /// A thread is idle by its checkpoints alone: one whose run waits in a fleet's
-    /// queue, or runs a long model call, may look idle and is deleted all the same.
-    /// With a fleet, sweep with `keel_fleet::Queue::sweep_idle`, which keeps the
-    /// threads with a run queued or running.
+    /// A thread is idle by its checkpoints alone. One with a run going in this agent
+    /// (or its clones), in a long model call or tool call, is kept; one whose run
+    /// waits in a fleet's queue, or goes in another process, may look idle and is
+    /// deleted all the same. With a fleet, sweep with
+    /// `keel_fleet::Queue::sweep_idle`, which keeps the threads with a run queued or
+    /// running. [`Agent::delete_thread`] refuses a thread that runs here
+    /// ([`AgentError::ThreadBusy`]).
     pub async fn sweep_idle(
         &self,
         idle_for: Duration,
@@ -1037,10 +1047,36 @@ impl Agent {
         let Some(cp) = &self.checkpointer else {
             return Ok(Vec::new());
         };
-        let swept = cp
-            .sweep_idle(idle_for, limit)
+        let running = self.running.count();
+        let swept = if running > 0 {
+            // Thread by thread, each held against a run of this agent while it goes,
+            // passing over those that run (so as many more are read).
+            let mut swept = Vec::new();
+            let idle = keel_checkpoint::support::idle_threads(
+                cp.as_ref(),
+                idle_for,
+                limit.saturating_add(running),
+            )
             .await
             .map_err(keel_graph::GraphError::from)?;
+            for thread in idle {
+                if swept.len() == limit {
+                    break;
+                }
+                let Ok(_guard) = self.running.begin(&thread).await else {
+                    continue;
+                };
+                cp.delete_thread(&thread)
+                    .await
+                    .map_err(keel_graph::GraphError::from)?;
+                swept.push(thread);
+            }
+            swept
+        } else {
+            cp.sweep_idle(idle_for, limit)
+                .await
+                .map_err(keel_graph::GraphError::from)?
+        };
         let store = self.nodes.parts.store.clone();
         let threads = swept.clone();
         // The offload store is synchronous (files): its deletes go to the blocking pool.

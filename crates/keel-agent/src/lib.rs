@@ -124,9 +124,9 @@ pub use agent::{
 };
 pub use error::{AgentError, BuildError, CleanupError};
 pub use event::{AgentEvent, ToolFailure, call_fingerprint};
+pub use keel_graph::StopSignal;
 /// The message types of this crate's API ([keel-message](keel_message)), re-exported so
 /// a user of this crate alone needs no second dependency and no matching version.
-pub use keel_graph::StopSignal;
 pub use keel_message as message;
 pub use nodes::{
     AGENT, AgentNodes, CALLS_REFUSED_METADATA_KEY, COMPACT, EPOCH, NUDGE_METADATA_KEY,

@@ -181,8 +181,10 @@ fn milestone_pruned_this_step(s: &AgentState) -> bool {
 ///   process.
 /// - **The routers name the agent graph's nodes** (`agent`, `tools`, `compact`,
 ///   `epoch`, `END`). In a graph with other names, write your router from
-///   [`AgentNodes::trigger`] (when to compact) and [`AgentNodes::wants_epoch`] (when to
-///   fold an epoch), as the `custom_graph` example of the `keel` crate does.
+///   [`AgentNodes::trigger`] (when to compact; [`AgentNodes::route_after_tools`] reads
+///   it, and a router of yours may map its `compact` to your own node as the
+///   `custom_graph` example of the `keel` crate does) and [`AgentNodes::wants_epoch`]
+///   (when to fold an epoch).
 /// - **Your graph's input writes the goal, and your node counts the steps.** The
 ///   builder's [`goal`](crate::AgentBuilder::goal) is for [`Agent`](crate::Agent) runs:
 ///   in a graph of your own, the first run's input writes it

@@ -42,6 +42,14 @@ pub(crate) struct StopOnDrop(Arc<Mutex<Option<Arc<Slot>>>>);
 pub(crate) struct Watcher(Arc<Mutex<Option<Arc<Slot>>>>);
 
 impl Running {
+    /// How many threads have a run going.
+    pub(crate) fn count(&self) -> usize {
+        self.threads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// [`Running::begin`], with what marks the run as stopping when it is dropped:
     /// hold it where the caller waits.
     pub(crate) async fn begin_watched(

@@ -3380,6 +3380,38 @@ fn slow_agent(steps: u64, finished: Arc<AtomicUsize>) -> Agent {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_thread_that_runs_here_is_neither_deleted_nor_swept() {
+    // Both deleted it under the run, whose next write then failed and lost its step.
+    let finished = Arc::new(AtomicUsize::new(0));
+    let agent = slow_agent(3, finished.clone());
+    agent
+        .run("idle", AgentInput::new().max_steps(1))
+        .await
+        .unwrap();
+    let going = tokio::spawn({
+        let agent = agent.clone();
+        async move { agent.run("going", AgentInput::new()).await }
+    });
+    // In its first tool call (300 ms), with a checkpoint stored.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let err = agent.delete_thread("going").await.unwrap_err();
+    assert!(
+        matches!(&err, AgentError::ThreadBusy { thread_id } if thread_id == "going"),
+        "{err:?}"
+    );
+    let swept = agent
+        .sweep_idle(Duration::from_millis(50), 10)
+        .await
+        .unwrap();
+    assert_eq!(swept, ["idle"]);
+    let run = going.await.unwrap().unwrap();
+    assert_eq!(run.answer.as_deref(), Some("all done"));
+    // Once it has ended, both work.
+    agent.delete_thread("going").await.unwrap();
+    assert!(agent.state("going").await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_second_run_of_a_thread_while_one_goes_is_refused_before_it_runs_anything() {
     // A double-click: both runs would start from one checkpoint and the second would
     // run the first one's tool call again.

@@ -119,11 +119,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 };
                 let tokens = compactor.tokens(&mut context, &specs).total;
                 println!(
-                    "{node:>9}: step {:>2}, {:>2} raw messages, {} milestones, epoch: {}, prompt {tokens} tokens",
+                    "{node:>9}: step {:>2}, {:>2} raw messages, {} milestones, {} epoch summaries, prompt {tokens} tokens",
                     state.step,
                     state.messages.len(),
                     state.milestones.len(),
-                    if state.epoch.is_some() { "yes" } else { "no" },
+                    // The kept epoch summaries; `state.epoch` is the tier above them
+                    // (the era), made once more epochs exist than are kept.
+                    state.epochs.len(),
                 );
                 if state.milestones_made > milestones_seen {
                     milestones_seen = state.milestones_made;
@@ -139,7 +141,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
                     }
                 }
                 if node == EPOCH
-                    && let Some(e) = &state.epoch
+                    && let Some(e) = state.epochs.last()
                 {
                     println!(
                         "           epoch {} covers steps {}–{} in {} tokens",
