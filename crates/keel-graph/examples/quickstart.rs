@@ -110,17 +110,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut events = graph.stream(input, config.clone(), StreamMode::updates());
         let mut paused = false;
         while let Some(event) = events.next().await {
-            match event? {
-                Event::Updates { step, node, update } => {
-                    for (channel, value) in update {
-                        if channel != "messages" {
-                            continue;
-                        }
-                        let ops: AddMessagesUpdate = serde_json::from_value(value)?;
-                        for op in ops.into_ops() {
-                            if let MessageOp::Upsert(m) = op {
-                                println!("step {step:>2} {node:>6}: {}", describe(&m));
-                            }
+            let event = event?;
+            // The node's update as it returned it (typed, not JSON).
+            let update = event.typed_update().transpose()?;
+            match event {
+                Event::Updates { step, node, .. } => {
+                    let ops = update.and_then(|u| u.messages).into_iter();
+                    for op in ops.flat_map(AddMessagesUpdate::into_ops) {
+                        if let MessageOp::Upsert(m) = op {
+                            println!("step {step:>2} {node:>6}: {}", describe(&m));
                         }
                     }
                 }

@@ -4,6 +4,7 @@ use keel_checkpoint::CheckpointId;
 use serde_json::Value;
 
 use crate::config::Interrupt;
+use crate::{State, StateError, channel_index};
 
 /// Which events [`crate::CompiledGraph::stream`] yields.
 ///
@@ -143,4 +144,57 @@ pub enum Event<S> {
         /// Whether the run ended because its stop signal was raised.
         stopped: bool,
     },
+}
+
+impl<S: State> Event<S> {
+    /// An [`Updates`](Event::Updates) event's update as the state's typed update (the
+    /// node's return value, as the state's reducers took it); `None` for other events.
+    /// A channel this state does not have is [`StateError::UnknownChannel`].
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use futures::StreamExt;
+    /// # use keel_graph::{END, START, StateGraph, RunConfig, StreamMode, Event, State};
+    /// # use keel_graph::reducer::Append;
+    /// #[derive(Clone, Debug, State)]
+    /// struct Log {
+    ///     #[reducer(Append<String>)]
+    ///     lines: Vec<String>,
+    /// }
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let graph = StateGraph::<Log>::new()
+    ///     .add_node("greet", |_s: Arc<Log>, _c| async {
+    ///         Ok(LogUpdate::default().lines(vec!["hello".to_owned()]))
+    ///     })
+    ///     .add_edge(START, "greet")
+    ///     .add_edge("greet", END)
+    ///     .compile()?;
+    /// let mut events = graph.stream(LogUpdate::default(), RunConfig::default(), StreamMode::updates());
+    /// let mut updates = Vec::new();
+    /// while let Some(event) = events.next().await {
+    ///     if let Some(update) = event?.typed_update() {
+    ///         updates.push(update?.lines);
+    ///     }
+    /// }
+    /// assert_eq!(updates, [Some(vec!["hello".to_owned()])]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn typed_update(&self) -> Option<Result<S::Update, StateError>> {
+        let Event::Updates { update, .. } = self else {
+            return None;
+        };
+        let indexed: Result<Vec<(usize, Value)>, StateError> = update
+            .iter()
+            .map(|(channel, value)| {
+                channel_index::<S>(channel)
+                    .map(|i| (i, value.clone()))
+                    .ok_or_else(|| StateError::UnknownChannel {
+                        channel: (*channel).to_owned(),
+                    })
+            })
+            .collect();
+        Some(indexed.and_then(|values| S::decode_update(&values)))
+    }
 }
