@@ -52,7 +52,7 @@ pub struct ThreadsArgs {
 #[derive(Debug, Subcommand)]
 enum ThreadsCommand {
     /// List threads, in id order, each with where it stands: answered, stopped (a
-    /// resumable stop, and why), failed in <node> (its last run stopped on an error,
+    /// resumable stop, and why), failed in NODE (its last run stopped on an error,
     /// which `show` gives) or unfinished (a run is going, or the last one was cut off).
     List {
         /// Threads shown at most.
