@@ -1795,6 +1795,8 @@ impl AgentBuilder {
     /// model's tokenizer, not a thread), and only moves on calls whose provider
     /// reported usage. A prompt the server still finds too long is a context overflow,
     /// which compacts and retries once, as always. [`Agent::count_factor`] reads it.
+    /// [`CompactionConfig::max_prompt_tokens`](keel_compaction::CompactionConfig::max_prompt_tokens)
+    /// is in keel's counts and is not scaled.
     pub fn calibrate(mut self, on: bool) -> Self {
         self.calibrate = Some(on);
         self

@@ -424,7 +424,7 @@ pub async fn run(args: RunArgs, settings: &Settings) -> anyhow::Result<ExitCode>
     );
     if let Some(factor) = agent.count_factor().filter(|f| (f - 1.0).abs() >= 0.05) {
         outln!(
-            "(keel has no tokenizer for {spec}: its token estimates were scaled by {factor:.2} to follow the server's counts)"
+            "(keel has no tokenizer for {spec}: it planned with its token estimates scaled by {factor:.2}, learned from the prompt sizes the server reported)"
         );
     }
     Ok(code)

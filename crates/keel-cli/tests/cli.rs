@@ -955,7 +955,7 @@ async fn run_speaks_the_ollama_and_openai_wire_formats() {
         // lower counts, down to the lowest factor.
         assert!(
             stdout.contains(&format!(
-                "(keel has no tokenizer for {model}: its token estimates were scaled by 0."
+                "(keel has no tokenizer for {model}: it planned with its token estimates scaled by 0."
             )),
             "{model}:\n{stdout}"
         );
