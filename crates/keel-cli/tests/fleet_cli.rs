@@ -73,6 +73,9 @@ fn status_and_cancel_on_an_unreachable_database_say_so() {
             NOWHERE,
             "0190f5f6-5a8e-7c1e-9d2a-3b4c5d6e7f80",
         ],
+        // A read of the threads said "cannot read keel's tables", as if they were bad.
+        vec!["threads", "list", "--database-url", NOWHERE],
+        vec!["threads", "show", "t", "--database-url", NOWHERE],
     ] {
         let (out, stdout, stderr) = run(&args);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
@@ -538,6 +541,35 @@ fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
     assert!(
         shown.contains("no checkpoint yet") && shown.contains(run_id),
         "{shown}"
+    );
+    // A dry run reads only: it created keel's tables in a schema that had none.
+    let (out, stdout, stderr) = {
+        let dir = tempfile::tempdir().unwrap();
+        let out = keel()
+            .current_dir(dir.path())
+            .env("KEEL_SCHEMA", "keel_cli_dry_run_test")
+            .args(["threads", "gc", "--older-than", "0s", "--dry-run", "--json"])
+            .args(["--database-url", &url])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out, stdout, stderr)
+    };
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let dry: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(dry["would_delete"], serde_json::json!([]), "{dry}");
+    let dir = tempfile::tempdir().unwrap();
+    let out = keel()
+        .current_dir(dir.path())
+        .env("KEEL_SCHEMA", "keel_cli_dry_run_test")
+        .args(["threads", "list", "--database-url", &url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("no keel tables in schema keel_cli_dry_run_test"),
+        "the dry run left tables behind: {text}"
     );
     // The default schema's queue knows nothing of it.
     let (_, stdout, stderr) = run(&status);
