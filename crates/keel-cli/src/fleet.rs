@@ -621,21 +621,8 @@ async fn existing_queue(
             )
         }),
         Err(e @ (FleetError::Pool(_) | FleetError::Query(_))) => {
-            // A refused TLS handshake is not a server that is down.
-            let tls = e.to_string().contains("TLS handshake");
-            Err(e).with_context(|| {
-                if tls {
-                    format!(
-                        "cannot connect to Postgres at {} over TLS: see the TLS options of the URL (sslmode, sslrootcert)",
-                        store::redact(&url)
-                    )
-                } else {
-                    format!(
-                        "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names the fleet's database",
-                        store::redact(&url)
-                    )
-                }
-            })
+            let context = store::unreachable(&e, &url, "the fleet's database");
+            Err(e).context(context)
         }
         Err(e) => Err(e)
             .with_context(|| format!("the run queue at {} cannot be used", store::redact(&url))),

@@ -114,18 +114,8 @@ async fn open_with(
         } else {
             // Read only: a schema a newer keel upgraded is refused, not misread.
             saver.schema_version().await.map_err(|e| {
-                let unreachable = matches!(e, keel::postgres::PostgresError::Pool(_));
-                let tls = e.to_string().contains("TLS handshake");
-                anyhow::Error::new(e).context(if tls {
-                    format!(
-                        "cannot connect to Postgres at {} over TLS: see the TLS options of the URL (sslmode, sslrootcert)",
-                        redact(url)
-                    )
-                } else if unreachable {
-                    format!(
-                        "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names keel's database",
-                        redact(url)
-                    )
+                let context = if matches!(e, keel::postgres::PostgresError::Pool(_)) {
+                    unreachable(&e, url, "keel's database")
                 } else {
                     format!(
                         "cannot read keel's tables at {}{} ({})",
@@ -133,7 +123,8 @@ async fn open_with(
                         in_schema(),
                         crate::version_line()
                     )
-                })
+                };
+                anyhow::Error::new(e).context(context)
             })?;
             let probe = saver.get(&ThreadKey::new("keel-cli-probe"), None).await;
             if let Err(e) = probe {
@@ -193,6 +184,23 @@ async fn open_with(
         saver: Arc::new(saver),
         described: format!("SQLite file {}", path.display()),
     })
+}
+
+/// What to say of a connection to Postgres at `url` that failed with `e`: a refused TLS
+/// handshake is not a server that is down. `names` is what `--database-url` should
+/// name ("keel's database", "the fleet's database").
+pub fn unreachable(e: &dyn std::fmt::Display, url: &str, names: &str) -> String {
+    if e.to_string().contains("TLS handshake") {
+        format!(
+            "cannot connect to Postgres at {} over TLS: see the TLS options of the URL (sslmode, sslrootcert)",
+            redact(url)
+        )
+    } else {
+        format!(
+            "cannot reach Postgres at {}: check that the server is up and that --database-url (or DATABASE_URL) names {names}",
+            redact(url)
+        )
+    }
 }
 
 /// The error of a failed setup of keel's tables at `url`: headed as one of a schema a

@@ -177,13 +177,11 @@ pub async fn run(args: ThreadsArgs, settings: &Settings) -> anyhow::Result<ExitC
             list(Some(&saver), queue.as_ref(), limit, after, args.json).await?;
         }
         ThreadsCommand::Show { thread, full } => {
-            let stored = saver
-                .get(&ThreadKey::new(thread.clone()), None)
-                .await
-                .with_context(|| format!("cannot read thread `{thread}`"))?
-                .is_some();
-            let shown = match (&queue, stored) {
-                (Some(q), false) => queue_only_show(q, &thread, args.json).await?,
+            // A thread with no checkpoint may have runs in the fleet's queue.
+            let shown = match &queue {
+                Some(q) if !has_checkpoint(&saver, &thread).await? => {
+                    queue_only_show(q, &thread, args.json).await?
+                }
                 _ => false,
             };
             if !shown {
@@ -418,6 +416,22 @@ async fn exists(saver: &Arc<dyn Checkpointer>, thread: &str) -> anyhow::Result<(
         bail!("no thread `{thread}`: `keel threads list` shows the stored ones");
     }
     Ok(())
+}
+
+/// Whether `thread` has a checkpoint (its newest one's summary is read, not its state).
+async fn has_checkpoint(saver: &Arc<dyn Checkpointer>, thread: &str) -> anyhow::Result<bool> {
+    let key = ThreadKey::new(thread.to_owned());
+    match saver
+        .list(&key, ListOptions::default().limit(1))
+        .next()
+        .await
+    {
+        Some(item) => {
+            item.with_context(|| format!("cannot read thread `{thread}`"))?;
+            Ok(true)
+        }
+        None => Ok(false),
+    }
 }
 
 /// How many checkpoints `thread` has.
@@ -662,7 +676,9 @@ async fn list(
         rows[0].insert(2, "last run".into());
     }
     let mut out = Vec::new();
-    for (t, saver) in threads.iter().zip(std::iter::repeat(saver).flatten()) {
+    for t in &threads {
+        // `threads` is empty without a saver.
+        let Some(saver) = saver else { break };
         let snapshot = state_of(saver, &t.thread_id).await.ok().flatten();
         let state = snapshot.as_ref().map(|s| &s.values);
         let error = snapshot.as_ref().and_then(last_error);
@@ -824,9 +840,10 @@ async fn show(
     // Counted as the thread's model counts (as gpt-4o's o200k for a thread that saved
     // no model, as the demo's).
     let profiles = ModelProfiles::new();
-    let profile = crate::live::saved_model(&**saver, thread)
-        .await?
-        .and_then(|m| crate::model::ModelSpec::parse(&m).ok())
+    let profile = ran_with_json
+        .get("model")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|m| crate::model::ModelSpec::parse(m).ok())
         .map_or_else(
             || profiles.lookup("gpt-4o"),
             |spec| profiles.lookup(spec.name()),

@@ -501,11 +501,12 @@ fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
     let Some(url) = database_url() else { return };
     let _db = DB.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let thread = format!("fleet-cli-schema-{}", std::process::id());
-    let in_schema = |args: &[&str]| {
+    // `keel args` with keel's tables in `schema`; what it printed, once it succeeded.
+    let in_schema_named = |schema: &str, args: &[&str]| {
         let dir = tempfile::tempdir().unwrap();
         let out = keel()
             .current_dir(dir.path())
-            .env("KEEL_SCHEMA", "keel_cli_schema_test")
+            .env("KEEL_SCHEMA", schema)
             .args(args)
             .output()
             .unwrap();
@@ -514,6 +515,7 @@ fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
         assert!(out.status.success(), "{args:?}: {stdout}{stderr}");
         stdout
     };
+    let in_schema = |args: &[&str]| in_schema_named("keel_cli_schema_test", args);
     let submit = ["submit", "--database-url", &url, "--thread", &thread];
     let run_id = in_schema(&[&submit[..], &["--goal", "What is here?"]].concat());
     let run_id = run_id.trim();
@@ -543,30 +545,12 @@ fn keel_schema_puts_the_queue_and_the_threads_in_that_schema() {
         "{shown}"
     );
     // A dry run reads only: it created keel's tables in a schema that had none.
-    let (out, stdout, stderr) = {
-        let dir = tempfile::tempdir().unwrap();
-        let out = keel()
-            .current_dir(dir.path())
-            .env("KEEL_SCHEMA", "keel_cli_dry_run_test")
-            .args(["threads", "gc", "--older-than", "0s", "--dry-run", "--json"])
-            .args(["--database-url", &url])
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        (out, stdout, stderr)
-    };
-    assert!(out.status.success(), "{stdout}{stderr}");
+    let dry_run = "keel_cli_dry_run_test";
+    let gc = ["threads", "gc", "--older-than", "0s", "--dry-run", "--json"];
+    let stdout = in_schema_named(dry_run, &[&gc[..], &["--database-url", &url]].concat());
     let dry: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(dry["would_delete"], serde_json::json!([]), "{dry}");
-    let dir = tempfile::tempdir().unwrap();
-    let out = keel()
-        .current_dir(dir.path())
-        .env("KEEL_SCHEMA", "keel_cli_dry_run_test")
-        .args(["threads", "list", "--database-url", &url])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = in_schema_named(dry_run, &["threads", "list", "--database-url", &url]);
     assert!(
         text.contains("no keel tables in schema keel_cli_dry_run_test"),
         "the dry run left tables behind: {text}"
